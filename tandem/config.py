@@ -1,0 +1,71 @@
+"""Engine configuration: one frozen dataclass, filled from the offline API or the CLI."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+
+
+def sanitize_enabled() -> bool:
+    """Sanitizer mode (DESIGN.md I5, I6) is on when ``TANDEM_SANITIZE=1``."""
+    return os.environ.get("TANDEM_SANITIZE", "0") not in ("", "0", "false", "False")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # State system.
+    page_size: int = 16
+    max_total_tokens: Optional[int] = None  # pool size in tokens; None: from the memory budget
+    kv_cache_memory_bytes: Optional[int] = None  # explicit budget for all state buffers
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory tandem may use
+    cpu_kv_cache_fraction: float = 0.1  # on CPU: fraction of available host memory for state
+    enable_prefix_caching: bool = True
+    # Scheduler.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {message}")
+
+        check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        check(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
+              f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
+        check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+        check(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+              "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+              f"must be >= 1, got {self.max_num_batched_tokens}")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+              f"must be >= 1, got {self.max_model_len}")
+
+    @property
+    def sanitizer_on(self) -> bool:
+        return sanitize_enabled() if self.sanitize is None else self.sanitize
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown names with a clear error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def with_changes(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)

@@ -1,0 +1,303 @@
+"""The engine core: schedule → execute → sample → update, one step at a time.
+
+Owner of the model, the state system (registry, pools, coordinator), the scheduler, the model
+runner and the sampler for one model replica. It speaks token ids only; text, stop strings
+and detokenizing belong to the frontend.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta
+from tandem.kv.block_pool import SanitizerError
+from tandem.kv.coordinator import StateCoordinator
+from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools
+from tandem.kv.registry import StateRegistry
+from tandem.models.loader import ModelInfo, build_model
+from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.sequence import Sequence
+from tandem.worker.model_runner import ModelRunner, to_position_logprobs
+from tandem.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def available_host_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config, self.model_info = build_model(
+            config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
+            max_model_len=config.max_model_len, seed=config.seed)
+        self.registry = StateRegistry()
+        for layer_name, spec in self.model.state_specs().items():
+            self.registry.register(layer_name, spec)
+        self.registry.finalize()
+        plan = plan_pools(self.registry, config.page_size, max_total_tokens=config.max_total_tokens,
+                          memory_budget_bytes=self._memory_budget())
+        allocate_buffers(self.registry, plan, self.device)
+        self.coordinator = StateCoordinator(self.registry, plan,
+                                            enable_prefix_caching=config.enable_prefix_caching,
+                                            sanitize=config.sanitizer_on)
+        self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.coordinator, self.device)
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self._sequences: dict[str, list[Sequence]] = {}
+        self._arrival = itertools.count()
+        logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
+                    self.model_info.architecture, self.device, self.model_info.dtype,
+                    plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
+
+    def _memory_budget(self) -> Optional[int]:
+        config = self.config
+        if config.max_total_tokens is not None:
+            return None
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * config.gpu_memory_utilization) - (total - free)
+        wanted = bytes_per_page(self.registry, config.page_size) * (
+            -(-self.model_info.max_model_len // config.page_size) * config.max_num_seqs + 1)
+        return min(int(available_host_memory() * config.cpu_kv_cache_fraction), wanted)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ValueError("field: message") if it can never be served."""
+        params = request.sampling_params
+        prompt = list(request.prompt_token_ids)
+        if request.request_id in self._sequences:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_info.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        max_tokens = self._resolve_max_tokens(len(prompt), params.max_tokens)
+        sequences = [self._new_sequence(request.request_id, 0, prompt, params, max_tokens)]
+        sequences[0].pending_forks = params.n - 1
+        self._sequences[request.request_id] = sequences
+        self.scheduler.add(sequences[0])
+
+    def _resolve_max_tokens(self, prompt_length: int, max_tokens: Optional[int]) -> int:
+        max_model_len = self.model_info.max_model_len
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_length
+            if max_tokens < 1:
+                raise ValueError(f"prompt: {prompt_length} tokens leave no room to generate within "
+                                 f"max_model_len {max_model_len}")
+        if prompt_length + max_tokens > max_model_len:
+            raise ValueError(f"max_tokens: prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) "
+                             f"exceeds max_model_len ({max_model_len})")
+        capacity = self.coordinator.max_tokens_per_request()
+        if prompt_length + max_tokens > capacity:
+            raise ValueError(f"max_tokens: prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) "
+                             f"can never fit the state pool ({capacity} tokens)")
+        return max_tokens
+
+    def _new_sequence(self, request_id: str, index: int, prompt: list[int], params, max_tokens: int) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+        return Sequence(request_id=request_id, index=index, token_ids=list(prompt),
+                        num_prompt_tokens=len(prompt), params=params,
+                        state=self.coordinator.new_state(f"{request_id}#{index}"),
+                        arrival_order=next(self._arrival), max_tokens=max_tokens, generator=generator)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End every sequence of these requests and free their pages at once (no deltas)."""
+        for request_id in request_ids:
+            for sequence in self._sequences.pop(request_id, []):
+                if sequence.pending_forks:
+                    sequence.pending_forks = 0
+                self.scheduler.finish(sequence, "abort")
+
+    def finish_sequences(self, keys: list[tuple[str, int]]) -> None:
+        """End single sequences as "stop" (the frontend saw a stop string); frees their pages."""
+        for request_id, index in keys:
+            for sequence in self._sequences.get(request_id, []):
+                if sequence.index == index:
+                    sequence.pending_forks = 0
+                    self.scheduler.finish(sequence, "stop")
+            self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        sequences = self._sequences.get(request_id)
+        if sequences is not None and all(s.is_finished and not s.pending_forks for s in sequences):
+            del self._sequences[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        output = self.scheduler.schedule()
+        deltas: list[RequestDelta] = []
+        if output.chunks:
+            try:
+                result = self.runner.execute(output.chunks)
+            except SanitizerError:
+                raise
+            except Exception as error:  # a failed forward ends its sequences, not the engine
+                logger.exception("forward pass failed")
+                return self._fail(output.chunks, f"{type(error).__name__}: {error}")
+            for chunk in output.chunks:
+                self.scheduler.on_computed(chunk)
+                self._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
+            deltas = self._sample_and_update(result)
+        self.coordinator.sanitizer.check_books(
+            self.coordinator, [s.state for s in self.scheduler.live_sequences()])
+        return deltas
+
+    def _collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
+        if not chunk.prompt_logprobs:
+            return
+        sequence = chunk.sequence
+        if chunk.start == 0 or sequence.prompt_logprobs is None:
+            sequence.prompt_logprobs = [None]
+        sequence.prompt_logprobs.extend(logprobs or [])
+
+    def _sample_and_update(self, result) -> list[RequestDelta]:
+        sequences, rows = [], []
+        for row, chunk in enumerate(result.sampling_chunks):
+            sequences.append(chunk.sequence)
+            rows.append(row)
+            for child in self._fork(chunk.sequence):
+                sequences.append(child)
+                rows.append(row)
+        if not sequences:
+            return []
+        logits = result.logits if len(rows) == result.logits.shape[0] else result.logits[rows]
+        metadata = SamplingMetadata.build(
+            [s.params for s in sequences], [s.generator for s in sequences],
+            [s.prompt_token_ids for s in sequences], [s.output_token_ids for s in sequences],
+            [self._banned_tokens(s) for s in sequences], self.device)
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.token_ids.tolist()
+        logprobs = self._sampled_logprobs(sequences, sampled)
+        return [self._append_token(sequence, token, position_logprobs)
+                for sequence, token, position_logprobs in zip(sequences, token_ids, logprobs)]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """At the end of the parent's prompt: make its n-1 siblings, sharing its pages."""
+        if not parent.pending_forks or parent.num_output_tokens:
+            return []
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = self._new_sequence(parent.request_id, index, parent.prompt_token_ids,
+                                       parent.params, parent.max_tokens)
+            child.num_cached_tokens = parent.num_cached_tokens
+            forked = self.coordinator.fork(parent.state, child.state, parent.num_computed_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens if forked else 0
+            self.scheduler.place_fork(child, forked)
+            self._sequences[parent.request_id].append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _banned_tokens(self, sequence: Sequence) -> list[int]:
+        params = sequence.params
+        if sequence.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else list(self.model_info.eos_token_ids)
+        return eos + list(params.stop_token_ids)
+
+    def _sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
+        if all(s.params.logprobs is None for s in sequences):
+            return [None] * len(sequences)
+        entries = to_position_logprobs(sampled.token_ids, sampled.logprobs, sampled.ranks,
+                                       sampled.top_token_ids, sampled.top_logprobs)
+        result = []
+        for sequence, entry in zip(sequences, entries):
+            if sequence.params.logprobs is None:
+                result.append(None)
+                continue
+            keep = sequence.params.logprobs
+            result.append(PositionLogprobs(entry.token_ids[:1 + keep], entry.logprobs[:1 + keep], entry.rank))
+        return result
+
+    def _append_token(self, sequence: Sequence, token: int,
+                      logprobs: Optional[PositionLogprobs]) -> RequestDelta:
+        sequence.token_ids.append(token)
+        reason, stop_reason = self._finish_reason(sequence, token)
+        delta = RequestDelta(request_id=sequence.request_id, index=sequence.index,
+                             new_token_ids=[token],
+                             new_logprobs=[logprobs] if logprobs is not None else None)
+        if not sequence.sent_first_delta:
+            sequence.sent_first_delta = True
+            delta.num_prompt_tokens = sequence.num_prompt_tokens
+            delta.num_cached_tokens = max(sequence.num_cached_tokens, 0)
+            if sequence.params.prompt_logprobs is not None and sequence.index == 0:
+                delta.prompt_logprobs = sequence.prompt_logprobs
+        if reason is not None:
+            delta.finish_reason, delta.stop_reason = reason, stop_reason
+            self.scheduler.finish(sequence, reason)
+            self._forget_if_done(sequence.request_id)
+        return delta
+
+    def _finish_reason(self, sequence: Sequence, token: int):
+        params = sequence.params
+        num_output = sequence.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.model_info.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+        if num_output >= sequence.max_tokens or sequence.num_tokens >= self.model_info.max_model_len:
+            return "length", None
+        return None, None
+
+    def _fail(self, chunks, message: str) -> list[RequestDelta]:
+        deltas = []
+        for chunk in chunks:
+            sequence = chunk.sequence
+            self.scheduler.finish(sequence, "error")
+            deltas.append(RequestDelta(request_id=sequence.request_id, index=sequence.index,
+                                       finish_reason="error", error=message))
+            self._forget_if_done(sequence.request_id)
+        return deltas
+
+    # -- introspection ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_pages_used=self.coordinator.pages_used(),
+                           kv_pages_total=self.coordinator.pages_total(),
+                           prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+                           prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
+                           num_preemptions=self.scheduler.num_preemptions,
+                           page_size=self.coordinator.page_size)
+
+    def reset_prefix_cache(self) -> int:
+        return self.coordinator.reset_prefix_cache()
+
+    def check_all_free(self) -> None:
+        """I5 at idle: flush the prefix cache, then every page must be free."""
+        if self.has_unfinished_requests():
+            raise SanitizerError("check_all_free called while requests are unfinished")
+        self.reset_prefix_cache()
+        self.coordinator.sanitizer.check_all_free(self.coordinator)
+
+    def shutdown(self) -> None:
+        self._sequences.clear()

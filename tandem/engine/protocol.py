@@ -1,0 +1,117 @@
+"""Typed messages between the frontend and the engine core (msgspec structs).
+
+The same structs are used in-process (offline ``LLM``) and over ZMQ (``tandem serve``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from tandem.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A request as the engine sees it: token ids only, no text."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k (rank order).
+
+    ``token_ids[0]``/``logprobs[0]`` are the sampled (or prompt) token and ``rank`` its rank
+    in the model's raw distribution (1 = most likely). The rest are the top-k tokens.
+    """
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class RequestDelta(msgspec.Struct, kw_only=True):
+    """What one engine step produced for one sequence (one of the ``n`` of a request)."""
+    request_id: str
+    index: int = 0
+    new_token_ids: list[int] = []
+    new_logprobs: Optional[list[PositionLogprobs]] = None
+    # Sent once, with the first delta; entry 0 is None (the first prompt token has no context).
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: Optional[int] = None  # the stop token id that ended it, if any
+    error: Optional[str] = None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    num_preemptions: int = 0
+    page_size: int = 0
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    request_ids: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages between the server's frontend process and its engine process (ZMQ, msgpack).
+# Frontend -> engine: ``FrontendMessage``; engine -> frontend: ``EngineMessage``.
+# ---------------------------------------------------------------------------------------------
+
+
+class AddRequestMessage(msgspec.Struct, kw_only=True, tag="add"):
+    """Frontend -> engine: admit a request (already validated and tokenized)."""
+    request: EngineRequest
+
+
+class AbortRequestsMessage(msgspec.Struct, kw_only=True, tag="abort"):
+    """Frontend -> engine: end these requests now and free their pages (client went away)."""
+    request_ids: list[str]
+
+
+class FinishSequencesMessage(msgspec.Struct, kw_only=True, tag="finish"):
+    """Frontend -> engine: a stop string ended these (request_id, index) sequences."""
+    keys: list[tuple[str, int]]
+
+
+class ShutdownMessage(msgspec.Struct, kw_only=True, tag="shutdown"):
+    """Frontend -> engine: stop after aborting whatever still runs, then exit."""
+
+
+FrontendMessage = AddRequestMessage | AbortRequestsMessage | FinishSequencesMessage | ShutdownMessage
+
+
+class EngineReadyMessage(msgspec.Struct, kw_only=True, tag="ready"):
+    """Engine -> frontend, once: the engine core is built and accepts requests."""
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+
+class RequestRejectedMessage(msgspec.Struct, kw_only=True):
+    """A request the engine refused at admission (``EngineCore.add_request`` raised)."""
+    request_id: str
+    error: str
+
+
+class EngineStepMessage(msgspec.Struct, kw_only=True, tag="step"):
+    """Engine -> frontend: one step's deltas (possibly none), rejections, and fresh stats."""
+    deltas: list[RequestDelta] = []
+    rejected: list[RequestRejectedMessage] = []
+    stats: EngineStats
+
+
+class EngineFailedMessage(msgspec.Struct, kw_only=True, tag="failed"):
+    """Engine -> frontend: the engine hit an unrecoverable error (start-up or step) and exits."""
+    error: str
+
+
+EngineMessage = EngineReadyMessage | EngineStepMessage | EngineFailedMessage

@@ -1,0 +1,198 @@
+"""The coordinator: one entry point for a request's state across every group.
+
+Owner of the block pools, the managers and the prefix cache. Sequences own a ``RequestState``
+(their page tables, one per group); the coordinator allocates into it and frees from it. All
+methods fan out over the groups; none knows what kind of state a group holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from tandem.kv.block_pool import BlockPool, OutOfPagesError
+from tandem.kv.managers import manager_class_for
+from tandem.kv.planner import PoolPlan
+from tandem.kv.prefix_cache import CacheNode, PrefixCache
+from tandem.kv.registry import StateRegistry
+from tandem.kv.sanitizer import Sanitizer
+
+
+@dataclass
+class RequestState:
+    """A sequence's state handle. ``owner`` tags every page reference it holds."""
+    owner: str
+    page_tables: list[list[int]]
+    cache_path: list[CacheNode] = field(default_factory=list)  # locked prefix-cache nodes
+
+    @classmethod
+    def empty(cls, owner: str, num_groups: int) -> "RequestState":
+        return cls(owner=owner, page_tables=[[] for _ in range(num_groups)])
+
+
+class StateCoordinator:
+    def __init__(self, registry: StateRegistry, plan: PoolPlan, *, enable_prefix_caching: bool,
+                 sanitize: bool) -> None:
+        self.registry = registry
+        self.plan = plan
+        self.page_size = plan.page_size
+        self.sanitizer = Sanitizer(registry, sanitize)
+        self.pools = [BlockPool(group.group_id, plan.num_pages, on_free=self.sanitizer.poison)
+                      for group in registry.groups]
+        self.managers = [manager_class_for(group.spec.manager_kind)(group, pool, plan.page_size)
+                         for group, pool in zip(registry.groups, self.pools)]
+        self.prefix_cache = PrefixCache(self.pools, plan.page_size) if enable_prefix_caching else None
+        self._inflight: dict[str, list[list[int]]] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
+
+    def new_state(self, owner: str) -> RequestState:
+        return RequestState.empty(owner, self.num_groups)
+
+    # -- capacity --------------------------------------------------------------------------
+    def max_tokens_per_request(self) -> int:
+        return self.pools[0].num_usable * self.page_size if self.pools else 1 << 62
+
+    def pages_needed(self, state: RequestState, num_tokens: int) -> list[int]:
+        return [manager.num_new_pages(table, num_tokens)
+                for manager, table in zip(self.managers, state.page_tables)]
+
+    def can_allocate(self, state: RequestState, num_tokens: int) -> bool:
+        needed = self.pages_needed(state, num_tokens)
+        if all(pool.num_free >= n for pool, n in zip(self.pools, needed)):
+            return True
+        evictable = self.prefix_cache.num_evictable_pages() if self.prefix_cache else 0
+        return all(pool.num_free + evictable >= n for pool, n in zip(self.pools, needed))
+
+    def allocate(self, state: RequestState, num_tokens: int) -> None:
+        """Grow every page table to hold ``num_tokens``; evicts cached pages if needed."""
+        needed = self.pages_needed(state, num_tokens)
+        self._make_room(needed)
+        for pool, table, count in zip(self.pools, state.page_tables, needed):
+            if count:
+                table.extend(pool.allocate(count, state.owner))
+
+    def _make_room(self, needed: list[int]) -> None:
+        def short() -> bool:
+            return any(pool.num_free < n for pool, n in zip(self.pools, needed))
+        if short() and self.prefix_cache is not None:
+            self.prefix_cache.evict(1 << 62, is_short=short)
+        if short():
+            raise OutOfPagesError(f"need {needed} pages, free {[p.num_free for p in self.pools]}")
+
+    def free(self, state: RequestState) -> None:
+        """Release every reference the sequence holds and unlock its cache path."""
+        for pool, table in zip(self.pools, state.page_tables):
+            pool.release(table, state.owner)
+            table.clear()
+        if self.prefix_cache is not None and state.cache_path:
+            self.prefix_cache.unlock(state.cache_path)
+        state.cache_path = []
+
+    def drop_unneeded_pages(self, state: RequestState, num_computed_tokens: int) -> None:
+        """Release pages the managers say no future step reads (e.g. outside a window)."""
+        for manager, pool, table in zip(self.managers, self.pools, state.page_tables):
+            for index in manager.droppable_page_indices(table, num_computed_tokens):
+                pool.release([table[index]], state.owner)
+                table[index] = 0
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def match_prefix(self, state: RequestState, token_ids: list[int]) -> int:
+        """Take the longest cached prefix (whole pages, leaving at least one token to compute).
+
+        Returns the number of tokens hit. The sequence gets its own reference on each page and
+        locks the nodes."""
+        if self.prefix_cache is None or any(state.page_tables):
+            return 0
+        max_pages = (len(token_ids) - 1) // self.page_size
+        path = self.prefix_cache.match(token_ids, max_pages)
+        usable = min(manager.usable_prefix_pages(len(path)) for manager in self.managers) if path else 0
+        path = path[:usable]
+        if not path:
+            return 0
+        self.prefix_cache.lock(path)
+        state.cache_path = path
+        for group_index, pool in enumerate(self.pools):
+            pages = [node.pages[group_index] for node in path]
+            pool.acquire(pages, state.owner)
+            state.page_tables[group_index].extend(pages)
+        return len(path) * self.page_size
+
+    def cache_computed_pages(self, state: RequestState, token_ids: list[int],
+                             num_computed_tokens: int) -> None:
+        """Insert the sequence's newly completed whole pages into the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = num_computed_tokens // self.page_size
+        start = len(state.cache_path)
+        if num_full <= start:
+            return
+        parent = state.cache_path[-1] if state.cache_path else None
+        new_nodes = self.prefix_cache.insert(token_ids, state.page_tables, num_full, parent, start)
+        self.prefix_cache.lock(new_nodes)
+        state.cache_path.extend(new_nodes)
+
+    def reset_prefix_cache(self) -> int:
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
+
+    # -- forks (n > 1) ---------------------------------------------------------------------------
+    def fork(self, parent: RequestState, child: RequestState, num_tokens: int) -> bool:
+        """Share the parent's whole pages with the child and copy its partial last page.
+
+        Returns False (child left empty) when no page is free for the copy."""
+        num_shared = num_tokens // self.page_size
+        has_partial = num_tokens % self.page_size != 0
+        if has_partial:
+            try:
+                self._make_room([1] * self.num_groups)
+            except OutOfPagesError:
+                return False
+        for group_index, pool in enumerate(self.pools):
+            shared = parent.page_tables[group_index][:num_shared]
+            pool.acquire(shared, child.owner)
+            child.page_tables[group_index].extend(shared)
+            if has_partial:
+                source = parent.page_tables[group_index][num_shared]
+                (copy,) = pool.allocate(1, child.owner)
+                self.copy_page(group_index, source, copy)
+                child.page_tables[group_index].append(copy)
+        if self.prefix_cache is not None and parent.cache_path:
+            child.cache_path = parent.cache_path[:num_shared]
+            self.prefix_cache.lock(child.cache_path)
+        return True
+
+    def copy_page(self, group_id: int, source: int, destination: int) -> None:
+        """Mover: copy one page across every buffer of the group (iterates the registry)."""
+        for descriptor in self.registry.buffers(group_id):
+            descriptor.tensor[destination].copy_(descriptor.tensor[source])
+
+    # -- in-flight operations (I2) ---------------------------------------------------------------
+    def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:
+        owner = f"inflight:{operation}"
+        for pool, pages in zip(self.pools, page_tables):
+            pool.acquire(pages, owner)
+        self._inflight[owner] = [list(p) for p in page_tables]
+        return owner
+
+    def release_inflight(self, owner: str) -> None:
+        for pool, pages in zip(self.pools, self._inflight.pop(owner)):
+            pool.release(pages, owner)
+
+    def inflight_references(self, group_index: int) -> Iterator[tuple[str, list[int]]]:
+        for owner, tables in self._inflight.items():
+            yield owner, tables[group_index]
+
+    # -- accounting ----------------------------------------------------------------------------------
+    def pages_used(self) -> int:
+        return sum(pool.num_usable - pool.num_free for pool in self.pools)
+
+    def pages_total(self) -> int:
+        return sum(pool.num_usable for pool in self.pools)
+
+    def page_table_tensor(self, tables: list[list[int]], device: torch.device) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0) or 1
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.long, device=device)

@@ -1,0 +1,16 @@
+"""Manager lookup by the spec's ``manager_kind`` (the one place kinds map to classes)."""
+from __future__ import annotations
+
+from tandem.kv.managers.base import StateManager
+from tandem.kv.managers.full_attention import FullAttentionManager
+
+MANAGER_CLASSES: dict[str, type[StateManager]] = {
+    "full_attention": FullAttentionManager,
+}
+
+
+def manager_class_for(manager_kind: str) -> type[StateManager]:
+    try:
+        return MANAGER_CLASSES[manager_kind]
+    except KeyError:
+        raise ValueError(f"no state manager for spec kind {manager_kind!r}") from None

@@ -1,0 +1,108 @@
+"""The model-wide state registry: every stateful layer's spec, its group, and its buffers.
+
+Owner: the engine builds one registry per model replica. Layers register their specs while the
+model is built (target and draft models alike); ``finalize`` forms the groups; the planner then
+attaches the buffers. Every mover (sanitizer poison, host gather/scatter, transfer) iterates
+``buffers()`` — that is what makes invariant I1 hold: a buffer that is not here does not
+exist, and a buffer that is here is moved by everyone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from tandem.kv.spec import BufferLayout, StateSpec
+
+
+@dataclass(frozen=True)
+class BufferDescriptor:
+    """One state buffer: ``tensor`` is ``[num_pages, page_size, *per_token_shape]``.
+
+    ``page_bytes`` is the length of one page's contiguous slice; movers address page ``p`` at
+    ``data_ptr + p * page_bytes``.
+    """
+    group_id: int
+    layer_name: str
+    kind: str
+    tensor: torch.Tensor
+    item_size: int
+    page_bytes: int
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.group_id, self.layer_name, self.kind)
+
+
+@dataclass
+class StateGroup:
+    """Layers with equal specs; they share page ids (one page table per request)."""
+    group_id: int
+    spec: StateSpec
+    layer_names: list[str] = field(default_factory=list)
+
+
+class StateRegistry:
+    def __init__(self) -> None:
+        self._specs: dict[str, StateSpec] = {}
+        self._groups: list[StateGroup] = []
+        self._layer_group: dict[str, int] = {}
+        self._buffers: dict[tuple[int, str, str], BufferDescriptor] = {}
+        self._finalized = False
+
+    # -- declaration ---------------------------------------------------------------------
+    def register(self, layer_name: str, spec: StateSpec) -> None:
+        if self._finalized:
+            raise RuntimeError(f"registry is finalized; cannot register {layer_name!r}")
+        if layer_name in self._specs:
+            raise ValueError(f"layer {layer_name!r} registered twice")
+        self._specs[layer_name] = spec
+
+    def finalize(self) -> list[StateGroup]:
+        """Group layers by equal spec, in registration order."""
+        by_spec: dict[StateSpec, StateGroup] = {}
+        for layer_name, spec in self._specs.items():
+            group = by_spec.get(spec)
+            if group is None:
+                group = StateGroup(len(self._groups), spec)
+                by_spec[spec] = group
+                self._groups.append(group)
+            group.layer_names.append(layer_name)
+            self._layer_group[layer_name] = group.group_id
+        self._finalized = True
+        return self._groups
+
+    # -- buffers (attached by the planner) ---------------------------------------------
+    def attach_buffer(self, group_id: int, layer_name: str, layout: BufferLayout,
+                      tensor: torch.Tensor) -> None:
+        descriptor = BufferDescriptor(
+            group_id=group_id, layer_name=layer_name, kind=layout.kind, tensor=tensor,
+            item_size=tensor.element_size(), page_bytes=tensor[0].numel() * tensor.element_size())
+        self._buffers[descriptor.key] = descriptor
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def groups(self) -> list[StateGroup]:
+        return self._groups
+
+    def group_of(self, layer_name: str) -> int:
+        return self._layer_group[layer_name]
+
+    def spec_of(self, layer_name: str) -> StateSpec:
+        return self._specs[layer_name]
+
+    def buffers(self, group_id: Optional[int] = None) -> Iterator[BufferDescriptor]:
+        for descriptor in self._buffers.values():
+            if group_id is None or descriptor.group_id == group_id:
+                yield descriptor
+
+    def layer_buffers(self, layer_name: str) -> dict[str, torch.Tensor]:
+        group_id = self._layer_group[layer_name]
+        return {d.kind: d.tensor for d in self._buffers.values()
+                if d.group_id == group_id and d.layer_name == layer_name}
+
+    def describe(self) -> list[tuple[int, str, str, int, str]]:
+        """The ordered buffer list (group, layer, kind, item size, dtype): a handshake key."""
+        return [(d.group_id, d.layer_name, d.kind, d.item_size, str(d.tensor.dtype))
+                for d in self._buffers.values()]

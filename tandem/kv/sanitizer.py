@@ -1,0 +1,83 @@
+"""Sanitizer mode (DESIGN.md I5, I6): poison freed pages, balance the books after every step,
+check owner tags on gather, and prove everything is free once idle.
+
+Owner: the coordinator creates one; it is a no-op when disabled except for the checks that
+cost nothing (double frees always raise, in the block pool).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from tandem.kv.block_pool import CACHE_OWNER, SanitizerError
+from tandem.kv.registry import StateRegistry
+
+if TYPE_CHECKING:
+    from tandem.kv.coordinator import StateCoordinator
+
+POISON_BYTE = 0xA5  # integer and FP8 buffers: a fixed byte pattern
+
+
+def poison_fill(tensor: torch.Tensor, index: torch.Tensor) -> None:
+    """Fill ``tensor[index]`` with the poison value: NaN for float buffers, else 0xA5 bytes."""
+    if tensor.dtype.is_floating_point and tensor.element_size() > 1:
+        tensor.index_fill_(0, index, float("nan"))
+    else:
+        tensor.view(torch.uint8).index_fill_(0, index, POISON_BYTE)
+
+
+class Sanitizer:
+    def __init__(self, registry: StateRegistry, enabled: bool) -> None:
+        self.registry = registry
+        self.enabled = enabled
+
+    def poison(self, group_id: int, pages: list[int]) -> None:
+        """Mover: poison ``pages`` in every buffer of the group (iterates the registry)."""
+        if not self.enabled or not pages:
+            return
+        for descriptor in self.registry.buffers(group_id):
+            index = torch.tensor(pages, dtype=torch.long, device=descriptor.tensor.device)
+            poison_fill(descriptor.tensor, index)
+
+    def check_owner(self, coordinator: "StateCoordinator", owner: str,
+                    page_tables: list[list[int]]) -> None:
+        if not self.enabled:
+            return
+        for pool, table in zip(coordinator.pools, page_tables):
+            pool.check_owner(owner, table)
+
+    def check_books(self, coordinator: "StateCoordinator", live: Iterable) -> None:
+        """I5: per pool, every page's holders equal exactly what the live sequences' page
+        tables, the prefix cache and in-flight operations account for; the census adds up."""
+        if not self.enabled:
+            return
+        live = list(live)
+        for group_index, pool in enumerate(coordinator.pools):
+            expected = [Counter() for _ in range(pool.num_pages)]
+            for state in live:
+                for page in state.page_tables[group_index]:
+                    expected[page][state.owner] += 1
+            for node in coordinator.prefix_cache.all_nodes() if coordinator.prefix_cache else ():
+                expected[node.pages[group_index]][CACHE_OWNER] += 1
+            for owner, pages in coordinator.inflight_references(group_index):
+                for page in pages:
+                    expected[page][owner] += 1
+            for page in range(1, pool.num_pages):
+                if +expected[page] != +pool.holders(page):
+                    raise SanitizerError(
+                        f"books unbalanced in group {group_index}, page {page}: holders "
+                        f"{dict(pool.holders(page))}, accounted for {dict(expected[page])}")
+            census = pool.census()
+            if sum(census.values()) != pool.num_usable or not pool.free_list_consistent():
+                raise SanitizerError(f"books unbalanced in group {group_index}: {census}")
+
+    def check_all_free(self, coordinator: "StateCoordinator") -> None:
+        """After idle and a cache flush, every page of every pool is free (I5)."""
+        for group_index, pool in enumerate(coordinator.pools):
+            if pool.num_free != pool.num_usable:
+                leaked = [p for p in range(1, pool.num_pages) if pool.holders(p)]
+                raise SanitizerError(
+                    f"leak in group {group_index}: {pool.num_usable - pool.num_free} pages not "
+                    f"free when idle, e.g. page {leaked[0]} held by {dict(pool.holders(leaked[0]))}")

@@ -1,0 +1,102 @@
+"""The attention front: a layer that declares its state spec and calls a backend.
+
+The backend interface is ``AttentionBackend.forward(query, key, value, buffers, metadata,
+scale)``: it writes the new keys/values into the paged buffers and returns the attention
+output. ``TorchAttentionBackend`` is plain PyTorch and runs on CPU and CUDA.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kv.spec import FullAttentionSpec
+from tandem.layers.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tandem.worker.forward_context import ForwardContext
+
+
+class AttentionBackend:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                buffers: dict[str, torch.Tensor], metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention in plain PyTorch: batched for decode tokens, per chunk for prefills.
+
+    Slots past a sequence's length may hold poison (NaN) in sanitizer mode, so gathered keys
+    and values are zeroed outside the valid region before the product — a NaN inside the valid
+    region (a stale read) still propagates and fails loudly.
+    """
+
+    def forward(self, query, key, value, buffers, metadata, scale):
+        key_cache, value_cache = buffers["key"], buffers["value"]
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        slots = metadata.slot_mapping
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+        output = torch.empty_like(query)
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            output[:num_decode] = self._decode(query[:num_decode], key_cache, value_cache, metadata, scale)
+        for chunk in metadata.prefills:
+            output[chunk.query_start:chunk.query_end] = self._prefill(
+                query[chunk.query_start:chunk.query_end], key_cache, value_cache, chunk, scale)
+        return output
+
+    @staticmethod
+    def _decode(query, key_cache, value_cache, metadata, scale):
+        table = metadata.decode_page_table
+        batch, num_pages = table.shape
+        page_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        valid = metadata.decode_valid
+        keys = key_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        values = value_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        mask = valid[:, :, None, None]
+        keys = torch.where(mask, keys, 0).transpose(1, 2).to(query.dtype)
+        values = torch.where(mask, values, 0).transpose(1, 2).to(query.dtype)
+        out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
+                                             attn_mask=valid[:, None, None, :], scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(query, key_cache, value_cache, chunk, scale):
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        length = chunk.context_length
+        keys = key_cache[chunk.pages].view(-1, num_kv_heads, head_dim)[:length]
+        values = value_cache[chunk.pages].view(-1, num_kv_heads, head_dim)[:length]
+        num_queries = query.shape[0]
+        query_positions = torch.arange(length - num_queries, length, device=query.device)
+        mask = torch.arange(length, device=query.device)[None, :] <= query_positions[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(query.dtype),
+            values.transpose(0, 1).unsqueeze(0).to(query.dtype), attn_mask=mask[None, None],
+            scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Full causal attention over the paged state of one layer."""
+
+    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.state_spec = FullAttentionSpec(num_kv_heads, head_dim, state_dtype)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                context: "ForwardContext") -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``."""
+        buffers = context.state.layer(self.layer_name)
+        metadata = context.attention_metadata[context.state.group_of(self.layer_name)]
+        return context.attention_backend.forward(query, key, value, buffers, metadata, self.scale)

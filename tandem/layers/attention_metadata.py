@@ -1,0 +1,33 @@
+"""Per-step attention metadata, one per state group, built by the model runner.
+
+Token order in a step (index regions of the flattened batch):
+
+    | decode tokens (one per decoding sequence) | prefill chunk 0 | prefill chunk 1 | ...
+    0                                    num_decode_tokens
+
+``slot_mapping[t]`` is where token ``t``'s new state is written: ``page * page_size + offset``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PrefillSlice:
+    query_start: int
+    query_end: int
+    context_length: int  # tokens visible to the last query of the chunk (cached + new)
+    pages: torch.Tensor  # [ceil(context_length / page_size)] page ids
+
+
+@dataclass
+class AttentionMetadata:
+    page_size: int
+    slot_mapping: torch.Tensor  # [T] long
+    num_decode_tokens: int = 0
+    decode_page_table: Optional[torch.Tensor] = None  # [Bd, max_pages] long (null-page padded)
+    decode_valid: Optional[torch.Tensor] = None  # [Bd, max_pages * page_size] bool
+    prefills: list[PrefillSlice] = field(default_factory=list)

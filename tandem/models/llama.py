@@ -1,0 +1,160 @@
+"""Llama (incl. Llama-3.1 rope scaling). Parameter names follow the Hugging Face checkpoint
+layout so weights load by name. Qwen2 and Qwen3 reuse these blocks with their differences
+switched on through ``LlamaOptions``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.attention import Attention
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.worker.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class LlamaOptions:
+    qkv_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def rope_parameters_of(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        bias = options.qkv_bias or getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
+                                bias=options.output_bias or getattr(config, "attention_bias", False))
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary  # shared by every layer (one table per model)
+        self.attn = Attention(f"model.layers.{layer_index}.self_attn", self.num_heads,
+                              self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, state_dtype)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                context: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary(query, key, positions)
+        output = self.attn(query, key, value, context)
+        return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttentionBlock(config, layer_index, options, state_dtype, rotary)
+        self.mlp = LlamaMLP(config, options.mlp_bias or getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, positions, context):
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), positions, context)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, options: LlamaOptions, state_dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters_of(config), max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, index, options, state_dtype, self.rotary_emb)
+            for index in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, context):
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, context)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    options = LlamaOptions()
+
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.options, state_dtype, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def state_specs(self) -> dict:
+        return {module.layer_name: module.state_spec for module in self.modules()
+                if isinstance(module, Attention)}
+
+    def forward(self, input_ids, positions, context):
+        return self.model(input_ids, positions, context)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name; every parameter must be covered exactly once."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                if self.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,126 @@
+"""Loading a Hugging Face model directory: config, weights (single or sharded safetensors, or
+random ``dummy`` weights of the configured shape), and the facts the engine needs."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from tandem.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    hidden_size: int
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model_dir!r} is not a model directory (no config.json)")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def resolve_dtype(dtype: str, config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = DTYPES.get(configured)
+    return torch.bfloat16 if configured in (None, torch.float32) else configured
+
+
+def eos_token_ids(model_dir: str, config) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and int(item) not in ids:
+                ids.append(int(item))
+
+    add(getattr(config, "eos_token_id", None))
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    return tuple(ids)
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no safetensors files in {model_dir!r} (use load_format='dummy' "
+                         "for random weights)")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+
+
+def initialize_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Random weights of the configured shape (normal, std 0.02; norms at 1)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
+                max_model_len: Optional[int], seed: int):
+    """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode."""
+    config = load_config(model_dir)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    if architecture is None:
+        raise ValueError(f"model: config.json in {model_dir!r} names no architectures")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("model: sliding-window attention is not supported for this architecture yet")
+    model_class = model_class_for(architecture)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    configured_len = getattr(config, "max_position_embeddings", None) or 4096
+    model_len = max_model_len or configured_len
+    if max_model_len is not None and max_model_len > configured_len:
+        raise ValueError(f"max_model_len: {max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({configured_len})")
+    previous_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch_dtype)
+        with torch.device(device):
+            model = model_class(config, torch_dtype, model_len)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    if load_format == "dummy":
+        initialize_dummy(model, seed)
+    else:
+        model.load_weights(iterate_safetensors(model_dir))
+    model.eval()
+    info = ModelInfo(architecture=architecture, vocab_size=config.vocab_size, max_model_len=model_len,
+                     eos_token_ids=eos_token_ids(model_dir, config), dtype=torch_dtype,
+                     hidden_size=config.hidden_size)
+    return model, config, info

@@ -1,0 +1,168 @@
+"""The scheduler: continuous batching with chunked prefill, prefix hits and preemption.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences are served first,
+in admission order (decodes take one token, unfinished prefills take a chunk), then waiting
+sequences are admitted in arrival order while budget and ``max_num_seqs`` allow.
+
+Preemption (by recompute): when a running sequence needs pages and none are free after evicting
+unlocked prefix-cache pages, the most recently admitted running sequence is preempted — its
+pages are released and it goes back to the front of the waiting queue, to recompute its prompt
+and outputs later (prefix-cache hits make that cheap). A sequence may preempt itself, which
+ends that step's scheduling. The oldest running sequence is never preempted by a younger one,
+and every sequence's prompt plus ``max_tokens`` fits in the pool (checked at admission), so the
+oldest always progresses: no deadlock, no livelock.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.kv.coordinator import StateCoordinator
+from tandem.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    sequence: Sequence
+    start: int  # first position computed in this step
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the sequence's last known token: sample after it
+    prompt_logprobs: bool  # compute logprobs for the prompt tokens this chunk covers
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, coordinator: StateCoordinator, *, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.coordinator = coordinator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # -- queues -----------------------------------------------------------------------------
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def live_sequences(self) -> list[Sequence]:
+        return self.running + list(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def finish(self, sequence: Sequence, reason: str) -> None:
+        """End a sequence wherever it is and release its state at once."""
+        if sequence.is_finished:
+            return
+        sequence.status = SequenceStatus.FINISHED
+        sequence.finish_reason = reason
+        self.coordinator.free(sequence.state)
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+
+    # -- scheduling --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _chunk(self, sequence: Sequence, budget: int) -> ScheduledChunk:
+        start = sequence.num_computed_tokens
+        num_new = min(sequence.num_tokens - start, budget)
+        return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new,
+                              samples=start + num_new == sequence.num_tokens,
+                              prompt_logprobs=sequence.wants_prompt_logprobs
+                              and start < sequence.num_prompt_tokens)
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            sequence = self.running[index]
+            chunk = self._chunk(sequence, budget)
+            target = chunk.start + chunk.num_new_tokens
+            while not self.coordinator.can_allocate(sequence.state, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is sequence:
+                    return budget
+            self.coordinator.allocate(sequence.state, target)
+            output.chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+            index += 1
+        return budget
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            sequence = self.waiting[0]
+            self._match_prefix(sequence)
+            chunk = self._chunk(sequence, budget)
+            target = chunk.start + chunk.num_new_tokens
+            if not self.coordinator.can_allocate(sequence.state, target):
+                if not self.running and sequence.num_computed_tokens == 0:
+                    raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
+                self._release(sequence)
+                return
+            self.coordinator.allocate(sequence.state, target)
+            self.waiting.popleft()
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+            output.chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+
+    def _match_prefix(self, sequence: Sequence) -> None:
+        if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
+            if sequence.num_cached_tokens < 0:
+                sequence.num_cached_tokens = 0
+            return
+        hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
+        sequence.num_computed_tokens = hit
+        if sequence.num_cached_tokens < 0:
+            sequence.num_cached_tokens = hit
+            self.prefix_hit_tokens += hit
+            self.prefix_query_tokens += sequence.num_prompt_tokens
+
+    def _release(self, sequence: Sequence) -> None:
+        self.coordinator.free(sequence.state)
+        sequence.num_computed_tokens = 0
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self._release(sequence)
+        sequence.status = SequenceStatus.WAITING
+        sequence.num_preemptions += 1
+        if sequence.prompt_logprobs is not None and len(sequence.prompt_logprobs) < sequence.num_prompt_tokens:
+            sequence.prompt_logprobs = None
+        self.num_preemptions += 1
+        self.waiting.appendleft(sequence)
+
+    # -- after the forward pass ------------------------------------------------------------------
+    def on_computed(self, chunk: ScheduledChunk) -> None:
+        sequence = chunk.sequence
+        sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
+        self.coordinator.cache_computed_pages(sequence.state, sequence.token_ids,
+                                              sequence.num_computed_tokens)
+
+    def place_fork(self, child: Sequence, forked: bool) -> None:
+        """Queue a forked sibling: running if it got the parent's state and a seat is free."""
+        if forked and len(self.running) < self.max_num_seqs:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)

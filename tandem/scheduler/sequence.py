@@ -1,0 +1,69 @@
+"""A sequence: one of the ``n`` continuations of a request, as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tandem.engine.protocol import PositionLogprobs
+from tandem.kv.coordinator import RequestState
+from tandem.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int
+    token_ids: list[int]  # prompt then outputs; owned by this sequence
+    num_prompt_tokens: int
+    params: SamplingParams
+    state: RequestState
+    arrival_order: int
+    max_tokens: int  # resolved against max_model_len
+    generator: Optional[torch.Generator] = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until admitted
+    pending_forks: int = 0  # siblings to fork when the prompt has been computed
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    num_preemptions: int = 0
+    sent_first_delta: bool = False
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None \
+            and self.index == 0

@@ -1,0 +1,305 @@
+"""Token sampler run by the model runner after each forward pass.
+
+Pipeline for one step, over a batch of ``B`` rows and a vocabulary of ``V`` tokens (the order
+and the meaning of every parameter follow vLLM)::
+
+    raw logits [B, V] ──┬──────────────────────────────────────────────► logprobs, ranks, top-k
+                        │                                                 (raw distribution)
+                        └─► penalties ─► banned ids ─┬─► greedy rows: argmax
+                                                     └─► sampled rows: temperature ─► top-k
+                                                         ─► top-p ─► min-p ─► exponential race
+
+Reproducibility contract: a row with its own ``torch.Generator`` gets a token that depends only
+on its own logits and its own generator, never on the other rows or on the batch size. Rows
+without a generator share one vectorised draw from the sampler's generator.
+
+Ownership: the sampler never writes into the caller's logits; every step works on a float32
+copy made at the start of ``Sampler.__call__``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from tandem.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy (as in vLLM), so no row divides by ~0.
+GREEDY_TEMPERATURE_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs, one row per sequence being sampled.
+
+    Built by the model runner each step (usually through ``build``); read-only for the sampler.
+    ``generators[i]`` belongs to row ``i``'s request and is advanced by each sampled step;
+    ``None`` means the sampler's shared generator.
+    """
+
+    temperature: torch.Tensor  # [B] float32; < GREEDY_TEMPERATURE_EPSILON means greedy
+    top_p: torch.Tensor  # [B] float32; 1.0 = off
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    min_p: torch.Tensor  # [B] float32; 0.0 = off
+    presence_penalty: torch.Tensor  # [B] float32; 0.0 = off
+    frequency_penalty: torch.Tensor  # [B] float32; 0.0 = off
+    repetition_penalty: torch.Tensor  # [B] float32; 1.0 = off
+    generators: list[Optional[torch.Generator]]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]  # masked to -inf before any choice (min_tokens: EOS/stop)
+    num_logprobs: int  # max number of top logprobs requested over the rows; 0 = none
+    all_greedy: bool
+    no_penalties: bool
+    # Fast-path flags; the defaults are the safe choice (apply the step).
+    no_top_k_top_p: bool = False
+    no_min_p: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[Optional[torch.Generator]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        banned_token_ids: Sequence[Sequence[int]],
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """Gather the rows' parameters into batch tensors on ``device``.
+
+        All sequences must have one entry per row, in the same order as the logits rows.
+        """
+        lengths = {len(params), len(generators), len(prompt_token_ids),
+                   len(output_token_ids), len(banned_token_ids)}
+        if len(lengths) != 1:
+            raise ValueError(f"sampling metadata: per-row inputs differ in length: {sorted(lengths)}")
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        temperatures = [p.temperature for p in params]
+        return cls(
+            temperature=column("temperature", torch.float32),
+            top_p=column("top_p", torch.float32),
+            top_k=column("top_k", torch.int64),
+            min_p=column("min_p", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            generators=list(generators),
+            prompt_token_ids=[list(ids) for ids in prompt_token_ids],
+            output_token_ids=[list(ids) for ids in output_token_ids],
+            banned_token_ids=[list(ids) for ids in banned_token_ids],
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            all_greedy=all(t < GREEDY_TEMPERATURE_EPSILON for t in temperatures),
+            no_penalties=all(p.presence_penalty == 0 and p.frequency_penalty == 0
+                             and p.repetition_penalty == 1 for p in params),
+            no_top_k_top_p=all(p.top_k <= 0 and p.top_p >= 1 for p in params),
+            no_min_p=all(p.min_p <= 0 for p in params),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """Chosen tokens of one step and their logprobs under the raw model distribution.
+
+    The raw distribution is ``log_softmax`` of the logits as given to the sampler, before
+    penalties, banned ids, temperature and truncation. ``top_*`` are ``None`` when no row
+    asked for top logprobs.
+    """
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+    ranks: torch.Tensor  # [B] int64, 1-based
+    top_token_ids: Optional[torch.Tensor]  # [B, num_logprobs] int64, descending
+    top_logprobs: Optional[torch.Tensor]  # [B, num_logprobs] float32
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Logprob and rank of ``token_ids`` under ``log_softmax(logits)``, plus the top ``num_top``.
+
+    ``logits`` is ``[N, V]`` (any float dtype; computed in float32), ``token_ids`` is ``[N]``.
+    The rank is 1 + the number of tokens with a strictly greater logit. With ``num_top == 0``
+    no full log-softmax is materialised and the top tensors are ``None``.
+    """
+    logits = logits.float()
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen_logits = logits.gather(1, token_ids.long().unsqueeze(1))
+    chosen_logprobs = (chosen_logits - normaliser).squeeze(1)
+    ranks = (logits > chosen_logits).sum(dim=-1) + 1
+    if num_top <= 0:
+        return chosen_logprobs, ranks, None, None
+    top_values, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
+    return chosen_logprobs, ranks, top_ids, top_values - normaliser
+
+
+def flat_row_indices(
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_index, token_id)`` pairs of ragged per-row token lists, ids ``>= vocab_size`` dropped."""
+    lengths = torch.tensor([len(ids) for ids in rows], dtype=torch.int64)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+    row_index = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    in_vocab = token_ids < vocab_size
+    return row_index[in_vocab].to(device), token_ids[in_vocab].to(device)
+
+
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float32 count of each token id in each row's list."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    row_index, token_ids = flat_row_indices(rows, vocab_size, device)
+    counts.index_put_((row_index, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
+                      accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties in place (vLLM semantics).
+
+    Repetition penalty: for tokens seen in the prompt or the output, positive logits are
+    divided by it and the others multiplied. Then the frequency penalty times the token's
+    count in the output, and the presence penalty once per token present in the output, are
+    subtracted.
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(metadata.output_token_ids, vocab_size, logits.device)
+    seen = token_counts(metadata.prompt_token_ids, vocab_size, logits.device) + output_counts > 0
+    repetition = metadata.repetition_penalty.to(logits.device).unsqueeze(1)
+    scale = torch.where(seen, repetition, torch.ones_like(repetition))
+    logits.copy_(torch.where(logits > 0, logits / scale, logits * scale))
+    logits -= metadata.frequency_penalty.to(logits.device).unsqueeze(1) * output_counts
+    logits -= metadata.presence_penalty.to(logits.device).unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set each row's banned token ids to -inf in place."""
+    row_index, token_ids = flat_row_indices(banned_token_ids, logits.shape[-1], logits.device)
+    if token_ids.numel():
+        logits[row_index, token_ids] = float("-inf")
+    return logits
+
+
+def greedy_mask(temperature: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: which rows take the argmax instead of sampling."""
+    return temperature < GREEDY_TEMPERATURE_EPSILON
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each sampled row by its temperature in place; greedy rows are left unchanged."""
+    temperature = temperature.to(logits.device)
+    divisor = torch.where(greedy_mask(temperature), torch.ones_like(temperature), temperature)
+    return logits.div_(divisor.unsqueeze(1))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf, in place, the tokens outside each row's top-k, then outside its top-p.
+
+    Top-k keeps every token whose logit is at least the k-th largest (ties kept); ``k <= 0``
+    or ``k >= V`` is off. Top-p then works on the renormalised top-k distribution and keeps the
+    smallest prefix of tokens, by descending probability, whose mass reaches ``p``: a token is
+    kept when the mass strictly before it is below ``p``, so the top token is always kept.
+    ``p >= 1`` is off.
+    """
+    vocab_size = logits.shape[-1]
+    top_k = top_k.to(logits.device)
+    top_p = top_p.to(logits.device)
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab_size), torch.full_like(top_k, vocab_size), top_k)
+    kth_largest = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    outside_top_p = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop_sorted = outside_top_p | (sorted_logits == float("-inf"))
+    drop = torch.empty_like(drop_sorted).scatter_(1, sorted_index, drop_sorted)
+    return logits.masked_fill_(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf, in place, tokens whose probability is below ``min_p`` × the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Chooses one token per row from a step's logits (see the module docstring).
+
+    Owns one shared ``torch.Generator`` on ``device`` for rows without their own generator:
+    seeded from ``seed`` when given, otherwise from fresh entropy.
+    """
+
+    def __init__(self, seed: Optional[int] = None, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample ``[B]`` tokens from ``[B, V]`` logits; the caller's logits are never modified."""
+        if logits.dim() != 2 or logits.shape[0] != metadata.batch_size:
+            raise ValueError(f"sampler: logits of shape {tuple(logits.shape)} do not match "
+                             f"{metadata.batch_size} rows of sampling metadata")
+        raw_logits = logits.float()
+        processed = self.process_logits(raw_logits.clone(), metadata)
+        token_ids = processed.argmax(dim=-1)
+        if not metadata.all_greedy:
+            sampled = self.sample(processed, metadata)
+            greedy_rows = greedy_mask(metadata.temperature.to(logits.device))
+            token_ids = torch.where(greedy_rows, token_ids, sampled)
+        chosen, ranks, top_ids, top_logprobs = compute_logprobs(raw_logits, token_ids, metadata.num_logprobs)
+        return SamplerOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Penalties then banned ids, in place on a float32 copy; what greedy rows take the argmax of."""
+        if not metadata.no_penalties:
+            apply_penalties(logits, metadata)
+        return apply_banned_tokens(logits, metadata.banned_token_ids)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then an exponential race; in place on ``logits``.
+
+        Returns ``[B]`` tokens; values in greedy rows are meaningless (the caller overrides them).
+        """
+        apply_temperature(logits, metadata.temperature)
+        if not metadata.no_top_k_top_p:
+            apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        if not metadata.no_min_p:
+            apply_min_p(logits, metadata.min_p)
+        probs = logits.softmax(dim=-1)
+        return probs.div_(self.exponential_noise(probs, metadata.generators)).argmax(dim=-1)
+
+    def exponential_noise(
+        self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]
+    ) -> torch.Tensor:
+        """``[B, V]`` Exp(1) draws: argmax(probs / noise) is a sample from each row's ``probs``.
+
+        A row with its own generator draws ``V`` values from it alone; the other rows share one
+        vectorised draw from the sampler's generator. Every row draws, greedy rows of a mixed
+        batch included, which keeps the draw loop free of device syncs. Draws are clamped away
+        from zero so no masked token (probability 0) can win through 0 / 0.
+        """
+        vocab_size = probs.shape[-1]
+        noise = torch.empty_like(probs)
+        shared_rows = [row for row, generator in enumerate(generators) if generator is None]
+        if shared_rows:
+            shared = torch.empty(len(shared_rows), vocab_size, device=probs.device)
+            shared.exponential_(generator=self.generator)
+            noise[torch.tensor(shared_rows, device=probs.device)] = shared
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                draw = torch.empty(vocab_size, device=probs.device)
+                noise[row] = draw.exponential_(generator=generator)
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
