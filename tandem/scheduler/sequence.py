@@ -65,5 +65,6 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None \
-            and self.index == 0
+        if self.params.prompt_logprobs is None or self.index != 0:
+            return False
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
