@@ -43,7 +43,9 @@ def test_bfloat16_runs_close_to_float32(model_dirs):
     a = fp32.generate([prompt], GREEDY)[0].outputs[0]
     b = bf16.generate([prompt], GREEDY)[0].outputs[0]
     assert a.token_ids[0] == b.token_ids[0]
-    assert abs(a.logprobs[0][a.token_ids[0]].logprob - b.logprobs[0][a.token_ids[0]].logprob) < 0.1
+    # bf16 keeps 8 significant bits: on this model's wide logits (|logit| ~ 10-30) that is an
+    # absolute error of ~0.1; 0.3 nats still catches a wrong cast or a broken bf16 path.
+    assert abs(a.logprobs[0][a.token_ids[0]].logprob - b.logprobs[0][a.token_ids[0]].logprob) < 0.3
 
 
 def test_tied_embeddings_share_one_tensor(model_dirs):

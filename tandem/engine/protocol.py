@@ -81,11 +81,16 @@ class FinishSequencesMessage(msgspec.Struct, kw_only=True, tag="finish"):
     keys: list[tuple[str, int]]
 
 
+class ResetPrefixCacheMessage(msgspec.Struct, kw_only=True, tag="reset_prefix_cache"):
+    """Frontend -> engine: drop every unreferenced prefix-cache page (pages in use stay)."""
+
+
 class ShutdownMessage(msgspec.Struct, kw_only=True, tag="shutdown"):
     """Frontend -> engine: stop after aborting whatever still runs, then exit."""
 
 
-FrontendMessage = AddRequestMessage | AbortRequestsMessage | FinishSequencesMessage | ShutdownMessage
+FrontendMessage = (AddRequestMessage | AbortRequestsMessage | FinishSequencesMessage | ResetPrefixCacheMessage
+                   | ShutdownMessage)
 
 
 class EngineReadyMessage(msgspec.Struct, kw_only=True, tag="ready"):

@@ -29,9 +29,9 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention in plain PyTorch: batched for decode tokens, per chunk for prefills.
 
-    Slots past a sequence's length may hold poison (NaN) in sanitizer mode, so gathered keys
-    and values are zeroed outside the valid region before the product — a NaN inside the valid
-    region (a stale read) still propagates and fails loudly.
+    Slots past a sequence's length may hold poison (NaN) in sanitizer mode, so there gathered
+    keys and values are zeroed outside the valid region before the product — a NaN inside the
+    valid region (a stale read) still propagates and fails loudly.
     """
 
     def forward(self, query, key, value, buffers, metadata, scale):
@@ -57,9 +57,11 @@ class TorchAttentionBackend(AttentionBackend):
         valid = metadata.decode_valid
         keys = key_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
         values = value_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
-        mask = valid[:, :, None, None]
-        keys = torch.where(mask, keys, 0).transpose(1, 2).to(query.dtype)
-        values = torch.where(mask, values, 0).transpose(1, 2).to(query.dtype)
+        if metadata.zero_invalid:
+            mask = valid[:, :, None, None]
+            keys, values = torch.where(mask, keys, 0), torch.where(mask, values, 0)
+        keys = keys.transpose(1, 2).to(query.dtype)
+        values = values.transpose(1, 2).to(query.dtype)
         out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
                                              attn_mask=valid[:, None, None, :], scale=scale,
                                              enable_gqa=True)

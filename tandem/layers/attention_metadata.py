@@ -31,3 +31,6 @@ class AttentionMetadata:
     decode_page_table: Optional[torch.Tensor] = None  # [Bd, max_pages] long (null-page padded)
     decode_valid: Optional[torch.Tensor] = None  # [Bd, max_pages * page_size] bool
     prefills: list[PrefillSlice] = field(default_factory=list)
+    # Zero gathered slots outside the valid region before the product. Needed only when freed
+    # slots may hold NaN poison (sanitizer mode); otherwise stale slots are finite and masked.
+    zero_invalid: bool = False

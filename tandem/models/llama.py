@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.attention import Attention
+from tandem.layers.linear import StackedLinear, load_by_name
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.worker.forward_context import ForwardContext
@@ -40,9 +41,10 @@ class LlamaAttentionBlock(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
         bias = options.qkv_bias or getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(hidden, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                               "v_proj": self.kv_size}, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=options.output_bias or getattr(config, "attention_bias", False))
         self.qk_norm = options.qk_norm
@@ -56,9 +58,10 @@ class LlamaAttentionBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.reshape(tokens, self.num_heads, self.head_dim)
+        key = key.reshape(tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary(query, key, positions)
@@ -69,12 +72,14 @@ class LlamaAttentionBlock(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = StackedLinear(config.hidden_size, {"gate_proj": config.intermediate_size,
+                                                               "up_proj": config.intermediate_size}, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,24 +142,5 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be covered exactly once."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded = set()
-        for name, tensor in weights:
-            if name not in params:
-                if self.tie_word_embeddings and name == "lm_head.weight":
-                    continue
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        if self.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        load_by_name(self, weights, skip=lambda name: name.endswith("rotary_emb.inv_freq") or
+                     (self.tie_word_embeddings and name == "lm_head.weight"))

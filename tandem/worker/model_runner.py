@@ -77,7 +77,8 @@ class ModelRunner:
             torch.arange(len(chunks), device=self.device),
             torch.tensor([chunk.num_new_tokens for chunk in chunks], device=self.device))
         pages = table_tensor[row_of_token, positions // page_size]
-        metadata = AttentionMetadata(page_size=page_size, slot_mapping=pages * page_size + positions % page_size)
+        metadata = AttentionMetadata(page_size=page_size, slot_mapping=pages * page_size + positions % page_size,
+                                     zero_invalid=self.coordinator.sanitizer.enabled)
         num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
         if num_decode:
             lengths = torch.tensor(context_lengths[:num_decode], device=self.device)
