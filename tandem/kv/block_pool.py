@@ -87,7 +87,7 @@ class BlockPool:
     def check_owner(self, owner: str, pages: Iterable[int]) -> None:
         """Every page must be held by ``owner`` (I6 owner tags, checked on gather)."""
         for page in pages:
-            if self._holders[page][owner] <= 0:
+            if page != NULL_PAGE and self._holders[page][owner] <= 0:
                 raise SanitizerError(
                     f"group {self.group_id}: {owner!r} reads page {page} it does not hold "
                     f"(holders: {dict(self._holders[page]) or 'none: the page is free'})")

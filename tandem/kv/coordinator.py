@@ -13,7 +13,7 @@ import torch
 
 from tandem.kv.block_pool import BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
-from tandem.kv.planner import PoolPlan
+from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
 from tandem.kv.registry import StateRegistry
 from tandem.kv.sanitizer import Sanitizer
@@ -86,7 +86,7 @@ class StateCoordinator:
     def free(self, state: RequestState) -> None:
         """Release every reference the sequence holds and unlock its cache path."""
         for pool, table in zip(self.pools, state.page_tables):
-            pool.release(table, state.owner)
+            pool.release([page for page in table if page != NULL_PAGE], state.owner)
             table.clear()
         if self.prefix_cache is not None and state.cache_path:
             self.prefix_cache.unlock(state.cache_path)
@@ -96,8 +96,9 @@ class StateCoordinator:
         """Release pages the managers say no future step reads (e.g. outside a window)."""
         for manager, pool, table in zip(self.managers, self.pools, state.page_tables):
             for index in manager.droppable_page_indices(table, num_computed_tokens):
-                pool.release([table[index]], state.owner)
-                table[index] = 0
+                if table[index] != NULL_PAGE:
+                    pool.release([table[index]], state.owner)
+                    table[index] = NULL_PAGE
 
     # -- prefix cache ------------------------------------------------------------------------
     def match_prefix(self, state: RequestState, token_ids: list[int]) -> int:

@@ -32,8 +32,7 @@ class PoolPlan:
 
 
 def bytes_per_page(registry: StateRegistry, page_size: int) -> int:
-    return sum(len(group.layer_names) * group.spec.bytes_per_token() * page_size
-               for group in registry.groups)
+    return sum(len(group.layer_names) * group.spec.page_bytes(page_size) for group in registry.groups)
 
 
 def plan_pools(registry: StateRegistry, page_size: int, *, max_total_tokens: int | None,
@@ -54,10 +53,10 @@ def plan_pools(registry: StateRegistry, page_size: int, *, max_total_tokens: int
 
 
 def allocate_buffers(registry: StateRegistry, plan: PoolPlan, device: torch.device) -> None:
-    """Allocate ``[num_pages, page_size, *shape]`` for every (group, layer, buffer kind)."""
+    """Allocate ``[num_pages, *page_shape]`` for every (group, layer, buffer kind)."""
     for group in registry.groups:
         for layer_name in group.layer_names:
             for layout in group.spec.buffer_layouts():
-                tensor = torch.zeros((plan.num_pages, plan.page_size, *layout.per_token_shape),
+                tensor = torch.zeros((plan.num_pages, *layout.page_shape(plan.page_size)),
                                      dtype=layout.dtype, device=device)
                 registry.attach_buffer(group.group_id, layer_name, layout, tensor)

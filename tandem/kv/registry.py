@@ -18,7 +18,7 @@ from tandem.kv.spec import BufferLayout, StateSpec
 
 @dataclass(frozen=True)
 class BufferDescriptor:
-    """One state buffer: ``tensor`` is ``[num_pages, page_size, *per_token_shape]``.
+    """One state buffer: ``tensor`` is ``[num_pages, *page_shape]``.
 
     ``page_bytes`` is the length of one page's contiguous slice; movers address page ``p`` at
     ``data_ptr + p * page_bytes``.

@@ -32,6 +32,7 @@ class Sanitizer:
     def __init__(self, registry: StateRegistry, enabled: bool) -> None:
         self.registry = registry
         self.enabled = enabled
+        self.touched: set[tuple[int, str, str]] = set()  # buffer keys poisoned so far (I1 tests)
 
     def poison(self, group_id: int, pages: list[int]) -> None:
         """Mover: poison ``pages`` in every buffer of the group (iterates the registry)."""
@@ -40,6 +41,7 @@ class Sanitizer:
         for descriptor in self.registry.buffers(group_id):
             index = torch.tensor(pages, dtype=torch.long, device=descriptor.tensor.device)
             poison_fill(descriptor.tensor, index)
+            self.touched.add(descriptor.key)
 
     def check_owner(self, coordinator: "StateCoordinator", owner: str,
                     page_tables: list[list[int]]) -> None:

@@ -15,15 +15,23 @@ import torch
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """One buffer of a layer: ``per_token_shape`` elements of ``dtype`` for each token slot."""
-    kind: str
-    per_token_shape: tuple[int, ...]
-    dtype: torch.dtype
+    """One buffer of a layer.
 
-    @property
-    def bytes_per_token(self) -> int:
+    ``per_token`` buffers hold ``shape`` for each of a page's ``page_size`` token slots (KV,
+    latents, indexer keys); other buffers hold one ``shape`` per page (a recurrent state slot).
+    Either way a page is the buffer's first dimension, which is all movers rely on.
+    """
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    per_token: bool = True
+
+    def page_shape(self, page_size: int) -> tuple[int, ...]:
+        return (page_size, *self.shape) if self.per_token else self.shape
+
+    def page_bytes(self, page_size: int) -> int:
         count = 1
-        for size in self.per_token_shape:
+        for size in self.page_shape(page_size):
             count *= size
         return count * torch.empty((), dtype=self.dtype).element_size()
 
@@ -36,8 +44,9 @@ class StateSpec:
     def buffer_layouts(self) -> tuple[BufferLayout, ...]:
         raise NotImplementedError
 
-    def bytes_per_token(self) -> int:
-        return sum(layout.bytes_per_token for layout in self.buffer_layouts())
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one page of one layer takes across all its buffers."""
+        return sum(layout.page_bytes(page_size) for layout in self.buffer_layouts())
 
 
 @dataclass(frozen=True)
