@@ -41,23 +41,23 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
         output = torch.empty_like(query)
-        num_decode = metadata.num_decode_tokens
-        if num_decode:
-            output[:num_decode] = self._decode(query[:num_decode], key_cache, value_cache, metadata, scale)
+        for bucket in metadata.decode_buckets:
+            output[bucket.start:bucket.end] = self._decode(
+                query[bucket.start:bucket.end], key_cache, value_cache, bucket, metadata.zero_invalid, scale)
         for chunk in metadata.prefills:
             output[chunk.query_start:chunk.query_end] = self._prefill(
                 query[chunk.query_start:chunk.query_end], key_cache, value_cache, chunk, scale)
         return output
 
     @staticmethod
-    def _decode(query, key_cache, value_cache, metadata, scale):
-        table = metadata.decode_page_table
+    def _decode(query, key_cache, value_cache, bucket, zero_invalid, scale):
+        table = bucket.page_table
         batch, num_pages = table.shape
         page_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        valid = metadata.decode_valid
+        valid = bucket.valid
         keys = key_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
         values = value_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
-        if metadata.zero_invalid:
+        if zero_invalid:
             mask = valid[:, :, None, None]
             keys, values = torch.where(mask, keys, 0), torch.where(mask, values, 0)
         keys = keys.transpose(1, 2).to(query.dtype)

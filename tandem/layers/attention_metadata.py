@@ -24,12 +24,21 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode tokens ``start..end`` (sorted by context length), padded to a common width."""
+    start: int
+    end: int
+    page_table: torch.Tensor  # [end - start, width_pages] long (null-page padded)
+    valid: torch.Tensor  # [end - start, width_pages * page_size] bool
+
+
+@dataclass
 class AttentionMetadata:
     page_size: int
     slot_mapping: torch.Tensor  # [T] long
     num_decode_tokens: int = 0
-    decode_page_table: Optional[torch.Tensor] = None  # [Bd, max_pages] long (null-page padded)
-    decode_valid: Optional[torch.Tensor] = None  # [Bd, max_pages * page_size] bool
+    # Decode tokens in buckets of similar context length, so padding stays small.
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
     # Zero gathered slots outside the valid region before the product. Needed only when freed
     # slots may hold NaN poison (sanitizer mode); otherwise stale slots are finite and masked.

@@ -14,7 +14,7 @@ from tandem.engine.protocol import PositionLogprobs
 from tandem.kv.accessor import PendingLoads, StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
-from tandem.layers.attention_metadata import AttentionMetadata, PrefillSlice
+from tandem.layers.attention_metadata import AttentionMetadata, DecodeBucket, PrefillSlice
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.sampler import compute_logprobs
@@ -40,8 +40,9 @@ class ModelRunner:
 
     @staticmethod
     def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Single-token chunks first (the batched decode path), then multi-token chunks."""
-        return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
+        """Single-token chunks first (the batched decode path) by context length, then the rest."""
+        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
+        return decodes + [c for c in chunks if c.num_new_tokens > 1]
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
@@ -80,12 +81,12 @@ class ModelRunner:
         metadata = AttentionMetadata(page_size=page_size, slot_mapping=pages * page_size + positions % page_size,
                                      zero_invalid=self.coordinator.sanitizer.enabled)
         num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
-        if num_decode:
-            lengths = torch.tensor(context_lengths[:num_decode], device=self.device)
-            decode_width = -(-max(context_lengths[:num_decode]) // page_size)
-            metadata.num_decode_tokens = num_decode
-            metadata.decode_page_table = table_tensor[:num_decode, :decode_width]
-            metadata.decode_valid = torch.arange(decode_width * page_size, device=self.device)[None, :] < lengths[:, None]
+        metadata.num_decode_tokens = num_decode
+        for start, end in decode_bucket_bounds(context_lengths[:num_decode]):
+            lengths = torch.tensor(context_lengths[start:end], device=self.device)
+            width = -(-context_lengths[end - 1] // page_size)
+            valid = torch.arange(width * page_size, device=self.device)[None, :] < lengths[:, None]
+            metadata.decode_buckets.append(DecodeBucket(start, end, table_tensor[start:end, :width], valid))
         query_start = num_decode
         for chunk, length, row in zip(chunks[num_decode:], context_lengths[num_decode:],
                                       range(num_decode, len(chunks))):
@@ -126,6 +127,19 @@ class ModelRunner:
                                dtype=torch.long, device=logits.device)
         chosen, ranks, top_ids, top_logprobs = compute_logprobs(logits, targets, sequence.params.prompt_logprobs)
         return to_position_logprobs(targets, chosen, ranks, top_ids, top_logprobs)
+
+
+def decode_bucket_bounds(sorted_lengths: list[int], slack: float = 1.25,
+                         min_bucket: int = 8) -> list[tuple[int, int]]:
+    """Split ascending context lengths into runs whose longest is within ``slack`` of the
+    shortest (runs of fewer than ``min_bucket`` are merged forward): bounded padding, few calls."""
+    bounds, start = [], 0
+    for index in range(1, len(sorted_lengths) + 1):
+        at_end = index == len(sorted_lengths)
+        if at_end or (index - start >= min_bucket and sorted_lengths[index] > slack * sorted_lengths[start]):
+            bounds.append((start, index))
+            start = index
+    return bounds
 
 
 def to_position_logprobs(token_ids, chosen, ranks, top_ids, top_logprobs) -> list[PositionLogprobs]:
