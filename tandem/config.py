@@ -7,6 +7,7 @@ from typing import Optional
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
 
 
 def sanitize_enabled() -> bool:
@@ -29,6 +30,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory tandem may use
     cpu_kv_cache_fraction: float = 0.1  # on CPU: fraction of available host memory for state
     enable_prefix_caching: bool = True
+    # Sparse-attention (DSA) indexer key cache: "fp8" (e4m3 keys + FP32 scales, page-major, as
+    # deployed) or "float32" (unquantised; bit-for-bit comparable with the reference).
+    indexer_cache_dtype: str = "fp8"
     # Scheduler.
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -43,6 +47,8 @@ class EngineConfig:
         check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         check(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
+        check(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
+              f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
         check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         check(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
               "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")

@@ -17,7 +17,7 @@ from tandem.config import EngineConfig
 from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
-from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools
+from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequence_pools
 from tandem.kv.registry import StateRegistry
 from tandem.models.loader import ModelInfo, build_model
 from tandem.scheduler.scheduler import Scheduler
@@ -48,13 +48,15 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.model, self.hf_config, self.model_info = build_model(
             config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
-            max_model_len=config.max_model_len, seed=config.seed)
+            max_model_len=config.max_model_len, seed=config.seed,
+            indexer_cache_dtype=config.indexer_cache_dtype)
         self.registry = StateRegistry()
         for layer_name, spec in self.model.state_specs().items():
             self.registry.register(layer_name, spec)
         self.registry.finalize()
         plan = plan_pools(self.registry, config.page_size, max_total_tokens=config.max_total_tokens,
-                          memory_budget_bytes=self._memory_budget())
+                          memory_budget_bytes=self._memory_budget(), max_num_seqs=config.max_num_seqs,
+                          prefix_caching=config.enable_prefix_caching)
         allocate_buffers(self.registry, plan, self.device)
         self.coordinator = StateCoordinator(self.registry, plan,
                                             enable_prefix_caching=config.enable_prefix_caching,
@@ -80,6 +82,8 @@ class EngineCore:
             return int(total * config.gpu_memory_utilization) - (total - free)
         wanted = bytes_per_page(self.registry, config.page_size) * (
             -(-self.model_info.max_model_len // config.page_size) * config.max_num_seqs + 1)
+        wanted += sequence_pools(self.registry, config.page_size, config.max_num_seqs,
+                                 config.enable_prefix_caching)[1]
         return min(int(available_host_memory() * config.cpu_kv_cache_fraction), wanted)
 
     # -- requests ------------------------------------------------------------------------------

@@ -58,8 +58,11 @@ class BlockPool:
         return pages
 
     def acquire(self, pages: Iterable[int], owner: str) -> None:
-        """Take another reference on pages that are already live."""
+        """Take another reference on pages that are already live (the null page, which
+        sparse prefix-cache entries hold, is never counted: skipped)."""
         for page in pages:
+            if page == NULL_PAGE:
+                continue
             if not self._holders[page]:
                 raise SanitizerError(f"group {self.group_id}: acquire of free page {page} by {owner}")
             self._holders[page][owner] += 1
@@ -68,6 +71,8 @@ class BlockPool:
         """Drop ``owner``'s reference on each page; returns the pages that became free."""
         freed = []
         for page in pages:
+            if page == NULL_PAGE:
+                continue
             holders = self._holders[page]
             if holders[owner] <= 0:
                 raise SanitizerError(

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from tandem.kv.block_pool import BlockPool, OutOfPagesError
+from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
@@ -38,11 +38,13 @@ class StateCoordinator:
         self.plan = plan
         self.page_size = plan.page_size
         self.sanitizer = Sanitizer(registry, sanitize)
-        self.pools = [BlockPool(group.group_id, plan.num_pages, on_free=self.sanitizer.poison)
+        self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self.sanitizer.poison)
                       for group in registry.groups]
         self.managers = [manager_class_for(group.spec.manager_kind)(group, pool, plan.page_size)
                          for group, pool in zip(registry.groups, self.pools)]
         self.prefix_cache = PrefixCache(self.pools, plan.page_size) if enable_prefix_caching else None
+        for manager in self.managers:
+            manager.prefix_caching = self.prefix_cache is not None
         self._inflight: dict[str, list[list[int]]] = {}
 
     @property
@@ -54,7 +56,7 @@ class StateCoordinator:
 
     # -- capacity --------------------------------------------------------------------------
     def max_tokens_per_request(self) -> int:
-        return self.pools[0].num_usable * self.page_size if self.pools else 1 << 62
+        return min((manager.max_tokens_per_request() for manager in self.managers), default=1 << 62)
 
     def pages_needed(self, state: RequestState, num_tokens: int) -> list[int]:
         return [manager.num_new_pages(table, num_tokens)
@@ -64,16 +66,41 @@ class StateCoordinator:
         needed = self.pages_needed(state, num_tokens)
         if all(pool.num_free >= n for pool, n in zip(self.pools, needed)):
             return True
-        evictable = self.prefix_cache.num_evictable_pages() if self.prefix_cache else 0
-        return all(pool.num_free + evictable >= n for pool, n in zip(self.pools, needed))
+        evictable = self._evictable_pages()
+        return all(pool.num_free + e >= n for pool, e, n in zip(self.pools, evictable, needed))
+
+    def _evictable_pages(self) -> list[int]:
+        """Per group: the pages evicting every evictable cache node would free (nodes that are
+        unlocked with no locked descendant; a node frees its page in each group it holds one)."""
+        counts = [0] * self.num_groups
+        if self.prefix_cache is None:
+            return counts
+        root = self.prefix_cache.root
+        order, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        evictable: dict[int, bool] = {}
+        for node in reversed(order):
+            evictable[id(node)] = node.lock_count == 0 and all(evictable[id(c)] for c in node.children.values())
+            if evictable[id(node)] and node is not root:
+                for group_index, page in enumerate(node.pages):
+                    counts[group_index] += page != NULL_PAGE
+        return counts
+
+    def _evict_while(self, is_short) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(1 << 62, is_short=is_short)
 
     def allocate(self, state: RequestState, num_tokens: int) -> None:
         """Grow every page table to hold ``num_tokens``; evicts cached pages if needed."""
         needed = self.pages_needed(state, num_tokens)
         self._make_room(needed)
-        for pool, table, count in zip(self.pools, state.page_tables, needed):
-            if count:
-                table.extend(pool.allocate(count, state.owner))
+        for group_index, (manager, table) in enumerate(zip(self.managers, state.page_tables)):
+            manager.allocate(table, num_tokens, state.owner,
+                             lambda source, destination, group=group_index: self.copy_page(group, source, destination),
+                             self._evict_while)
 
     def _make_room(self, needed: list[int]) -> None:
         def short() -> bool:
@@ -110,17 +137,23 @@ class StateCoordinator:
             return 0
         max_pages = (len(token_ids) - 1) // self.page_size
         path = self.prefix_cache.match(token_ids, max_pages)
-        usable = min(manager.usable_prefix_pages(len(path)) for manager in self.managers) if path else 0
+        usable = min(manager.usable_prefix_pages_on_path([node.pages[group_index] for node in path])
+                     for group_index, manager in enumerate(self.managers)) if path else 0
         path = path[:usable]
         if not path:
             return 0
         self.prefix_cache.lock(path)
         state.cache_path = path
-        for group_index, pool in enumerate(self.pools):
+        num_hit_tokens = len(path) * self.page_size
+        for group_index, (pool, manager) in enumerate(zip(self.pools, self.managers)):
             pages = [node.pages[group_index] for node in path]
-            pool.acquire(pages, state.owner)
+            # Entries no future step reads (e.g. before a sliding window) stay null.
+            for index in manager.droppable_page_indices(pages, num_hit_tokens):
+                pages[index] = NULL_PAGE
+            pages = manager.hit_page_table(pages)
+            pool.acquire([page for page in pages if page != NULL_PAGE], state.owner)
             state.page_tables[group_index].extend(pages)
-        return len(path) * self.page_size
+        return num_hit_tokens
 
     def cache_computed_pages(self, state: RequestState, token_ids: list[int],
                              num_computed_tokens: int) -> None:
@@ -131,32 +164,59 @@ class StateCoordinator:
         start = len(state.cache_path)
         if num_full <= start:
             return
+        entries = [manager.cache_entries(table, num_full)
+                   for manager, table in zip(self.managers, state.page_tables)]
+        # Insert only pages the sequence still holds in every group: a node never holds null,
+        # except in groups whose entries are sparse by design (recurrent checkpoints).
+        for index in range(start, num_full):
+            if any(entry[index] == NULL_PAGE for entry, manager in zip(entries, self.managers)
+                   if not manager.sparse_prefix_entries):
+                num_full = index
+                break
+        if num_full <= start:
+            return
         parent = state.cache_path[-1] if state.cache_path else None
-        new_nodes = self.prefix_cache.insert(token_ids, state.page_tables, num_full, parent, start)
+        new_nodes = self.prefix_cache.insert(token_ids, entries, num_full, parent, start)
+        self._fill_sparse_entries(new_nodes, entries, start)
         self.prefix_cache.lock(new_nodes)
         state.cache_path.extend(new_nodes)
+        for manager, table in zip(self.managers, state.page_tables):
+            manager.after_cache_insert(table, state.owner)
+
+    def _fill_sparse_entries(self, nodes: list[CacheNode], entries: list[list[int]], start: int) -> None:
+        """Where a node that already existed holds no page of a sparse group and the sequence
+        has one for it, the node takes it (the cache's reference)."""
+        for group_index, (manager, pool) in enumerate(zip(self.managers, self.pools)):
+            if not manager.sparse_prefix_entries:
+                continue
+            for index, node in enumerate(nodes, start):
+                page = entries[group_index][index]
+                if node.pages[group_index] == NULL_PAGE and page != NULL_PAGE:
+                    pool.acquire([page], CACHE_OWNER)
+                    node.pages = node.pages[:group_index] + (page,) + node.pages[group_index + 1:]
 
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     # -- forks (n > 1) ---------------------------------------------------------------------------
     def fork(self, parent: RequestState, child: RequestState, num_tokens: int) -> bool:
-        """Share the parent's whole pages with the child and copy its partial last page.
+        """Share the parent's pages with the child and copy those both will write (the managers
+        say which: for token pages the partial last page, for a recurrent slot the slot).
 
-        Returns False (child left empty) when no page is free for the copy."""
+        Returns False (child left empty) when no page is free for the copies."""
         num_shared = num_tokens // self.page_size
-        has_partial = num_tokens % self.page_size != 0
-        if has_partial:
+        plans = [manager.fork_pages(table, num_tokens)
+                 for manager, table in zip(self.managers, parent.page_tables)]
+        needed = [len(copied) for _, copied in plans]
+        if any(needed):
             try:
-                self._make_room([1] * self.num_groups)
+                self._make_room(needed)
             except OutOfPagesError:
                 return False
-        for group_index, pool in enumerate(self.pools):
-            shared = parent.page_tables[group_index][:num_shared]
-            pool.acquire(shared, child.owner)
+        for group_index, (pool, (shared, copied)) in enumerate(zip(self.pools, plans)):
+            pool.acquire([page for page in shared if page != NULL_PAGE], child.owner)
             child.page_tables[group_index].extend(shared)
-            if has_partial:
-                source = parent.page_tables[group_index][num_shared]
+            for source in copied:
                 (copy,) = pool.allocate(1, child.owner)
                 self.copy_page(group_index, source, copy)
                 child.page_tables[group_index].append(copy)
@@ -173,9 +233,10 @@ class StateCoordinator:
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:
         owner = f"inflight:{operation}"
-        for pool, pages in zip(self.pools, page_tables):
+        live = [[page for page in pages if page != NULL_PAGE] for pages in page_tables]
+        for pool, pages in zip(self.pools, live):
             pool.acquire(pages, owner)
-        self._inflight[owner] = [list(p) for p in page_tables]
+        self._inflight[owner] = live
         return owner
 
     def release_inflight(self, owner: str) -> None:

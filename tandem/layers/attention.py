@@ -1,18 +1,21 @@
 """The attention front: a layer that declares its state spec and calls a backend.
 
 The backend interface is ``AttentionBackend.forward(query, key, value, buffers, metadata,
-scale)``: it writes the new keys/values into the paged buffers and returns the attention
-output. ``TorchAttentionBackend`` is plain PyTorch and runs on CPU and CUDA.
+scale, window=None)``: it writes the new keys/values into the paged buffers and returns the
+attention output. With a ``window``, a query at position ``p`` reads only keys at positions
+``p - window + 1 .. p`` (transformers' sliding-window mask: ``key > p - window``); page-table
+entries before that may be the null page. ``TorchAttentionBackend`` is plain PyTorch and runs
+on CPU and CUDA.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kv.spec import FullAttentionSpec
+from tandem.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from tandem.layers.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 class AttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 buffers: dict[str, torch.Tensor], metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -34,7 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
     valid region (a stale read) still propagates and fails loudly.
     """
 
-    def forward(self, query, key, value, buffers, metadata, scale):
+    def forward(self, query, key, value, buffers, metadata, scale, window=None):
         key_cache, value_cache = buffers["key"], buffers["value"]
         num_kv_heads, head_dim = key_cache.shape[-2:]
         slots = metadata.slot_mapping
@@ -43,18 +46,27 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         for bucket in metadata.decode_buckets:
             output[bucket.start:bucket.end] = self._decode(
-                query[bucket.start:bucket.end], key_cache, value_cache, bucket, metadata.zero_invalid, scale)
+                query[bucket.start:bucket.end], key_cache, value_cache, bucket, metadata.zero_invalid, scale,
+                window)
         for chunk in metadata.prefills:
             output[chunk.query_start:chunk.query_end] = self._prefill(
-                query[chunk.query_start:chunk.query_end], key_cache, value_cache, chunk, scale)
+                query[chunk.query_start:chunk.query_end], key_cache, value_cache, chunk, scale, window)
         return output
 
     @staticmethod
-    def _decode(query, key_cache, value_cache, bucket, zero_invalid, scale):
+    def _decode(query, key_cache, value_cache, bucket, zero_invalid, scale, window=None):
         table = bucket.page_table
-        batch, num_pages = table.shape
         page_size, num_kv_heads, head_dim = key_cache.shape[1:]
         valid = bucket.valid
+        if window is not None:
+            # Skip the pages before the shortest row's window; mask each row to its own window
+            # (longer rows' older entries may be null: masked, and zeroed under the sanitizer).
+            first_page = max(0, bucket.min_context_length - window) // page_size
+            table = table[:, first_page:]
+            key_positions = torch.arange(first_page * page_size, valid.shape[1], device=valid.device)
+            valid = valid[:, first_page * page_size:] & (
+                key_positions[None, :] >= bucket.context_lengths[:, None] - window)
+        batch, num_pages = table.shape
         keys = key_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
         values = value_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
         if zero_invalid:
@@ -68,14 +80,21 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(query, key_cache, value_cache, chunk, scale):
-        num_kv_heads, head_dim = key_cache.shape[-2:]
+    def _prefill(query, key_cache, value_cache, chunk, scale, window=None):
+        page_size, num_kv_heads, head_dim = key_cache.shape[1:]
         length = chunk.context_length
-        keys = key_cache[chunk.pages].view(-1, num_kv_heads, head_dim)[:length]
-        values = value_cache[chunk.pages].view(-1, num_kv_heads, head_dim)[:length]
         num_queries = query.shape[0]
+        # With a window, start at the page of the first query's oldest key (earlier entries
+        # may be null).
+        first_page = 0 if window is None else max(0, length - num_queries - window + 1) // page_size
+        first = first_page * page_size
+        keys = key_cache[chunk.pages[first_page:]].view(-1, num_kv_heads, head_dim)[:length - first]
+        values = value_cache[chunk.pages[first_page:]].view(-1, num_kv_heads, head_dim)[:length - first]
         query_positions = torch.arange(length - num_queries, length, device=query.device)
-        mask = torch.arange(length, device=query.device)[None, :] <= query_positions[:, None]
+        key_positions = torch.arange(first, length, device=query.device)
+        mask = key_positions[None, :] <= query_positions[:, None]
+        if window is not None:
+            mask &= key_positions[None, :] > query_positions[:, None] - window
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(query.dtype),
             values.transpose(0, 1).unsqueeze(0).to(query.dtype), attn_mask=mask[None, None],
@@ -84,21 +103,25 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class Attention(nn.Module):
-    """Full causal attention over the paged state of one layer."""
+    """Causal attention over the paged state of one layer: full, or over the last
+    ``sliding_window`` tokens when that is given (its spec then lets pages before the window go)."""
 
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, state_dtype: torch.dtype) -> None:
+                 scale: float, state_dtype: torch.dtype, sliding_window: Optional[int] = None) -> None:
         super().__init__()
         self.layer_name = layer_name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.state_spec = FullAttentionSpec(num_kv_heads, head_dim, state_dtype)
+        self.sliding_window = sliding_window
+        self.state_spec = (FullAttentionSpec(num_kv_heads, head_dim, state_dtype) if sliding_window is None
+                           else SlidingWindowSpec(num_kv_heads, head_dim, state_dtype, sliding_window))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 context: "ForwardContext") -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``."""
         buffers = context.state.layer(self.layer_name)
         metadata = context.attention_metadata[context.state.group_of(self.layer_name)]
-        return context.attention_backend.forward(query, key, value, buffers, metadata, self.scale)
+        return context.attention_backend.forward(query, key, value, buffers, metadata, self.scale,
+                                                 window=self.sliding_window)

@@ -30,6 +30,10 @@ class DecodeBucket:
     end: int
     page_table: torch.Tensor  # [end - start, width_pages] long (null-page padded)
     valid: torch.Tensor  # [end - start, width_pages * page_size] bool
+    # Windowed attention masks each row from ``context_length - window`` on and skips the pages
+    # before the shortest row's window.
+    context_lengths: Optional[torch.Tensor] = None  # [end - start] long
+    min_context_length: int = 0
 
 
 @dataclass
@@ -43,3 +47,10 @@ class AttentionMetadata:
     # Zero gathered slots outside the valid region before the product. Needed only when freed
     # slots may hold NaN poison (sanitizer mode); otherwise stale slots are finite and masked.
     zero_invalid: bool = False
+    # Per scheduled chunk, in token order (decode chunks first): where its tokens start in the
+    # batch (plus the end), how many tokens its sequence had computed before it (0: the chunk
+    # starts from a fresh state), and its page-table row. State kept per sequence rather than
+    # per token (a recurrent slot) is found through the row.
+    chunk_query_starts: list[int] = field(default_factory=list)  # [num_chunks + 1]
+    chunk_start_positions: list[int] = field(default_factory=list)  # [num_chunks]
+    page_table: Optional[torch.Tensor] = None  # [num_chunks, width] long (null-page padded)

@@ -81,20 +81,25 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def initialize_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights of the configured shape (normal, std 0.02; norms at 1)."""
+    """Random weights of the configured shape (normal, std 0.02; norms at the model's
+    ``dummy_norm_weight``: 1, or 0 for ``x * (1 + w)`` norms)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    norm_weight = getattr(model, "dummy_norm_weight", 1.0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.fill_(1.0)
+                param.fill_(norm_weight)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
 def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
-                max_model_len: Optional[int], seed: int):
-    """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode."""
+                max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8"):
+    """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode.
+
+    Engine options a model class names in its ``engine_options`` class attribute are passed to
+    its constructor as keyword arguments (e.g. ``indexer_cache_dtype`` for DSA models)."""
     config = load_config(model_dir)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture is None:
@@ -112,7 +117,9 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     try:
         torch.set_default_dtype(torch_dtype)
         with torch.device(device):
-            model = model_class(config, torch_dtype, model_len)
+            options = {"indexer_cache_dtype": indexer_cache_dtype}
+            model = model_class(config, torch_dtype, model_len,
+                                **{name: options[name] for name in getattr(model_class, "engine_options", ())})
     finally:
         torch.set_default_dtype(previous_dtype)
     if load_format == "dummy":

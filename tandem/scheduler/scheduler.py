@@ -158,6 +158,9 @@ class Scheduler:
         sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
         self.coordinator.cache_computed_pages(sequence.state, sequence.token_ids,
                                               sequence.num_computed_tokens)
+        # After caching (the cache takes pages only while the sequence holds them all): release
+        # pages no future step reads, e.g. those before a sliding window.
+        self.coordinator.drop_unneeded_pages(sequence.state, sequence.num_computed_tokens)
 
     def place_fork(self, child: Sequence, forked: bool) -> None:
         """Queue a forked sibling: running if it got the parent's state and a seat is free."""

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,6 +103,53 @@ class ArchitectureSpec:
     model_class: str
     config_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     norm_weight_center: float = 1.0
+    # Write the multi-token-prediction module weights the config announces
+    # (``num_nextn_predict_layers``), laid out as DeepSeek-V3 / GLM checkpoints do: see
+    # :func:`_write_mtp_weights`. transformers builds no MTP module, so they are drawn here.
+    mtp_weights: bool = False
+    # Config arguments that follow from the shape arguments, overriding them (e.g. MLA: one
+    # key/value head per query head, and ``head_dim`` is the rotary part of a head).
+    shape_kwargs: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+
+
+# Tiny MLA + MoE shapes shared by the DeepSeek-V3 family (8 routed experts, 2 per token).
+_MLA_MOE_KWARGS = types.MappingProxyType(
+    {
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 1,
+    }
+)
+
+
+def _gemma3_shape_kwargs(shape: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3: rope parameters per layer type, and local/global layers alternating."""
+    rope = dict(shape["rope_parameters"])
+    local = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    layer_types = ["sliding_attention" if index % 2 == 0 else "full_attention"
+                   for index in range(shape["num_layers"])]
+    return {"rope_parameters": {"sliding_attention": local,
+                                "full_attention": dict(rope, rope_theta=100 * rope["rope_theta"])},
+            "layer_types": layer_types}
+
+
+def _mla_shape_kwargs(shape: Mapping[str, Any]) -> dict[str, Any]:
+    """MLA expands one latent into a key and a value per query head; rope covers ``head_dim``."""
+    return {"num_key_value_heads": shape["num_heads"], "head_dim": _MLA_MOE_KWARGS["qk_rope_head_dim"]}
+
+
+# DeepSeek sparse attention (lightning indexer); 16 heads keep all-zero (tied) scores rare.
+_DSA_KWARGS = types.MappingProxyType({"index_topk": 16, "index_head_dim": 32, "index_n_heads": 16})
 
 
 def architecture_table() -> Mapping[str, ArchitectureSpec]:
@@ -123,6 +170,86 @@ def architecture_table() -> Mapping[str, ArchitectureSpec]:
                 "Qwen3Config",
                 "Qwen3ForCausalLM",
                 {"attention_bias": False, "use_sliding_window": False},
+            ),
+            # Local (sliding window 24, rope base ``rope_theta``) and global (base 100x, with the
+            # requested scaling) layers alternate from layer 0; non-default attention scale and
+            # final logit soft-cap.
+            "gemma3": ArchitectureSpec(
+                "Gemma3TextConfig",
+                "Gemma3ForCausalLM",
+                {
+                    "sliding_window": 24,
+                    "query_pre_attn_scalar": 24,
+                    "final_logit_softcapping": 30.0,
+                },
+                norm_weight_center=0.0,
+                shape_kwargs=_gemma3_shape_kwargs,
+            ),
+            # Gated DeltaNet and gated full attention alternate from layer 0 (DeltaNet first);
+            # layer 0 has a dense MLP, the others MoE (4 experts, 2 per token) + shared expert.
+            "qwen3_next": ArchitectureSpec(
+                "Qwen3NextConfig",
+                "Qwen3NextForCausalLM",
+                {
+                    "full_attention_interval": 2,
+                    "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16,
+                    "linear_conv_kernel_dim": 4,
+                    "num_experts": 4,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 32,
+                    "mlp_only_layers": [0],
+                },
+                norm_weight_center=0.0,
+            ),
+            # Blocks cycle Mamba-2, attention, MLP, MoE (4 experts, 2 per token) from layer 0.
+            "nemotron_h": ArchitectureSpec(
+                "NemotronHConfig",
+                "NemotronHForCausalLM",
+                {
+                    "mamba_num_heads": 4,
+                    "mamba_head_dim": 16,
+                    "ssm_state_size": 16,
+                    "n_groups": 2,
+                    "conv_kernel": 4,
+                    "chunk_size": 32,
+                    "n_routed_experts": 4,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "moe_shared_expert_intermediate_size": 32,
+                },
+                shape_kwargs=lambda shape: {"layers_block_type": [
+                    ("linear_attention", "full_attention", "mlp", "moe")[index % 4]
+                    for index in range(shape["num_layers"])]},
+            ),
+            # MLA + MoE (grouped top-k over 2 groups, one shared expert, layer 0 dense).
+            "deepseek_v3": ArchitectureSpec(
+                "DeepseekV3Config",
+                "DeepseekV3ForCausalLM",
+                {**_MLA_MOE_KWARGS, "q_lora_rank": None, "n_group": 2, "topk_group": 1},
+                mtp_weights=True,
+                shape_kwargs=_mla_shape_kwargs,
+            ),
+            # MLA + MoE + DSA: the indexer keeps the top 16 tokens, so prompts past 16 are sparse.
+            "deepseek_v32": ArchitectureSpec(
+                "DeepseekV32Config",
+                "DeepseekV32ForCausalLM",
+                {**_MLA_MOE_KWARGS, **_DSA_KWARGS, "n_group": 2, "topk_group": 1},
+                mtp_weights=True,
+                shape_kwargs=_mla_shape_kwargs,
+            ),
+            # GLM-5: as DeepSeek-V3.2 with interleaved indexer rope, one expert group, and
+            # cross-layer top-k sharing (indexer on layers 0, 2, 4, ...; the others reuse it).
+            "glm_moe_dsa": ArchitectureSpec(
+                "GlmMoeDsaConfig",
+                "GlmMoeDsaForCausalLM",
+                {**_MLA_MOE_KWARGS, **_DSA_KWARGS, "n_group": 1, "topk_group": 1,
+                 "index_topk_freq": 2, "index_skip_topk_offset": 1},
+                mtp_weights=True,
+                shape_kwargs=_mla_shape_kwargs,
             ),
         }
     )
@@ -195,6 +322,8 @@ def make_model(
     )
     model = _build_model(spec, config, seed=seed, init_std=init_std)
     _save_model(model, out_path, max_shard_size)
+    if spec.mtp_weights:
+        _write_mtp_weights(out_path, config, seed=seed, norm_center=spec.norm_weight_center)
     _write_generation_config(out_path, token_ids)
     logger.info("built %s model in %s (%.1f s)", arch, out_path, time.perf_counter() - started)
     return out_path
@@ -241,7 +370,7 @@ def _build_config(spec: ArchitectureSpec, *, token_ids: Mapping[str, int | None]
     import transformers
 
     config_class = getattr(transformers, spec.config_class)
-    return config_class(
+    arguments = dict(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["hidden_size"],
         intermediate_size=shape["intermediate_size"],
@@ -256,8 +385,11 @@ def _build_config(spec: ArchitectureSpec, *, token_ids: Mapping[str, int | None]
         pad_token_id=token_ids["pad_token_id"],
         bos_token_id=token_ids["bos_token_id"],
         dtype="float32",
-        **spec.config_kwargs,
     )
+    arguments.update(spec.config_kwargs)
+    if spec.shape_kwargs is not None:
+        arguments.update(spec.shape_kwargs(shape))
+    return config_class(**arguments)
 
 
 def _build_model(spec: ArchitectureSpec, config, *, seed: int, init_std: float | None):
@@ -318,6 +450,77 @@ def _save_model(model, out_path: pathlib.Path, max_shard_size: int | str | None)
         model.save_pretrained(out_path)
     else:
         model.save_pretrained(out_path, max_shard_size=max_shard_size)
+
+
+MTP_FILE_NAME = "model-mtp.safetensors"
+
+
+def _write_mtp_weights(out_path: pathlib.Path, config, *, seed: int, norm_center: float) -> None:
+    """Write ``num_nextn_predict_layers`` MTP modules as DeepSeek-V3 checkpoints lay them out.
+
+    Module ``k`` is ``model.layers.{num_hidden_layers + k}``: a decoder block shaped like the
+    last decoder layer (its tensors' names and shapes, as saved) plus ``enorm``, ``hnorm``,
+    ``eh_proj``, ``embed_tokens`` and ``shared_head.{norm,head}``. Values follow the wide init of
+    :func:`_initialise_weights`. They go to their own file, added to the shard index when there
+    is one (as released checkpoints list them).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    num_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    if num_mtp <= 0:
+        return
+    num_layers, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    index_path = out_path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.is_file() \
+        else ["model.safetensors"]
+    # The block is an MoE decoder layer: the last MoE layer's tensors, plus attention tensors
+    # any layer has (a GLM-5 layer that reuses another's top-k has no indexer; an MTP block
+    # runs its own). A model with no MoE layer gets no MTP weights.
+    attention_shapes: dict[str, tuple[int, ...]] = {}
+    layer_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+    for name in files:
+        with safe_open(str(out_path / name), framework="pt") as handle:
+            for key in handle.keys():
+                parts = key.split(".", 3)
+                if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+                    continue
+                shape = tuple(handle.get_slice(key).get_shape())
+                if parts[3].startswith("self_attn."):
+                    attention_shapes[parts[3]] = shape
+                layer_shapes.setdefault(int(parts[2]), {})[parts[3]] = shape
+    moe_layers = [index for index, shapes in layer_shapes.items() if "mlp.gate.weight" in shapes]
+    if not moe_layers:
+        logger.info("no MoE layer to shape the MTP block on: no MTP weights written")
+        return
+    block_shapes = dict(layer_shapes[max(moe_layers)])
+    block_shapes.update(attention_shapes)
+    generator = torch.Generator().manual_seed(seed + 7919)
+    tensors: dict[str, torch.Tensor] = {}
+    for module in range(num_mtp):
+        prefix = f"model.layers.{num_layers + module}."
+        shapes = dict(block_shapes)
+        shapes.update({"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
+                       "embed_tokens.weight": (vocab, hidden), "shared_head.norm.weight": (hidden,),
+                       "shared_head.head.weight": (vocab, hidden)})
+        for name, shape in sorted(shapes.items()):
+            noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+            if name.endswith("bias"):
+                value = noise * BIAS_STD
+            elif len(shape) == 1:
+                value = norm_center + noise * NORM_WEIGHT_STD
+            elif name == "embed_tokens.weight":
+                value = noise * EMBEDDING_STD
+            elif name == "shared_head.head.weight":
+                value = noise * (OUTPUT_HEAD_GAIN / math.sqrt(hidden))
+            else:
+                value = noise * (MATRIX_GAIN / math.sqrt(shape[-1]))
+            tensors[prefix + name] = value.contiguous()
+    save_file(tensors, str(out_path / MTP_FILE_NAME), metadata={"format": "pt"})
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update({name: MTP_FILE_NAME for name in tensors})
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _write_generation_config(out_path: pathlib.Path, token_ids: Mapping[str, int | None]) -> None:

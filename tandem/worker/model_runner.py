@@ -71,7 +71,7 @@ class ModelRunner:
         page_size = self.page_size
         tables = [chunk.sequence.state.page_tables[group_index] for chunk in chunks]
         context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
-        width = max(-(-length // page_size) for length in context_lengths)
+        width = max(max(-(-length // page_size) for length in context_lengths), max(map(len, tables)))
         padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
         table_tensor = torch.tensor(padded, dtype=torch.long, device=self.device)
         row_of_token = torch.repeat_interleave(
@@ -80,13 +80,19 @@ class ModelRunner:
         pages = table_tensor[row_of_token, positions // page_size]
         metadata = AttentionMetadata(page_size=page_size, slot_mapping=pages * page_size + positions % page_size,
                                      zero_invalid=self.coordinator.sanitizer.enabled)
+        metadata.chunk_query_starts = [0]
+        for chunk in chunks:
+            metadata.chunk_query_starts.append(metadata.chunk_query_starts[-1] + chunk.num_new_tokens)
+        metadata.chunk_start_positions = [chunk.start for chunk in chunks]
+        metadata.page_table = table_tensor
         num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
         metadata.num_decode_tokens = num_decode
         for start, end in decode_bucket_bounds(context_lengths[:num_decode]):
             lengths = torch.tensor(context_lengths[start:end], device=self.device)
             width = -(-context_lengths[end - 1] // page_size)
             valid = torch.arange(width * page_size, device=self.device)[None, :] < lengths[:, None]
-            metadata.decode_buckets.append(DecodeBucket(start, end, table_tensor[start:end, :width], valid))
+            metadata.decode_buckets.append(DecodeBucket(start, end, table_tensor[start:end, :width], valid,
+                                                        lengths, context_lengths[start]))
         query_start = num_decode
         for chunk, length, row in zip(chunks[num_decode:], context_lengths[num_decode:],
                                       range(num_decode, len(chunks))):

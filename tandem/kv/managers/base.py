@@ -5,6 +5,7 @@ registry are the only places that know state types apart.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.registry import StateGroup
@@ -30,3 +31,48 @@ class StateManager:
     def usable_prefix_pages(self, num_hit_pages: int) -> int:
         """How many leading cached pages a request may take on a prefix hit."""
         return num_hit_pages
+
+    # -- hooks with defaults for token-paged state (overridden by per-sequence state) -----------
+    # A cache node may hold no page of this group (null); hits then land only where
+    # ``usable_prefix_pages_on_path`` allows.
+    sparse_prefix_entries: bool = False
+    # Set by the coordinator: whether a prefix cache exists.
+    prefix_caching: bool = False
+
+    def max_tokens_per_request(self) -> int:
+        """Most tokens one request's state can take from this group's pool."""
+        return self.pool.num_usable * self.page_size
+
+    def allocate(self, page_table: list[int], num_tokens: int, owner: str,
+                 copy_page: Callable[[int, int], None],
+                 evict_while: Callable[[Callable[[], bool]], None]) -> None:
+        """Grow ``page_table`` to hold ``num_tokens``; the coordinator has made room for
+        ``num_new_pages``. ``copy_page(source, destination)`` copies a page of this group;
+        ``evict_while(is_short)`` evicts unlocked prefix-cache pages while ``is_short()``."""
+        count = self.num_new_pages(page_table, num_tokens)
+        if count:
+            page_table.extend(self.pool.allocate(count, owner))
+
+    def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+        """A forked child's (n > 1) share of its parent's ``num_tokens``: (pages it shares,
+        pages it gets a private copy of, appended after the shared ones). Whole pages are
+        shared; the partial last page, which both will write, is copied."""
+        num_shared = num_tokens // self.page_size
+        copied = page_table[num_shared:num_shared + 1] if num_tokens % self.page_size else []
+        return page_table[:num_shared], copied
+
+    def usable_prefix_pages_on_path(self, pages: list[int]) -> int:
+        """How many leading nodes of a matched path (this group's page in each) a hit may use."""
+        return self.usable_prefix_pages(len(pages))
+
+    def hit_page_table(self, pages: list[int]) -> list[int]:
+        """The page-table entries a request takes from the hit path's pages of this group."""
+        return pages
+
+    def cache_entries(self, page_table: list[int], num_full_pages: int) -> list[int]:
+        """This group's page for each of the first ``num_full_pages`` cache nodes (index i:
+        the page holding tokens of page i; null where the group has nothing to cache)."""
+        return page_table
+
+    def after_cache_insert(self, page_table: list[int], owner: str) -> None:
+        """Called after the prefix cache took references on the sequence's new nodes."""

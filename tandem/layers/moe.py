@@ -1,0 +1,165 @@
+"""Mixture-of-experts layers with DeepSeek-V3 / GLM-5 routing, in plain PyTorch.
+
+Routing (``TopKRouter``), as the reference implementations compute it, in float32:
+
+    scores  = sigmoid(hidden @ gate.weight.T)                       [T, E]
+    choice  = scores + e_score_correction_bias                      (bias steers the choice only)
+    groups  = sum of the 2 best ``choice`` values in each of ``n_group`` expert groups
+    keep the ``topk_group`` best groups, then the ``top_k`` best experts among them (by choice)
+    weights = scores of those experts, divided by their sum when ``norm_topk_prob``,
+              times ``routed_scaling_factor``
+
+``MoE`` adds the shared experts (one dense MLP of ``n_shared_experts * moe_intermediate_size``)
+to the weighted routed experts. Experts are stored fused, ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]``; checkpoints name them per expert (``experts.{e}.gate_proj.weight``),
+which :func:`load_with_experts` maps into the fused tensors.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.linear import StackedLinear, load_by_name
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP; ``gate_proj``/``up_proj`` load into one stacked matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size,
+                                                        "up_proj": intermediate_size}, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.num_groups = config.n_group or 1
+        self.topk_group = config.topk_group or 1
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_routed_experts ({self.num_experts}) is not a multiple of n_group "
+                             f"({self.num_groups})")
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        # Kept in float32 whatever the model dtype (a checkpoint tensor; never trained here).
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden ``[T, H]`` → (weights ``[T, k]`` float32, expert ids ``[T, k]``)."""
+        logits = F.linear(hidden.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        tokens = choice.shape[0]
+        group_scores = choice.view(tokens, self.num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        group_ids = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+        per_group = self.num_experts // self.num_groups
+        expert_mask = group_mask.unsqueeze(-1).expand(tokens, self.num_groups, per_group).reshape(tokens, -1)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        expert_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, expert_ids
+
+
+class FusedExperts(nn.Module):
+    """The routed experts; tokens are gathered per expert and the outputs summed in expert order."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        output = torch.zeros_like(hidden)
+        for expert in torch.unique(expert_ids).tolist():
+            token_index, slot = torch.where(expert_ids == expert)
+            gate, up = F.linear(hidden[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            expert_out = expert_out * weights[token_index, slot, None]
+            output.index_add_(0, token_index, expert_out.to(output.dtype))
+        return output
+
+    def expert_slice(self, expert: int, part: str) -> torch.Tensor:
+        """The fused-parameter slice that checkpoint tensor ``experts.{expert}.{part}.weight`` fills."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (n_routed_experts {self.num_experts})")
+        size = self.intermediate_size
+        return {"gate_proj": lambda: self.gate_up_proj.data[expert, :size],
+                "up_proj": lambda: self.gate_up_proj.data[expert, size:],
+                "down_proj": lambda: self.down_proj.data[expert]}[part]()
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (DeepSeek-V3, DeepSeek-V3.2, GLM-5)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        num_shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * num_shared)
+                               if num_shared else None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(hidden)
+        output = self.experts(hidden, expert_ids, weights)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden)
+        return output
+
+
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                      skip: Callable[[str], bool] = lambda name: False) -> None:
+    """``load_by_name`` that also maps per-expert checkpoint tensors into ``FusedExperts``.
+
+    Each ``FusedExperts`` must be covered either by its fused tensors (``experts.gate_up_proj``,
+    ``experts.down_proj``) or by all ``3 * num_experts`` per-expert tensors; raises ValueError
+    naming what is missing otherwise."""
+    experts = {name: module for name, module in model.named_modules() if isinstance(module, FusedExperts)}
+    seen: dict[str, set[tuple[int, str]]] = {name: set() for name in experts}
+    fused_names = {f"{name}.{param}": name for name in experts for param in ("gate_up_proj", "down_proj")}
+    fused_seen: set[str] = set()
+
+    def stream():
+        for name, tensor in weights:
+            match = _PER_EXPERT.match(name)
+            if match and match.group("module") in experts:
+                module_name, expert, part = match.group("module"), int(match.group("expert")), match.group("part")
+                target = experts[module_name].expert_slice(expert, part)
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                target.copy_(tensor)
+                seen[module_name].add((expert, part))
+                continue
+            if name in fused_names:
+                fused_seen.add(name)
+            yield name, tensor
+
+    load_by_name(model, stream(), skip=lambda name: name in fused_names or skip(name))
+    for name, module in experts.items():
+        fused_complete = all(f"{name}.{param}" in fused_seen for param in ("gate_up_proj", "down_proj"))
+        if not fused_complete and len(seen[name]) != 3 * module.num_experts and not skip(f"{name}.gate_up_proj"):
+            raise ValueError(f"checkpoint is missing expert tensors of {name!r}: "
+                             f"{3 * module.num_experts - len(seen[name])} of {3 * module.num_experts}")
