@@ -70,8 +70,9 @@ class StateCoordinator:
         return all(pool.num_free + e >= n for pool, e, n in zip(self.pools, evictable, needed))
 
     def _evictable_pages(self) -> list[int]:
-        """Per group: the pages evicting every evictable cache node would free (nodes that are
-        unlocked with no locked descendant; a node frees its page in each group it holds one)."""
+        """Per group: the pages evicting would free. A node that is unlocked with no locked
+        descendant frees its page in each group; a sparse group's entry can be dropped from
+        any node, freeing the page where the cache is its only holder."""
         counts = [0] * self.num_groups
         if self.prefix_cache is None:
             return counts
@@ -84,14 +85,35 @@ class StateCoordinator:
         evictable: dict[int, bool] = {}
         for node in reversed(order):
             evictable[id(node)] = node.lock_count == 0 and all(evictable[id(c)] for c in node.children.values())
-            if evictable[id(node)] and node is not root:
-                for group_index, page in enumerate(node.pages):
-                    counts[group_index] += page != NULL_PAGE
+            if node is root:
+                continue
+            for group_index, (manager, pool, page) in enumerate(zip(self.managers, self.pools, node.pages)):
+                if page == NULL_PAGE:
+                    continue
+                if manager.sparse_prefix_entries:
+                    counts[group_index] += pool.refcount(page) == 1
+                elif evictable[id(node)]:
+                    counts[group_index] += 1
         return counts
 
-    def _evict_while(self, is_short) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.evict(1 << 62, is_short=is_short)
+    def _drop_sparse_entries(self, needed: list[int]) -> None:
+        """Where a sparse group's pool has fewer than ``needed`` free pages, drop the cache's
+        pages of that group (least recently used nodes first), keeping the nodes: they stay
+        usable up to their remaining entries."""
+        short = [index for index, (manager, pool, count) in enumerate(zip(self.managers, self.pools, needed))
+                 if manager.sparse_prefix_entries and pool.num_free < count]
+        if not short:
+            return
+        nodes = sorted(self.prefix_cache.all_nodes(), key=lambda node: node.last_access)
+        for group_index in short:
+            pool, count = self.pools[group_index], needed[group_index]
+            for node in nodes:
+                if pool.num_free >= count:
+                    break
+                page = node.pages[group_index]
+                if page != NULL_PAGE:
+                    node.pages = node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:]
+                    self.pools[group_index].release([page], CACHE_OWNER)
 
     def allocate(self, state: RequestState, num_tokens: int) -> None:
         """Grow every page table to hold ``num_tokens``; evicts cached pages if needed."""
@@ -99,12 +121,13 @@ class StateCoordinator:
         self._make_room(needed)
         for group_index, (manager, table) in enumerate(zip(self.managers, state.page_tables)):
             manager.allocate(table, num_tokens, state.owner,
-                             lambda source, destination, group=group_index: self.copy_page(group, source, destination),
-                             self._evict_while)
+                             lambda source, destination, group=group_index: self.copy_page(group, source, destination))
 
     def _make_room(self, needed: list[int]) -> None:
         def short() -> bool:
             return any(pool.num_free < n for pool, n in zip(self.pools, needed))
+        if short() and self.prefix_cache is not None:
+            self._drop_sparse_entries(needed)
         if short() and self.prefix_cache is not None:
             self.prefix_cache.evict(1 << 62, is_short=short)
         if short():

@@ -90,8 +90,9 @@ class RecurrentSpec(StateSpec):
     convolution window and an SSM (or delta-rule) state, fixed in size however long the
     sequence. A page of the group is one slot holding both for one layer.
 
-    A sequence holds one working slot; with prefix caching it may hold a second one, into which
-    the forward pass snapshots the state at a page boundary (a prefix-cache checkpoint).
+    A sequence holds one working slot; with prefix caching also a second one, into which the
+    forward pass snapshots the state at a page boundary (a prefix-cache checkpoint), and the
+    pool keeps one more slot per sequence seat for checkpoints the cache holds.
     """
     conv_shape: tuple[int, ...]
     conv_dtype: torch.dtype
@@ -104,7 +105,7 @@ class RecurrentSpec(StateSpec):
                 BufferLayout("ssm", self.ssm_shape, self.ssm_dtype, per_token=False))
 
     def pages_per_sequence(self, prefix_caching: bool) -> int | None:
-        return 2 if prefix_caching else 1
+        return 3 if prefix_caching else 1
 
 
 @dataclass(frozen=True)

@@ -271,9 +271,12 @@ class RecurrentSlots:
         for chunk in scans:
             outputs.append(self._scan(conv_inputs, extras, chunk, conv_buffer, ssm_buffer, scan))
         first = outputs[0][1]
-        result = first.new_empty((conv_inputs.shape[0], *first.shape[1:]))
+        dtype = first.dtype
+        for _, rows in outputs:
+            dtype = torch.promote_types(dtype, rows.dtype)
+        result = first.new_empty((conv_inputs.shape[0], *first.shape[1:]), dtype=dtype)
         for tokens, rows in outputs:
-            result[tokens] = rows
+            result[tokens] = rows.to(dtype)
         return result
 
     def _step(self, conv_inputs, extras, tokens, slots, checkpoints, conv_buffer, ssm_buffer, step):

@@ -21,7 +21,7 @@ in one of two modes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,7 @@ class Fp8PageMajorIndexKeys:
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
         self.hadamard = hadamard_matrix(head_dim)
+        self._hadamard_by_device: dict[torch.device, torch.Tensor] = {}
 
     def _views(self, buffer: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         key_bytes = page_size * self.head_dim
@@ -106,7 +107,10 @@ class Fp8PageMajorIndexKeys:
         return keys, scales
 
     def _rotate(self, values: torch.Tensor) -> torch.Tensor:
-        return values.float() @ self.hadamard.to(values.device)
+        matrix = self._hadamard_by_device.get(values.device)
+        if matrix is None:
+            matrix = self._hadamard_by_device.setdefault(values.device, self.hadamard.to(values.device))
+        return values.float() @ matrix
 
     def write(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
         key_view, scale_view = self._views(buffer, page_size)
@@ -152,7 +156,6 @@ class LightningIndexer(nn.Module):
         rotate = self.rotary.interleaved if self.rope_interleaved else self.rotary.half_split
         return torch.cat([rotate(rot, positions), rest], dim=-1)
 
-    @torch.no_grad()
     def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                 context: "ForwardContext") -> TopKSelection:
         tokens = hidden.shape[0]

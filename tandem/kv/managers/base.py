@@ -34,7 +34,8 @@ class StateManager:
 
     # -- hooks with defaults for token-paged state (overridden by per-sequence state) -----------
     # A cache node may hold no page of this group (null); hits then land only where
-    # ``usable_prefix_pages_on_path`` allows.
+    # ``usable_prefix_pages_on_path`` allows, and under page pressure the coordinator may drop
+    # a node's page of this group (least recently used first) while keeping the node.
     sparse_prefix_entries: bool = False
     # Set by the coordinator: whether a prefix cache exists.
     prefix_caching: bool = False
@@ -44,11 +45,9 @@ class StateManager:
         return self.pool.num_usable * self.page_size
 
     def allocate(self, page_table: list[int], num_tokens: int, owner: str,
-                 copy_page: Callable[[int, int], None],
-                 evict_while: Callable[[Callable[[], bool]], None]) -> None:
+                 copy_page: Callable[[int, int], None]) -> None:
         """Grow ``page_table`` to hold ``num_tokens``; the coordinator has made room for
-        ``num_new_pages``. ``copy_page(source, destination)`` copies a page of this group;
-        ``evict_while(is_short)`` evicts unlocked prefix-cache pages while ``is_short()``."""
+        ``num_new_pages``. ``copy_page(source, destination)`` copies a page of this group."""
         count = self.num_new_pages(page_table, num_tokens)
         if count:
             page_table.extend(self.pool.allocate(count, owner))

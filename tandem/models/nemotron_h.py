@@ -1,0 +1,296 @@
+"""NemotronH: a stack of single-mixer blocks (``layers_block_type``): Mamba-2, attention (no
+rope), squared-ReLU MLP and MoE (sigmoid router, non-gated experts, a shared expert). Parameter
+names follow the Hugging Face checkpoint layout.
+
+State: attention layers keep paged K/V (``FullAttentionSpec``); each Mamba-2 layer keeps a
+recurrent slot (``RecurrentSpec``): the causal-conv window over x/B/C and the SSM state
+``[heads, head dim, state size]`` in float32 (the checkpoints' ``mamba_ssm_cache_dtype``).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kv.spec import RecurrentSpec
+from tandem.layers.attention import Attention
+from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.norm import RMSNorm
+from tandem.layers.recurrent import RecurrentSlots, mamba2_chunk_scan, mamba2_step
+from tandem.worker.forward_context import ForwardContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """``weight * rmsnorm_per_group(x * silu(gate))``: gated before normalising, per group."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        hidden = x.float() * F.silu(gate.float())
+        grouped = hidden.view(*hidden.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(hidden.shape).to(dtype)
+
+
+class FloatRMSNorm(RMSNorm):
+    """RMSNorm with the weight product in float32, cast back after it."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * hidden).to(dtype)
+
+
+class NemotronHMamba2Mixer(nn.Module):
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.ssm_state_size = config.ssm_state_size
+        self.n_groups = config.n_groups
+        self.chunk_size = config.chunk_size
+        self.intermediate_size = self.num_heads * self.head_dim
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
+        self.time_step_limit = (config.time_step_min, float("inf"))
+        kernel = config.conv_kernel
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, bias=config.use_conv_bias,
+                                groups=self.conv_dim, padding=kernel - 1)
+        self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads,
+                                 bias=config.use_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups,
+                                        config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
+        ssm_dtype = DTYPES.get(str(getattr(config, "mamba_ssm_cache_dtype", "float32")), torch.float32)
+        spec = RecurrentSpec(conv_shape=(self.conv_dim, kernel - 1), conv_dtype=state_dtype,
+                             ssm_shape=(self.num_heads, self.head_dim, self.ssm_state_size), ssm_dtype=ssm_dtype)
+        self.slots = RecurrentSlots(f"model.layers.{layer_index}.mixer", spec, self.conv1d)
+
+    def _split(self, conv_out: torch.Tensor):
+        tokens = conv_out.shape[0]
+        groups_size = self.n_groups * self.ssm_state_size
+        hidden, B, C = torch.split(conv_out, [self.intermediate_size, groups_size, groups_size], dim=-1)
+        return (hidden.reshape(tokens, self.num_heads, self.head_dim),
+                B.reshape(tokens, self.n_groups, self.ssm_state_size),
+                C.reshape(tokens, self.n_groups, self.ssm_state_size))
+
+    def _scan(self, conv_out, extras, state):
+        (dt,) = extras
+        hidden, B, C = self._split(conv_out)
+        A = -torch.exp(self.A_log.float())
+        return mamba2_chunk_scan(hidden, dt, A, B, C, self.D, self.dt_bias, state, self.chunk_size,
+                                 self.time_step_limit)
+
+    def _step(self, conv_out, extras, states):
+        (dt,) = extras
+        hidden, B, C = self._split(conv_out)
+        A = -torch.exp(self.A_log.float())
+        return mamba2_step(hidden, dt, A, B, C, self.D, self.dt_bias, states)
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        dtype = hidden.dtype
+        gate, xBC, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        scan_output = self.slots.run(xBC, (dt,), context, self._scan, self._step)
+        scan_output = self.norm(scan_output.reshape(hidden.shape[0], -1), gate)
+        return self.out_proj(scan_output.to(dtype))
+
+
+class NemotronHAttention(nn.Module):
+    """Causal attention without positional encoding (the Mamba layers carry position)."""
+
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                           "v_proj": self.kv_size}, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.attn = Attention(f"model.layers.{layer_index}.mixer", self.num_heads, self.num_kv_heads,
+                              self.head_dim, self.head_dim ** -0.5, state_dtype)
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        output = self.attn(query.reshape(tokens, self.num_heads, self.head_dim),
+                           key.reshape(tokens, self.num_kv_heads, self.head_dim),
+                           value.reshape(tokens, self.num_kv_heads, self.head_dim), context)
+        return self.o_proj(output.reshape(tokens, self.q_size))
+
+
+class NemotronHMLP(nn.Module):
+    def __init__(self, config, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext = None) -> torch.Tensor:
+        return self.down_proj(relu_squared(self.up_proj(hidden)))
+
+
+class NemotronHRouter(nn.Module):
+    """Sigmoid scores; top-k among the best groups by (scores + correction bias); weights are
+    the plain scores of the chosen experts, normalised and scaled."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.num_groups = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        # A buffer in transformers, stored in checkpoints; loaded by name, never trained.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor):
+        scores = F.linear(hidden.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        group_scores = choice.view(-1, self.num_groups, self.num_experts // self.num_groups).topk(2, dim=-1)[0].sum(-1)
+        group_index = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_index, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, self.num_groups, self.num_experts // self.num_groups)
+        choice = choice.masked_fill(~expert_mask.reshape(-1, self.num_experts).bool(), float("-inf"))
+        experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+
+class NemotronHExpert(nn.Module):
+    def __init__(self, config, input_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(input_size, config.moe_intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.moe_intermediate_size, input_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(relu_squared(self.up_proj(hidden)))
+
+
+class NemotronHExperts(nn.ModuleList):
+    """Routed non-gated experts (checkpoint names ``experts.{e}.up_proj`` ...); the weighted
+    sum accumulates in the routing weights' dtype (float32)."""
+
+    def __init__(self, config, input_size: int) -> None:
+        super().__init__(NemotronHExpert(config, input_size) for _ in range(config.n_routed_experts))
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        output = torch.zeros_like(hidden, dtype=weights.dtype)
+        for expert in torch.unique(experts).tolist():
+            token_index, slot = torch.where(experts == expert)
+            rows = self[expert](hidden[token_index]) * weights[token_index, slot, None]
+            # A token picks an expert at most once: the rows are distinct.
+            output[token_index] += rows.to(output.dtype)
+        return output.to(hidden.dtype)
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        latent = getattr(config, "moe_latent_size", None)
+        self.gate = NemotronHRouter(config)
+        self.experts = NemotronHExperts(config, latent or config.hidden_size)
+        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, config.hidden_size, bias=config.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext = None) -> torch.Tensor:
+        weights, experts = self.gate(hidden)
+        routed = hidden if self.fc1_latent_proj is None else self.fc1_latent_proj(hidden)
+        routed = self.experts(routed, weights, experts)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(hidden)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        block_type = config.layers_block_type[layer_index]
+        self.norm = FloatRMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        if block_type == "linear_attention":
+            self.mixer = NemotronHMamba2Mixer(config, layer_index, state_dtype)
+        elif block_type == "full_attention":
+            self.mixer = NemotronHAttention(config, layer_index, state_dtype)
+        elif block_type == "moe":
+            self.mixer = NemotronHMoE(config)
+        elif block_type == "mlp":
+            self.mixer = NemotronHMLP(config, config.intermediate_size)
+        else:
+            raise ValueError(f"model: NemotronH block type {block_type!r} is not supported")
+
+    def forward(self, hidden, context):
+        return hidden + self.mixer(self.norm(hidden), context)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(config, index, state_dtype)
+                                    for index in range(len(config.layers_block_type)))
+        self.norm_f = FloatRMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, input_ids, positions, context):
+        hidden = self.embeddings(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, context)
+        return hidden
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = NemotronHModel(config, state_dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def state_specs(self) -> dict:
+        specs = {}
+        for module in self.modules():
+            if isinstance(module, Attention):
+                specs[module.layer_name] = module.state_spec
+            elif isinstance(module, NemotronHMamba2Mixer):
+                specs[module.slots.layer_name] = module.slots.state_spec
+        return specs
+
+    def forward(self, input_ids, positions, context):
+        return self.model(input_ids, positions, context)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm_f(hidden))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name (``backbone.`` as the checkpoints name the
+        ``model.`` prefix); multi-token-prediction weights are not used."""
+        renamed = (("model." + name[len("backbone."):] if name.startswith("backbone.") else name, tensor)
+                   for name, tensor in weights)
+        load_by_name(self, renamed, skip=lambda name: name.startswith("mtp.") or
+                     (self.tie_word_embeddings and name == "lm_head.weight"))

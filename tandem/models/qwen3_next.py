@@ -1,0 +1,290 @@
+"""Qwen3-Next: gated DeltaNet layers interleaved with gated full attention (``layer_types``),
+MoE with a shared expert (or a dense MLP where ``mlp_only_layers`` / ``decoder_sparse_step``
+say so). Parameter names follow the Hugging Face checkpoint layout.
+
+State: full-attention layers keep paged K/V (``FullAttentionSpec``); each DeltaNet layer keeps
+a recurrent slot (``RecurrentSpec``): the causal-conv window over the mixed q/k/v channels and
+the delta-rule state ``[value heads, key dim, value dim]`` in float32, as transformers keeps it.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kv.spec import RecurrentSpec
+from tandem.layers.attention import Attention
+from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.recurrent import RecurrentSlots, chunk_gated_delta_rule, gated_delta_rule_step
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.llama import rope_parameters_of
+from tandem.worker.forward_context import ForwardContext
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight`` (weights stored centred on 0), computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (hidden * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)``: normalised before the gate."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        hidden = self.weight * hidden.to(dtype)
+        return (hidden * F.silu(gate.float())).to(dtype)
+
+
+class Qwen3NextAttention(nn.Module):
+    """Full attention with q/k head norms, partial rope and a sigmoid output gate per head."""
+
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, rotary: RotaryEmbedding,
+                 rotary_dim: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = rotary_dim
+        bias = config.attention_bias
+        self.q_size = self.num_heads * self.head_dim * 2  # query and gate, interleaved per head
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                           "v_proj": self.kv_size}, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(f"model.layers.{layer_index}.self_attn", self.num_heads, self.num_kv_heads,
+                              self.head_dim, self.head_dim ** -0.5, state_dtype)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        query_gate, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, gate = query_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query)
+        key = self.k_norm(key.reshape(tokens, self.num_kv_heads, self.head_dim))
+        value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
+        rot = self.rotary_dim
+        query_rot, key_rot = self.rotary(query[..., :rot], key[..., :rot], positions)
+        query = torch.cat([query_rot, query[..., rot:]], dim=-1)
+        key = torch.cat([key_rot, key[..., rot:]], dim=-1)
+        output = self.attn(query, key, value, context).reshape(tokens, -1)
+        output = output * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(output)
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_v_heads = config.linear_num_value_heads
+        self.num_k_heads = config.linear_num_key_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.kernel_size = config.linear_conv_kernel_dim
+        self.conv_dim = self.key_dim * 2 + self.value_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, bias=False,
+                                groups=self.conv_dim, padding=self.kernel_size - 1)
+        self.in_proj_qkvz = nn.Linear(config.hidden_size, self.key_dim * 2 + self.value_dim * 2, bias=False)
+        self.in_proj_ba = nn.Linear(config.hidden_size, self.num_v_heads * 2, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        spec = RecurrentSpec(conv_shape=(self.conv_dim, self.kernel_size - 1), conv_dtype=state_dtype,
+                             ssm_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                             ssm_dtype=torch.float32)
+        self.slots = RecurrentSlots(f"model.layers.{layer_index}.linear_attn", spec, self.conv1d)
+
+    def _split(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor):
+        """Per key-head groups [q | k | v.. | z..] and [b.. | a..] → q, k, v, z, b, a."""
+        tokens = mixed_qkvz.shape[0]
+        ratio = self.num_v_heads // self.num_k_heads
+        qkvz = mixed_qkvz.view(tokens, self.num_k_heads, -1)
+        ba = mixed_ba.view(tokens, self.num_k_heads, -1)
+        query, key, value, z = torch.split(
+            qkvz, [self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim, ratio * self.head_v_dim], dim=-1)
+        b, a = torch.split(ba, [ratio, ratio], dim=-1)
+        return (query.reshape(tokens, -1), key.reshape(tokens, -1), value.reshape(tokens, -1),
+                z.reshape(tokens, self.num_v_heads, self.head_v_dim),
+                b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads))
+
+    def _heads(self, conv_out: torch.Tensor):
+        tokens = conv_out.shape[0]
+        query, key, value = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (query.reshape(tokens, -1, self.head_k_dim), key.reshape(tokens, -1, self.head_k_dim),
+                value.reshape(tokens, -1, self.head_v_dim))
+
+    def _scan(self, conv_out, extras, state):
+        decay, beta = extras
+        query, key, value = self._heads(conv_out)
+        return chunk_gated_delta_rule(query, key, value, decay, beta, state)
+
+    def _step(self, conv_out, extras, states):
+        decay, beta = extras
+        query, key, value = self._heads(conv_out)
+        return gated_delta_rule_step(query, key, value, decay, beta, states)
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        query, key, value, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        mixed_qkv = torch.cat([query, key, value], dim=-1)
+        beta = b.sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = self.slots.run(mixed_qkv, (decay, beta), context, self._scan, self._step)
+        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(tokens, self.value_dim))
+
+
+class Qwen3NextMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size,
+                                                        "up_proj": intermediate_size}, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3NextRouter(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden: torch.Tensor):
+        logits = F.linear(hidden, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+
+class Qwen3NextExperts(nn.ModuleList):
+    """Routed experts, one gated MLP each (checkpoint names ``experts.{e}.gate_proj`` ...)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(Qwen3NextMLP(config.hidden_size, config.moe_intermediate_size)
+                         for _ in range(config.num_experts))
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        output = torch.zeros_like(hidden)
+        for expert in torch.unique(experts).tolist():
+            token_index, slot = torch.where(experts == expert)
+            rows = self[expert](hidden[token_index]) * weights[token_index, slot, None]
+            # A token picks an expert at most once: the rows are distinct.
+            output[token_index] += rows.to(output.dtype)
+        return output
+
+
+class Qwen3NextSparseMoe(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate = Qwen3NextRouter(config)
+        self.experts = Qwen3NextExperts(config)
+        self.shared_expert = Qwen3NextMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(hidden)
+        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return self.experts(hidden, weights, experts) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, rotary: RotaryEmbedding,
+                 rotary_dim: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[layer_index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_index, state_dtype)
+        else:
+            self.self_attn = Qwen3NextAttention(config, layer_index, state_dtype, rotary, rotary_dim)
+        sparse = (layer_index not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_index + 1) % config.decoder_sparse_step == 0)
+        self.mlp = Qwen3NextSparseMoe(config) if sparse else Qwen3NextMLP(config.hidden_size,
+                                                                          config.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, positions, context):
+        normed = self.input_layernorm(hidden)
+        if self.is_linear:
+            hidden = hidden + self.linear_attn(normed, context)
+        else:
+            hidden = hidden + self.self_attn(normed, positions, context)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rope = rope_parameters_of(config)
+        rotary_dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(rotary_dim, rope, max_positions)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, index, state_dtype, self.rotary_emb, rotary_dim)
+            for index in range(config.num_hidden_layers))
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, context):
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, context)
+        return hidden
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3NextModel(config, state_dtype, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def state_specs(self) -> dict:
+        specs = {}
+        for module in self.modules():
+            if isinstance(module, Attention):
+                specs[module.layer_name] = module.state_spec
+            elif isinstance(module, Qwen3NextGatedDeltaNet):
+                specs[module.slots.layer_name] = module.slots.state_spec
+        return specs
+
+    def forward(self, input_ids, positions, context):
+        return self.model(input_ids, positions, context)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name; multi-token-prediction weights are not used."""
+        load_by_name(self, weights, skip=lambda name: name.startswith("mtp.") or
+                     (self.tie_word_embeddings and name == "lm_head.weight"))
