@@ -5,7 +5,7 @@ with the field's name, so the server can turn it into a 400 naming the field.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 

@@ -19,7 +19,7 @@ from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequence_pools
 from tandem.kv.registry import StateRegistry
-from tandem.models.loader import ModelInfo, build_model
+from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import Sequence
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs

@@ -7,7 +7,7 @@ methods fan out over the groups; none knows what kind of state a group holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 

@@ -118,6 +118,9 @@ class Attention(nn.Module):
         self.state_spec = (FullAttentionSpec(num_kv_heads, head_dim, state_dtype) if sliding_window is None
                            else SlidingWindowSpec(num_kv_heads, head_dim, state_dtype, sliding_window))
 
+    def state_specs(self) -> dict:
+        return {self.layer_name: self.state_spec}
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 context: "ForwardContext") -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``."""

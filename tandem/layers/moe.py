@@ -23,22 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import StackedLinear, load_by_name
-
-
-class GatedMLP(nn.Module):
-    """SiLU-gated MLP; ``gate_proj``/``up_proj`` load into one stacked matrix."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size,
-                                                        "up_proj": intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+from tandem.layers.linear import load_by_name
+from tandem.layers.mlp import GatedMLP  # noqa: F401  (re-exported for the MoE families)
 
 
 class TopKRouter(nn.Module):

@@ -24,6 +24,7 @@ from tandem.layers.mla import LatentRotary, MLAAttention
 from tandem.layers.moe import GatedMLP, MoE, load_with_experts
 from tandem.layers.norm import RMSNorm
 from tandem.layers.sparse_indexer import TopKSelection
+from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
 
@@ -117,7 +118,7 @@ class DeepseekModel(nn.Module):
         return hidden
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     options = DeepseekOptions()
     engine_options = ("indexer_cache_dtype",)
 
@@ -139,12 +140,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             specs.update(layer.self_attn.state_specs())
         return specs
-
-    def forward(self, input_ids, positions, context):
-        return self.model(input_ids, positions, context)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be covered exactly once.

@@ -25,6 +25,7 @@ from torch import nn
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
 SLIDING = "sliding_attention"
@@ -167,7 +168,7 @@ class Gemma3TextModel(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     # Gemma norms scale by (1 + weight): random ("dummy") weights keep them near zero.
     dummy_norm_weight = 0.0
 
@@ -185,15 +186,8 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def state_specs(self) -> dict:
-        return {module.layer_name: module.state_spec for module in self.modules()
-                if isinstance(module, Attention)}
-
-    def forward(self, input_ids, positions, context):
-        return self.model(input_ids, positions, context)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(hidden))
+        logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

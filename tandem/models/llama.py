@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
 
@@ -69,25 +70,13 @@ class LlamaAttentionBlock(nn.Module):
         return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = StackedLinear(config.hidden_size, {"gate_proj": config.intermediate_size,
-                                                               "up_proj": config.intermediate_size}, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttentionBlock(config, layer_index, options, state_dtype, rotary)
-        self.mlp = LlamaMLP(config, options.mlp_bias or getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
+                            bias=options.mlp_bias or getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,7 +107,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     options = LlamaOptions()
 
     def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
@@ -129,16 +118,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def state_specs(self) -> dict:
-        return {module.layer_name: module.state_spec for module in self.modules()
-                if isinstance(module, Attention)}
-
-    def forward(self, input_ids, positions, context):
-        return self.model(input_ids, positions, context)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be covered exactly once."""

@@ -19,6 +19,7 @@ from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
 from tandem.layers.norm import RMSNorm
 from tandem.layers.recurrent import RecurrentSlots, mamba2_chunk_scan, mamba2_step
+from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +83,9 @@ class NemotronHMamba2Mixer(nn.Module):
                              ssm_shape=(self.num_heads, self.head_dim, self.ssm_state_size), ssm_dtype=ssm_dtype)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.mixer", spec, self.conv1d)
 
+
+    def state_specs(self) -> dict:
+        return {self.slots.layer_name: self.slots.state_spec}
     def _split(self, conv_out: torch.Tensor):
         tokens = conv_out.shape[0]
         groups_size = self.n_groups * self.ssm_state_size
@@ -262,7 +266,8 @@ class NemotronHModel(nn.Module):
         return hidden
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
+    final_norm_name = "norm_f"
     def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -271,21 +276,6 @@ class NemotronHForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
-
-    def state_specs(self) -> dict:
-        specs = {}
-        for module in self.modules():
-            if isinstance(module, Attention):
-                specs[module.layer_name] = module.state_spec
-            elif isinstance(module, NemotronHMamba2Mixer):
-                specs[module.slots.layer_name] = module.slots.state_spec
-        return specs
-
-    def forward(self, input_ids, positions, context):
-        return self.model(input_ids, positions, context)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm_f(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name (``backbone.`` as the checkpoints name the

@@ -17,8 +17,10 @@ from torch import nn
 from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.mlp import GatedMLP
 from tandem.layers.recurrent import RecurrentSlots, chunk_gated_delta_rule, gated_delta_rule_step
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.base import CausalLM
 from tandem.models.llama import rope_parameters_of
 from tandem.worker.forward_context import ForwardContext
 
@@ -115,6 +117,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
                              ssm_dtype=torch.float32)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.linear_attn", spec, self.conv1d)
 
+
+    def state_specs(self) -> dict:
+        return {self.slots.layer_name: self.slots.state_spec}
     def _split(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor):
         """Per key-head groups [q | k | v.. | z..] and [b.. | a..] → q, k, v, z, b, a."""
         tokens = mixed_qkvz.shape[0]
@@ -155,19 +160,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(tokens, self.value_dim))
 
 
-class Qwen3NextMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size,
-                                                        "up_proj": intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class Qwen3NextRouter(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -188,7 +180,7 @@ class Qwen3NextExperts(nn.ModuleList):
     """Routed experts, one gated MLP each (checkpoint names ``experts.{e}.gate_proj`` ...)."""
 
     def __init__(self, config) -> None:
-        super().__init__(Qwen3NextMLP(config.hidden_size, config.moe_intermediate_size)
+        super().__init__(GatedMLP(config.hidden_size, config.moe_intermediate_size)
                          for _ in range(config.num_experts))
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -206,7 +198,7 @@ class Qwen3NextSparseMoe(nn.Module):
         super().__init__()
         self.gate = Qwen3NextRouter(config)
         self.experts = Qwen3NextExperts(config)
-        self.shared_expert = Qwen3NextMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -226,7 +218,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = Qwen3NextAttention(config, layer_index, state_dtype, rotary, rotary_dim)
         sparse = (layer_index not in config.mlp_only_layers and config.num_experts > 0
                   and (layer_index + 1) % config.decoder_sparse_step == 0)
-        self.mlp = Qwen3NextSparseMoe(config) if sparse else Qwen3NextMLP(config.hidden_size,
+        self.mlp = Qwen3NextSparseMoe(config) if sparse else GatedMLP(config.hidden_size,
                                                                           config.intermediate_size)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -259,7 +251,7 @@ class Qwen3NextModel(nn.Module):
         return hidden
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -268,21 +260,6 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def state_specs(self) -> dict:
-        specs = {}
-        for module in self.modules():
-            if isinstance(module, Attention):
-                specs[module.layer_name] = module.state_spec
-            elif isinstance(module, Qwen3NextGatedDeltaNet):
-                specs[module.slots.layer_name] = module.slots.state_spec
-        return specs
-
-    def forward(self, input_ids, positions, context):
-        return self.model(input_ids, positions, context)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; multi-token-prediction weights are not used."""

@@ -1,0 +1,30 @@
+"""What every causal LM shares: state declaration, the forward entry and the logits head.
+
+A layer that keeps per-request state exposes ``state_specs() -> {layer_name: spec}``;
+``CausalLM.state_specs`` collects them from every submodule, so a model never lists its state
+by hand and a new state type needs no change here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    """Subclasses set ``self.model`` (with ``forward(input_ids, positions, context)``, and a
+    final norm named by ``final_norm_name``) and ``self.lm_head``."""
+
+    final_norm_name = "norm"
+
+    def state_specs(self) -> dict:
+        specs: dict = {}
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "state_specs", None)):
+                specs.update(module.state_specs())
+        return specs
+
+    def forward(self, input_ids, positions, context):
+        return self.model(input_ids, positions, context)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(getattr(self.model, self.final_norm_name)(hidden))
