@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.state_checks import check_movers_touch_registry
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
-from tandem.kv.movers import HostMover
 from tandem.kv.spec import IndexerSpec
 from tandem.layers.sparse_indexer import (FP8_DTYPE, Fp8PageMajorIndexKeys, LightningIndexer,
                                           index_scores)
@@ -274,25 +273,7 @@ def test_movers_touch_exactly_the_registry_buffers(arch, model_dirs):
     assert len(registry_keys) == num_mla + num_indexer
     if num_indexer:  # the indexer cache is its own group
         assert len(engine.registry.groups) == 2 and kinds["latent"].isdisjoint(kinds["index_key"])
-    engine.add_request(EngineRequest(request_id="r", prompt_token_ids=list(range(3, 40)),
-                                     sampling_params=SamplingParams(temperature=0, max_tokens=4)))
-    engine.step()
-    state = engine.scheduler.running[0].state
-    mover = HostMover(engine.registry)
-    copy = mover.gather(state.page_tables)
-    assert mover.touched == registry_keys
-    fresh = engine.coordinator.new_state("restore#0")
-    engine.coordinator.allocate(fresh, 37)
-    mover.scatter(copy, fresh.page_tables)
-    for descriptor in engine.registry.buffers():
-        group = descriptor.group_id
-        original = descriptor.tensor[state.page_tables[group]]
-        restored = descriptor.tensor[fresh.page_tables[group]]
-        assert original.any() and torch.equal(original, restored), descriptor.key
-    engine.coordinator.free(fresh)
-    engine.abort_requests(["r"])
-    assert engine.coordinator.sanitizer.touched == registry_keys  # the poison mover
-    engine.check_all_free()
+    check_movers_touch_registry(engine, require_nonzero=True)
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -15,9 +15,8 @@ import re
 import pytest
 import torch
 
+from tests.state_checks import check_movers_touch_registry
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
-from tandem.kv.movers import HostMover
 from tandem.kv.planner import NULL_PAGE
 from tests.oracle import assert_matches
 
@@ -202,27 +201,11 @@ def test_movers_touch_exactly_the_registry_buffers(model_dirs):
     registry_keys = {d.key for d in engine.registry.buffers()}
     assert len(registry_keys) == 2 * engine.hf_config.num_hidden_layers
     assert {key[0] for key in registry_keys} == {0, 1}
-    engine.add_request(EngineRequest(request_id="r", prompt_token_ids=list(range(3, 60)),
-                                     sampling_params=SamplingParams(temperature=0, max_tokens=4)))
-    engine.step()
-    state = engine.scheduler.running[0].state
     sliding = group_of_kind(engine, "sliding_window")
-    assert state.page_tables[sliding][:4] == [NULL_PAGE] * 4  # 57 computed: next query reads 34..
-    mover = HostMover(engine.registry)
-    copy = mover.gather(state.page_tables)
-    assert mover.touched == registry_keys
-    fresh = engine.coordinator.new_state("restore#0")
-    engine.coordinator.allocate(fresh, 57)
-    mover.scatter(copy, fresh.page_tables)
-    for descriptor in engine.registry.buffers():
-        group = descriptor.group_id
-        original = descriptor.tensor[state.page_tables[group]]
-        restored = descriptor.tensor[fresh.page_tables[group]]
-        assert torch.equal(original, restored), descriptor.key
-    engine.coordinator.free(fresh)
-    engine.abort_requests(["r"])
-    assert engine.coordinator.sanitizer.touched == registry_keys  # the poison mover
-    engine.check_all_free()
+
+    def windowed(state):  # 57 computed: the next query reads positions 34.., so 4 pages dropped
+        assert state.page_tables[sliding][:4] == [NULL_PAGE] * 4
+    check_movers_touch_registry(engine, prompt_length=57, after_step=windowed)
 
 
 def test_dummy_weights_load(model_dirs):

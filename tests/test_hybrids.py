@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.state_checks import check_movers_touch_registry
 from tandem import LLM, SamplingParams
 from tandem.engine.protocol import EngineRequest
-from tandem.kv.movers import HostMover
 from tandem.kv.planner import bytes_per_page, plan_pools
 from tandem.layers import recurrent
 from tests.oracle import assert_matches
@@ -185,28 +185,9 @@ def test_requests_never_see_each_others_state(arch, prefix_caching, model_dirs, 
 def test_movers_touch_exactly_the_registry_buffers(arch, model_dirs):
     llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False)
     engine = llm.engine
-    registry_keys = {d.key for d in engine.registry.buffers()}
     kinds = Counter(d.kind for d in engine.registry.buffers())
     assert kinds["conv"] == kinds["ssm"] == 2 and kinds["key"] == kinds["value"] >= 1
-    engine.add_request(EngineRequest(request_id="r", prompt_token_ids=list(range(3, 40)),
-                                     sampling_params=SamplingParams(temperature=0, max_tokens=4)))
-    engine.step()
-    state = engine.scheduler.running[0].state
-    mover = HostMover(engine.registry)
-    copy = mover.gather(state.page_tables)
-    assert mover.touched == registry_keys
-    fresh = engine.coordinator.new_state("restore#0")
-    engine.coordinator.allocate(fresh, 37)
-    assert [len(table) for table in fresh.page_tables] == [len(table) for table in state.page_tables]
-    mover.scatter(copy, fresh.page_tables)
-    for descriptor in engine.registry.buffers():
-        group = descriptor.group_id
-        assert torch.equal(descriptor.tensor[state.page_tables[group]],
-                           descriptor.tensor[fresh.page_tables[group]]), descriptor.key
-    engine.coordinator.free(fresh)
-    engine.abort_requests(["r"])
-    assert engine.coordinator.sanitizer.touched == registry_keys  # the poison mover
-    engine.check_all_free()
+    check_movers_touch_registry(engine)
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
