@@ -9,6 +9,7 @@ from typing import Optional
 import msgspec
 
 from tandem.sampling_params import SamplingParams
+from tandem.transfer.messages import StateLayout
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -17,6 +18,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    transfer: Optional["TransferParams"] = None  # PD: this request's leg (None: colocated)
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):
@@ -54,6 +56,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_query_tokens: int = 0
     num_preemptions: int = 0
     page_size: int = 0
+    transfer: Optional["TransferStats"] = None  # PD engines only
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
@@ -99,6 +102,7 @@ class EngineReadyMessage(msgspec.Struct, kw_only=True, tag="ready"):
     max_model_len: int
     eos_token_ids: list[int]
     stats: EngineStats
+    transfer: Optional["TransferEndpoint"] = None  # PD engines only
 
 
 class RequestRejectedMessage(msgspec.Struct, kw_only=True):
@@ -120,3 +124,41 @@ class EngineFailedMessage(msgspec.Struct, kw_only=True, tag="failed"):
 
 
 EngineMessage = EngineReadyMessage | EngineStepMessage | EngineFailedMessage
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill/decode disaggregation (tandem/transfer, tandem/engine/pd.py).
+# ---------------------------------------------------------------------------------------------
+
+
+class TransferParams(msgspec.Struct, kw_only=True):
+    """A request's PD leg, set by the router (``kv_transfer_params`` in the HTTP body)."""
+    room: str  # 128-bit room id, 32 hex digits
+    role: str  # "prefill" or "decode": must equal the engine's role
+    prefill_address: Optional[str] = None  # decode: the prefill engine's bootstrap address
+
+
+class TransferEndpoint(msgspec.Struct, kw_only=True):
+    """What a PD engine tells its frontend once ready (served at ``GET /pd/info``)."""
+    role: str
+    backend: str
+    bootstrap_address: str
+    layout: StateLayout
+
+
+class HistogramSnapshot(msgspec.Struct, kw_only=True):
+    """A cumulative histogram: ``counts[i]`` observations <= ``bounds[i]`` (last: +Inf)."""
+    bounds: list[float]
+    counts: list[int]
+    total: float = 0.0
+
+
+class TransferStats(msgspec.Struct, kw_only=True):
+    """Cumulative PD transfer figures and current queue lengths of one engine."""
+    role: str
+    outcomes: dict[str, int] = {}  # transfers by outcome: done, failed, aborted
+    bytes_total: int = 0
+    size_bytes: Optional[HistogramSnapshot] = None
+    duration_seconds: Optional[HistogramSnapshot] = None
+    bandwidth_bytes_per_second: Optional[HistogramSnapshot] = None
+    queues: dict[str, int] = {}  # e.g. waiting_for_destination, sending, waiting_for_admission

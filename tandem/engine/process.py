@@ -1,0 +1,213 @@
+"""The engine process of ``tandem serve``: an ``EngineCore`` driven by messages over ZMQ.
+
+The frontend process binds two ZMQ sockets and starts this process, which connects to both::
+
+    frontend --PUSH--> input_address  --PULL--> engine   (FrontendMessage)
+    frontend <--PULL-- output_address <--PUSH-- engine   (EngineMessage)
+
+The engine sends ``EngineReadyMessage`` once the core is built (``EngineFailedMessage`` if that
+fails), then one ``EngineStepMessage`` per step while it has work, and one after any message that
+changed its state while idle (a rejection, an abort) so the frontend's stats stay current. When it
+has no work it blocks on its input socket; it never spins.
+
+Lifetime: the frontend owns this process. It sends ``ShutdownMessage`` after draining; SIGINT and
+SIGTERM are ignored here (a Ctrl-C reaches the whole process group, and the frontend must be able
+to drain first). If the frontend dies, the kernel kills this process (``PR_SET_PDEATHSIG``) and,
+as a fallback, the idle loop notices that its parent changed and exits.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import traceback
+from typing import Optional
+
+import msgspec
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.engine.protocol import (
+    AbortRequestsMessage,
+    AddRequestMessage,
+    EngineFailedMessage,
+    EngineReadyMessage,
+    EngineStepMessage,
+    FinishSequencesMessage,
+    FrontendMessage,
+    RequestDelta,
+    RequestRejectedMessage,
+    ResetPrefixCacheMessage,
+    ShutdownMessage,
+)
+
+DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
+IDLE_POLL_MILLISECONDS = 1000  # how often an idle engine checks that its frontend still lives
+OUTPUT_LINGER_MILLISECONDS = 2000  # how long unsent messages may delay exit
+
+logger = logging.getLogger("tandem.engine")
+
+
+def load_core_class(path: str):
+    """Resolve ``"package.module:ClassName"`` to the class (tests pass a fake engine core)."""
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class EngineLoop:
+    """Runs one ``EngineCore`` against the frontend's messages.
+
+    Borrows the core and both sockets from ``run_engine``, which owns (and closes) them. The core
+    is touched only from this loop's thread.
+    """
+
+    def __init__(self, core, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: Optional[int]):
+        self.core = core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.stopping = False
+        self.rejected: list[RequestRejectedMessage] = []
+        self.state_changed = False
+        self.handlers = {
+            AddRequestMessage: self.add_request,
+            AbortRequestsMessage: lambda message: self.change(self.core.abort_requests, message.request_ids),
+            FinishSequencesMessage: lambda message: self.change(
+                self.core.finish_sequences, [tuple(key) for key in message.keys]),
+            ResetPrefixCacheMessage: lambda message: self.change(self.core.reset_prefix_cache),
+            ShutdownMessage: self.stop,
+        }
+
+    def send(self, message) -> None:
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+
+    def send_ready(self) -> None:
+        info = self.core.model_info
+        self.send(EngineReadyMessage(vocab_size=int(info.vocab_size), max_model_len=int(info.max_model_len),
+                                     eos_token_ids=[int(token) for token in info.eos_token_ids],
+                                     stats=self.core.stats()))
+
+    def run(self) -> None:
+        """Serve until ``ShutdownMessage`` or until the parent process is gone."""
+        while not self.stopping:
+            busy = self.core.has_unfinished_requests()
+            self.receive(block=not busy)
+            if self.stopping:
+                break
+            deltas: list[RequestDelta] = []
+            if self.core.has_unfinished_requests():
+                deltas = self.core.step()
+            elif not (self.state_changed or busy):
+                continue
+            self.send_step(deltas)
+
+    def send_step(self, deltas: list[RequestDelta]) -> None:
+        self.send(EngineStepMessage(deltas=deltas, rejected=self.rejected, stats=self.core.stats()))
+        self.rejected = []
+        self.state_changed = False
+
+    def receive(self, block: bool) -> None:
+        """Handle every queued message; when ``block``, first wait until one arrives."""
+        if block:
+            while not self.input_socket.poll(IDLE_POLL_MILLISECONDS):
+                if self.parent_gone():
+                    self.stopping = True
+                    return
+        while True:
+            try:
+                frame = self.input_socket.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle(self.decoder.decode(frame.buffer))
+
+    def parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def handle(self, message) -> None:
+        self.handlers[type(message)](message)
+
+    def change(self, operation, *arguments) -> None:
+        """Run a core operation that changes its state; the frontend hears the new stats."""
+        operation(*arguments)
+        self.state_changed = True
+
+    def stop(self, message: ShutdownMessage) -> None:
+        self.stopping = True
+
+    def add_request(self, message: AddRequestMessage) -> None:
+        try:
+            self.core.add_request(message.request)
+        except ValueError as error:
+            self.rejected.append(RequestRejectedMessage(request_id=message.request.request_id, error=str(error)))
+            self.state_changed = True
+
+
+def shutdown_core(core) -> None:
+    """Release the core's resources; an error here must not hide the one that ended the loop."""
+    if core is None:
+        return
+    try:
+        core.shutdown()
+    except Exception:  # noqa: BLE001
+        logger.exception("engine core shutdown failed")
+
+
+def wait_passively_between_parallel_regions() -> None:
+    """Make idle OpenMP threads sleep instead of spinning (unless ``OMP_WAIT_POLICY`` is set).
+
+    The engine shares the host's cores with the frontend process (and often with clients or
+    other work). Spinning threads then fight whoever holds their core, and a 2-core host was
+    seen to drop from ~2000 to ~100 output tokens/s; sleeping threads cost little when the host
+    is quiet and nothing when it is not. Must run before torch loads.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def run_engine(config: EngineConfig, input_address: str, output_address: str,
+               core_class_path: str = DEFAULT_CORE_CLASS, parent_pid: Optional[int] = None,
+               log_level: str = "info") -> None:
+    """Entry point of the engine process (the target the frontend spawns)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    wait_passively_between_parallel_regions()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.setsockopt(zmq.LINGER, OUTPUT_LINGER_MILLISECONDS)
+    output_socket.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    core = None
+    try:
+        core = load_core_class(core_class_path)(config)
+        loop = EngineLoop(core, input_socket, output_socket, parent_pid)
+        loop.send_ready()
+        loop.run()
+    except BaseException:  # noqa: BLE001 - anything that ends the loop is reported to the frontend
+        text = traceback.format_exc()
+        logger.error("engine failed:\n%s", text)
+        output_socket.send(encoder.encode(EngineFailedMessage(error=text.strip().splitlines()[-1])))
+        raise SystemExit(1)
+    finally:
+        shutdown_core(core)
+        input_socket.close(linger=0)
+        output_socket.close()
+        context.term()

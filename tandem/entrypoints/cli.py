@@ -1,0 +1,203 @@
+"""The ``tandem`` command: ``serve`` (OpenAI-compatible server), ``generate`` (one-off prompts),
+``make-model`` (tiny random-weight models for demos and tests).
+
+Flags are named like vLLM's where vLLM has the flag; engine flags map one-to-one onto
+``EngineConfig`` fields. Heavy imports (torch, transformers) happen only inside commands.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from tandem.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, EngineConfig
+
+DEMO_MODEL_NAME = "demo"
+DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
+logger = logging.getLogger("tandem")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that configure the engine (``EngineConfig``), shared by ``serve`` and ``generate``."""
+    group = parser.add_argument_group("model and engine")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face model directory (config.json, safetensors, tokenizer files). "
+                            "Default: the built-in tiny demo model, built once into $TANDEM_CACHE_DIR "
+                            "(default ~/.cache/tandem).")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weight and activation dtype; auto: the checkpoint's (default: %(default)s)")
+    group.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default="auto",
+                       help="how to load weights; dummy: random weights of the same architecture "
+                            "(default: %(default)s)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
+    group.add_argument("--page-size", type=int, default=16,
+                       help="tokens per KV-cache page (vLLM: --block-size) (default: %(default)s)")
+    group.add_argument("--max-total-tokens", type=int, default=None,
+                       help="size of the KV-cache pool in tokens (default: from the memory budget)")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="memory for all KV-cache state buffers, in bytes (default: from the device)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="on CUDA, fraction of device memory tandem may use (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=256,
+                       help="most sequences running at once (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="most tokens computed in one step (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt plus output, in tokens (default: the model's context length)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV cache of shared prompt prefixes (default: on)")
+
+
+def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
+    return EngineConfig(
+        model=model, tokenizer=arguments.tokenizer, dtype=arguments.dtype, load_format=arguments.load_format,
+        device=arguments.device, seed=arguments.seed, page_size=arguments.page_size,
+        max_total_tokens=arguments.max_total_tokens, kv_cache_memory_bytes=arguments.kv_cache_memory_bytes,
+        gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
+        max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
+        max_model_len=arguments.max_model_len)
+
+
+def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:
+    """The model directory to use, and whether it is the built-in demo model (built on first use)."""
+    if arguments.model is not None:
+        if not os.path.isdir(arguments.model):
+            raise SystemExit(f"tandem: --model {arguments.model!r} is not a directory (a Hugging Face model "
+                             "directory is expected; nothing is downloaded)")
+        return arguments.model, False
+    logger.warning("no --model given: using the built-in tiny demo model (random weights, so its text is "
+                   "gibberish), built once into the cache directory ($TANDEM_CACHE_DIR, default ~/.cache/tandem)")
+    from tandem.tools.make_model import ensure_demo_model
+
+    path = str(ensure_demo_model())
+    logger.info("demo model: %s", path)
+    return path, True
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="start an OpenAI-compatible server",
+        description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics, /tokenize, /detokenize): a frontend process and "
+                    "an engine process. SIGINT/SIGTERM drain in-flight requests, then exit.")
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every interface (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes "
+                            "(default: $TANDEM_API_KEY; none: open)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients may ask for (default: the --model argument, or "
+                            f"'{DEMO_MODEL_NAME}' for the demo model)")
+    group.add_argument("--max-queued-requests", type=int, default=4096,
+                       help="requests allowed to wait beyond --max-num-seqs; more get 503 with Retry-After (default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may take to finish after SIGINT/SIGTERM (default: %(default)s)")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"], default="info",
+                       help="log level of the server and the engine (default: %(default)s)")
+    group.add_argument("--engine-core-class", default=DEFAULT_CORE_CLASS, help=argparse.SUPPRESS)
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(arguments: argparse.Namespace) -> int:
+    configure_logging(arguments.log_level)
+    model, is_demo = resolve_model(arguments)
+    from tandem.entrypoints.openai.server import ServerOptions, run_server
+
+    names = arguments.served_model_name or [DEMO_MODEL_NAME if is_demo else arguments.model]
+    options = ServerOptions(host=arguments.host, port=arguments.port, api_key=arguments.api_key or os.environ.get("TANDEM_API_KEY") or None,
+                            served_model_names=tuple(names), log_level=arguments.log_level,
+                            max_queued_requests=arguments.max_queued_requests,
+                            shutdown_timeout=arguments.shutdown_timeout,
+                            core_class_path=arguments.engine_core_class)
+    return run_server(engine_config(arguments, model), options)
+
+
+def add_generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text for prompts given on the command line",
+        description="Run the engine in this process on one or more prompts and print the outputs.")
+    parser.add_argument("prompts", nargs="+", help="prompt text(s); with --chat each is one user message")
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    group.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0: off (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0, help="min-p sampling; 0: off (default: %(default)s)")
+    group.add_argument("--n", type=int, default=1, help="outputs per prompt (default: %(default)s)")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
+                       help="log level (default: %(default)s)")
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(arguments: argparse.Namespace) -> int:
+    configure_logging(arguments.log_level)
+    model, _ = resolve_model(arguments)
+    config = engine_config(arguments, model)
+    from dataclasses import asdict
+
+    from tandem.entrypoints.llm import LLM
+    from tandem.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(n=arguments.n, temperature=arguments.temperature, top_p=arguments.top_p,
+                                top_k=arguments.top_k, min_p=arguments.min_p, seed=arguments.sampling_seed,
+                                stop=arguments.stop, ignore_eos=arguments.ignore_eos,
+                                max_tokens=arguments.max_tokens)
+    except ValueError as error:
+        print(f"tandem generate: {error}", file=sys.stderr)
+        return 2
+    options = {key: value for key, value in asdict(config).items() if key not in ("model", "tokenizer")}
+    llm = LLM(model=config.model, tokenizer=config.tokenizer, **options)
+    if arguments.chat:
+        outputs = llm.chat([[{"role": "user", "content": prompt}] for prompt in arguments.prompts], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(arguments.prompts, params, use_tqdm=False)
+    print_outputs(arguments.prompts, outputs)
+    return 0
+
+
+def print_outputs(prompts: Sequence[str], outputs) -> None:
+    for prompt, output in zip(prompts, outputs):
+        for choice in output.outputs:
+            label = f"[{choice.index}] " if len(output.outputs) > 1 else ""
+            print(f"{label}{prompt!r} -> {choice.text!r} ({len(choice.token_ids)} tokens, {choice.finish_reason})")
+
+
+def add_make_model_parser(subparsers) -> None:
+    from tandem.tools.make_model import add_cli_parser
+
+    add_cli_parser(subparsers)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem: an LLM serving engine.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_serve_parser(subparsers)
+    add_generate_parser(subparsers)
+    add_make_model_parser(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    return int(arguments.func(arguments) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: FastAPI app factory, request models, errors, metrics."""

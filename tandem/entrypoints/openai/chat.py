@@ -1,0 +1,158 @@
+"""``POST /v1/chat/completions``: chat template, n, logprobs/top_logprobs, SSE streaming."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tandem.entrypoints.openai.completions import ChoiceCursor, collect_final_outputs, has_news, usage_of
+from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from tandem.entrypoints.openai.serving import (
+    SSE_DONE,
+    PromptInput,
+    ServerState,
+    build_sampling_params,
+    check_output_error,
+    merge_generations,
+    new_request_id,
+    run_until_disconnected,
+    sse_event,
+    streaming_response,
+    translate_engine_error,
+)
+from tandem.frontend.tokenizer import apply_chat_template
+from tandem.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                       template_kwargs: Optional[dict]) -> PromptInput:
+    """Apply the tokenizer's chat template; template failures are the client's 400."""
+    try:
+        text = apply_chat_template(state.tokenizer, [message.template_dict() for message in messages],
+                                   add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except ValueError as error:
+        raise OpenAIError.from_value_error(error) from None
+    except Exception as error:  # noqa: BLE001 - jinja raises its own types (raise_exception in templates)
+        raise OpenAIError(400, f"messages: the chat template rejected the messages: {error}", "messages") from None
+    return PromptInput(text, list(state.tokenizer.encode(text, add_special_tokens=False)))
+
+
+def chat_params(state: ServerState, body: ChatCompletionRequest, prompt: PromptInput) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = state.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, "messages",
+                                          max_tokens_param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return build_sampling_params(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                                              prompt_logprobs=None))
+
+
+class ChatRenderer:
+    """Turns ``RequestOutput``s of one chat request into response dicts."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, model_name: str):
+        self.state = state
+        self.body = body
+        self.request_id = request_id
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def logprobs_dict(self, token_ids: list[int], positions: list[PositionLogprobDict]) -> Optional[dict]:
+        if not self.body.logprobs:
+            return None
+        top = self.body.top_logprobs or 0
+        content = []
+        for token_id, position in zip(token_ids, positions):
+            chosen = position[token_id]
+            ranked = sorted((entry for entry in position.values() if entry.rank is not None and entry.rank <= top),
+                            key=lambda entry: entry.rank)
+            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                            "bytes": list(chosen.decoded_token.encode("utf-8")),
+                            "top_logprobs": [{"token": entry.decoded_token, "logprob": entry.logprob,
+                                              "bytes": list(entry.decoded_token.encode("utf-8"))} for entry in ranked]})
+        return {"content": content}
+
+    def choice_logprobs(self, choice: CompletionOutput, start: int) -> Optional[dict]:
+        return self.logprobs_dict(choice.token_ids[start:], (choice.logprobs or [])[start:])
+
+    def response(self, output: RequestOutput) -> dict:
+        check_output_error(output)
+        choices = []
+        for choice in output.outputs:
+            entry = {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                     "logprobs": self.choice_logprobs(choice, 0), "finish_reason": choice.finish_reason,
+                     "stop_reason": choice.stop_reason}
+            if self.body.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        result = {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                  "model": self.model_name, "choices": choices, "usage": usage_of({0: output})}
+        if self.body.return_token_ids:
+            result["prompt_token_ids"] = output.prompt_token_ids
+        return result
+
+    def chunk(self, choices: list[dict], usage: Optional[dict] = None, prompt_token_ids=None) -> dict:
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model_name, "choices": choices}
+        if self.body.include_usage_in_stream:
+            chunk["usage"] = usage
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
+        return chunk
+
+    def role_chunk(self, index: int, prompt_token_ids: list[int]) -> dict:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self.chunk([choice], prompt_token_ids=prompt_token_ids if self.body.return_token_ids else None)
+
+    def delta_choice(self, choice: CompletionOutput, cursor: ChoiceCursor) -> dict:
+        entry = {"index": choice.index, "delta": {"content": choice.text[cursor.sent_text:]},
+                 "logprobs": self.choice_logprobs(choice, cursor.sent_tokens),
+                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if self.body.return_token_ids:
+            entry["token_ids"] = choice.token_ids[cursor.sent_tokens:]
+        cursor.sent_text = len(choice.text)
+        cursor.sent_tokens = len(choice.token_ids)
+        cursor.finished = choice.finish_reason is not None
+        return entry
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
+    """Validate, submit, and answer (JSON or SSE). Every check happens before anything is submitted."""
+    model_name = state.check_model(body.model)
+    prompt = render_chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    state.check_prompt_ids(prompt.token_ids, "messages")
+    params = chat_params(state, body, prompt)
+    state.check_capacity(1)
+    request_id = new_request_id("chatcmpl")
+    renderer = ChatRenderer(state, body, request_id, model_name)
+    if body.stream:
+        return streaming_response(stream_chat(state, renderer, prompt, params))
+    finals = await run_until_disconnected(request, collect_final_outputs(state, request_id, [prompt], params))
+    return JSONResponse(renderer.response(finals[0]))
+
+
+async def stream_chat(state: ServerState, renderer: ChatRenderer, prompt: PromptInput,
+                      params: SamplingParams) -> AsyncIterator[bytes]:
+    """SSE: a role chunk per choice, content chunks, an optional usage chunk, then ``[DONE]``."""
+    for index in range(params.n):
+        yield sse_event(renderer.role_chunk(index, prompt.token_ids))
+    cursors = [ChoiceCursor(echoed=True) for _ in range(params.n)]
+    final: Optional[RequestOutput] = None
+    try:
+        async for _, output in merge_generations(state.client, renderer.request_id, [prompt], params):
+            check_output_error(output)
+            final = output
+            for choice, cursor in zip(output.outputs, cursors):
+                if has_news(renderer.body, choice, cursor):
+                    yield sse_event(renderer.chunk([renderer.delta_choice(choice, cursor)]))
+        if renderer.body.include_usage_in_stream and final is not None:
+            yield sse_event(renderer.chunk([], usage_of({0: final})))
+    except Exception as error:  # noqa: BLE001 - reported in-stream: the status line is already sent
+        yield sse_event(translate_engine_error(error).body())
+    yield SSE_DONE

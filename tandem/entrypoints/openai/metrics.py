@@ -1,0 +1,116 @@
+"""Prometheus metrics of one server, in a registry of its own (no module-level state).
+
+Request-level series are recorded by the frontend as outputs arrive (``RequestTimer``); engine
+series (running/waiting requests, KV pages, prefix-cache hits) are read from the engine's latest
+``EngineStats`` at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.engine.protocol import EngineStats
+from tandem.outputs import RequestOutput
+
+PREFIX = "tandem:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+
+class EngineStatsCollector:
+    """Exposes the engine's newest stats; ``read_stats`` is called on every scrape."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats]):
+        self.read_stats = read_stats
+
+    def collect(self):
+        stats = self.read_stats()
+        gauges = {
+            "num_requests_running": ("Sequences the engine is running.", stats.num_running),
+            "num_requests_waiting": ("Sequences waiting to be scheduled.", stats.num_waiting),
+            "kv_pages_used": ("KV-cache pages held by requests.", stats.kv_pages_used),
+            "kv_pages_total": ("KV-cache pages in the pool.", stats.kv_pages_total),
+            "kv_page_size_tokens": ("Tokens per KV-cache page.", stats.page_size),
+        }
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
+        counters = {
+            "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", stats.prefix_cache_hit_tokens),
+            "prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache.",
+                                          stats.prefix_cache_query_tokens),
+            "num_preemptions": ("Sequences preempted by the scheduler.", stats.num_preemptions),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+
+
+class RequestTimer:
+    """Timing of one request, fed by the engine client as outputs arrive. Owned by its stream."""
+
+    def __init__(self, metrics: "ServerMetrics", arrival_time: float):
+        self.metrics = metrics
+        self.arrival_time = arrival_time
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.tokens_per_choice: list[int] = []
+        self.ended = False
+
+    def record_output(self, output: RequestOutput, now: float) -> None:
+        counts = [len(choice.token_ids) for choice in output.outputs]
+        previous = self.tokens_per_choice or [0] * len(counts)
+        new_per_choice = [count - before for count, before in zip(counts, previous)]
+        self.tokens_per_choice = counts
+        new_tokens = sum(new_per_choice)
+        if new_tokens <= 0:
+            return
+        self.metrics.generation_tokens.inc(new_tokens)
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - self.arrival_time)
+        else:
+            steps = max(new_per_choice)
+            for _ in range(steps):
+                self.metrics.inter_token_latency.observe((now - self.last_token_time) / steps)
+        self.last_token_time = now
+
+    def record_end(self, outcome: str, now: float) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.metrics.requests.labels(outcome=outcome).inc()
+        self.metrics.end_to_end_latency.observe(now - self.arrival_time)
+
+
+class ServerMetrics:
+    """All series of one server; also the engine client's request observer."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(PREFIX + "requests", "Requests by outcome (finish reason, abort, error, rejected).",
+                                ["outcome"], registry=self.registry)
+        for outcome in REQUEST_OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=self.registry)
+        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.end_to_end_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, end to end.",
+                                            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(EngineStatsCollector(read_stats))
+
+    def start_request(self, num_prompt_tokens: int, arrival_time: float) -> RequestTimer:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTimer(self, arrival_time)
+
+    def count_rejected(self) -> None:
+        """A request refused by the frontend before it reached the engine."""
+        self.requests.labels(outcome="rejected").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

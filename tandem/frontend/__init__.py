@@ -1,0 +1,1 @@
+"""Frontend: tokenizer, chat templates, incremental detokenizer, output processing, engine client."""
