@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from tandem.worker.forward_context import ForwardContext
 
 
+def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``buffer[pages]`` for any shape of ``pages``, as one ``index_select`` over whole pages
+    (about twice as fast as advanced indexing on CPU)."""
+    flat = buffer.view(buffer.shape[0], -1).index_select(0, pages.reshape(-1))
+    return flat.view(*pages.shape, *buffer.shape[1:])
+
+
 class AttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 buffers: dict[str, torch.Tensor], metadata: AttentionMetadata,
@@ -67,8 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
             valid = valid[:, first_page * page_size:] & (
                 key_positions[None, :] >= bucket.context_lengths[:, None] - window)
         batch, num_pages = table.shape
-        keys = key_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
-        values = value_cache[table].view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        keys = gather_pages(key_cache, table).view(batch, num_pages * page_size, num_kv_heads, head_dim)
+        values = gather_pages(value_cache, table).view(batch, num_pages * page_size, num_kv_heads, head_dim)
         if zero_invalid:
             mask = valid[:, :, None, None]
             keys, values = torch.where(mask, keys, 0), torch.where(mask, values, 0)
@@ -88,8 +95,9 @@ class TorchAttentionBackend(AttentionBackend):
         # may be null).
         first_page = 0 if window is None else max(0, length - num_queries - window + 1) // page_size
         first = first_page * page_size
-        keys = key_cache[chunk.pages[first_page:]].view(-1, num_kv_heads, head_dim)[:length - first]
-        values = value_cache[chunk.pages[first_page:]].view(-1, num_kv_heads, head_dim)[:length - first]
+        pages = chunk.pages[first_page:]
+        keys = gather_pages(key_cache, pages).view(-1, num_kv_heads, head_dim)[:length - first]
+        values = gather_pages(value_cache, pages).view(-1, num_kv_heads, head_dim)[:length - first]
         query_positions = torch.arange(length - num_queries, length, device=query.device)
         key_positions = torch.arange(first, length, device=query.device)
         mask = key_positions[None, :] <= query_positions[:, None]
