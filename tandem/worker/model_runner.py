@@ -37,6 +37,9 @@ class ModelRunner:
         self.pending_loads = PendingLoads()
         self.accessor = StateAccessor(coordinator.registry, self.pending_loads)
         self.backend = backend or TorchAttentionBackend()
+        # On CPU, buckets of similar lengths save gathered bytes; on a GPU every bucket costs
+        # kernel launches in every layer, which outweighs the padding: one bucket there.
+        self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
 
     @staticmethod
     def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -87,7 +90,7 @@ class ModelRunner:
         metadata.page_table = table_tensor
         num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
         metadata.num_decode_tokens = num_decode
-        for start, end in decode_bucket_bounds(context_lengths[:num_decode]):
+        for start, end in decode_bucket_bounds(context_lengths[:num_decode], min_bucket=self.decode_min_bucket):
             lengths = torch.tensor(context_lengths[start:end], device=self.device)
             width = -(-context_lengths[end - 1] // page_size)
             valid = torch.arange(width * page_size, device=self.device)[None, :] < lengths[:, None]
