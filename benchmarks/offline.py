@@ -7,6 +7,7 @@ ratio of tandem to the better of the two.
     python benchmarks/offline.py                      # ~30M-parameter llama on CPU, fp32
     python benchmarks/offline.py --preset llama3-8b --load-format dummy --dtype bfloat16 \
         --skip-transformers-batch                     # Llama-3.1-8B shape on a GPU
+    python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def parse_args():
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-output-len", type=int, default=None,
+                        help="draw each request's output length from [min, --output-len] (default: all "
+                             "--output-len). transformers' batch APIs take one max_new_tokens per batch, "
+                             "so they generate --output-len for every request; only requested tokens count")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--page-size", type=int, default=16)
@@ -100,6 +105,12 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
             for _ in range(args.num_prompts)]
 
 
+def make_output_lengths(args) -> list[int]:
+    rng = random.Random(1)
+    low = args.output_len if args.min_output_len is None else args.min_output_len
+    return [rng.randint(low, args.output_len) for _ in range(args.num_prompts)]
+
+
 def timed(function, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -113,14 +124,14 @@ def timed(function, repeat: int) -> float:
     return best
 
 
-def run_tandem(model_dir, prompts, args) -> float:
+def run_tandem(model_dir, prompts, output_lengths, args) -> float:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
     del llm
     return seconds
@@ -180,8 +191,9 @@ def main() -> None:
     model_dir = build_model_dir(args)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args, vocab)
-    output_tokens = args.output_len * len(prompts)
-    results = {"tandem": run_tandem(model_dir, prompts, args)}
+    output_lengths = make_output_lengths(args)
+    output_tokens = sum(output_lengths)
+    results = {"tandem": run_tandem(model_dir, prompts, output_lengths, args)}
     if not args.skip_transformers:
         model, device = load_transformers(model_dir, args)
         results["transformers generate (padded)"] = run_transformers_padded(model, device, prompts, args)
@@ -189,7 +201,9 @@ def main() -> None:
             results["transformers generate_batch"] = run_transformers_continuous(model, prompts, args)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{torch.get_num_threads()} threads"
     print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, {device_name}")
-    print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {args.output_len} output tokens each\n")
+    lengths = (f"{args.output_len}" if args.min_output_len is None
+               else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")
+    print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {lengths} output tokens each\n")
     print(f"{'system':<34}{'seconds':>10}{'output tok/s':>15}")
     for name, seconds in results.items():
         if seconds is None:
