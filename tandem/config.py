@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from tandem.transfer.config import TransferConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
@@ -38,6 +41,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
+    # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
+    transfer: Optional["TransferConfig"] = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

@@ -43,6 +43,10 @@ def available_host_memory() -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        if config.transfer is not None and config.transfer.role == "decode" and config.enable_prefix_caching:
+            # A decode server receives every prompt's state whole (a recurrent group gets its
+            # working slot, not the prefill server's cache checkpoints): it keeps no prefix cache.
+            config = config.with_changes(enable_prefix_caching=False)
         self.config = config
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
@@ -67,6 +71,11 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
+        self.pd = None  # prefill/decode disaggregation (engine/pd.py), when configured
+        if config.transfer is not None:
+            from tandem.engine.pd import create_pd
+
+            self.pd = create_pd(self, config.transfer)
         logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
                     plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
@@ -102,8 +111,29 @@ class EngineCore:
         max_tokens = self._resolve_max_tokens(len(prompt), params.max_tokens)
         sequences = [self._new_sequence(request.request_id, 0, prompt, params, max_tokens)]
         sequences[0].pending_forks = params.n - 1
+        if request.transfer is not None:
+            self._check_transfer(request)
+            self._sequences[request.request_id] = sequences
+            try:
+                self.pd.add(sequences[0], request.transfer)  # held until its state or destination is known
+            except ValueError:
+                del self._sequences[request.request_id]
+                raise
+            return
         self._sequences[request.request_id] = sequences
         self.scheduler.add(sequences[0])
+
+    def _check_transfer(self, request: EngineRequest) -> None:
+        """A PD leg must reach an engine of its role and use what PD supports."""
+        role = request.transfer.role
+        if self.pd is None or self.pd.role != role:
+            mine = self.pd.role if self.pd is not None else "colocated"
+            raise ValueError(f"kv_transfer_params: a {role} leg sent to a {mine} server")
+        params = request.sampling_params
+        if params.n != 1:
+            raise ValueError("n: disaggregated prefill/decode serves n=1 only")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available with disaggregated prefill/decode")
 
     def _resolve_max_tokens(self, prompt_length: int, max_tokens: Optional[int]) -> int:
         max_model_len = self.model_info.max_model_len
@@ -133,6 +163,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """End every sequence of these requests and free their pages at once (no deltas)."""
         for request_id in request_ids:
+            if self.pd is not None:
+                self.pd.on_abort_request(request_id)  # in-flight transfers end before pages go
             for sequence in self._sequences.pop(request_id, []):
                 if sequence.pending_forks:
                     sequence.pending_forks = 0
@@ -153,10 +185,23 @@ class EngineCore:
             del self._sequences[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.pd is not None and self.pd.has_work())
+
+    # PD engines: the process loop waits on these between steps instead of spinning.
+    def idle_wait_milliseconds(self) -> int:
+        return self.pd.idle_wait_milliseconds() if self.pd is not None else 0
+
+    def wakeup_sockets(self) -> list:
+        return self.pd.wakeup_sockets() if self.pd is not None else []
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        if self.pd is None:
+            return self._step()
+        transfer_deltas = self.pd.poll()  # control messages, completions, admissions, timeouts
+        return transfer_deltas + self.pd.filter_deltas(self._step())
+
+    def _step(self) -> list[RequestDelta]:
         output = self.scheduler.schedule()
         deltas: list[RequestDelta] = []
         if output.chunks:
@@ -169,6 +214,8 @@ class EngineCore:
                 return self._fail(output.chunks, f"{type(error).__name__}: {error}")
             for chunk in output.chunks:
                 self.scheduler.on_computed(chunk)
+                if self.pd is not None:
+                    self.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
                 self._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
             deltas = self._sample_and_update(result)
         self.coordinator.sanitizer.check_books(
@@ -291,17 +338,20 @@ class EngineCore:
                            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
                            prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
                            num_preemptions=self.scheduler.num_preemptions,
-                           page_size=self.coordinator.page_size)
+                           page_size=self.coordinator.page_size,
+                           transfer=self.pd.stats() if self.pd is not None else None)
 
     def reset_prefix_cache(self) -> int:
         return self.coordinator.reset_prefix_cache()
 
     def check_all_free(self) -> None:
         """I5 at idle: flush the prefix cache, then every page must be free."""
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
         self.reset_prefix_cache()
         self.coordinator.sanitizer.check_all_free(self.coordinator)
 
     def shutdown(self) -> None:
         self._sequences.clear()
+        if self.pd is not None:
+            self.pd.close()

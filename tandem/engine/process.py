@@ -84,6 +84,7 @@ class EngineLoop:
         self.stopping = False
         self.rejected: list[RequestRejectedMessage] = []
         self.state_changed = False
+        self.last_stats = None  # PD engines: the stats last sent (quiet steps are not reported)
         self.handlers = {
             AddRequestMessage: self.add_request,
             AbortRequestsMessage: lambda message: self.change(self.core.abort_requests, message.request_ids),
@@ -100,7 +101,12 @@ class EngineLoop:
         info = self.core.model_info
         self.send(EngineReadyMessage(vocab_size=int(info.vocab_size), max_model_len=int(info.max_model_len),
                                      eos_token_ids=[int(token) for token in info.eos_token_ids],
-                                     stats=self.core.stats()))
+                                     stats=self.core.stats(), transfer=self.transfer_endpoint()))
+
+    def transfer_endpoint(self):
+        """A PD engine's role, control address and state layout (None when colocated)."""
+        pd = getattr(self.core, "pd", None)
+        return pd.endpoint() if pd is not None else None
 
     def run(self) -> None:
         """Serve until ``ShutdownMessage`` or until the parent process is gone."""
@@ -117,9 +123,30 @@ class EngineLoop:
             self.send_step(deltas)
 
     def send_step(self, deltas: list[RequestDelta]) -> None:
-        self.send(EngineStepMessage(deltas=deltas, rejected=self.rejected, stats=self.core.stats()))
+        stats = self.core.stats()
+        if self.waits_between_steps() and not (deltas or self.rejected or self.state_changed) \
+                and stats == self.last_stats:
+            return  # a PD engine steps while it waits on transfers: nothing new to report
+        self.last_stats = stats
+        self.send(EngineStepMessage(deltas=deltas, rejected=self.rejected, stats=stats))
         self.rejected = []
         self.state_changed = False
+
+    def waits_between_steps(self) -> bool:
+        """PD engines always have work (heartbeats, transfers) and wait on their control sockets
+        between steps (``idle_wait_milliseconds``) instead of spinning."""
+        return getattr(self.core, "pd", None) is not None
+
+    def wait_for_messages(self) -> None:
+        timeout = self.core.idle_wait_milliseconds()
+        if timeout <= 0:
+            return
+        poller = zmq.Poller()
+        for socket in [self.input_socket, *self.core.wakeup_sockets()]:
+            poller.register(socket, zmq.POLLIN)
+        poller.poll(timeout)
+        if self.parent_gone():
+            self.stopping = True
 
     def receive(self, block: bool) -> None:
         """Handle every queued message; when ``block``, first wait until one arrives."""
@@ -128,6 +155,8 @@ class EngineLoop:
                 if self.parent_gone():
                     self.stopping = True
                     return
+        elif self.waits_between_steps():
+            self.wait_for_messages()
         while True:
             try:
                 frame = self.input_socket.recv(flags=zmq.NOBLOCK, copy=False)

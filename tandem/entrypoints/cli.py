@@ -101,7 +101,60 @@ def add_serve_parser(subparsers) -> None:
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"], default="info",
                        help="log level of the server and the engine (default: %(default)s)")
     group.add_argument("--engine-core-class", default=DEFAULT_CORE_CLASS, help=argparse.SUPPRESS)
+    add_transfer_arguments(parser)
     parser.set_defaults(func=run_serve)
+
+
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation flags of ``serve`` (defaults: tandem/transfer/config.py)."""
+    from tandem.transfer.config import BACKEND_CHOICES, ROLE_CHOICES
+
+    group = parser.add_argument_group("prefill/decode disaggregation")
+    group.add_argument("--role", choices=ROLE_CHOICES, default="colocated",
+                       help="colocated: prefill and decode here; prefill or decode: one leg of a PD pair, "
+                            "behind 'tandem router' (default: %(default)s)")
+    group.add_argument("--transfer-backend", choices=BACKEND_CHOICES, default="nixl",
+                       help="how state moves between prefill and decode (default: %(default)s)")
+    group.add_argument("--pd-address", default="tcp://127.0.0.1:0",
+                       help="the engine's control (bootstrap) address, tcp://HOST:PORT; port 0: any free port; "
+                            "the router reads it from GET /pd/info (default: %(default)s)")
+    group.add_argument("--pd-heartbeat-interval", type=float, default=1.0,
+                       help="seconds between heartbeats to each peer (default: %(default)s)")
+    group.add_argument("--pd-peer-timeout", type=float, default=10.0,
+                       help="seconds of silence after which a peer is dead: its transfers fail and their "
+                            "destination pages are released (default: %(default)s)")
+    group.add_argument("--pd-connect-timeout", type=float, default=10.0,
+                       help="decode: seconds a prefill server may take to answer the handshake (default: %(default)s)")
+    group.add_argument("--pd-bootstrap-timeout", type=float, default=300.0,
+                       help="seconds a request may wait for its destination pages / its admission on the decode "
+                            "server (default: %(default)s)")
+    group.add_argument("--pd-transfer-timeout", type=float, default=120.0,
+                       help="seconds from destination pages to commit (default: %(default)s)")
+    group.add_argument("--pd-progress-thread", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the transfer backend's progress thread (it keeps a core busy); needed only "
+                            "where writes are not one-sided, e.g. UCX over TCP between hosts (default: off)")
+    group.add_argument("--pd-drain-timeout", type=float, default=10.0,
+                       help="prefill: seconds a failed transfer's writes may take to finish before they are "
+                            "cancelled (default: %(default)s)")
+
+
+def transfer_config(arguments: argparse.Namespace):
+    """The ``TransferConfig`` of a prefill or decode server (None when colocated)."""
+    if arguments.role == "colocated":
+        return None
+    from tandem.transfer.config import TransferConfig
+
+    try:
+        return TransferConfig(role=arguments.role, backend=arguments.transfer_backend,
+                              bootstrap_address=arguments.pd_address,
+                              heartbeat_interval=arguments.pd_heartbeat_interval,
+                              peer_timeout=arguments.pd_peer_timeout, connect_timeout=arguments.pd_connect_timeout,
+                              bootstrap_timeout=arguments.pd_bootstrap_timeout,
+                              transfer_timeout=arguments.pd_transfer_timeout,
+                              drain_timeout=arguments.pd_drain_timeout,
+                              progress_thread=arguments.pd_progress_thread)
+    except ValueError as error:
+        raise SystemExit(f"tandem serve: {error}") from None
 
 
 def run_serve(arguments: argparse.Namespace) -> int:
@@ -115,7 +168,8 @@ def run_serve(arguments: argparse.Namespace) -> int:
                             max_queued_requests=arguments.max_queued_requests,
                             shutdown_timeout=arguments.shutdown_timeout,
                             core_class_path=arguments.engine_core_class)
-    return run_server(engine_config(arguments, model), options)
+    config = engine_config(arguments, model).with_changes(transfer=transfer_config(arguments))
+    return run_server(config, options)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -191,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
     add_make_model_parser(subparsers)
+    from tandem.entrypoints.router import add_router_parser
+
+    add_router_parser(subparsers)
     return parser
 
 

@@ -36,6 +36,7 @@ from tandem.engine.protocol import (
     FinishSequencesMessage,
     ResetPrefixCacheMessage,
     ShutdownMessage,
+    TransferParams,
 )
 from tandem.frontend.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
@@ -128,6 +129,7 @@ class EngineClient:
         self.decoder = msgspec.msgpack.Decoder(EngineMessage)
         self.stats = EngineStats()
         self.model_info: Optional[ModelInfo] = None
+        self.transfer_endpoint = None
         self.dead_reason: Optional[str] = None
         self.process: Optional[multiprocessing.Process] = None
         self.socket_directory: Optional[str] = None
@@ -165,6 +167,7 @@ class EngineClient:
             raise
         self.model_info = ModelInfo(ready.vocab_size, ready.max_model_len, tuple(ready.eos_token_ids))
         self.stats = ready.stats
+        self.transfer_endpoint = ready.transfer  # PD engines: role, control address, state layout
         self.tasks = [asyncio.create_task(self._receive_loop(), name="tandem-engine-receive"),
                       asyncio.create_task(self._watch_process(), name="tandem-engine-watch")]
         return self.model_info
@@ -239,7 +242,8 @@ class EngineClient:
         return len(self.streams)
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: Optional[float] = None) -> RequestStream:
+                    params: SamplingParams, arrival_time: Optional[float] = None,
+                    transfer: Optional[TransferParams] = None) -> RequestStream:
         """Register the request and send it to the engine; its outputs arrive on the stream."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -248,18 +252,19 @@ class EngineClient:
         stream = RequestStream(request_id, self.observer.start_request(len(prompt_token_ids), arrival_time))
         self.streams[request_id] = stream
         request = EngineRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                sampling_params=params, arrival_time=arrival_time)
+                                sampling_params=params, arrival_time=arrival_time, transfer=transfer)
         self._send(AddRequestMessage(request=request))
         return stream
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                       params: SamplingParams, arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, arrival_time: Optional[float] = None,
+                       transfer: Optional[TransferParams] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's newest cumulative output until it finishes.
 
         Leaving early (the consumer stops iterating, or its task is cancelled because the client
         disconnected) aborts the request in the engine, which frees its pages at once.
         """
-        stream = self.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        stream = self.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, transfer)
         finished = False
         try:
             while not finished:

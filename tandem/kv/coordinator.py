@@ -253,6 +253,14 @@ class StateCoordinator:
         for descriptor in self.registry.buffers(group_id):
             descriptor.tensor[destination].copy_(descriptor.tensor[source])
 
+    # -- PD transfer ------------------------------------------------------------------------------
+    def final_page_indices(self, state: RequestState, num_computed_tokens: int,
+                           prompt_done: bool) -> list[list[int]]:
+        """Per group: the page-table entries whose contents a PD receiver can take as final
+        (the managers say which: whole computed pages, a recurrent working slot at the end)."""
+        return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
+                for manager, table in zip(self.managers, state.page_tables)]
+
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:
         owner = f"inflight:{operation}"

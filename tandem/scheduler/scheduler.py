@@ -48,6 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.remote: list[Sequence] = []  # PD: waiting for remote state or a destination
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -56,10 +57,29 @@ class Scheduler:
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 
+    def add_remote(self, sequence: Sequence) -> None:
+        """PD: hold a sequence that must not be scheduled yet (its pages, if any, stay live)."""
+        sequence.status = SequenceStatus.WAITING_FOR_REMOTE
+        self.remote.append(sequence)
+
+    def release_remote(self, sequence: Sequence, running: bool) -> None:
+        """PD: the held sequence may run: straight into ``running`` when its state has arrived
+        (decode; it holds its pages), else to the back of the waiting queue (prefill)."""
+        self.remote.remove(sequence)
+        if running:
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+        else:
+            sequence.status = SequenceStatus.WAITING
+            self.waiting.append(sequence)
+
     def live_sequences(self) -> list[Sequence]:
-        return self.running + list(self.waiting)
+        return self.running + list(self.waiting) + self.remote
 
     def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self.remote)
+
+    def has_runnable(self) -> bool:
         return bool(self.running or self.waiting)
 
     def finish(self, sequence: Sequence, reason: str) -> None:
@@ -73,6 +93,8 @@ class Scheduler:
             self.running.remove(sequence)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
+        elif sequence in self.remote:
+            self.remote.remove(sequence)
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

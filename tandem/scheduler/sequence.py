@@ -16,6 +16,9 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    # PD: held outside the queues until its state arrives (decode) or its destination is known
+    # (prefill); the scheduler never schedules it (see ``Scheduler.add_remote``).
+    WAITING_FOR_REMOTE = "waiting_for_remote"
 
 
 @dataclass(eq=False)

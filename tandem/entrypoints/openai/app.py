@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 
+import msgspec
+
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,7 +37,19 @@ def create_app(state: ServerState) -> FastAPI:
     add_model_routes(app, state, authorized)
     add_tokenizer_routes(app, state, authorized)
     add_operations_routes(app, state, authorized)
+    add_transfer_routes(app, state)
     return app
+
+
+def add_transfer_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/pd/info")
+    async def transfer_info():
+        """A PD server's role, control (bootstrap) address and state layout, for the router."""
+        endpoint = getattr(state.client, "transfer_endpoint", None)
+        if endpoint is None:
+            return {"role": "colocated", "served_model_names": state.served_model_names}
+        return {"role": endpoint.role, "backend": endpoint.backend, "bootstrap_address": endpoint.bootstrap_address,
+                "layout": msgspec.to_builtins(endpoint.layout), "served_model_names": state.served_model_names}
 
 
 def api_key_checker(state: ServerState):

@@ -17,6 +17,7 @@ from tandem.entrypoints.openai.serving import (
     build_sampling_params,
     check_output_error,
     merge_generations,
+    transfer_params,
     new_request_id,
     run_until_disconnected,
     sse_event,
@@ -128,12 +129,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prompt = render_chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     state.check_prompt_ids(prompt.token_ids, "messages")
     params = chat_params(state, body, prompt)
+    transfer = transfer_params(body)
     state.check_capacity(1)
     request_id = new_request_id("chatcmpl")
     renderer = ChatRenderer(state, body, request_id, model_name)
     if body.stream:
         return streaming_response(stream_chat(state, renderer, prompt, params))
-    finals = await run_until_disconnected(request, collect_final_outputs(state, request_id, [prompt], params))
+    finals = await run_until_disconnected(request, collect_final_outputs(state, request_id, [prompt], params,
+                                                                         transfer))
     return JSONResponse(renderer.response(finals[0]))
 
 
@@ -145,7 +148,8 @@ async def stream_chat(state: ServerState, renderer: ChatRenderer, prompt: Prompt
     cursors = [ChoiceCursor(echoed=True) for _ in range(params.n)]
     final: Optional[RequestOutput] = None
     try:
-        async for _, output in merge_generations(state.client, renderer.request_id, [prompt], params):
+        async for _, output in merge_generations(state.client, renderer.request_id, [prompt], params,
+                                                 transfer_params(renderer.body)):
             check_output_error(output)
             final = output
             for choice, cursor in zip(output.outputs, cursors):

@@ -17,6 +17,7 @@ from tandem.entrypoints.openai.serving import (
     build_sampling_params,
     check_output_error,
     merge_generations,
+    transfer_params,
     new_request_id,
     run_until_disconnected,
     sse_event,
@@ -160,20 +161,21 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     model_name = state.check_model(body.model)
     prompts = tokenize_prompts(state, body.prompt)
     params = completion_params(state, body, prompts)
+    transfer = transfer_params(body)
     state.check_capacity(len(prompts))
     request_id = new_request_id("cmpl")
     renderer = CompletionRenderer(state, body, request_id, model_name, prompts)
     if body.stream:
         return streaming_response(stream_completion(state, renderer, params))
-    finals = await run_until_disconnected(request, collect_final_outputs(state, request_id, prompts, params))
+    finals = await run_until_disconnected(request, collect_final_outputs(state, request_id, prompts, params, transfer))
     return JSONResponse(renderer.response(finals))
 
 
 async def collect_final_outputs(state: ServerState, request_id: str, prompts: list[PromptInput],
-                                params: SamplingParams) -> dict[int, RequestOutput]:
+                                params: SamplingParams, transfer=None) -> dict[int, RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     try:
-        async for prompt_index, output in merge_generations(state.client, request_id, prompts, params):
+        async for prompt_index, output in merge_generations(state.client, request_id, prompts, params, transfer):
             finals[prompt_index] = output
     except OpenAIError:
         raise
@@ -189,7 +191,8 @@ async def stream_completion(state: ServerState, renderer: CompletionRenderer,
     finals: dict[int, RequestOutput] = {}
     try:
         async for prompt_index, output in merge_generations(state.client, renderer.request_id,
-                                                            renderer.prompts, params):
+                                                            renderer.prompts, params,
+                                                            transfer_params(renderer.body)):
             check_output_error(output)
             finals[prompt_index] = output
             for choice in output.outputs:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tandem.engine.protocol import EngineStats
 from tandem.outputs import RequestOutput
@@ -45,6 +45,35 @@ class EngineStatsCollector:
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+        if stats.transfer is not None:
+            yield from transfer_metric_families(stats.transfer)
+
+
+def transfer_metric_families(transfer):
+    """PD transfer series: bytes, duration and bandwidth histograms, outcomes, queue lengths."""
+    outcomes = CounterMetricFamily(PREFIX + "pd_transfers", "PD transfers by outcome.", labels=["role", "outcome"])
+    for outcome, count in sorted(transfer.outcomes.items()):
+        outcomes.add_metric([transfer.role, outcome], count)
+    yield outcomes
+    yield CounterMetricFamily(PREFIX + "pd_transfer_bytes", "Bytes of completed PD transfers.",
+                              value=transfer.bytes_total)
+    yield CounterMetricFamily(PREFIX + "pd_requests_held_back",
+                              "Decode: requests that waited for admission because the pool was full.",
+                              value=transfer.num_held_back)
+    histograms = (("pd_transfer_size_bytes", "Bytes per completed PD transfer.", transfer.size_bytes),
+                  ("pd_transfer_duration_seconds", "Duration of completed PD transfers.", transfer.duration_seconds),
+                  ("pd_transfer_bandwidth_bytes_per_second", "Bandwidth of completed PD transfers (writer side).",
+                   transfer.bandwidth_bytes_per_second))
+    for name, documentation, snapshot in histograms:
+        if snapshot is None:
+            continue
+        buckets = [(format(bound, "g"), count) for bound, count in zip(snapshot.bounds, snapshot.counts)]
+        buckets.append(("+Inf", snapshot.counts[-1]))
+        yield HistogramMetricFamily(PREFIX + name, documentation, buckets=buckets, sum_value=snapshot.total)
+    queues = GaugeMetricFamily(PREFIX + "pd_queue_length", "PD requests per transfer queue.", labels=["role", "queue"])
+    for queue, length in sorted(transfer.queues.items()):
+        queues.add_metric([transfer.role, queue], length)
+    yield queues
 
 
 class RequestTimer:

@@ -45,6 +45,9 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False
     user: Optional[str] = None
+    # Prefill/decode disaggregation: set by ``tandem router`` on each leg ({"room", "role",
+    # "prefill_address"}); clients never send it.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> SamplingParams:
         """Build (and so validate) the engine's parameters; raises ``ValueError("field: ...")``."""

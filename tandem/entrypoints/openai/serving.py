@@ -12,11 +12,13 @@ import msgspec
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
+from tandem.engine.protocol import TransferParams
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.frontend.engine_client import EngineClient, EngineDeadError, ModelInfo, RequestRejectedError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.transfer.messages import check_room, derive_room
 
 ResultType = TypeVar("ResultType")
 RETRY_AFTER_SECONDS = 1
@@ -114,14 +116,36 @@ class PromptInput:
     token_ids: list[int]
 
 
+def transfer_params(body) -> Optional[TransferParams]:
+    """The PD leg a router set in ``kv_transfer_params`` (None for an ordinary request)."""
+    raw = getattr(body, "kv_transfer_params", None)
+    if raw is None:
+        return None
+    try:
+        params = msgspec.convert(raw, TransferParams)
+        check_room(params.room)
+    except (msgspec.ValidationError, ValueError) as error:
+        raise OpenAIError(400, f"kv_transfer_params: {error}", "kv_transfer_params") from None
+    return params
+
+
+def prompt_transfer(transfer: Optional[TransferParams], index: int) -> Optional[TransferParams]:
+    """Each prompt of a multi-prompt request gets its own room (both legs derive it alike)."""
+    if transfer is None or index == 0:
+        return transfer
+    return msgspec.structs.replace(transfer, room=derive_room(transfer.room, index))
+
+
 async def merge_generations(client: EngineClient, request_id: str, prompts: list[PromptInput],
-                            params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+                            params: SamplingParams, transfer: Optional[TransferParams] = None,
+                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run one engine request per prompt; yield ``(prompt_index, newest output)`` as they come.
 
     Leaving early (or being cancelled) closes every generation, which aborts what still runs.
     """
     arrival_time = time.time()
-    generators = [client.generate(f"{request_id}-{index}", prompt.text, prompt.token_ids, params, arrival_time)
+    generators = [client.generate(f"{request_id}-{index}", prompt.text, prompt.token_ids, params, arrival_time,
+                                  transfer=prompt_transfer(transfer, index))
                   for index, prompt in enumerate(prompts)]
     if len(generators) == 1:
         try:

@@ -75,3 +75,13 @@ class StateManager:
 
     def after_cache_insert(self, page_table: list[int], owner: str) -> None:
         """Called after the prefix cache took references on the sequence's new nodes."""
+
+    def final_page_indices(self, page_table: list[int], num_computed_tokens: int, prompt_done: bool) -> list[int]:
+        """PD: the page-table entries whose contents are final for a receiver that continues
+        after the prompt — whole pages of computed tokens, and once the prompt is done its
+        partial last page too. The prefill server sends these (null entries are skipped)."""
+        if prompt_done:
+            count = self.pages_for_tokens(num_computed_tokens)
+        else:
+            count = num_computed_tokens // self.page_size
+        return list(range(min(count, len(page_table))))

@@ -74,6 +74,11 @@ class RecurrentManager(StateManager):
     def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
         return [], page_table[:1]
 
+    def final_page_indices(self, page_table: list[int], num_computed_tokens: int, prompt_done: bool) -> list[int]:
+        """PD: only the working slot, and only once the whole prompt is in it (a checkpoint
+        slot, if any, belongs to this server's prefix cache)."""
+        return [WORKING] if prompt_done and page_table else []
+
     # -- prefix cache ----------------------------------------------------------------------------
     def usable_prefix_pages(self, num_hit_pages: int) -> int:
         return 0  # without the path's checkpoints, no hit point is known to be exact

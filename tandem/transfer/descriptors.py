@@ -1,0 +1,98 @@
+"""From pages to bytes: the registry's buffers as memory regions, and page pairs as coalesced
+(source address, destination address, length) writes.
+
+Everything here iterates the state registry (I1): a buffer the registry holds is registered
+with the backend, described at handshake, and written for every page pair of its group; there is
+no per-family code. Page ``p`` of a buffer lies at ``tensor.data_ptr() + p * page_bytes``
+(``BufferDescriptor``); runs of pages that are consecutive on both sides become one write::
+
+    source pages       4 5 6   9          one write of 3 pages (4..6 -> 12..14),
+    destination pages 12 13 14 20         one of 1 page (9 -> 20), per buffer
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from tandem.kv.planner import NULL_PAGE
+from tandem.kv.registry import StateRegistry
+from tandem.transfer.messages import BufferInfo, StateLayout
+
+BufferKey = tuple[int, str, str]
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered region: ``device`` is -1 for host memory, else the CUDA device index."""
+    address: int
+    length: int
+    device: int
+
+    @property
+    def memory_type(self) -> str:
+        return "DRAM" if self.device < 0 else "VRAM"
+
+
+def tensor_region(tensor: torch.Tensor) -> MemoryRegion:
+    if not tensor.is_contiguous():
+        raise ValueError("transfer: state buffers must be contiguous to be registered")
+    device = tensor.device.index if tensor.device.type == "cuda" else -1
+    return MemoryRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device if device is not None else 0)
+
+
+def buffer_regions(registry: StateRegistry) -> list[MemoryRegion]:
+    """Every registry buffer as a region, in registry order."""
+    return [tensor_region(descriptor.tensor) for descriptor in registry.buffers()]
+
+
+def describe_layout(registry: StateRegistry, *, architecture: str, model: dict[str, int], page_size: int,
+                    metadata_row_bytes: int) -> StateLayout:
+    buffers = [BufferInfo(d.group_id, d.layer_name, d.kind, d.item_size, str(d.tensor.dtype), d.page_bytes)
+               for d in registry.buffers()]
+    return StateLayout(architecture=architecture, model=dict(model), page_size=page_size,
+                       num_groups=len(registry.groups), buffers=buffers, metadata_row_bytes=metadata_row_bytes)
+
+
+def coalesce(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source page, destination page) pairs -> (source start, destination start, count) runs,
+    null pages skipped, sorted by source page."""
+    runs: list[list[int]] = []
+    for source, destination in sorted((s, d) for s, d in pairs if s != NULL_PAGE and d != NULL_PAGE):
+        if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == destination:
+            runs[-1][2] += 1
+        else:
+            runs.append([source, destination, 1])
+    return [tuple(run) for run in runs]
+
+
+@dataclass
+class WritePlan:
+    """The writes that move some pages of every group: ``descriptors`` are (source address,
+    destination address, length); ``touched`` the registry buffers they cover (I1 tests)."""
+    descriptors: list[tuple[int, int, int]] = field(default_factory=list)
+    num_bytes: int = 0
+    num_pages: int = 0
+    touched: set[BufferKey] = field(default_factory=set)
+
+
+def plan_page_writes(registry: StateRegistry, remote_addresses: list[int],
+                     pairs_per_group: list[list[tuple[int, int]]]) -> WritePlan:
+    """Writes for ``pairs_per_group[g]`` (source page, destination page) in every buffer of
+    group ``g``; ``remote_addresses`` are the peer's buffer bases in registry order (the
+    handshake checked that both registries list the same buffers with the same page sizes)."""
+    plan = WritePlan()
+    runs_per_group = [coalesce(pairs) for pairs in pairs_per_group]
+    plan.num_pages = sum(count for runs in runs_per_group for _, _, count in runs)
+    for descriptor, remote_base in zip(registry.buffers(), remote_addresses, strict=True):
+        runs = runs_per_group[descriptor.group_id]
+        if not runs:
+            continue
+        local_base, page_bytes = descriptor.tensor.data_ptr(), descriptor.page_bytes
+        for source, destination, count in runs:
+            plan.descriptors.append((local_base + source * page_bytes, remote_base + destination * page_bytes,
+                                     count * page_bytes))
+            plan.num_bytes += count * page_bytes
+        plan.touched.add(descriptor.key)
+    return plan

@@ -1,0 +1,112 @@
+"""The PD metadata rows: a fixed pool of byte rows, registered with the transfer backend.
+
+The prefill server fills one of its own rows with what the decode server needs besides the pages
+— the first token, its logprobs, the prefix-cache hit, a slot for a draft model's hidden states
+and the room id — and writes it into the row the decode server reserved. The decode server copies
+the row out (``read`` returns plain Python values, never a view: I4) before releasing it, and
+checks the room id before committing.
+
+Row layout (little endian)::
+
+    room          16 bytes    the 128-bit room id
+    first_token   int64
+    cached_tokens int64       prompt tokens the prefill server had in its prefix cache
+    rank          int64       rank of first_token in the raw distribution (0: no logprobs)
+    num_logprobs  int64       entries below that are valid (first_token first, then the top-k)
+    token_ids     int64[MAX_LOGPROB_ENTRIES]
+    logprobs      float32[MAX_LOGPROB_ENTRIES]
+    hidden_len    int64       valid floats below (0 until a draft model needs them)
+    hidden        float32[hidden_size]
+
+Owner: the PD side of one engine. ``allocate`` hands out a row; ``release`` returns it (and, in
+sanitizer mode, poisons it so a stale read cannot pass the room check).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tandem.transfer.messages import room_from_bytes, room_to_bytes
+
+MAX_LOGPROB_ENTRIES = 21  # the chosen token plus up to 20 top logprobs
+POISON_BYTE = 0xA5
+_HEADER = struct.Struct(f"<16sqqqq{MAX_LOGPROB_ENTRIES}q{MAX_LOGPROB_ENTRIES}fq")
+
+
+@dataclass(frozen=True)
+class MetadataRow:
+    room: str
+    first_token: int
+    num_cached_tokens: int = 0
+    logprob_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    rank: int = 0
+    hidden_states: tuple[float, ...] = ()
+
+    @property
+    def has_logprobs(self) -> bool:
+        return bool(self.logprob_token_ids)
+
+
+class RowPoolExhausted(RuntimeError):
+    pass
+
+
+class MetadataBuffer:
+    def __init__(self, num_rows: int, hidden_size: int = 0, device: torch.device | str = "cpu",
+                 sanitize: bool = False) -> None:
+        self.num_rows = num_rows
+        self.hidden_size = hidden_size
+        self.row_bytes = _HEADER.size + 4 * hidden_size
+        self.sanitize = sanitize
+        self.tensor = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, device=device)
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def address(self, row: int) -> int:
+        return self.tensor.data_ptr() + row * self.row_bytes
+
+    def allocate(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def release(self, row: int) -> None:
+        if row in self._free:
+            raise RuntimeError(f"metadata row {row} released twice")
+        if self.sanitize:
+            self.tensor[row].fill_(POISON_BYTE)
+        self._free.append(row)
+
+    def write(self, row: int, value: MetadataRow) -> None:
+        entries = len(value.logprob_token_ids)
+        if entries > MAX_LOGPROB_ENTRIES or len(value.logprobs) != entries:
+            raise ValueError(f"metadata row: {entries} logprob entries (at most {MAX_LOGPROB_ENTRIES})")
+        if len(value.hidden_states) > self.hidden_size:
+            raise ValueError(f"metadata row: {len(value.hidden_states)} hidden values, slot holds {self.hidden_size}")
+        pad = MAX_LOGPROB_ENTRIES - entries
+        header = _HEADER.pack(room_to_bytes(value.room), value.first_token, value.num_cached_tokens, value.rank,
+                              entries, *value.logprob_token_ids, *([0] * pad), *value.logprobs, *([0.0] * pad),
+                              len(value.hidden_states))
+        hidden = struct.pack(f"<{self.hidden_size}f", *value.hidden_states,
+                             *([0.0] * (self.hidden_size - len(value.hidden_states))))
+        self.tensor[row].copy_(torch.frombuffer(bytearray(header + hidden), dtype=torch.uint8))
+
+    def read(self, row: int) -> MetadataRow:
+        """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""
+        data = self.tensor[row].cpu().numpy().tobytes()
+        fields = _HEADER.unpack_from(data)
+        room, first_token, cached, rank, entries = fields[:5]
+        token_ids = fields[5:5 + MAX_LOGPROB_ENTRIES]
+        logprobs = fields[5 + MAX_LOGPROB_ENTRIES:5 + 2 * MAX_LOGPROB_ENTRIES]
+        hidden_len = fields[-1]
+        entries = max(0, min(entries, MAX_LOGPROB_ENTRIES))
+        hidden_len = max(0, min(hidden_len, self.hidden_size))
+        hidden = struct.unpack_from(f"<{hidden_len}f", data, _HEADER.size)
+        return MetadataRow(room=room_from_bytes(room), first_token=first_token, num_cached_tokens=cached,
+                           logprob_token_ids=tuple(token_ids[:entries]), logprobs=tuple(logprobs[:entries]),
+                           rank=rank, hidden_states=tuple(hidden))

@@ -1,0 +1,120 @@
+"""The NIXL transfer backend: one NIXL agent (UCX) per engine, one-sided WRITEs with a
+notification. Works on host memory (DRAM) as on GPU memory (VRAM); on a CPU-only host the UCX
+transports are shared memory and TCP on loopback, so CI exercises the real path.
+
+NIXL reports a remote agent's name as bytes from ``add_remote_agent`` but keys notifications by
+str; this class speaks str throughout.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
+from tandem.transfer.descriptors import MemoryRegion
+
+logger = logging.getLogger(__name__)
+
+
+def load_nixl():
+    """NIXL's agent classes: through the ``nixl`` package (it picks the build for the CUDA found),
+    else straight from an installed build."""
+    import importlib
+
+    for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            api = importlib.import_module(module)
+        except ImportError:
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise RuntimeError("transfer_backend: NIXL is not installed; install the 'pd' extra "
+                       "(pip install nixl-cu12, then pip install --no-deps nixl)")
+
+
+def _as_str(name) -> str:
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
+class NixlBackend(TransferBackend):
+    name = "nixl"
+
+    def __init__(self, agent_name: str, progress_thread: bool = False) -> None:
+        nixl_agent, nixl_agent_config = load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self._name = agent_name
+        # NIXL's progress thread polls with no pause (a core spinning per engine), so by default
+        # the engine drives progress itself: the writer polls its writes, the receiver polls its
+        # notifications every millisecond while it expects writes. That suffices where writes are
+        # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
+        # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        self._registered = []
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        by_type: dict[str, list[tuple[int, int, int, str]]] = {}
+        for region in regions:
+            by_type.setdefault(region.memory_type, []).append(
+                (region.address, region.length, max(region.device, 0), ""))
+        for memory_type, descriptors in by_type.items():
+            self._registered.append(self.agent.register_memory(descriptors, memory_type))
+
+    def local_metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return _as_str(self.agent.add_remote_agent(metadata))
+
+    def remove_peer(self, peer: str) -> None:
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception:  # noqa: BLE001 - already gone
+            logger.debug("removing NIXL peer %s failed", peer, exc_info=True)
+
+    def _descriptor_list(self, rows: np.ndarray, device: int):
+        memory_type = "DRAM" if device < 0 else "VRAM"
+        return self.agent.get_xfer_descs(rows, memory_type)
+
+    def _post(self, handle: WriteHandle, peer: str, descriptors, local_device: int, remote_device: int,
+              notification: bytes) -> None:
+        array = np.asarray(descriptors, dtype=np.uint64).reshape(-1, 3)
+        local = np.stack([array[:, 0], array[:, 2], np.full(len(array), max(local_device, 0), np.uint64)], axis=1)
+        remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), max(remote_device, 0), np.uint64)], axis=1)
+        native = self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),
+                                            self._descriptor_list(remote, remote_device), peer, notification)
+        handle.native = native
+        state = self.agent.transfer(native)
+        if state == "ERR":
+            handle.status, handle.error = WriteStatus.ERROR, "NIXL could not post the write"
+        elif state == "DONE":
+            handle.status = WriteStatus.DONE
+
+    def _check(self, handle: WriteHandle) -> WriteStatus:
+        state = self.agent.check_xfer_state(handle.native)
+        return {"DONE": WriteStatus.DONE, "PROC": WriteStatus.PENDING}.get(state, WriteStatus.ERROR)
+
+    def _release(self, handle: WriteHandle) -> bool:
+        try:
+            self.agent.release_xfer_handle(handle.native)
+        except Exception:  # noqa: BLE001 - NIXL could not cancel an active write
+            logger.warning("NIXL could not release a write to %s (still active)", handle.peer)
+            return False
+        return True
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        received = []
+        for peer, messages in self.agent.get_new_notifs().items():
+            received.extend((_as_str(peer), bytes(message)) for message in messages)
+        return received
+
+    def close(self) -> None:
+        for registered in self._registered:
+            try:
+                self.agent.deregister_memory(registered)
+            except Exception:  # noqa: BLE001
+                pass
+        self._registered = []
