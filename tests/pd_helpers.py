@@ -116,6 +116,8 @@ def serve_flags(options: dict) -> list[str]:
 
 class RouterProcess(ServerProcess):
     """``tandem router`` as a child process (same lifetime rules as ``ServerProcess``)."""
+    ready_path = "/v1/models"
+    kind = "router"
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], log_path: Path, extra: tuple = (),
                  environment: Optional[dict] = None):
@@ -123,23 +125,6 @@ class RouterProcess(ServerProcess):
         self.arguments = ["router", "--port", str(self.port), "--prefill", *prefill_urls, "--decode", *decode_urls,
                           *extra]
 
-    def start(self, timeout: float = 120.0) -> "RouterProcess":
-        self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", *self.arguments],
-                                        cwd=REPOSITORY_ROOT, env=self.environment, stdout=self.log_file,
-                                        stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base_url + "/v1/models", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"router not up after {timeout} s:\n{self.log()}")
 
 
 def start_all(processes: list[ServerProcess], timeout: float = 180.0) -> None:

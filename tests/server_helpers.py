@@ -160,6 +160,9 @@ class ServerProcess:
     that the server exits with status 0 and leaves no child process behind.
     """
 
+    ready_path = "/health"
+    kind = "server"
+
     def __init__(self, arguments: list[str], log_path: Path, environment: Optional[dict] = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -177,15 +180,15 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.kind} exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.base_url + self.ready_path, timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
+        raise RuntimeError(f"{self.kind} not ready after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
         if not self.log_file.closed:
