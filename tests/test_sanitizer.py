@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.engine.protocol import EngineRequest
 from tandem.kv.block_pool import BlockPool, SanitizerError
 from tandem.kv.sanitizer import Sanitizer
 
@@ -31,17 +32,20 @@ def test_leaked_page_is_caught_by_books_and_idle_check(llm):
         llm.engine.check_all_free()
 
 
-def test_read_of_a_freed_page_is_caught_by_owner_tags(llm):
-    engine = llm.engine
-    from tandem.engine.protocol import EngineRequest
-
+def running_sequence_and_a_freed_page(engine):
+    """Start one request and free a page someone else held: the makings of a stale read."""
     engine.add_request(EngineRequest(request_id="victim", prompt_token_ids=list(range(3, 12)),
                                      sampling_params=GREEDY.clone(max_tokens=8)))
     engine.step()
-    sequence = engine.scheduler.running[0]
     pool = engine.coordinator.pools[0]
     freed_page = pool.allocate(1, "other#0")[0]
     pool.release([freed_page], "other#0")
+    return engine.scheduler.running[0], freed_page
+
+
+def test_read_of_a_freed_page_is_caught_by_owner_tags(llm):
+    engine = llm.engine
+    sequence, freed_page = running_sequence_and_a_freed_page(engine)
     sequence.state.page_tables[0][0] = freed_page  # a stale page-table entry
     with pytest.raises(SanitizerError, match="does not hold"):
         engine.step()
@@ -50,15 +54,7 @@ def test_read_of_a_freed_page_is_caught_by_owner_tags(llm):
 def test_read_of_poisoned_state_fails_loudly_without_owner_tags(llm, monkeypatch):
     """Even past the owner-tag check, a freed page holds NaN poison that reaches the logits."""
     engine = llm.engine
-    from tandem.engine.protocol import EngineRequest
-
-    engine.add_request(EngineRequest(request_id="victim", prompt_token_ids=list(range(3, 12)),
-                                     sampling_params=GREEDY.clone(max_tokens=8)))
-    engine.step()
-    sequence = engine.scheduler.running[0]
-    pool = engine.coordinator.pools[0]
-    freed_page = pool.allocate(1, "other#0")[0]
-    pool.release([freed_page], "other#0")
+    sequence, freed_page = running_sequence_and_a_freed_page(engine)
     for descriptor in engine.registry.buffers(0):
         assert torch.isnan(descriptor.tensor[freed_page]).all(), "freed page not poisoned"
     monkeypatch.setattr(Sanitizer, "check_owner", lambda *args: None)
