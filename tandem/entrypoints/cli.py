@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, EngineConfig
+from tandem.config import DTYPE_CHOICES, INDEXER_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, EngineConfig
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -50,6 +50,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="longest prompt plus output, in tokens (default: the model's context length)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of shared prompt prefixes (default: on)")
+    group.add_argument("--indexer-cache-dtype", choices=INDEXER_CACHE_DTYPE_CHOICES, default="fp8",
+                       help="sparse-attention (DSA) indexer key cache: fp8 (e4m3 keys + fp32 scales, "
+                            "page-major) or float32 (unquantised) (default: %(default)s)")
 
 
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
@@ -59,7 +62,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         max_total_tokens=arguments.max_total_tokens, kv_cache_memory_bytes=arguments.kv_cache_memory_bytes,
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
-        max_model_len=arguments.max_model_len)
+        max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:
