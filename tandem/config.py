@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Optional
 
+from tandem.validation import require
+
 if TYPE_CHECKING:
     from tandem.transfer.config import TransferConfig
 
@@ -45,24 +47,20 @@ class EngineConfig:
     transfer: Optional["TransferConfig"] = None
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {message}")
-
-        check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        check(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
+        require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        require(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
-        check(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
+        require(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
-        check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
-        check(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+        require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+        require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
               "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")
-        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+        require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               f"must be >= 1, got {self.max_num_batched_tokens}")
-        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               f"must be >= 1, got {self.max_model_len}")
 
     @property

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from tandem.validation import require
+
 
 @dataclass
 class SamplingParams:
@@ -41,37 +43,33 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {message}")
-
         def is_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k",
+        require(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(is_int(self.top_k) and self.top_k >= 0, "top_k",
               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+        require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        require(-2 <= self.presence_penalty <= 2, "presence_penalty",
               f"must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+        require(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
               f"must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0, "repetition_penalty",
+        require(self.repetition_penalty > 0, "repetition_penalty",
               f"must be > 0, got {self.repetition_penalty}")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+        require(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+        require(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
               f"must be a non-negative integer, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (is_int(value) and 0 <= value <= 20), name,
+            require(value is None or (is_int(value) and 0 <= value <= 20), name,
                   f"must be an integer in [0, 20], got {value!r}")
-        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+        require(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a non-empty string or a list of non-empty strings")
 
     @property

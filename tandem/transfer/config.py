@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from tandem.validation import require
+
 ROLE_CHOICES = ("colocated", "prefill", "decode")
 BACKEND_CHOICES = ("nixl",)
 FAILURE_PROBABILITY_VARIABLE = "TANDEM_TEST_TRANSFER_FAILURE_PROB"
@@ -55,19 +57,15 @@ class TransferConfig:
     progress_thread: bool = False  # the backend's own progress thread (see nixl_backend.py)
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {message}")
-
-        check(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
-        check(self.backend in BACKEND_CHOICES, "transfer_backend",
+        require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
+        require(self.backend in BACKEND_CHOICES, "transfer_backend",
               f"must be one of {BACKEND_CHOICES}, got {self.backend!r}")
-        check(self.bootstrap_address.startswith("tcp://"), "pd_address",
+        require(self.bootstrap_address.startswith("tcp://"), "pd_address",
               f"must look like tcp://HOST:PORT, got {self.bootstrap_address!r}")
         for name in ("heartbeat_interval", "peer_timeout", "connect_timeout", "bootstrap_timeout",
                      "transfer_timeout", "drain_timeout"):
-            check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        check(self.peer_timeout > self.heartbeat_interval, "peer_timeout",
+            require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(self.peer_timeout > self.heartbeat_interval, "peer_timeout",
               f"must exceed heartbeat_interval ({self.heartbeat_interval}), got {self.peer_timeout}")
 
     @property
