@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1; then python -m pip install -q "torch>=2.11"; else python -m pip install -q torch==2.13.0; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then python -m pip install -q "torch>=2.11"; else python -m pip install -q torch==2.13.0 triton==3.6.0; fi
 fi
 python -m pip install -q -e ".[dev,pd]"
 # NIXL: its meta package requires both CUDA builds; take the cu12 build (pulled by the pd

@@ -7,10 +7,16 @@ import os
 os.environ["TANDEM_SANITIZE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# Without a CUDA device, Triton kernels run through Triton's interpreter (tiny shapes only). It
+# is read when a kernel is defined, so it is set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from tests.oracle import Oracle  # noqa: E402
 
