@@ -1,13 +1,18 @@
-"""Offline throughput: tandem vs transformers on the same model and prompts.
+"""Offline throughput: tandem vs transformers on the same model and prompts, and the roofline.
 
 Prints output tokens/s of tandem's ``LLM.generate``, of ``transformers``' ``generate`` (one
-left-padded batch) and of its continuous-batching ``generate_batch`` (when present), and the
-ratio of tandem to the better of the two.
+left-padded batch) and of its continuous-batching ``generate_batch`` (when present), the ratio
+of tandem to the better of the two, and the workload's roofline (weights + state bytes of every
+decode step over the measured copy bandwidth, FLOPs over the measured matrix rate).
 
-    python benchmarks/offline.py                      # ~30M-parameter llama on CPU, fp32
-    python benchmarks/offline.py --preset llama3-8b --load-format dummy --dtype bfloat16 \
-        --skip-transformers-batch                     # Llama-3.1-8B shape on a GPU
+    python benchmarks/offline.py                                  # ~30M-parameter llama on CPU, fp32
+    python benchmarks/offline.py --preset qwen3-0.6b-nanovllm     # nano-vllm's workload (GPU)
+    python benchmarks/offline.py --preset llama3-8b-b1            # Llama-3.1-8B shape, batch 1, 32, 256
+    python benchmarks/offline.py --preset llama3-8b-b32
+    python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
+
+GPU presets use random bf16 weights made on the device (``--load-format dummy``).
 """
 from __future__ import annotations
 
@@ -15,27 +20,34 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import Ceilings, ModelCost, model_dir_for, synchronize, vocab_size_of  # noqa: E402
+
+GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
+# name: model shape and workload (defaults of the command line, which still override them)
 PRESETS = {
-    # name: make_model keyword arguments
-    "tiny-30m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-                     intermediate_size=1536, vocab_size=8192),
-    "llama3-8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                      intermediate_size=14336, vocab_size=128256, rope_scaling="llama3",
-                      max_position_embeddings=8192),
+    "tiny-30m": dict(shape="tiny-30m"),
+    # nano-vllm's benchmark: 256 prompts, input and output lengths uniform in 100..1024.
+    "qwen3-0.6b-nanovllm": dict(GPU, shape="qwen3-0.6b", num_prompts=256, min_input_len=100, max_input_len=1024,
+                                min_output_len=100, output_len=1024, max_num_batched_tokens=16384),
+    "llama3-8b-b1": dict(GPU, shape="llama3-8b", num_prompts=1, min_input_len=128, max_input_len=128,
+                         output_len=256),
+    "llama3-8b-b32": dict(GPU, shape="llama3-8b", num_prompts=32, min_input_len=128, max_input_len=128,
+                          output_len=256),
+    "llama3-8b-b256": dict(GPU, shape="llama3-8b", num_prompts=256, min_input_len=1000, max_input_len=1000,
+                           output_len=1000, max_num_batched_tokens=16384),
 }
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model directory (default: build the preset)")
+    parser.add_argument("--model", help="model directory (default: build the preset's shape)")
     parser.add_argument("--preset", default="tiny-30m", choices=sorted(PRESETS))
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--min-input-len", type=int, default=32)
@@ -49,54 +61,17 @@ def parse_args():
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per system (best is kept)")
     parser.add_argument("--json", help="also write the results here")
-    return parser.parse_args()
-
-
-def build_model_dir(args) -> str:
-    if args.model:
-        return args.model
-    from tandem.tools.make_model import make_model
-
-    options = dict(PRESETS[args.preset])
-    out = Path(tempfile.gettempdir()) / f"tandem-bench-{args.preset}-{args.load_format}"
-    if (out / "config.json").is_file():
-        return str(out)
-    if args.load_format != "dummy":
-        make_model("llama", out, seed=0, **options)
-        return str(out)
-    # Dummy weights: a tokenizer from a small model, and the preset's config without weights.
-    small = dict(options, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    make_model("llama", out, seed=0, **small)
-    for weights in out.glob("*.safetensors*"):
-        weights.unlink()
-    config = json.loads((out / "config.json").read_text())
-    full = make_model_config(options)
-    config.update({key: full[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_key_value_heads", "intermediate_size", "head_dim",
-                                              "rope_parameters", "max_position_embeddings") if key in full})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return str(out)
-
-
-def make_model_config(options: dict) -> dict:
-    from transformers import LlamaConfig
-
-    hidden, heads = options["hidden_size"], options["num_heads"]
-    rope = {"rope_type": "default", "rope_theta": 500000.0}
-    if options.get("rope_scaling") == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=options["num_layers"],
-                         num_attention_heads=heads, num_key_value_heads=options["num_kv_heads"],
-                         intermediate_size=options["intermediate_size"], head_dim=hidden // heads,
-                         vocab_size=options["vocab_size"], rope_parameters=rope,
-                         max_position_embeddings=max(options.get("max_position_embeddings", 8192), 131072))
-    return config.to_dict()
+    preset = PRESETS[parser.parse_known_args()[0].preset]
+    parser.set_defaults(**{key: value for key, value in preset.items() if key != "shape"})
+    args = parser.parse_args()
+    args.shape = preset["shape"]
+    return args
 
 
 def make_prompts(args, vocab_size: int) -> list[list[int]]:
@@ -114,27 +89,32 @@ def make_output_lengths(args) -> list[int]:
 def timed(function, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def run_tandem(model_dir, prompts, output_lengths, args) -> float:
+def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              max_model_len=max(map(len, prompts)) + max(output_lengths))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
+    cost = ModelCost.of_engine(llm.engine)
+    preemptions = llm.engine.stats().num_preemptions
+    if preemptions:
+        print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
     del llm
-    return seconds
+    synchronize()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return seconds, cost
 
 
 def load_transformers(model_dir, args):
@@ -188,33 +168,38 @@ def run_transformers_continuous(model, prompts, args):
 
 def main() -> None:
     args = parse_args()
-    model_dir = build_model_dir(args)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts(args, vocab)
+    model_dir = args.model or model_dir_for(args.shape, args.load_format)
+    prompts = make_prompts(args, vocab_size_of(model_dir))
     output_lengths = make_output_lengths(args)
     output_tokens = sum(output_lengths)
-    results = {"tandem": run_tandem(model_dir, prompts, output_lengths, args)}
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    ceilings = Ceilings.measure(dtype)
+    tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
+    results = {"tandem" + (" (eager)" if args.enforce_eager else ""): tandem_seconds}
     if not args.skip_transformers:
         model, device = load_transformers(model_dir, args)
         results["transformers generate (padded)"] = run_transformers_padded(model, device, prompts, args)
         if not args.skip_transformers_batch:
             results["transformers generate_batch"] = run_transformers_continuous(model, prompts, args)
-    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{torch.get_num_threads()} threads"
-    print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, {device_name}")
+    roofline = cost.roofline_seconds(ceilings, list(map(len, prompts)), output_lengths)
+    print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}")
+    print(ceilings.describe())
     lengths = (f"{args.output_len}" if args.min_output_len is None
                else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")
     print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {lengths} output tokens each\n")
-    print(f"{'system':<34}{'seconds':>10}{'output tok/s':>15}")
-    for name, seconds in results.items():
+    print(f"{'system':<34}{'seconds':>10}{'output tok/s':>15}{'of roofline':>13}")
+    for name, seconds in list(results.items()) + [("roofline", roofline)]:
         if seconds is None:
             print(f"{name:<34}{'n/a':>10}{'n/a':>15}")
         else:
-            print(f"{name:<34}{seconds:>10.3f}{output_tokens / seconds:>15.1f}")
-    baselines = [s for name, s in results.items() if name != "tandem" and s is not None]
+            print(f"{name:<34}{seconds:>10.3f}{output_tokens / seconds:>15.1f}{roofline / seconds:>13.2f}")
+    tandem = next(iter(results.values()))
+    baselines = [s for name, s in list(results.items())[1:] if s is not None]
     if baselines:
-        print(f"\ntandem / best transformers: {min(baselines) / results['tandem']:.2f}x")
+        print(f"\ntandem / best transformers: {min(baselines) / tandem:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "output_tokens": output_tokens}, indent=2))
+        Path(args.json).write_text(json.dumps({"results": results, "roofline": roofline,
+                                               "output_tokens": output_tokens}, indent=2))
 
 
 if __name__ == "__main__":

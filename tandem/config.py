@@ -42,6 +42,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    # CUDA graphs for decode steps (CUDA only): off with enforce_eager; captured at these batch
+    # sizes (None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs, see worker/cuda_graphs.py).
+    enforce_eager: bool = False
+    cuda_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
     transfer: Optional["TransferConfig"] = None
@@ -60,6 +64,8 @@ class EngineConfig:
               f"must be >= 1, got {self.max_num_batched_tokens}")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(self.cuda_graph_sizes is None or all(size >= 1 for size in self.cuda_graph_sizes),
+                "cuda_graph_sizes", f"must be positive batch sizes, got {self.cuda_graph_sizes}")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               f"must be >= 1, got {self.max_model_len}")
 

@@ -73,6 +73,11 @@ class SamplingParams:
               "must be a non-empty string or a list of non-empty strings")
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the prompt and output token ids (penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -22,6 +22,7 @@ from tandem.kv.registry import StateRegistry
 from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import Sequence
+from tandem.worker.cuda_graphs import default_graph_batch_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import Sampler, SamplingMetadata
 
@@ -68,6 +69,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
+        if not config.enforce_eager:
+            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
+            self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
+                                       self.model_info.max_model_len)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
@@ -241,11 +246,14 @@ class EngineCore:
         if not sequences:
             return []
         logits = result.logits if len(rows) == result.logits.shape[0] else result.logits[rows]
+        # Token ids are gathered only when some row's penalties read them.
+        penalised = any(s.params.uses_penalties for s in sequences)
         metadata = SamplingMetadata.build(
             [s.params for s in sequences], [s.generator for s in sequences],
-            [s.prompt_token_ids for s in sequences], [s.output_token_ids for s in sequences],
+            [s.prompt_token_ids if penalised else [] for s in sequences],
+            [s.output_token_ids if penalised else [] for s in sequences],
             [self._banned_tokens(s) for s in sequences], self.device)
-        sampled = self.sampler(logits, metadata)
+        sampled = self.sampler(logits, metadata).to_host()  # the step's one device-to-host copy
         token_ids = sampled.token_ids.tolist()
         logprobs = self._sampled_logprobs(sequences, sampled)
         return [self._append_token(sequence, token, position_logprobs)

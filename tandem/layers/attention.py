@@ -5,7 +5,7 @@ scale, window=None)``: it writes the new keys/values into the paged buffers and 
 attention output. With a ``window``, a query at position ``p`` reads only keys at positions
 ``p - window + 1 .. p`` (transformers' sliding-window mask: ``key > p - window``); page-table
 entries before that may be the null page. ``TorchAttentionBackend`` is plain PyTorch and runs
-on CPU and CUDA.
+on CPU and CUDA; ``TritonAttentionBackend`` runs the kernels of ``tandem/kernels`` on CUDA.
 """
 from __future__ import annotations
 
@@ -110,9 +110,35 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through the Triton kernels (CUDA): one launch writes the step's keys and
+    values into their pages, one decode launch serves every decode row (split-KV), one prefill
+    launch every prefill chunk. No host synchronisation: capturable in a CUDA graph."""
+
+    def forward(self, query, key, value, buffers, metadata, scale, window=None):
+        from tandem.kernels.kv_write import write_kv
+        from tandem.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+        key_cache, value_cache = buffers["key"], buffers["value"]
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            paged_decode_attention(query[:num_decode], key_cache, value_cache, metadata.decode_page_table,
+                                   metadata.decode_context_lengths, scale, window=window,
+                                   out=output[:num_decode])
+        if metadata.num_prefills:
+            paged_prefill_attention(query, key_cache, value_cache, metadata.prefill_page_table,
+                                    metadata.prefill_query_starts, metadata.prefill_context_lengths, scale,
+                                    max_query_len=metadata.max_prefill_query_len, window=window, out=output)
+        return output
+
+
 class Attention(nn.Module):
     """Causal attention over the paged state of one layer: full, or over the last
     ``sliding_window`` tokens when that is given (its spec then lets pages before the window go)."""
+
+    cuda_graph_safe = True  # the backends' reads and writes are shape-static tensor operations
 
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, state_dtype: torch.dtype, sliding_window: Optional[int] = None) -> None:

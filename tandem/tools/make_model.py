@@ -283,6 +283,7 @@ def make_model(
     seed: int = 0,
     max_shard_size: int | str | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
+    weights: bool = True,
 ) -> pathlib.Path:
     """Write a random-weight float32 checkpoint of ``arch`` plus a tokenizer to ``out_dir``.
 
@@ -293,7 +294,9 @@ def make_model(
     matrices with a fixed standard deviation. ``max_shard_size`` (e.g. ``"200KB"``) shards
     the weights and writes ``model.safetensors.index.json``. ``tokenizer_dir`` copies the
     tokenizer files from a directory made by this function (with the same ``vocab_size``)
-    instead of training one. Returns ``out_dir`` as a path.
+    instead of training one. ``weights=False`` writes the config and tokenizer only, for
+    ``--load-format dummy`` (random weights made on the device at load time; large shapes).
+    Returns ``out_dir`` as a path.
 
     The config's ``eos_token_id``/``pad_token_id``/``bos_token_id`` equal the tokenizer's
     (bos is None) and every tokenizer id is below ``vocab_size``.
@@ -320,6 +323,10 @@ def make_model(
         rope_parameters=_rope_parameters(rope_scaling, rope_theta, max_position_embeddings),
         token_ids=token_ids,
     )
+    if not weights:
+        config.save_pretrained(out_path)
+        _write_generation_config(out_path, token_ids)
+        return out_path
     model = _build_model(spec, config, seed=seed, init_std=init_std)
     _save_model(model, out_path, max_shard_size)
     if spec.mtp_weights:

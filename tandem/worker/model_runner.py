@@ -7,6 +7,7 @@ returns the logits rows that the engine samples from, plus prompt logprobs where
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -14,9 +15,11 @@ from tandem.engine.protocol import PositionLogprobs
 from tandem.kv.accessor import PendingLoads, StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
-from tandem.layers.attention_metadata import AttentionMetadata, DecodeBucket, PrefillSlice
+from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.scheduler.scheduler import ScheduledChunk
+from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
+from tandem.worker.step_inputs import StepInputs, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -28,6 +31,13 @@ class ExecuteResult:
 
 
 class ModelRunner:
+    """Owner of the model's forward pass for a step (see the module docstring).
+
+    On CUDA, attention runs through the Triton kernels and, unless ``enforce_eager``, pure
+    decode steps replay CUDA graphs captured at start-up (``capture_graphs``); everything else
+    runs eagerly.
+    """
+
     def __init__(self, model: torch.nn.Module, coordinator: StateCoordinator, device: torch.device,
                  backend: AttentionBackend | None = None) -> None:
         self.model = model
@@ -36,95 +46,68 @@ class ModelRunner:
         self.page_size = coordinator.page_size
         self.pending_loads = PendingLoads()
         self.accessor = StateAccessor(coordinator.registry, self.pending_loads)
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or default_backend(device)
         # On CPU, buckets of similar lengths save gathered bytes; on a GPU every bucket costs
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
+        self.graphs: Optional[CudaGraphRunner] = None
 
-    @staticmethod
-    def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Single-token chunks first (the batched decode path) by context length, then the rest."""
-        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
-        return decodes + [c for c in chunks if c.num_new_tokens > 1]
+    def capture_graphs(self, batch_sizes: list[int], max_model_len: int) -> list[int]:
+        """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only).
+        Returns the sizes captured (empty when graphs do not apply)."""
+        if self.device.type != "cuda" or not batch_sizes or not model_is_graph_safe(self.model):
+            return []
+        self.graphs = CudaGraphRunner(self, batch_sizes, max_width=-(-max_model_len // self.page_size) + 1)
+        self.graphs.capture()
+        return self.graphs.batch_sizes
+
+    def forward_context(self, metadata: list[AttentionMetadata]) -> ForwardContext:
+        return ForwardContext(self.accessor, metadata, self.backend)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
-        chunks = self.order_chunks(chunks)
         sanitizer = self.coordinator.sanitizer
         for chunk in chunks:
             sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
                                   chunk.sequence.state.page_tables)
-        input_ids, positions = self._inputs(chunks)
-        metadata = [self._group_metadata(chunks, group_index, positions)
-                    for group_index in range(self.coordinator.num_groups)]
-        context = ForwardContext(self.accessor, metadata, self.backend)
-        hidden = self.model(input_ids, positions, context)
-        return self._outputs(chunks, hidden, sanitizer.enabled)
-
-    def _inputs(self, chunks):
-        ids, positions = [], []
-        for chunk in chunks:
-            end = chunk.start + chunk.num_new_tokens
-            ids.extend(chunk.sequence.token_ids[chunk.start:end])
-            positions.extend(range(chunk.start, end))
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
-        return as_tensor(ids), as_tensor(positions)
-
-    def _group_metadata(self, chunks, group_index: int, positions: torch.Tensor) -> AttentionMetadata:
-        page_size = self.page_size
-        tables = [chunk.sequence.state.page_tables[group_index] for chunk in chunks]
-        context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
-        width = max(max(-(-length // page_size) for length in context_lengths), max(map(len, tables)))
-        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        table_tensor = torch.tensor(padded, dtype=torch.long, device=self.device)
-        row_of_token = torch.repeat_interleave(
-            torch.arange(len(chunks), device=self.device),
-            torch.tensor([chunk.num_new_tokens for chunk in chunks], device=self.device))
-        pages = table_tensor[row_of_token, positions // page_size]
-        metadata = AttentionMetadata(page_size=page_size, slot_mapping=pages * page_size + positions % page_size,
-                                     zero_invalid=self.coordinator.sanitizer.enabled)
-        metadata.chunk_query_starts = [0]
-        for chunk in chunks:
-            metadata.chunk_query_starts.append(metadata.chunk_query_starts[-1] + chunk.num_new_tokens)
-        metadata.chunk_start_positions = [chunk.start for chunk in chunks]
-        metadata.page_table = table_tensor
-        num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
-        metadata.num_decode_tokens = num_decode
-        for start, end in decode_bucket_bounds(context_lengths[:num_decode], min_bucket=self.decode_min_bucket):
-            lengths = torch.tensor(context_lengths[start:end], device=self.device)
-            width = -(-context_lengths[end - 1] // page_size)
-            valid = torch.arange(width * page_size, device=self.device)[None, :] < lengths[:, None]
-            metadata.decode_buckets.append(DecodeBucket(start, end, table_tensor[start:end, :width], valid,
-                                                        lengths, context_lengths[start]))
-        query_start = num_decode
-        for chunk, length, row in zip(chunks[num_decode:], context_lengths[num_decode:],
-                                      range(num_decode, len(chunks))):
-            query_end = query_start + chunk.num_new_tokens
-            metadata.prefills.append(PrefillSlice(query_start, query_end, length,
-                                                  table_tensor[row, :-(-length // page_size)]))
-            query_start = query_end
-        return metadata
-
-    def _outputs(self, chunks, hidden, check_finite: bool) -> ExecuteResult:
-        sampling_rows, sampling_chunks, prompt_rows = [], [], {}
-        row = 0
-        for chunk in chunks:
-            end = row + chunk.num_new_tokens
-            if chunk.samples:
-                sampling_rows.append(end - 1)
-                sampling_chunks.append(chunk)
-            if chunk.prompt_logprobs:
-                prompt_rows[id(chunk)] = (chunk, row, end)
-            row = end
-        logits = self.model.compute_logits(hidden[sampling_rows]).float() if sampling_rows else \
+        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size)
+        if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
+            # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
+            # with any runs eagerly.
+            logits = self.graphs.replay(step)
+            return self._outputs(step, None, logits, sanitizer.enabled)
+        input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+        metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
+        hidden = self.model(input_ids, positions, self.forward_context(metadata))
+        logits = self.model.compute_logits(hidden[step.sampling_rows]).float() if step.sampling_rows else \
             hidden.new_zeros((0, 0), dtype=torch.float32)
+        return self._outputs(step, hidden, logits, sanitizer.enabled)
+
+    def _to_device(self, array) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _group_metadata(self, step: StepInputs, group: int) -> AttentionMetadata:
+        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)
+        return AttentionMetadata(
+            page_size=self.page_size, slot_mapping=self._to_device(step.slot_mappings[group]),
+            page_table=self._to_device(step.page_tables[group]),
+            context_lengths=as_int32(step.context_lengths), query_starts=as_int32(step.query_starts),
+            num_decode_tokens=step.num_decode, chunk_query_starts=step.query_starts,
+            chunk_start_positions=step.start_positions, chunk_context_lengths=step.context_lengths,
+            zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket)
+
+    def _outputs(self, step: StepInputs, hidden, logits, check_finite: bool) -> ExecuteResult:
         if check_finite and not torch.isfinite(logits).all():
             from tandem.kv.block_pool import SanitizerError
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
-        prompt_logprobs = {key: self._prompt_logprobs(hidden, *value) for key, value in prompt_rows.items()}
+        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
+        prompt_logprobs = {}
+        for row, chunk in enumerate(step.chunks):
+            if chunk.prompt_logprobs:
+                prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
         return ExecuteResult(sampling_chunks, logits, prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int, row_end: int):
+    def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int):
         """Logprobs of prompt tokens ``start+1 .. min(end, prompt_len)-1`` from this chunk's rows."""
         sequence = chunk.sequence
         last_position = min(chunk.start + chunk.num_new_tokens, sequence.num_prompt_tokens - 1)
@@ -138,17 +121,13 @@ class ModelRunner:
         return to_position_logprobs(targets, chosen, ranks, top_ids, top_logprobs)
 
 
-def decode_bucket_bounds(sorted_lengths: list[int], slack: float = 1.25,
-                         min_bucket: int = 8) -> list[tuple[int, int]]:
-    """Split ascending context lengths into runs whose longest is within ``slack`` of the
-    shortest (runs of fewer than ``min_bucket`` are merged forward): bounded padding, few calls."""
-    bounds, start = [], 0
-    for index in range(1, len(sorted_lengths) + 1):
-        at_end = index == len(sorted_lengths)
-        if at_end or (index - start >= min_bucket and sorted_lengths[index] > slack * sorted_lengths[start]):
-            bounds.append((start, index))
-            start = index
-    return bounds
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on CUDA; plain PyTorch (the kernels' references' semantics) elsewhere."""
+    if device.type == "cuda":
+        from tandem.layers.attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
 
 
 def to_position_logprobs(token_ids, chosen, ranks, top_ids, top_logprobs) -> list[PositionLogprobs]:

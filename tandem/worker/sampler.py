@@ -26,6 +26,9 @@ import torch
 
 from tandem.sampling_params import SamplingParams
 
+PARAMETER_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+
 # Temperatures below this are treated as greedy (as in vLLM), so no row divides by ~0.
 GREEDY_TEMPERATURE_EPSILON = 1e-5
 
@@ -80,8 +83,10 @@ class SamplingMetadata:
         if len(lengths) != 1:
             raise ValueError(f"sampling metadata: per-row inputs differ in length: {sorted(lengths)}")
 
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        # One host-to-device copy for every per-row parameter (float64 holds them all exactly).
+        table = torch.tensor([[getattr(p, name) for name in PARAMETER_COLUMNS] for p in params],
+                             dtype=torch.float64).reshape(len(params), len(PARAMETER_COLUMNS)).to(device)
+        column = lambda name, dtype: table[:, PARAMETER_COLUMNS.index(name)].to(dtype)
 
         temperatures = [p.temperature for p in params]
         return cls(
@@ -119,6 +124,19 @@ class SamplerOutput:
     ranks: torch.Tensor  # [B] int64, 1-based
     top_token_ids: Optional[torch.Tensor]  # [B, num_logprobs] int64, descending
     top_logprobs: Optional[torch.Tensor]  # [B, num_logprobs] float32
+
+    def to_host(self) -> "SamplerOutput":
+        """The same output on the CPU, through one device-to-host copy (float64 holds token
+        ids, ranks and float32 logprobs exactly)."""
+        columns = [self.token_ids[:, None], self.logprobs[:, None], self.ranks[:, None]]
+        if self.top_token_ids is not None:
+            columns += [self.top_token_ids, self.top_logprobs]
+        host = torch.cat([column.double() for column in columns], dim=1).cpu()
+        if self.top_token_ids is None:
+            return SamplerOutput(host[:, 0].long(), host[:, 1].float(), host[:, 2].long(), None, None)
+        num_top = self.top_token_ids.shape[1]
+        return SamplerOutput(host[:, 0].long(), host[:, 1].float(), host[:, 2].long(),
+                             host[:, 3:3 + num_top].long(), host[:, 3 + num_top:].float())
 
 
 def compute_logprobs(

@@ -1,0 +1,133 @@
+"""What the benchmarks share: model shapes, model directories, the machine's measured ceilings
+and the roofline of a workload (the fewest bytes and FLOPs it must spend, over those ceilings).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name: (architecture, make_model shape arguments)
+SHAPES = {
+    "tiny-30m": ("llama", dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                               intermediate_size=1536, vocab_size=8192)),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                                 intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                                 rope_theta=1000000.0, max_position_embeddings=40960)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                intermediate_size=14336, vocab_size=128256, rope_scaling="llama3",
+                                rope_theta=500000.0, max_position_embeddings=131072)),
+}
+
+
+def model_dir_for(shape: str, load_format: str) -> str:
+    """A model directory of ``shape``: with random float32 weights (``auto``), or config and
+    tokenizer only (``dummy``: the engine makes random weights on its device). Built once."""
+    from tandem.tools.make_model import make_model
+
+    arch, options = SHAPES[shape]
+    out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{'dummy' if load_format == 'dummy' else 'weights'}"
+    if not (out / "config.json").is_file():
+        make_model(arch, out, seed=0, weights=load_format != "dummy", **options)
+    return str(out)
+
+
+def vocab_size_of(model_dir: str) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured on this machine: memory bandwidth (bytes read + written per second by a large
+    copy) and matrix rate (FLOP/s of a large matrix product in the benchmark's dtype)."""
+    bandwidth: float
+    flops: float
+    device: str
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype) -> "Ceilings":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        numel = (1 << 28) if device == "cuda" else (1 << 25)
+        source = torch.randn(numel, device=device)
+        target = torch.empty_like(source)
+        copy_seconds = best_seconds(lambda: target.copy_(source))
+        size = 8192 if device == "cuda" else 1024
+        matrix_dtype = dtype if device == "cuda" else torch.float32
+        left = torch.randn(size, size, device=device, dtype=matrix_dtype)
+        right = torch.randn(size, size, device=device, dtype=matrix_dtype)
+        matmul_seconds = best_seconds(lambda: left @ right)
+        name = torch.cuda.get_device_name() if device == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+        return cls(bandwidth=2 * source.numel() * source.element_size() / copy_seconds,
+                   flops=2 * size ** 3 / matmul_seconds, device=name)
+
+    def describe(self) -> str:
+        return (f"{self.device}: measured copy bandwidth {self.bandwidth / 1e12:.2f} TB/s, "
+                f"matrix rate {self.flops / 1e12:.1f} TFLOP/s")
+
+
+def best_seconds(function, repeat: int = 10) -> float:
+    function()
+    synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        function()
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token costs a model: weight bytes read by a decode step, matrix FLOPs per token,
+    attention FLOPs per (query, key) pair, and state bytes per cached token."""
+    weight_bytes: int
+    flops_per_token: float
+    attention_flops_per_pair: float
+    state_bytes_per_token: float
+
+    @classmethod
+    def of_engine(cls, engine) -> "ModelCost":
+        from tandem.kv.planner import bytes_per_page
+
+        model = engine.model
+        parameters = {id(p): p for p in model.parameters()}
+        total = sum(p.numel() * p.element_size() for p in parameters.values())
+        count = sum(p.numel() for p in parameters.values())
+        embedding = model.model.embed_tokens.weight
+        if model.lm_head.weight is not embedding:  # an untied embedding reads only its rows
+            total -= embedding.numel() * embedding.element_size()
+            count -= embedding.numel()
+        config = engine.hf_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        attention = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim
+        page_size = engine.coordinator.page_size
+        return cls(total, 2.0 * count, attention, bytes_per_page(engine.registry, page_size) / page_size)
+
+    def roofline_seconds(self, ceilings: Ceilings, prompt_lengths: list[int], output_lengths: list[int]) -> float:
+        """Fewest seconds for the workload: each prompt's FLOPs at the matrix rate, then each
+        decode step at the slower of its bytes (weights + every running request's state) over
+        the bandwidth and its FLOPs over the matrix rate."""
+        prefill_flops = sum(length * self.flops_per_token + self.attention_flops_per_pair * length * (length + 1) / 2
+                            for length in prompt_lengths)
+        seconds = prefill_flops / ceilings.flops
+        for step in range(1, max(output_lengths)):  # the first output token comes from the prefill
+            contexts = [prompt + step for prompt, output in zip(prompt_lengths, output_lengths) if output > step]
+            if not contexts:
+                break
+            step_bytes = self.weight_bytes + self.state_bytes_per_token * sum(contexts)
+            step_flops = len(contexts) * self.flops_per_token + self.attention_flops_per_pair * sum(contexts)
+            seconds += max(step_bytes / ceilings.bandwidth, step_flops / ceilings.flops)
+        return seconds

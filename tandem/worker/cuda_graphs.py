@@ -1,0 +1,118 @@
+"""CUDA graphs for pure decode steps, captured at start-up per batch-size bucket.
+
+Owner of the captured graphs, their shared memory pool and their static buffers. A graph is
+captured over static input tensors (token ids, positions; per state group the slot mapping, the
+page table, the context lengths) and replayed after the step's values are copied into them. A
+step of ``n`` sequences replays the smallest captured size ``>= n``; rows past ``n`` are padding:
+context length 0 (attention reads nothing and returns zeros) and slot -1 (nothing is written),
+so a padding row never touches a page.
+
+The forward captured is the model's plus its logits head, so a replay ends with the logits of
+every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
+(their reads and writes are tensor operations with no host synchronisation and no
+data-dependent shapes); the others run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from tandem.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 256, then every 32, capped at ``max_num_seqs``."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+    if max_num_seqs > sizes[-1]:
+        return sizes
+    return [size for size in sizes if size < max_num_seqs] + [max_num_seqs]
+
+
+def model_is_graph_safe(model: torch.nn.Module) -> bool:
+    """True when every module that keeps state declares its forward capturable."""
+    stateful = [module for module in model.modules()
+                if module is not model and callable(getattr(module, "state_specs", None))]
+    return bool(stateful) and all(getattr(module, "cuda_graph_safe", False) for module in stateful)
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: "ModelRunner", batch_sizes: list[int], max_width: int) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_width = max_width
+        device = runner.device
+        size = self.batch_sizes[-1]
+        num_groups = runner.coordinator.num_groups
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mappings = [torch.full((size,), -1, dtype=torch.long, device=device) for _ in range(num_groups)]
+        self.page_tables = [torch.zeros((size, max_width), dtype=torch.int32, device=device)
+                            for _ in range(num_groups)]
+        self.context_lengths = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(num_groups)]
+        self.query_starts = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _metadata(self, batch_size: int) -> list[AttentionMetadata]:
+        rows = list(range(batch_size))
+        return [AttentionMetadata(
+            page_size=self.runner.page_size, slot_mapping=self.slot_mappings[group][:batch_size],
+            page_table=self.page_tables[group][:batch_size],
+            context_lengths=self.context_lengths[group][:batch_size],
+            query_starts=self.query_starts[:batch_size + 1], num_decode_tokens=batch_size,
+            chunk_query_starts=rows + [batch_size], chunk_start_positions=[0] * batch_size,
+            chunk_context_lengths=[1] * batch_size, zero_invalid=True)
+            for group in range(len(self.page_tables))]
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        model = self.runner.model
+        context = self.runner.forward_context(self._metadata(batch_size))
+        hidden = model(self.input_ids[:batch_size], self.positions[:batch_size], context)
+        return model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller ones reuse its memory pool."""
+        for batch_size in reversed(self.batch_sizes):
+            self._forward(batch_size)  # warm-up: kernel compilation and autotuning stay outside
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[batch_size] = self._forward(batch_size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def can_replay(self, step: StepInputs) -> bool:
+        return (step.is_pure_decode and len(step.chunks) <= self.batch_sizes[-1]
+                and all(table.shape[1] <= self.max_width for table in step.page_tables))
+
+    def replay(self, step: StepInputs) -> torch.Tensor:
+        """Copy the step into the static buffers, replay, and return ``[n, vocab]`` logits."""
+        count = len(step.chunks)
+        batch_size = next(size for size in self.batch_sizes if size >= count)
+        copy = lambda target, array: target.copy_(torch.from_numpy(array), non_blocking=True)
+        copy(self.input_ids[:count], step.input_ids)
+        copy(self.positions[:count], step.positions)
+        lengths = np.asarray(step.context_lengths, dtype=np.int32)
+        for group, table in enumerate(step.page_tables):
+            copy(self.slot_mappings[group][:count], step.slot_mappings[group])
+            copy(self.page_tables[group][:count, :table.shape[1]], table)
+            copy(self.context_lengths[group][:count], lengths)
+            if batch_size > count:
+                self.slot_mappings[group][count:batch_size].fill_(-1)
+                self.context_lengths[group][count:batch_size].fill_(0)
+        self.graphs[batch_size].replay()
+        return self.logits[batch_size][:count]

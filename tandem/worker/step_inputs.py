@@ -1,0 +1,75 @@
+"""Host-side inputs of one step, built once from the scheduled chunks.
+
+Everything here is numpy on the host: the model runner copies it to the device (fresh tensors
+for an eager step, the static buffers of a CUDA graph for a replayed one). Page tables are read,
+never modified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.scheduler.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepInputs:
+    chunks: list[ScheduledChunk]  # decode chunks first (see ``order_chunks``)
+    num_decode: int
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_starts: list[int]  # [N + 1]
+    start_positions: list[int]  # [N]: tokens computed before the chunk
+    context_lengths: list[int]  # [N]: tokens visible to the chunk's last query
+    page_tables: list[np.ndarray]  # per group: [N, width] int32, null-page (0) padded
+    slot_mappings: list[np.ndarray]  # per group: [T] int64
+    sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One sampled token per chunk, no prompt logprobs: the shape a CUDA graph replays."""
+        return (self.num_decode == len(self.chunks) and len(self.sampling_rows) == len(self.chunks)
+                and not any(chunk.prompt_logprobs for chunk in self.chunks))
+
+
+def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Single-token chunks first (the batched decode path) by context length, then the rest."""
+    decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
+    return decodes + [c for c in chunks if c.num_new_tokens > 1]
+
+
+def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: int) -> StepInputs:
+    chunks = order_chunks(chunks)
+    num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
+    ids: list[int] = []
+    query_starts = [0]
+    sampling_rows = []
+    for chunk in chunks:
+        end = chunk.start + chunk.num_new_tokens
+        ids.extend(chunk.sequence.token_ids[chunk.start:end])
+        query_starts.append(query_starts[-1] + chunk.num_new_tokens)
+        if chunk.samples:
+            sampling_rows.append(query_starts[-1] - 1)
+    start_positions = [chunk.start for chunk in chunks]
+    context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
+    counts = np.diff(np.asarray(query_starts, dtype=np.int64))
+    row_of_token = np.repeat(np.arange(len(chunks)), counts)
+    positions = (np.arange(len(ids), dtype=np.int64) - np.asarray(query_starts[:-1], dtype=np.int64)[row_of_token]
+                 + np.asarray(start_positions, dtype=np.int64)[row_of_token])
+    needed_width = max(-(-length // page_size) for length in context_lengths)
+    page_tables, slot_mappings = [], []
+    for group in range(num_groups):
+        rows = [chunk.sequence.state.page_tables[group] for chunk in chunks]
+        table = np.zeros((len(chunks), max(needed_width, max(map(len, rows)))), dtype=np.int32)
+        for index, row in enumerate(rows):
+            table[index, :len(row)] = row
+        page_tables.append(table)
+        slot_mappings.append(table[row_of_token, positions // page_size].astype(np.int64) * page_size
+                             + positions % page_size)
+    return StepInputs(chunks, num_decode, np.asarray(ids, dtype=np.int64), positions, query_starts,
+                      start_positions, context_lengths, page_tables, slot_mappings, sampling_rows)
