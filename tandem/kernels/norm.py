@@ -1,0 +1,131 @@
+"""RMSNorm with an optional fused residual add, over the last dimension.
+
+Two weight conventions, chosen by keyword:
+
+- ``cast_before_weight=True`` (Llama, Qwen, DeepSeek):
+  ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``;
+- ``cast_before_weight=False, weight_offset=1.0`` (Gemma, Qwen3-Next):
+  ``(x_f32 * rsqrt(mean(x_f32^2) + eps) * (weight_offset + weight_f32)).to(x.dtype)``.
+
+``x`` is ``[T, D]`` (a hidden state) or ``[T, H, D]`` (per-head norm of queries or keys; each
+head normalised over its ``D``); any other shape is flattened to rows of its last dimension.
+With ``residual`` (same shape and dtype as ``x``), ``new_residual = x + residual`` is computed
+in ``x.dtype``, as the unfused ``residual + hidden`` is, and the norm is taken of it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from tandem.kernels.triton_support import jit, tl, triton
+
+# Elements one program normalises at most (several short rows share a program).
+ELEMENTS_PER_PROGRAM = 4096
+
+
+@jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+                     num_rows, num_heads, dim,
+                     x_token_stride, x_head_stride, residual_token_stride, residual_head_stride,
+                     eps, weight_offset,
+                     HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Normalises ``ROWS`` rows (row = token * num_heads + head) of ``dim`` elements each;
+    ``out`` and ``new_residual`` are dense ``[num_rows, dim]``."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    columns = tl.arange(0, BLOCK)
+    column_mask = columns < dim
+    mask = (rows < num_rows)[:, None] & column_mask[None, :]
+    token = (rows // num_heads).to(tl.int64)
+    head = rows % num_heads
+    dense = rows.to(tl.int64)[:, None] * dim + columns[None, :]
+    x_offsets = (token * x_token_stride + head * x_head_stride)[:, None] + columns[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual_offsets = (token * residual_token_stride + head * residual_head_stride)[:, None] + columns[None, :]
+        residual = tl.load(residual_ptr + residual_offsets, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + dense, x, mask=mask)
+    hidden = x.to(tl.float32)
+    variance = tl.sum(hidden * hidden, axis=1) / dim
+    hidden = hidden * tl.math.rsqrt(variance + eps)[:, None]
+    scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
+    if CAST_BEFORE_WEIGHT:
+        hidden = hidden.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + dense, (hidden * scale[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def as_token_head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a ``[T, H, D]`` view (``H == 1`` for a hidden state) whose last dimension is
+    contiguous; copies only when no such view exists."""
+    if x.dim() == 3:
+        rows = x
+    elif x.dim() == 2:
+        rows = x.unsqueeze(1)
+    else:
+        rows = x.reshape(-1, 1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch_shape(num_rows: int, dim: int) -> tuple[int, int, int]:
+    """(rows per program, column block, warps) for rows of ``dim`` elements."""
+    block = triton.next_power_of_2(dim)
+    rows = max(1, min(ELEMENTS_PER_PROGRAM // block, triton.next_power_of_2(num_rows)))
+    return rows, block, min(16, max(1, rows * block // 512))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             residual: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
+             cast_before_weight: bool = True) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The Triton kernel (one launch): ``out``, or ``(out, new_residual)`` with ``residual``.
+
+    Returns new contiguous tensors of ``x``'s shape and dtype; reads ``x`` and ``residual``
+    through their strides (the last dimension must be contiguous, else they are copied).
+    No host synchronisation: capturable in a CUDA graph."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} does not match "
+                             f"x {tuple(x.shape)} {x.dtype}")
+        new_residual = torch.empty_like(out)
+    if x.numel() > 0:
+        _launch(as_token_head_rows(x), weight, eps, out,
+                None if residual is None else (as_token_head_rows(residual), new_residual),
+                weight_offset, cast_before_weight)
+    return out if residual is None else (out, new_residual)
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+            residual_pair: Optional[tuple[torch.Tensor, torch.Tensor]], weight_offset: float,
+            cast_before_weight: bool) -> None:
+    num_tokens, num_heads, dim = rows.shape
+    num_rows = num_tokens * num_heads
+    rows_per_program, block, num_warps = _launch_shape(num_rows, dim)
+    residual_rows, new_residual = residual_pair if residual_pair is not None else (rows, out)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        rows, residual_rows, weight, out, new_residual,
+        num_rows, num_heads, dim,
+        rows.stride(0), rows.stride(1), residual_rows.stride(0), residual_rows.stride(1),
+        eps, weight_offset,
+        HAS_RESIDUAL=residual_pair is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
+        ROWS=rows_per_program, BLOCK=block, num_warps=num_warps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       residual: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
+                       cast_before_weight: bool = True) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``rms_norm`` in plain PyTorch: the same contract, any device. With ``weight_offset == 0``
+    and ``cast_before_weight`` it is, bit for bit, ``weight * normed.to(x.dtype)`` (Llama's
+    ``RMSNorm``); with ``weight_offset=1.0, cast_before_weight=False`` it is Gemma's."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        scale = weight if weight_offset == 0 else weight.float() + weight_offset
+        out = (scale * hidden.to(dtype)).to(dtype)
+    else:
+        out = (hidden * (weight.float() + weight_offset)).to(dtype)
+    return out if residual is None else (out, x)
