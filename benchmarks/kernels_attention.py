@@ -1,0 +1,162 @@
+"""Paged attention kernels on a GPU: split-KV decode and prefill/extend, Llama-3.1-8B attention
+(32 query heads, 8 kv heads, head_dim 128, page size 16), pages in random order.
+
+For each shape it checks the kernel against its plain-PyTorch reference (relative error:
+max |kernel - reference| / max |reference|), times it with ``triton.testing.do_bench``
+(median; L2 flushed between runs) and with a CUDA-graph replay, and prints a table: time,
+K+V bytes read, achieved GB/s, the ratio of that to a device-to-device copy measured here
+(read + write bytes), and for prefill TFLOP/s (causal pairs only). The table is printed last.
+
+    python benchmarks/kernels_attention.py                    # bfloat16
+    python benchmarks/kernels_attention.py --dtype float16
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+DECODE_SHAPES = [(1, 128), (1, 1024), (1, 8192), (32, 1024), (256, 1500)]  # (batch, context length)
+PREFILL_SHAPES = {  # name: chunks of (query length, context length)
+    "1x512 fresh": [(512, 512)],
+    "8x512 fresh": [(512, 512)] * 8,
+    "512 on 4096 prefix": [(512, 4608)],
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    return parser.parse_args()
+
+
+def random_paged_cache(context_lengths, dtype, generator):
+    """Random key and value caches holding each sequence on pages in random order (page 0 is
+    the null page). Returns ``(key_cache, value_cache, page_table)`` on the GPU."""
+    pages_per_row = [math.ceil(length / PAGE_SIZE) for length in context_lengths]
+    num_pages = 1 + sum(pages_per_row)
+    order = (torch.randperm(num_pages - 1, generator=generator) + 1).to(torch.int32)
+    page_table = torch.zeros(len(context_lengths), max(pages_per_row), dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(pages_per_row):
+        page_table[row, :count] = order[used:used + count]
+        used += count
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    return key_cache, value_cache, page_table.cuda()
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, read and write bytes counted."""
+    from triton.testing import do_bench
+
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    milliseconds = do_bench(lambda: destination.copy_(source), return_mode="median")
+    return 2 * source.numel() / (milliseconds * 1e-3)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def time_microseconds(function) -> tuple[float, float]:
+    """``(do_bench median, CUDA-graph replay median)`` in microseconds."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    function()
+    plain = do_bench(function, return_mode="median") * 1e3
+    graph = do_bench_cudagraph(function, return_mode="median") * 1e3
+    return plain, graph
+
+
+def kv_bytes(num_keys: int, dtype) -> int:
+    return 2 * num_keys * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_row(batch, context_length, dtype, generator):
+    from tandem.kernels.paged_attention import (default_decode_splits, paged_decode_attention,
+                                                paged_decode_attention_reference)
+
+    lengths = [context_length] * batch
+    key_cache, value_cache, page_table = random_paged_cache(lengths, dtype, generator)
+    query = torch.randn(batch, NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    context_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    scale = HEAD_DIM ** -0.5
+
+    def run():
+        paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, scale, out=out)
+
+    run()
+    error = relative_error(out, paged_decode_attention_reference(query, key_cache, value_cache, page_table,
+                                                                 context_lengths, scale))
+    plain, graph = time_microseconds(run)
+    splits = default_decode_splits(query, key_cache, page_table)
+    return dict(name=f"decode B={batch} ctx={context_length} splits={splits}", error=error, plain=plain,
+                graph=graph, bytes=kv_bytes(batch * context_length, dtype), flops=None)
+
+
+def prefill_row(name, chunks, dtype, generator):
+    from tandem.kernels.paged_attention import paged_prefill_attention, paged_prefill_attention_reference
+
+    key_cache, value_cache, page_table = random_paged_cache([length for _, length in chunks], dtype, generator)
+    query_lengths = [queries for queries, _ in chunks]
+    query = torch.randn(sum(query_lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    query_starts = torch.tensor([0] + query_lengths, device="cuda").cumsum(0).to(torch.int32)
+    context_lengths = torch.tensor([length for _, length in chunks], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    options = dict(max_query_len=max(query_lengths))
+    scale = HEAD_DIM ** -0.5
+
+    def run():
+        paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths, scale,
+                                out=out, **options)
+
+    run()
+    error = relative_error(out, paged_prefill_attention_reference(
+        query, key_cache, value_cache, page_table, query_starts, context_lengths, scale, **options))
+    plain, graph = time_microseconds(run)
+    # Causal (query, key) pairs: query i of a chunk of q ending at context c sees c - q + i + 1 keys.
+    pairs = sum(queries * (length - queries) + queries * (queries + 1) // 2 for queries, length in chunks)
+    return dict(name=f"prefill {name}", error=error, plain=plain, graph=graph,
+                bytes=kv_bytes(sum(length for _, length in chunks), dtype),
+                flops=4 * pairs * NUM_QUERY_HEADS * HEAD_DIM)
+
+
+def print_table(rows, copy_bytes_per_second, dtype, device_name):
+    print(f"\npaged attention, {dtype}, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
+          f"page={PAGE_SIZE}, {device_name}; device copy {copy_bytes_per_second / 1e9:.0f} GB/s (read+write)")
+    header = (f"{'shape':<40} {'rel err':>8} {'median us':>10} {'graph us':>9} {'K+V MB':>8} "
+              f"{'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        bytes_per_second = row["bytes"] / (row["plain"] * 1e-6)
+        tflops = "" if row["flops"] is None else f"{row['flops'] / (row['plain'] * 1e-6) / 1e12:.1f}"
+        print(f"{row['name']:<40} {row['error']:>8.1e} {row['plain']:>10.1f} {row['graph']:>9.1f} "
+              f"{row['bytes'] / 1e6:>8.1f} {bytes_per_second / 1e9:>7.0f} "
+              f"{bytes_per_second / copy_bytes_per_second:>8.2f} {tflops:>8}")
+
+
+def main():
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)
+    copy_bytes_per_second = copy_bandwidth()
+    rows = [decode_row(batch, length, dtype, generator) for batch, length in DECODE_SHAPES]
+    rows += [prefill_row(name, chunks, dtype, generator) for name, chunks in PREFILL_SHAPES.items()]
+    print_table(rows, copy_bytes_per_second, args.dtype, torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()

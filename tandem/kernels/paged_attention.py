@@ -1,0 +1,519 @@
+"""Paged attention in Triton: split-KV decode and GQA-packed prefill/extend, with references.
+
+Cache layout (one attention layer): ``key_cache`` and ``value_cache`` are
+``[num_pages, page_size, num_kv_heads, head_dim]``; page 0 is the null page. Token position
+``p`` of a sequence lives at page ``page_table[row, p // page_size]``, slot ``p % page_size``.
+The step's new keys and values are already in the cache when these functions run.
+
+Visibility: a query at position ``q`` sees key positions ``k <= q`` and, with a ``window``,
+only ``k > q - window`` (transformers' sliding-window mask). ``softcap`` turns a scaled score
+``s`` into ``softcap * tanh(s / softcap)`` before masking.
+
+Sanitizer contract (DESIGN.md I6): slots a query cannot see (past the sequence's length,
+before its window, whole null pages) may hold NaN poison. The kernels never load them (masked
+loads fill zeros) and mask their scores to -inf, so they never reach the output. A NaN in a
+visible slot is a stale read and propagates to the output.
+
+Decode (one query per row, ``context_lengths[b]`` keys visible, the query at position
+``context_lengths[b] - 1``)::
+
+    split kernel: grid (row, kv head, split); tile rows = the kv head's query heads
+                  (padded to 16 for tl.dot); keys of the split in blocks of BLOCK_N
+        row b keys  |--split 0--|--split 1--|--split 2--|   (in whole key blocks)
+    combine kernel: grid (row, query head); merges the splits by log-sum-exp
+
+A row with ``context_length == 0`` is padding: it reads nothing and its output is zeros. The
+decode path has no host synchronisation and only shape-dependent temporaries, so it can be
+captured in a CUDA graph.
+
+Prefill/extend (chunks of queries, concatenated)::
+
+    grid (chunk, query block, kv head); tile rows = BLOCK_M query tokens x the group's heads
+    key blocks above the tile's causal diagonal or wholly before its window are skipped
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tandem.kernels.triton_support import jit, tl, triton
+
+MINIMUM_DOT_SIZE = 16  # tl.dot needs every tile dimension >= 16
+MAXIMUM_DECODE_SPLITS = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@jit
+def _tanh(x):
+    """tanh from exp2, valid for every finite x (no libdevice, so it also runs interpreted)."""
+    magnitude = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    result = (1.0 - magnitude) / (1.0 + magnitude)
+    return tl.where(x < 0, -result, result)
+
+
+@jit
+def _dot_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """``values`` rounded to the input dtype for ``tl.dot``. With ``UPCAST_DOTS`` (interpreted
+    16-bit runs: the interpreter cannot multiply bfloat16) they are widened to fp32 afterwards,
+    which gives the same products as the tensor cores' 16-bit inputs with fp32 accumulation."""
+    values = values.to(input_dtype)
+    if UPCAST_DOTS:
+        values = values.to(tl.float32)
+    return values
+
+
+@jit
+def _scores_log2(query, keys_transposed, scale, softcap,
+                 HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scaled (and soft-capped) scores ``query @ keys``, in log2 units for exp2."""
+    log2_e = 1.4426950408889634
+    scores = tl.dot(query, keys_transposed, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        scores = softcap * _tanh(scores * (scale / softcap))
+        scores = scores * log2_e
+    else:
+        scores = scores * (scale * log2_e)
+    return scores
+
+
+@jit
+def _load_keys_values(key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask,
+                      kv_head, dims, dim_mask,
+                      stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+                      stride_value_page, stride_value_slot, stride_value_head, stride_value_dim,
+                      PAGE_SIZE: tl.constexpr):
+    """Keys (transposed, ``[BLOCK_D, BLOCK_N]``) and values (``[BLOCK_N, BLOCK_D]``) at
+    ``positions``; slots outside ``key_mask`` are not read and come back as zeros."""
+    pages = tl.load(page_table_row_ptr + positions // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+    slots = positions % PAGE_SIZE
+    key_offsets = pages * stride_key_page + slots * stride_key_slot + kv_head * stride_key_head
+    value_offsets = pages * stride_value_page + slots * stride_value_slot + kv_head * stride_value_head
+    keys_transposed = tl.load(key_cache_ptr + key_offsets[None, :] + dims[:, None] * stride_key_dim,
+                              mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+    values = tl.load(value_cache_ptr + value_offsets[:, None] + dims[None, :] * stride_value_dim,
+                     mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    return keys_transposed, values
+
+
+@jit
+def _decode_split_kernel(
+        query_ptr, key_cache_ptr, value_cache_ptr, page_table_ptr, context_lengths_ptr,
+        out_ptr, partial_out_ptr, partial_lse_ptr,
+        scale, window, softcap, num_splits,
+        stride_query_row, stride_query_head, stride_query_dim,
+        stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+        stride_value_page, stride_value_slot, stride_value_head, stride_value_dim,
+        stride_table_row,
+        stride_out_row, stride_out_head, stride_out_dim,
+        stride_partial_row, stride_partial_head, stride_partial_split,
+        GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_FINAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """One (row, kv head, split): attention of the group's query heads over the split's keys.
+
+    With ``WRITE_FINAL`` (one split) the normalised output goes straight to ``out``; otherwise
+    the split's normalised output and log2-sum-exp go to the partial buffers (an empty split
+    writes zeros and -inf)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_length = tl.load(context_lengths_ptr + row)
+
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_mask = heads < GROUP_SIZE
+    dim_mask = dims < HEAD_DIM
+    query_heads = kv_head * GROUP_SIZE + heads
+    query = tl.load(query_ptr + row * stride_query_row + query_heads[:, None] * stride_query_head
+                    + dims[None, :] * stride_query_dim,
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    input_dtype = query_ptr.dtype.element_ty
+    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+
+    # The visible keys [first_key, context_length) in whole key blocks, dealt out to the splits.
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(context_length - window, 0)
+    first_block = first_key // BLOCK_N
+    num_blocks = tl.cdiv(context_length, BLOCK_N) - first_block
+    blocks_per_split = tl.cdiv(num_blocks, num_splits)
+    block_begin = first_block + split * blocks_per_split
+    block_end = tl.minimum(block_begin + blocks_per_split, first_block + num_blocks)
+
+    running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_H], tl.float32)
+    accumulator = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    page_table_row_ptr = page_table_ptr + row * stride_table_row
+    for block in range(block_begin, block_end):
+        positions = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_mask = (positions >= first_key) & (positions < context_length)
+        keys_transposed, values = _load_keys_values(
+            key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
+            dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+            stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
+        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
+                              HAS_SOFTCAP, DOT_PRECISION)
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        # Every block holds at least one visible key, so the new maximum is finite.
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        probabilities = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(probabilities, 1)
+        accumulator = accumulator * correction[:, None] + tl.dot(
+            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
+            input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    empty = running_sum == 0.0
+    output = accumulator / tl.where(empty, 1.0, running_sum)[:, None]
+    if WRITE_FINAL:
+        tl.store(out_ptr + row * stride_out_row + query_heads[:, None] * stride_out_head
+                 + dims[None, :] * stride_out_dim,
+                 output.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+    else:
+        partial_offsets = row * stride_partial_row + query_heads * stride_partial_head + split * stride_partial_split
+        tl.store(partial_out_ptr + partial_offsets[:, None] * BLOCK_D + dims[None, :], output,
+                 mask=head_mask[:, None])
+        log_sum = tl.where(empty, float("-inf"), running_max + tl.log2(tl.where(empty, 1.0, running_sum)))
+        tl.store(partial_lse_ptr + partial_offsets, log_sum, mask=head_mask)
+
+
+@jit
+def _decode_combine_kernel(
+        partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
+        stride_partial_row, stride_partial_head, stride_partial_split,
+        stride_out_row, stride_out_head, stride_out_dim,
+        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, query head): the splits' outputs weighted by their share of the softmax sum.
+    When every split is empty (a padding row) the output is zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < num_splits
+    offsets = row * stride_partial_row + head * stride_partial_head + splits * stride_partial_split
+    log_sums = tl.load(partial_lse_ptr + offsets, mask=split_mask, other=float("-inf"))
+    largest = tl.max(log_sums, 0)
+    largest = tl.where(largest == float("-inf"), 0.0, largest)
+    weights = tl.exp2(log_sums - largest)
+    total = tl.sum(weights, 0)
+    outputs = tl.load(partial_out_ptr + offsets[:, None] * BLOCK_D + dims[None, :],
+                      mask=split_mask[:, None], other=0.0)
+    output = tl.sum(outputs * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + dims * stride_out_dim,
+             output.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@jit
+def _prefill_kernel(
+        query_ptr, key_cache_ptr, value_cache_ptr, page_table_ptr, query_starts_ptr,
+        context_lengths_ptr, out_ptr,
+        scale, window, softcap,
+        stride_query_token, stride_query_head, stride_query_dim,
+        stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+        stride_value_page, stride_value_slot, stride_value_head, stride_value_dim,
+        stride_table_row,
+        stride_out_token, stride_out_head, stride_out_dim,
+        GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        UPCAST_DOTS: tl.constexpr):
+    """One (chunk, query block, kv head): tile row ``r`` is query token ``r // BLOCK_G`` of the
+    block and query head ``r % BLOCK_G`` of the kv head's group."""
+    chunk = tl.program_id(0)
+    # The last query blocks see the most keys: start them first (shorter tail).
+    query_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    kv_head = tl.program_id(2)
+    query_start = tl.load(query_starts_ptr + chunk)
+    query_length = tl.load(query_starts_ptr + chunk + 1) - query_start
+    if query_block * BLOCK_M >= query_length:
+        return
+    context_length = tl.load(context_lengths_ptr + chunk)
+
+    rows = tl.arange(0, BLOCK_M * BLOCK_G)
+    tokens = query_block * BLOCK_M + rows // BLOCK_G
+    heads = rows % BLOCK_G
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (tokens < query_length) & (heads < GROUP_SIZE)
+    dim_mask = dims < HEAD_DIM
+    query_heads = kv_head * GROUP_SIZE + heads
+    query = tl.load(query_ptr + (query_start + tokens)[:, None] * stride_query_token
+                    + query_heads[:, None] * stride_query_head + dims[None, :] * stride_query_dim,
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    input_dtype = query_ptr.dtype.element_ty
+    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+    query_positions = context_length - query_length + tokens
+
+    # Keys any query of the tile sees: [key_begin, key_end).
+    first_position = context_length - query_length + query_block * BLOCK_M
+    key_end = tl.minimum(first_position + BLOCK_M, context_length)
+    key_begin = 0
+    if HAS_WINDOW:
+        key_begin = tl.maximum(first_position - window + 1, 0)
+
+    running_max = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    accumulator = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+    page_table_row_ptr = page_table_ptr + chunk * stride_table_row
+    for block_start in range((key_begin // BLOCK_N) * BLOCK_N, key_end, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        key_mask = (positions >= key_begin) & (positions < key_end)
+        keys_transposed, values = _load_keys_values(
+            key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
+            dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+            stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
+        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
+                              HAS_SOFTCAP, DOT_PRECISION)
+        visible = key_mask[None, :] & (positions[None, :] <= query_positions[:, None])
+        if HAS_WINDOW:
+            visible = visible & (positions[None, :] > query_positions[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        # A row may see nothing in this block yet: keep its exponents finite (0 instead of -inf).
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probabilities = tl.exp2(scores - safe_max[:, None])
+        correction = tl.exp2(running_max - safe_max)
+        running_sum = running_sum * correction + tl.sum(probabilities, 1)
+        accumulator = accumulator * correction[:, None] + tl.dot(
+            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
+            input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+    tl.store(out_ptr + (query_start + tokens)[:, None] * stride_out_token
+             + query_heads[:, None] * stride_out_head + dims[None, :] * stride_out_dim,
+             output.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Exact fp32 products for fp32 inputs; tensor cores (the default) for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dots(query: torch.Tensor) -> bool:
+    """Off CUDA the kernels run interpreted, where 16-bit dots must be done in fp32."""
+    return query.device.type != "cuda" and query.dtype != torch.float32
+
+
+def _block_d(head_dim: int) -> int:
+    return max(MINIMUM_DOT_SIZE, triton.next_power_of_2(head_dim))
+
+
+def _decode_config(head_dim: int, device: torch.device) -> dict:
+    """Key block and launch options of the decode split kernel. Interpreted (CPU) runs use
+    small blocks so tiny test shapes still cross block and page boundaries."""
+    if device.type != "cuda":
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64 if _block_d(head_dim) <= 128 else 32, num_warps=4, num_stages=3)
+
+
+def _prefill_config(group_size: int, head_dim: int, device: torch.device) -> dict:
+    """Tile shape of the prefill kernel: ``BLOCK_M`` tokens x ``BLOCK_G`` heads rows."""
+    block_g = triton.next_power_of_2(group_size)
+    if device.type != "cuda":
+        rows, block_n, options = 32, 32, dict(num_warps=4, num_stages=1)
+    elif _block_d(head_dim) <= 128:
+        rows, block_n, options = 128, 64, dict(num_warps=8, num_stages=2)
+    else:
+        rows, block_n, options = 64, 32, dict(num_warps=8, num_stages=2)
+    rows = max(rows, block_g)
+    return dict(BLOCK_M=rows // block_g, BLOCK_G=block_g, BLOCK_N=block_n, **options)
+
+
+def _splits_for(batch: int, num_kv_heads: int, max_pages: int, num_processors: int) -> int:
+    """About two programs per processor when ``batch * num_kv_heads`` alone cannot fill the
+    device, one split when it can; never more splits than pages (or MAXIMUM_DECODE_SPLITS)."""
+    programs = max(1, batch * num_kv_heads)
+    if programs >= num_processors:
+        return 1
+    return max(1, min(-(-2 * num_processors // programs), max_pages, MAXIMUM_DECODE_SPLITS))
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_pages: int, device) -> int:
+    """Default number of KV splits for decode: depends on shapes only (never on context
+    lengths), so a captured CUDA graph stays valid. One split off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    num_processors = torch.cuda.get_device_properties(device).multi_processor_count
+    return _splits_for(batch, num_kv_heads, max_pages, num_processors)
+
+
+def default_decode_splits(query: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor) -> int:
+    """The splits :func:`paged_decode_attention` uses when none are given:
+    :func:`decode_num_splits`, capped at the key blocks a page-table row can hold (splits are
+    cut in whole key blocks, so more would stay empty)."""
+    batch, width = page_table.shape
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    block_n = _decode_config(head_dim, query.device)["BLOCK_N"]
+    max_blocks = max(1, -(-width * key_cache.shape[1] // block_n))
+    return min(decode_num_splits(batch, num_kv_heads, width, query.device), max_blocks)
+
+
+def _check_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    """``(page_size, num_kv_heads, group_size, head_dim)`` after checking the shapes agree."""
+    num_query_heads, head_dim = query.shape[-2:]
+    page_size, num_kv_heads, cache_head_dim = key_cache.shape[1:]
+    if value_cache.shape != key_cache.shape or cache_head_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(key_cache.shape)}, {tuple(value_cache.shape)} do not "
+                         f"match head_dim {head_dim}")
+    if num_query_heads % num_kv_heads:
+        raise ValueError(f"{num_query_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    return page_size, num_kv_heads, num_query_heads // num_kv_heads, head_dim
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           page_table: torch.Tensor, context_lengths: torch.Tensor, scale: float, *,
+                           window: Optional[int] = None, softcap: Optional[float] = None,
+                           num_splits: Optional[int] = None,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one query token per row over its paged keys (split-KV).
+
+    ``query [B, Hq, D]``, ``page_table [B, W]`` int32, ``context_lengths [B]`` int32 (keys
+    visible to the row's query, its own included; 0 marks a padding row, whose output is
+    zeros). Returns ``out`` (allocated when not given), ``[B, Hq, D]`` in the query's dtype.
+    ``num_splits`` defaults to :func:`decode_num_splits` (capped at the number of key blocks
+    the page table can hold). No host synchronisation; CUDA-graph capturable."""
+    page_size, num_kv_heads, group_size, head_dim = _check_cache(query, key_cache, value_cache)
+    batch, num_query_heads = query.shape[:2]
+    if out is None:
+        out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    config = _decode_config(head_dim, query.device)
+    if num_splits is None:
+        num_splits = default_decode_splits(query, key_cache, page_table)
+    block_d = _block_d(head_dim)
+    write_final = num_splits == 1
+    if write_final:  # the partial buffers are not touched; pass ``out`` in their place
+        partial_out, partial_lse = out, out
+        partial_strides = (0, 0, 0)
+    else:
+        partial_out = torch.empty(batch, num_query_heads, num_splits, block_d,
+                                  dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty(batch, num_query_heads, num_splits, dtype=torch.float32,
+                                  device=query.device)
+        partial_strides = partial_lse.stride()
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, page_table, context_lengths, out, partial_out, partial_lse,
+        scale, window or 0, softcap or 0.0, num_splits,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), page_table.stride(0),
+        *out.stride(), *partial_strides,
+        GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_H=max(MINIMUM_DOT_SIZE, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_FINAL=write_final,
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+    if not write_final:
+        _decode_combine_kernel[(batch, num_query_heads)](
+            partial_out, partial_lse, out, num_splits, *partial_lse.stride(), *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4)
+    return out
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            page_table: torch.Tensor, query_starts: torch.Tensor,
+                            context_lengths: torch.Tensor, scale: float, *, max_query_len: int,
+                            window: Optional[int] = None, softcap: Optional[float] = None,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of N chunks of queries over their paged keys (prefill and extend).
+
+    ``query [T, Hq, D]`` concatenates the chunks; ``query_starts [N+1]`` int32 cumulative
+    offsets; ``page_table [N, W]`` int32; ``context_lengths [N]`` int32 = keys visible to the
+    chunk's last query (cached prefix + new tokens), so query ``i`` of a chunk of ``q`` queries
+    sits at position ``context_length - q + i``. ``max_query_len`` (a Python int, at least the
+    longest chunk) sizes the grid. Returns ``out`` ``[T, Hq, D]`` in the query's dtype; rows of
+    ``out`` outside every chunk are not written."""
+    page_size, num_kv_heads, group_size, head_dim = _check_cache(query, key_cache, value_cache)
+    if out is None:
+        out = torch.empty_like(query)
+    num_chunks = query_starts.shape[0] - 1
+    if num_chunks <= 0 or max_query_len <= 0 or query.shape[0] == 0:
+        return out
+    config = _prefill_config(group_size, head_dim, query.device)
+    grid = (num_chunks, triton.cdiv(max_query_len, config["BLOCK_M"]), num_kv_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, page_table, query_starts, context_lengths, out,
+        scale, window or 0, softcap or 0.0,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), page_table.stride(0),
+        *out.stride(),
+        GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=_block_d(head_dim),
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# References (plain PyTorch, float32 math): the oracle of the tests and the CPU path.
+
+
+def _gather_positions(cache: torch.Tensor, page_table_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[len(positions), Hkv, D]``: the cache entries of one sequence at ``positions``."""
+    page_size = cache.shape[1]
+    pages = page_table_row[positions // page_size].long()
+    return cache[pages, positions % page_size]
+
+
+def _attend_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      page_table_row: torch.Tensor, query_positions: torch.Tensor, scale: float,
+                      window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+    """Attention of ``query [Q, Hq, D]`` at ``query_positions`` over one sequence, in float32.
+    Only keys some query sees are gathered (null pages before the window are never read)."""
+    first = 0 if window is None else max(0, int(query_positions[0]) - window + 1)
+    key_positions = torch.arange(first, int(query_positions[-1]) + 1, device=query.device)
+    keys = _gather_positions(key_cache, page_table_row, key_positions).float()
+    values = _gather_positions(value_cache, page_table_row, key_positions).float()
+    group_size = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group_size, dim=1)
+    values = values.repeat_interleave(group_size, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probabilities, values)
+
+
+def paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths, scale, *,
+                                     window=None, softcap=None, num_splits=None, out=None) -> torch.Tensor:
+    """Plain-PyTorch :func:`paged_decode_attention` (``num_splits`` is accepted and ignored)."""
+    output = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    for row, length in enumerate(context_lengths.tolist()):
+        if length > 0:
+            position = torch.tensor([length - 1], device=query.device)
+            output[row] = _attend_reference(query[row:row + 1], key_cache, value_cache, page_table[row],
+                                            position, scale, window, softcap)[0]
+    if out is None:
+        return output.to(query.dtype)
+    return out.copy_(output)
+
+
+def paged_prefill_attention_reference(query, key_cache, value_cache, page_table, query_starts, context_lengths,
+                                      scale, *, max_query_len, window=None, softcap=None, out=None) -> torch.Tensor:
+    """Plain-PyTorch :func:`paged_prefill_attention`; rows outside every chunk are zeros
+    (when ``out`` is not given) or left as they were."""
+    output = torch.zeros(query.shape, dtype=query.dtype, device=query.device) if out is None else out
+    starts = query_starts.tolist()
+    for chunk, length in enumerate(context_lengths.tolist()):
+        start, end = starts[chunk], starts[chunk + 1]
+        if end > start:
+            positions = torch.arange(length - (end - start), length, device=query.device)
+            output[start:end] = _attend_reference(query[start:end], key_cache, value_cache, page_table[chunk],
+                                                  positions, scale, window, softcap).to(output.dtype)
+    return output
