@@ -1,11 +1,11 @@
 """The SiLU-gated MLP shared by most families; ``gate_proj``/``up_proj`` load into one
-stacked matrix so the pair is one matrix product."""
+stacked matrix so the pair is one matrix product; on CUDA ``silu(gate) * up`` is one kernel."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tandem.layers.linear import StackedLinear
 
 
@@ -18,5 +18,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(hidden)
+        activate = silu_and_mul if gate_up.is_cuda else silu_and_mul_reference
+        return self.down_proj(activate(gate_up))

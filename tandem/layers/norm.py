@@ -1,19 +1,28 @@
-"""RMSNorm, computed in float32 and cast back, as the reference implementations do."""
+"""RMSNorm, computed in float32 and cast back, as the reference implementations do.
+
+On CUDA one fused kernel (``tandem.kernels.norm``) does the residual add and the norm; elsewhere
+its plain-PyTorch reference does, bit for bit as the unfused ops.
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
+from tandem.kernels.norm import rms_norm, rms_norm_reference
+
 
 class RMSNorm(nn.Module):
+    """``weight * normed.to(dtype)`` (Llama's convention)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden.to(input_dtype)
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """``norm(hidden)``; with ``residual``, ``(norm(hidden + residual), hidden + residual)``.
+        ``hidden`` is ``[T, D]`` or ``[T, H, D]`` (per head)."""
+        normalize = rms_norm if hidden.is_cuda else rms_norm_reference
+        return normalize(hidden, self.weight, self.variance_epsilon, residual=residual)

@@ -2,6 +2,8 @@
 
 Supported ``rope_type``s: ``default``, ``linear``, ``llama3`` (Llama-3.1 frequency scaling).
 The table is indexed by absolute position, so chunked prefill and decode read the same rows.
+On CUDA one kernel rotates queries and keys (``tandem.kernels.rotary``); elsewhere its
+plain-PyTorch reference does, bit for bit as ``x * cos + rotate_half(x) * sin``.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from tandem.kernels.rotary import apply_rotary, apply_rotary_reference
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -44,11 +48,6 @@ def compute_inv_freq(rope_parameters: dict, rotary_dim: int) -> torch.Tensor:
                      "(supported: default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope_parameters: Optional[dict], max_positions: int) -> None:
         super().__init__()
@@ -60,10 +59,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", table.sin(), persistent=False)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
-        """query ``[T, Hq, D]``, key ``[T, Hkv, D]``, positions ``[T]``."""
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
-        dtype = query.dtype
-        query_out = query * cos.to(dtype) + rotate_half(query) * sin.to(dtype)
-        key_out = key * cos.to(dtype) + rotate_half(key) * sin.to(dtype)
-        return query_out, key_out
+        """query ``[T, Hq, D]``, key ``[T, Hkv, D]``, positions ``[T]`` -> new rotated
+        ``(query, key)``; heads wider than the table's ``rotary_dim`` keep their tail."""
+        rotate = apply_rotary if query.is_cuda else apply_rotary_reference
+        return rotate(query, key, positions, self.cos_table, self.sin_table)

@@ -16,12 +16,14 @@ applied to the attention scores.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.activation import (gelu_and_mul, gelu_and_mul_reference, gelu_tanh_and_mul,
+                                       gelu_tanh_and_mul_reference)
+from tandem.kernels.norm import rms_norm, rms_norm_reference
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
 from tandem.layers.rotary import RotaryEmbedding
@@ -30,21 +32,26 @@ from tandem.worker.forward_context import ForwardContext
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+# hidden_activation -> gated activation ``[T, 2I] -> act(gate) * up``: (CUDA kernel, reference)
+ACTIVATIONS = {"gelu_pytorch_tanh": (gelu_tanh_and_mul, gelu_tanh_and_mul_reference),
+               "gelu": (gelu_and_mul, gelu_and_mul_reference)}
 
 
 class GemmaRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + weight)`` in float32, cast back to the input dtype."""
+    """``x / rms(x) * (1 + weight)`` in float32, cast back to the input dtype (one kernel on
+    CUDA, its bit-exact reference elsewhere)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * (1.0 + self.weight.float())).type_as(hidden)
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """``norm(hidden)``; with ``residual``, ``(norm(hidden + residual), hidden + residual)``.
+        ``hidden`` is ``[T, D]`` or ``[T, H, D]`` (per head)."""
+        normalize = rms_norm if hidden.is_cuda else rms_norm_reference
+        return normalize(hidden, self.weight, self.eps, residual=residual, weight_offset=1.0,
+                         cast_before_weight=False)
 
 
 def layer_rope_parameters(config, layer_type: str) -> dict:
@@ -112,15 +119,16 @@ class Gemma3MLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"hidden_activation: {activation!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
-        self.activation = ACTIVATIONS[activation]
+        self.activation, self.activation_reference = ACTIVATIONS[activation]
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = StackedLinear(config.hidden_size, {"gate_proj": config.intermediate_size,
                                                                "up_proj": config.intermediate_size}, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
+        gate_up = self.gate_up_proj(hidden)
+        activate = self.activation if gate_up.is_cuda else self.activation_reference
+        return self.down_proj(activate(gate_up))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -135,11 +143,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, hidden, positions, context):
-        attended = self.self_attn(self.input_layernorm(hidden), positions, context)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(fed)
+    def forward(self, hidden, residual, positions, context):
+        """``(hidden, residual)`` in and out; the layer's output is their sum, which the next
+        norm forms fused with itself. The first layer gets ``residual=None``."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attended = self.post_attention_layernorm(self.self_attn(hidden, positions, context))
+        hidden, residual = self.pre_feedforward_layernorm(attended, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3TextModel(nn.Module):
@@ -162,10 +175,13 @@ class Gemma3TextModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, context):
+        """The last layer's output before the final norm (``compute_logits`` applies it to the
+        rows it samples)."""
         hidden = self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, positions, context)
-        return hidden
+            hidden, residual = layer(hidden, residual, positions, context)
+        return hidden + residual
 
 
 class Gemma3ForCausalLM(CausalLM):

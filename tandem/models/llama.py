@@ -80,13 +80,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, positions, context):
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), positions, context)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    def forward(self, hidden, residual, positions, context):
+        """``(hidden, residual)`` in and out; the layer's output is their sum, which the next
+        norm forms fused with itself. The first layer gets ``residual=None``."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, context)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,10 +104,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, context):
-        hidden = self.embed_tokens(input_ids)
+        """The last layer's output before the final norm (``compute_logits`` applies it to the
+        rows it samples)."""
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, positions, context)
-        return hidden
+            hidden, residual = layer(hidden, residual, positions, context)
+        return hidden + residual
 
 
 class LlamaForCausalLM(CausalLM):
