@@ -109,7 +109,8 @@ class Fp8PageMajorIndexKeys:
     def _rotate(self, values: torch.Tensor) -> torch.Tensor:
         matrix = self._hadamard_by_device.get(values.device)
         if matrix is None:
-            matrix = self._hadamard_by_device.setdefault(values.device, self.hadamard.to(values.device))
+            matrix = self._hadamard_by_device.setdefault(values.device,
+                                                         self.hadamard.to(values.device, torch.float32))
         return values.float() @ matrix
 
     def write(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:

@@ -324,6 +324,7 @@ def make_model(
         token_ids=token_ids,
     )
     if not weights:
+        config.architectures = [spec.model_class]
         config.save_pretrained(out_path)
         _write_generation_config(out_path, token_ids)
         return out_path
