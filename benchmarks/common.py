@@ -34,7 +34,8 @@ def model_dir_for(shape: str, load_format: str) -> str:
 
     arch, options = SHAPES[shape]
     out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{'dummy' if load_format == 'dummy' else 'weights'}"
-    if not (out / "config.json").is_file():
+    config = out / "config.json"
+    if not config.is_file() or "architectures" not in json.loads(config.read_text()):
         make_model(arch, out, seed=0, weights=load_format != "dummy", **options)
     return str(out)
 
