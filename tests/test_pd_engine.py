@@ -137,7 +137,7 @@ def test_decode_continues_exactly_for_every_family(arch, model_dirs, oracles):
         assert pair.prefill.pd.layout == pair.decode.pd.layout
         pair.settle()
         pair.assert_all_free()
-        assert pair.decode.pd.outcomes["done"] == 3 and pair.prefill.pd.outcomes["done"] == 3
+        assert pair.decode.pd.metrics.outcomes["done"] == 3 and pair.prefill.pd.metrics.outcomes["done"] == 3
     finally:
         pair.close()
 
@@ -190,7 +190,7 @@ def test_decode_abort_keeps_pages_until_the_prefill_side_drains(llama_pair):
     pair.settle()
     assert pair.prefill_error("r") is not None and "aborted" in pair.prefill_error("r")
     pair.assert_all_free()
-    assert pair.decode.pd.outcomes["aborted"] == 1
+    assert pair.decode.pd.metrics.outcomes["aborted"] == 1
     for descriptor in pair.decode.registry.buffers():  # released, then poisoned (I6)
         assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
 

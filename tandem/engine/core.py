@@ -76,9 +76,9 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
-        self.pd = None  # prefill/decode disaggregation (engine/pd.py), when configured
+        self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
         if config.transfer is not None:
-            from tandem.engine.pd import create_pd
+            from tandem.disagg import create_pd
 
             self.pd = create_pd(self, config.transfer)
         logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",

@@ -127,7 +127,7 @@ EngineMessage = EngineReadyMessage | EngineStepMessage | EngineFailedMessage
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefill/decode disaggregation (tandem/transfer, tandem/engine/pd.py).
+# Prefill/decode disaggregation (tandem/transfer, tandem/disagg).
 # ---------------------------------------------------------------------------------------------
 
 

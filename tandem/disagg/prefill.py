@@ -1,0 +1,420 @@
+"""The prefill side of PD: computes a prompt whose destination pages the decode side chose,
+writes every group's final pages as chunks complete them, then the metadata row with the
+first token, and holds the first-token delta until that row landed.
+
+Lifetimes: each write holds its source pages in flight until the backend reports it done or
+failed (or, after ``drain_timeout``, cancelled); then, if the decode side waits for it,
+``Drained`` is sent. Nothing here knows model families: pages come from the coordinator
+(``final_page_indices``, answered by the managers) and bytes from the registry
+(``transfer/descriptors.py``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from tandem.disagg.common import PDSide
+from tandem.disagg.transfers import DecodePeer, PendingWrite, PrefillTransfer
+from tandem.engine.protocol import RequestDelta, TransferParams
+from tandem.kv.planner import NULL_PAGE
+from tandem.scheduler.sequence import Sequence
+from tandem.transfer.config import TransferConfig
+from tandem.transfer.connector import WriteStatus
+from tandem.transfer.descriptors import plan_page_writes
+from tandem.transfer.messages import (
+    AbortTransfer,
+    Destination,
+    Drained,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    TransferFailed,
+    check_room,
+    done_notification,
+    first_difference,
+)
+from tandem.transfer.metadata import MetadataRow
+from tandem.transfer.state import TransferState, TransferStatus
+
+logger = logging.getLogger("tandem.pd")
+
+
+class PrefillSide(PDSide):
+    role = "prefill"
+
+    def __init__(self, core, config: TransferConfig) -> None:
+        super().__init__(core, config)
+        self.transfers: dict[str, PrefillTransfer] = {}  # room -> transfer, until drained
+        self.by_request: dict[str, PrefillTransfer] = {}
+        self.peers: dict[str, DecodePeer] = {}
+        self.early_destinations: dict[str, tuple[str, Destination, float]] = {}  # room -> (peer, message, time)
+        self.aborted_rooms: dict[str, float] = {}  # rooms the decode side aborted before the request came
+        self.touched: set[tuple[int, str, str]] = set()  # registry buffers written so far (I1 tests)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def add(self, sequence: Sequence, params: TransferParams) -> None:
+        room = check_room(params.room)
+        if room in self.transfers:
+            raise ValueError(f"kv_transfer_params: room {room} is already in use on this prefill server")
+        sequence.max_tokens = 1  # the prefill leg computes the prompt and samples the first token
+        transfer = PrefillTransfer(room=room, sequence=sequence, status=TransferStatus(room), created=time.monotonic(),
+                                   sent=[set() for _ in range(self.coordinator.num_groups)])
+        self.transfers[room] = transfer
+        self.by_request[sequence.request_id] = transfer
+        self.scheduler.add_remote(sequence)
+        if room in self.aborted_rooms:
+            del self.aborted_rooms[room]
+            self.end(transfer, TransferState.ABORTED, "the decode server aborted this request")
+            transfer.notify_drained = False
+            return
+        early = self.early_destinations.pop(room, None)
+        if early is not None:
+            self.bind(transfer, early[0], early[1])
+
+    def on_abort_request(self, request_id: str) -> None:
+        transfer = self.by_request.get(request_id)
+        if transfer is not None and not transfer.status.terminal:
+            transfer.suppress_delta = True
+            self.end(transfer, TransferState.ABORTED, "the request was aborted on the prefill server")
+
+    def after_stall(self, seconds: float) -> None:
+        """A decode engine that heard nothing from us for ``peer_timeout`` has released the
+        destination pages of our transfers: writing them now could land in another request's
+        pages. Fail every bound transfer, and refuse destinations that queued up meanwhile."""
+        super().after_stall(seconds)
+        reason = (f"the prefill engine stalled for {seconds:.1f} s, longer than peer_timeout "
+                  f"({self.config.peer_timeout:g} s); its decode peer has given up")
+        for transfer in list(self.transfers.values()):
+            if transfer.peer is not None and not transfer.status.terminal:
+                self.end(transfer, TransferState.FAILED, reason)
+        self.stalled_batch = True
+
+    def stalled(self) -> bool:
+        """Checked right before any write: a step that ran past peer_timeout may have outlived
+        the decode side's patience."""
+        seconds = time.monotonic() - self.last_poll
+        if seconds > self.config.peer_timeout:
+            self.after_stall(seconds)
+            self.stalled_batch = False
+            return True
+        return False
+
+    # -- control messages ---------------------------------------------------------------------------------
+    def handle(self, identity, address, message, now: float) -> None:
+        if identity is None:
+            return
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = now
+            peer.dead = False
+        if isinstance(message, Hello):
+            self.on_hello(identity, message, now)
+        elif isinstance(message, Heartbeat):
+            if peer is None:
+                self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=False,
+                                                                   error="unknown peer: say hello first"))
+            else:
+                self.channel.send_to_identity(identity, Heartbeat(sender=self.engine_id))
+        elif isinstance(message, Destination):
+            self.on_destination(identity, message, now)
+        elif isinstance(message, AbortTransfer):
+            self.on_abort_transfer(identity, message, now)
+
+    def on_hello(self, identity: str, hello: Hello, now: float) -> None:
+        difference = first_difference(self.layout, hello.layout, "the prefill server", "the decode server")
+        if difference is None and hello.backend != self.config.backend:
+            difference = (f"transfer backend: the prefill server uses {self.config.backend!r}, "
+                          f"the decode server {hello.backend!r}")
+        if difference is not None:
+            error = f"PD handshake failed: {difference}"
+            logger.error("%s (decode engine %s)", error, identity)
+            self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=False, error=error,
+                                                               layout=self.layout))
+            return
+        existing = self.peers.get(identity)
+        if existing is not None:  # the same engine reconnected (its memory is where it was)
+            existing.last_seen, existing.dead = now, False
+            self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=True,
+                                                               layout=self.layout))
+            return
+        try:
+            agent = self.backend.add_peer(hello.backend_metadata)
+        except Exception as error:  # noqa: BLE001
+            self.channel.send_to_identity(identity, HelloReply(
+                sender=self.engine_id, accepted=False, error=f"PD handshake failed: cannot load the decode "
+                                                             f"engine's transfer metadata: {error}"))
+            return
+        self.peers[identity] = DecodePeer(identity=identity, agent=agent, addresses=list(hello.buffer_addresses),
+                                          device=hello.device, metadata_address=hello.metadata_address,
+                                          row_bytes=hello.layout.metadata_row_bytes,
+                                          num_rows=hello.num_metadata_rows, last_seen=now)
+        logger.info("PD: decode engine %s connected", identity)
+        self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=True, layout=self.layout))
+
+    def on_destination(self, identity: str, message: Destination, now: float) -> None:
+        peer = self.peers.get(identity)
+        if peer is None:
+            self.channel.send_to_identity(identity, TransferFailed(room=message.room, drained=True,
+                                                                   reason="destination from an unknown peer"))
+            return
+        if self.stalled_batch:
+            self.channel.send_to_identity(identity, TransferFailed(
+                room=message.room, drained=True, reason="the destination arrived while the prefill engine stalled"))
+            transfer = self.transfers.get(message.room)
+            if transfer is not None:
+                self.end(transfer, TransferState.FAILED, "the destination arrived while the prefill engine stalled",
+                         tell_peer=False)
+            return
+        transfer = self.transfers.get(message.room)
+        if transfer is None:
+            self.early_destinations[message.room] = (identity, message, now)
+            return
+        if transfer.status.state is not TransferState.WAITING:
+            logger.warning("PD: second destination for room %s ignored", message.room)
+            return
+        self.bind(transfer, identity, message)
+
+    def bind(self, transfer: PrefillTransfer, identity: str, message: Destination) -> None:
+        peer = self.peers.get(identity)
+        sequence = transfer.sequence
+        problem = None
+        if peer is None or peer.dead:
+            problem = "the decode engine that sent the destination is gone"
+        elif len(message.page_tables) != self.coordinator.num_groups:
+            problem = f"destination has {len(message.page_tables)} page tables, expected {self.coordinator.num_groups}"
+        elif message.num_prompt_tokens != sequence.num_prompt_tokens:
+            problem = (f"the decode server has a {message.num_prompt_tokens}-token prompt, "
+                       f"the prefill server {sequence.num_prompt_tokens} tokens")
+        elif not 0 <= message.metadata_row < peer.num_rows:
+            problem = f"metadata row {message.metadata_row} out of range"
+        transfer.peer, transfer.destination = peer, message
+        if problem is not None:
+            self.end(transfer, TransferState.FAILED, f"bad destination: {problem}")
+            return
+        transfer.status.advance(TransferState.BOUND)
+        transfer.bound_at = time.monotonic()
+        self.scheduler.release_remote(sequence, running=False)
+
+    def on_abort_transfer(self, identity: str, message: AbortTransfer, now: float) -> None:
+        self.early_destinations.pop(message.room, None)
+        transfer = self.transfers.get(message.room)
+        if transfer is None or (transfer.peer is not None and transfer.peer.identity != identity):
+            if transfer is None:
+                self.aborted_rooms[message.room] = now
+            self.channel.send_to_identity(identity, Drained(room=message.room))
+            return
+        transfer.notify_drained = True
+        if transfer.peer is None:
+            transfer.peer = self.peers.get(identity)
+        self.end(transfer, TransferState.ABORTED, f"the decode server aborted the transfer: {message.reason}",
+                 tell_peer=False)
+
+    # -- the transfer -------------------------------------------------------------------------------------
+    def after_computed(self, chunk) -> None:
+        sequence = chunk.sequence
+        transfer = self.by_request.get(sequence.request_id)
+        if transfer is None or transfer.status.terminal or transfer.destination is None or self.stalled():
+            return
+        self.push_pages(transfer, prompt_done=sequence.num_computed_tokens >= sequence.num_prompt_tokens)
+
+    def push_pages(self, transfer: PrefillTransfer, prompt_done: bool) -> None:
+        """Write every page that became final since the last push (whole pages, coalesced)."""
+        sequence, destination = transfer.sequence, transfer.destination
+        indices = self.coordinator.final_page_indices(sequence.state, sequence.num_computed_tokens, prompt_done)
+        pairs_per_group, sources = [], []
+        for group, (group_indices, table, target) in enumerate(
+                zip(indices, sequence.state.page_tables, destination.page_tables)):
+            pairs = []
+            for index in group_indices:
+                if index in transfer.sent[group]:
+                    continue
+                transfer.sent[group].add(index)
+                if index >= len(target) or target[index] == NULL_PAGE:
+                    continue  # the decode side does not need it (e.g. before a sliding window)
+                if table[index] == NULL_PAGE:
+                    self.end(transfer, TransferState.FAILED,
+                             f"page {index} of state group {group} was released before it was sent")
+                    return
+                pairs.append((table[index], target[index]))
+            pairs_per_group.append(pairs)
+            sources.append([source for source, _ in pairs])
+        plan = plan_page_writes(self.registry, transfer.peer.addresses, pairs_per_group)
+        self.touched |= plan.touched
+        if not plan.descriptors:
+            return
+        owner = self.coordinator.hold_inflight(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
+        transfer.num_writes += 1
+        transfer.first_write_at = transfer.first_write_at or time.monotonic()
+        handle = self.backend.write(transfer.peer.agent, plan.descriptors, local_device=self.device_index,
+                                    remote_device=transfer.peer.device)
+        transfer.writes.append(PendingWrite(handle, owner))
+        if transfer.status.state is TransferState.BOUND:
+            transfer.status.advance(TransferState.SENDING)
+
+    def filter_deltas(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Hold each PD request's first-token delta until its transfer is done."""
+        passed = []
+        for delta in deltas:
+            transfer = self.by_request.get(delta.request_id)
+            if transfer is None or transfer.status.terminal:
+                passed.append(delta)
+            elif delta.finish_reason in ("error", "abort"):
+                reason = f"the prefill engine failed: {delta.error or delta.finish_reason}"
+                self.end(transfer, TransferState.FAILED, reason, emit=False)
+                passed.append(delta)
+            else:
+                transfer.first_delta = delta
+        if deltas:
+            self.progress(time.monotonic())
+        return passed
+
+    def progress(self, now: float) -> None:
+        for transfer in list(self.transfers.values()):
+            self.progress_writes(transfer, now)
+            if not transfer.status.terminal and transfer.first_delta is not None and not transfer.writes \
+                    and transfer.metadata_write is None and not self.stalled():
+                self.post_metadata(transfer)
+            if transfer.status.terminal and not transfer.outstanding:
+                self.retire(transfer)
+
+    def progress_writes(self, transfer: PrefillTransfer, now: float) -> None:
+        for write in list(transfer.writes):
+            status = self.resolve(transfer, write, now)
+            if status is None:
+                continue
+            self.coordinator.release_inflight(write.owner)
+            transfer.writes.remove(write)
+            if status is WriteStatus.DONE:
+                transfer.bytes_written += write.handle.num_bytes
+            elif not transfer.status.terminal:
+                self.end(transfer, TransferState.FAILED, f"a page write failed: {write.handle.error}")
+        write = transfer.metadata_write
+        status = self.resolve(transfer, write, now) if write is not None else None
+        if status is None:
+            return
+        transfer.metadata_write = None
+        if status is WriteStatus.DONE and not transfer.status.terminal:
+            transfer.bytes_written += write.handle.num_bytes
+            transfer.status.advance(TransferState.DONE)
+            transfer.ended_at = now
+            self.metrics.record("done", transfer.bytes_written,
+                                now - (transfer.first_write_at or transfer.bound_at), bandwidth=True)
+            if not transfer.suppress_delta:
+                self.outbox.append(transfer.first_delta)
+        elif status is WriteStatus.ERROR and not transfer.status.terminal:
+            self.end(transfer, TransferState.FAILED, f"the metadata row write failed: {write.handle.error}")
+
+    def resolve(self, transfer: PrefillTransfer, write: PendingWrite, now: float) -> Optional[WriteStatus]:
+        """Poll a write: None while it is pending (cancelled once its transfer ended more than
+        ``drain_timeout`` ago), else its final status, with its handle released."""
+        status = self.backend.poll(write.handle)
+        if status is WriteStatus.PENDING:
+            if transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout:
+                self.cancel(transfer, write)
+            return None
+        self.backend.release(write.handle)
+        return status
+
+    def cancel(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
+        """A failed transfer's write did not finish within drain_timeout: cancel it. If the backend
+        cannot, its pages stay held (never freed under a reader, I2)."""
+        if not self.backend.release(write.handle):
+            return
+        logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
+        if write.owner is not None:
+            self.coordinator.release_inflight(write.owner)
+            transfer.writes.remove(write)
+        else:
+            transfer.metadata_write = None
+
+    def post_metadata(self, transfer: PrefillTransfer) -> None:
+        row = self.metadata.allocate()
+        if row is None:
+            return  # all rows busy: retried on the next poll
+        delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
+        logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
+        self.metadata.write(row, MetadataRow(
+            room=transfer.room, first_token=delta.new_token_ids[0],
+            num_cached_tokens=max(sequence.num_cached_tokens, 0),
+            logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
+            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0))
+        transfer.local_row = row
+        destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
+        handle = self.backend.write(peer.agent, [(self.metadata.address(row), destination, self.metadata.row_bytes)],
+                                    notification=done_notification(transfer.room))
+        transfer.metadata_write = PendingWrite(handle, None)
+        transfer.status.advance(TransferState.FINISHING)
+
+    def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
+            tell_peer: bool = True) -> None:
+        if not transfer.status.end(state, reason):
+            return
+        transfer.ended_at = time.monotonic()
+        logger.info("PD: room %s %s: %s", transfer.room, state.name.lower(), reason)
+        self.metrics.record("aborted" if state is TransferState.ABORTED else "failed")
+        sequence = transfer.sequence
+        self.finish_sequence(sequence)
+        if emit and not transfer.suppress_delta:
+            self.outbox.append(self.error_delta(sequence, reason))
+        if tell_peer and transfer.peer is not None:  # best effort: a dead peer never reads it
+            drained = not transfer.outstanding
+            self.channel.send_to_identity(transfer.peer.identity,
+                                          TransferFailed(room=transfer.room, reason=reason, drained=drained))
+            transfer.notify_drained = not drained
+
+    def retire(self, transfer: PrefillTransfer) -> None:
+        """Every write resolved: say so if the decode side waits, free the row, forget the room."""
+        if transfer.notify_drained and transfer.peer is not None:
+            self.channel.send_to_identity(transfer.peer.identity, Drained(room=transfer.room))
+        if transfer.local_row is not None:
+            self.metadata.release(transfer.local_row)
+            transfer.local_row = None
+        self.transfers.pop(transfer.room, None)
+        if self.by_request.get(transfer.sequence.request_id) is transfer:
+            del self.by_request[transfer.sequence.request_id]
+
+    # -- time ---------------------------------------------------------------------------------------------------
+    def check_timeouts(self, now: float) -> None:
+        config = self.config
+        for peer in self.peers.values():
+            if not peer.dead and now - peer.last_seen > config.peer_timeout:
+                peer.dead = True
+                logger.warning("PD: decode engine %s is dead (no heartbeat for %.1f s)", peer.identity,
+                               config.peer_timeout)
+                for transfer in list(self.transfers.values()):
+                    if transfer.peer is peer:
+                        self.end(transfer, TransferState.FAILED,
+                                 f"the decode server stopped responding (no heartbeat for {config.peer_timeout:g} s)")
+        for transfer in list(self.transfers.values()):
+            if transfer.status.state is TransferState.WAITING and now - transfer.created > config.bootstrap_timeout:
+                self.end(transfer, TransferState.FAILED,
+                         f"no decode server sent destination pages within {config.bootstrap_timeout:g} s")
+            elif not transfer.status.terminal and transfer.bound_at \
+                    and now - transfer.bound_at > config.transfer_timeout:
+                self.end(transfer, TransferState.FAILED, f"the transfer took longer than {config.transfer_timeout:g} s")
+        for room, (identity, _, received) in list(self.early_destinations.items()):
+            if now - received > config.bootstrap_timeout:
+                del self.early_destinations[room]
+                self.channel.send_to_identity(identity, TransferFailed(
+                    room=room, drained=True, reason="the prefill server never received this request"))
+        for room, moment in list(self.aborted_rooms.items()):
+            if now - moment > config.bootstrap_timeout:
+                del self.aborted_rooms[room]
+
+    def awaiting_backend(self) -> bool:
+        return any(transfer.outstanding or transfer.first_delta is not None for transfer in self.transfers.values())
+
+    def busy(self) -> bool:
+        return bool(self.transfers or self.outbox)
+
+    def queue_lengths(self) -> dict[str, int]:
+        counts = {"waiting_for_destination": 0, "sending": 0, "draining": 0}
+        for transfer in self.transfers.values():
+            if transfer.status.state is TransferState.WAITING:
+                counts["waiting_for_destination"] += 1
+            elif transfer.status.terminal:
+                counts["draining"] += 1
+            else:
+                counts["sending"] += 1
+        return counts

@@ -1,0 +1,95 @@
+"""Per-transfer bookkeeping of both PD sides: what each remembers about a room and its peer.
+
+Owner: a side's ``transfers`` (and, on the decode side, ``draining``) dicts hold these records
+from ``add`` until the room is forgotten; a record owns no memory itself, only the names of the
+in-flight holds (``PendingWrite.owner``, ``DecodeTransfer.hold_owner``) its side must release.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tandem.engine.protocol import RequestDelta
+from tandem.scheduler.sequence import Sequence
+from tandem.transfer.connector import WriteHandle
+from tandem.transfer.messages import Destination
+from tandem.transfer.state import TransferStatus
+
+
+# -- prefill side ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingWrite:
+    """A posted write and the in-flight reference holding its source pages (None for the row)."""
+    handle: WriteHandle
+    owner: Optional[str]
+
+
+@dataclass
+class DecodePeer:
+    """A decode engine that said hello: where its pages and metadata rows are."""
+    identity: str
+    agent: str
+    addresses: list[int]
+    device: int
+    metadata_address: int
+    row_bytes: int
+    num_rows: int
+    last_seen: float
+    dead: bool = False
+
+
+@dataclass(eq=False)
+class PrefillTransfer:
+    room: str
+    sequence: Sequence
+    status: TransferStatus
+    created: float
+    peer: Optional[DecodePeer] = None
+    destination: Optional[Destination] = None
+    sent: list[set[int]] = field(default_factory=list)
+    writes: list[PendingWrite] = field(default_factory=list)
+    metadata_write: Optional[PendingWrite] = None
+    local_row: Optional[int] = None
+    first_delta: Optional[RequestDelta] = None
+    bound_at: float = 0.0
+    first_write_at: float = 0.0
+    ended_at: float = 0.0
+    bytes_written: int = 0
+    num_writes: int = 0
+    notify_drained: bool = False  # the decode side waits for Drained once writes resolve
+    suppress_delta: bool = False  # the frontend aborted the request: no delta goes out
+
+    @property
+    def outstanding(self) -> bool:
+        return bool(self.writes) or self.metadata_write is not None
+
+
+# -- decode side ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefillLink:
+    """This engine's connection to one prefill engine."""
+    address: str
+    since: float
+    last_seen: float
+    ready: bool = False
+    agent: str = ""  # the prefill engine's agent name (the sender of its notifications)
+
+
+@dataclass(eq=False)
+class DecodeTransfer:
+    room: str
+    sequence: Sequence
+    address: str
+    status: TransferStatus
+    created: float
+    row: Optional[int] = None
+    bound_at: float = 0.0
+    hold_owner: Optional[str] = None  # in-flight hold of the destination pages after a failure
+    drain_deadline: float = 0.0
+    num_bytes: int = 0
+    suppress_delta: bool = False
+    held_back: bool = False  # it waited for admission at least once
