@@ -1,0 +1,92 @@
+"""Where a decode step's time goes: kernel launches per step, GPU busy fraction, the replayed
+forward alone against the whole engine step, and the host's share (scheduling, inputs, sampling
+and output handling).
+
+    python benchmarks/profile_decode.py                      # Llama-3.1-8B shape, batch 1 (GPU)
+    python benchmarks/profile_decode.py --batch 64 --shape qwen3-0.6b
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import SHAPES, model_dir_for, synchronize, vocab_size_of  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    from tandem import LLM, SamplingParams
+    from tandem.engine.protocol import EngineRequest
+
+    gpu = torch.cuda.is_available()
+    model_dir = model_dir_for(args.shape, "dummy" if gpu else "auto")
+    llm = LLM(model=model_dir, dtype="bfloat16" if gpu else "float32", load_format="dummy" if gpu else "auto",
+              max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + 4 * args.steps + 64,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = vocab_size_of(model_dir)
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
+    for index in range(args.batch):
+        engine.add_request(EngineRequest(request_id=str(index), sampling_params=params,
+                                         prompt_token_ids=[rng.randrange(10, vocab) for _ in range(args.prompt_len)]))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill until every sequence decodes
+    for _ in range(8):
+        engine.step()  # warm-up
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    synchronize()
+    step_ms = (time.perf_counter() - start) / args.steps * 1e3
+
+    replay_ms = float("nan")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        size = next(s for s in graphs.batch_sizes if s >= args.batch)
+        graph = graphs.graphs[size]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        begin.record()
+        for _ in range(args.steps):
+            graph.replay()
+        end.record()
+        synchronize()
+        replay_ms = begin.elapsed_time(end) / args.steps
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(8):
+            engine.step()
+        synchronize()
+    kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(event.device_time for event in kernels) / 1e3 / 8
+    print(f"\n{args.shape}, batch {args.batch}, {'CUDA graphs' if graphs is not None else 'eager'}")
+    print(f"{'engine step (ms)':<36}{step_ms:>10.3f}")
+    print(f"{'graph replay alone (ms)':<36}{replay_ms:>10.3f}")
+    print(f"{'host share of a step (ms)':<36}{step_ms - replay_ms:>10.3f}")
+    print(f"{'GPU kernels per step':<36}{len(kernels) / 8:>10.1f}")
+    print(f"{'GPU busy per step (ms)':<36}{busy_ms:>10.3f}")
+    print(f"{'GPU busy fraction':<36}{busy_ms / step_ms:>10.2f}")
+    top = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    print(top)
+
+
+if __name__ == "__main__":
+    main()
