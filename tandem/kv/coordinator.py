@@ -63,7 +63,10 @@ class StateCoordinator:
                 for manager, table in zip(self.managers, state.page_tables)]
 
     def can_allocate(self, state: RequestState, num_tokens: int) -> bool:
-        needed = self.pages_needed(state, num_tokens)
+        return self._fits(self.pages_needed(state, num_tokens))
+
+    def _fits(self, needed: list[int]) -> bool:
+        """Whether ``needed`` pages per group are free, or can be freed by evicting cache."""
         if all(pool.num_free >= n for pool, n in zip(self.pools, needed)):
             return True
         evictable = self._evictable_pages()
@@ -115,10 +118,23 @@ class StateCoordinator:
                     node.pages = node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:]
                     self.pools[group_index].release([page], CACHE_OWNER)
 
+    def try_allocate(self, state: RequestState, num_tokens: int) -> bool:
+        """``allocate`` when ``can_allocate``, computing the pages needed once (the scheduler's
+        per-step call for every running sequence); False, with nothing changed, otherwise."""
+        needed = self.pages_needed(state, num_tokens)
+        if not self._fits(needed):
+            return False
+        if any(needed):
+            self._make_room(needed)
+        self._grow(state, num_tokens)
+        return True
+
     def allocate(self, state: RequestState, num_tokens: int) -> None:
         """Grow every page table to hold ``num_tokens``; evicts cached pages if needed."""
-        needed = self.pages_needed(state, num_tokens)
-        self._make_room(needed)
+        self._make_room(self.pages_needed(state, num_tokens))
+        self._grow(state, num_tokens)
+
+    def _grow(self, state: RequestState, num_tokens: int) -> None:
         for group_index, (manager, table) in enumerate(zip(self.managers, state.page_tables)):
             manager.allocate(table, num_tokens, state.owner,
                              lambda source, destination, group=group_index: self.copy_page(group, source, destination))

@@ -119,13 +119,12 @@ class Scheduler:
             sequence = self.running[index]
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_new_tokens
-            while not self.coordinator.can_allocate(sequence.state, target):
+            while not self.coordinator.try_allocate(sequence.state, target):
                 victim = self.running.pop()
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is sequence:
                     return budget
-            self.coordinator.allocate(sequence.state, target)
             output.chunks.append(chunk)
             budget -= chunk.num_new_tokens
             index += 1
@@ -137,12 +136,11 @@ class Scheduler:
             self._match_prefix(sequence)
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_new_tokens
-            if not self.coordinator.can_allocate(sequence.state, target):
+            if not self.coordinator.try_allocate(sequence.state, target):
                 if not self.running and sequence.num_computed_tokens == 0:
                     raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
                 self._release(sequence)
                 return
-            self.coordinator.allocate(sequence.state, target)
             self.waiting.popleft()
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
