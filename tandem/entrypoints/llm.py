@@ -87,7 +87,7 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         from tandem.frontend.output_processor import OutputProcessor
 
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, incremental_text=False)
         request_ids = []
         try:
             for (text, ids), params in zip(prompts, params_list):

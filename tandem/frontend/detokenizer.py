@@ -24,8 +24,12 @@ class IncrementalDetokenizer:
                   ^prefix_offset            ^read_offset (emitted up to here)    ^len(ids)
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 deferred: bool = False):
         self.tokenizer = tokenizer
+        # Deferred: ``add_tokens`` only collects ids and ``finish`` decodes them all at once
+        # (the same text, for callers that need none before the end).
+        self.deferred = deferred
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.token_ids: list[int] = context
@@ -39,7 +43,7 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append ids; return the text that became final (possibly empty)."""
         self.token_ids.extend(new_token_ids)
-        return self._emit(flush=False)
+        return "" if self.deferred else self._emit(flush=False)
 
     def finish(self) -> str:
         """Return everything not yet emitted, even an incomplete trailing character."""

@@ -20,8 +20,11 @@ SequenceKey = tuple[str, int]
 class TokenTextCache:
     """Decoded text of single token ids (for logprob entries), memoised per tokenizer."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, incremental_text: bool = True):
         self.tokenizer = tokenizer
+        # False: callers read only finished outputs (the offline API), so a sequence without
+        # stop strings is decoded once when it finishes instead of at every step.
+        self.incremental_text = incremental_text
         self.texts: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
@@ -149,21 +152,23 @@ class RequestState:
     """Everything the frontend tracks for one request. Owned by the ``OutputProcessor``."""
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer):
+                 params: SamplingParams, tokenizer, deferred_text: bool = False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.sequences = [
-            SequenceState(index, params, self._make_detokenizer(tokenizer, params)) for index in range(params.n)]
+            SequenceState(index, params, self._make_detokenizer(tokenizer, params, deferred_text))
+            for index in range(params.n)]
         self.prompt_logprobs: Optional[list[Optional[PositionLogprobDict]]] = None
         self.num_cached_tokens = 0
         self.error: Optional[str] = None
 
-    def _make_detokenizer(self, tokenizer, params: SamplingParams) -> Optional[IncrementalDetokenizer]:
+    def _make_detokenizer(self, tokenizer, params: SamplingParams,
+                          deferred: bool) -> Optional[IncrementalDetokenizer]:
         if not params.detokenize or tokenizer is None:
             return None
-        return IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens)
+        return IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens, deferred)
 
     @property
     def finished(self) -> bool:
@@ -209,8 +214,11 @@ class OutputProcessor:
     finished (e.g. ended by a stop string while the engine ran ahead) are ignored.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, incremental_text: bool = True):
         self.tokenizer = tokenizer
+        # False: callers read only finished outputs (the offline API), so a sequence without
+        # stop strings is decoded once when it finishes instead of at every step.
+        self.incremental_text = incremental_text
         self.token_texts = TokenTextCache(tokenizer)
         self.requests: dict[str, RequestState] = {}
 
@@ -218,7 +226,8 @@ class OutputProcessor:
                     params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
+                                                 deferred_text=not self.incremental_text and not params.stop)
 
     def process(self, deltas: list[RequestDelta]) -> tuple[list[RequestOutput], list[SequenceKey]]:
         """Apply one step's deltas.
