@@ -36,15 +36,19 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
         text = apply_chat_template(state.tokenizer, [message.template_dict() for message in messages],
                                    add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except ValueError as error:
-        raise OpenAIError.from_value_error(error) from None
+        rejection = OpenAIError.from_value_error(error)
+        if rejection.param is None:  # transformers' own words name no field: they are about the messages
+            rejection = OpenAIError(400, f"messages: {error}", "messages")
+        raise rejection from None
     except Exception as error:  # noqa: BLE001 - jinja raises its own types (raise_exception in templates)
         raise OpenAIError(400, f"messages: the chat template rejected the messages: {error}", "messages") from None
-    return PromptInput(text, list(state.tokenizer.encode(text, add_special_tokens=False)))
+    return PromptInput(text, state.encode(text, "messages", add_special_tokens=False))
 
 
 def chat_params(state: ServerState, body: ChatCompletionRequest, prompt: PromptInput) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    state.check_sampling_fields(body, ("max_tokens", "max_completion_tokens", "min_tokens"))
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = state.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, "messages",
                                           max_tokens_param)
@@ -129,7 +133,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prompt = render_chat_prompt(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     state.check_prompt_ids(prompt.token_ids, "messages")
     params = chat_params(state, body, prompt)
-    transfer = transfer_params(body)
+    transfer = transfer_params(body, state)
     state.check_capacity(1)
     request_id = new_request_id("chatcmpl")
     renderer = ChatRenderer(state, body, request_id, model_name)

@@ -37,7 +37,7 @@ def tokenize_prompts(state: ServerState, prompt) -> list[PromptInput]:
         raise OpenAIError(400, "prompt: must not be empty", "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
-    prompts = [PromptInput(item, list(state.tokenizer.encode(item))) if isinstance(item, str)
+    prompts = [PromptInput(item, state.encode(item, "prompt")) if isinstance(item, str)
                else PromptInput(None, list(item)) for item in prompt]
     for item in prompts:
         state.check_prompt_ids(item.token_ids, "prompt")
@@ -49,6 +49,7 @@ def completion_params(state: ServerState, body: CompletionRequest, prompts: list
         raise OpenAIError(400, "best_of: only best_of equal to n is supported", "best_of")
     if body.suffix:
         raise OpenAIError(400, "suffix: not supported", "suffix")
+    state.check_sampling_fields(body, ("max_tokens", "min_tokens"))
     max_tokens = min(state.resolve_max_tokens(len(prompt.token_ids), body.max_tokens, "prompt") for prompt in prompts)
     wants_prompt_logprobs = body.echo and body.logprobs is not None
     return build_sampling_params(lambda: body.sampling_params(
@@ -161,7 +162,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     model_name = state.check_model(body.model)
     prompts = tokenize_prompts(state, body.prompt)
     params = completion_params(state, body, prompts)
-    transfer = transfer_params(body)
+    transfer = transfer_params(body, state)
     state.check_capacity(len(prompts))
     request_id = new_request_id("cmpl")
     renderer = CompletionRenderer(state, body, request_id, model_name, prompts)

@@ -19,6 +19,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "method_not_allowed_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -65,16 +66,35 @@ def location_to_param(location: tuple) -> Optional[str]:
     return "".join(parts) or None
 
 
+def most_specific(errors: list[dict]) -> dict:
+    """Of the errors about the first offending field, the one deepest inside it.
+
+    A value that fits no member of a union (a prompt) fails every member; the deepest location
+    (``prompt[0][1]``) says what is wrong better than "should be a valid string".
+    """
+    field = tuple(errors[0].get("loc", ()))[:2]
+    same_field = [item for item in errors if tuple(item.get("loc", ()))[:2] == field]
+    return max(same_field, key=lambda item: len(item.get("loc", ())))
+
+
 def validation_error(error: RequestValidationError) -> OpenAIError:
-    """Turn FastAPI's validation failure into a 400 naming the first offending field."""
-    first = error.errors()[0] if error.errors() else {}
+    """Turn FastAPI's validation failure into a 400 naming the first offending field.
+
+    ``param`` is where the first error points (a union's field, not one of its members); the
+    message says what is wrong at the most specific place inside it.
+    """
+    errors = error.errors()
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", "body")
     param = location_to_param(tuple(first.get("loc", ())))
-    message = first.get("msg", "invalid request")
+    detail = most_specific(errors) if errors else {}
+    message = detail.get("msg", "invalid request")
+    if detail.get("type") == "value_error" and "error" in detail.get("ctx", {}):
+        message = str(detail["ctx"]["error"])  # our own checks' words, without pydantic's "Value error, "
     if param is None:
         return OpenAIError(400, f"invalid request body: {message}", "body")
-    return OpenAIError(400, f"{param}: {message}", param)
+    return OpenAIError(400, f"{location_to_param(tuple(detail.get('loc', ()))) or param}: {message}", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -90,8 +110,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def handle_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(error.status_code, str(error.detail)).response()
+        # Keeps the router's headers: a 405 carries ``Allow`` (the methods the route declares).
+        message = str(error.detail)
+        if error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        return OpenAIError(error.status_code, message, headers=error.headers).response()
 
     @app.exception_handler(json.JSONDecodeError)
     async def handle_json_error(request: Request, error: json.JSONDecodeError) -> JSONResponse:
         return OpenAIError(400, f"malformed JSON body: {error}", "body").response()
+
+    @app.exception_handler(Exception)
+    async def handle_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        # Still logged (Starlette re-raises after answering); the client gets the error shape.
+        return OpenAIError(500, f"internal error: {type(error).__name__}: {error}").response()

@@ -1,18 +1,145 @@
-"""Pydantic models of the OpenAI-compatible requests (responses are built as plain dicts).
+"""Pydantic models of the OpenAI-compatible requests and responses.
 
-Pydantic checks types (a non-integer ``max_tokens`` is a 400 naming the field); value ranges are
-checked once, by ``SamplingParams``, whose ``ValueError("field: message")`` also becomes a 400.
-Unknown fields are ignored, as OpenAI-compatible servers usually do.
+The request models carry every constraint the server enforces that JSON Schema can state, once:
+the same annotation (``Range``, ``NonEmpty``, ``Text``) both checks a value (a 400 naming the
+field) and writes the bound into ``/openapi.json``. Bounds that depend on the served model
+(token ids below the vocabulary size, lengths below the context length, the served model names)
+are marked with ``LIMIT_KEY`` and filled in per server by ``openapi.server_openapi``; the route
+handlers enforce them. Rules that relate two fields or depend on the tokenized prompt are stated in
+``CROSS_FIELD_RULES`` (and in the schema's descriptions): JSON Schema cannot express them.
+
+Unknown fields are ignored, as OpenAI-compatible servers usually do. Responses are built as plain
+dicts; their models here document them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, StrictBool, StrictInt, StrictStr
+from pydantic_core import core_schema
+from typing_extensions import Annotated
 
 from tandem.sampling_params import SamplingParams
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+# Integers every JSON parser reads exactly (RFC 8259 section 6); schema validators compare in floats.
+MAX_SAFE_INTEGER = (1 << 53) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_LOGPROBS = 20  # SamplingParams' limit for logprobs and prompt_logprobs
+# Keys of ``chat_template_kwargs`` that would change how the template is called rather than what it sees.
+RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "chat_template", "continue_final_message", "conversation",
+                            "conversations", "documents", "max_length", "messages", "padding",
+                            "return_assistant_tokens_mask", "return_dict", "return_tensors",
+                            "sanitize_control_tokens", "tokenize", "tokenizer_kwargs", "tools", "truncation")
+# Where the served model sets a bound: ``{LIMIT_KEY: "token_id"}`` -> maximum vocab_size - 1;
+# "generation_length" -> maximum max_model_len - 1; "model" -> one of the served names.
+LIMIT_KEY = "x-tandem-limit"
+CROSS_FIELD_RULES = (
+    "the prompt (after the chat template, for chat) plus max_tokens (or max_completion_tokens) must fit "
+    "max_model_len; with max_tokens absent, the prompt must leave at least one token to generate "
+    "(400 naming prompt, messages, max_tokens or max_completion_tokens)",
+    "min_tokens must not exceed max_tokens, or what the prompt leaves of max_model_len when max_tokens is "
+    "absent (400 naming min_tokens)",
+    "completions: best_of, when given, must equal n (400 naming best_of)",
+    "chat: top_logprobs needs logprobs true (stated in the schema as well; 400 naming top_logprobs)",
+)
+
+
+def describe_range(low, high, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"{'<' if high_open else '<='} {high}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric bound, checked (``ValueError("must be ...")``) and written into the JSON schema."""
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __get_pydantic_core_schema__(self, source, handler: GetCoreSchemaHandler):
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema, handler: GetJsonSchemaHandler):
+        json_schema = handler(schema)
+        if self.low is not None:
+            json_schema["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            json_schema["exclusiveMaximum" if self.high_open else "maximum"] = self.high
+        return json_schema
+
+    def check(self, value):
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        if not (above and below):
+            raise ValueError(f"must be {describe_range(self.low, self.high, self.low_open, self.high_open)}, "
+                             f"got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class NonEmpty:
+    """At least one character or item (``minLength``/``minItems`` 1)."""
+
+    def __get_pydantic_core_schema__(self, source, handler: GetCoreSchemaHandler):
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema, handler: GetJsonSchemaHandler):
+        json_schema = handler(schema)
+        json_schema["minLength" if json_schema.get("type") == "string" else "minItems"] = 1
+        return json_schema
+
+    @staticmethod
+    def check(value):
+        if len(value) == 0:
+            raise ValueError("must not be empty")
+        return value
+
+
+def check_unicode(value: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``); no tokenizer can encode them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"must be valid Unicode text (lone surrogate at position {error.start})") from None
+    return value
+
+
+@dataclass(frozen=True)
+class ValidUnicode:
+    """No lone surrogates (a JSON schema cannot say so; the server answers 400)."""
+
+    def __get_pydantic_core_schema__(self, source, handler: GetCoreSchemaHandler):
+        return core_schema.no_info_after_validator_function(check_unicode, handler(source))
+
+
+def integral(value):
+    """JSON Schema counts ``2.0`` as an integer; so does the server (``2.5``, ``true`` and ``"2"`` are not)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def limited(name: str) -> Any:
+    """Mark a bound that the served model sets (see ``LIMIT_KEY``)."""
+    return Field(json_schema_extra={LIMIT_KEY: name})
+
+
+Integer = Annotated[StrictInt, BeforeValidator(integral)]
+Text = Annotated[StrictStr, ValidUnicode()]
+NonEmptyText = Annotated[StrictStr, ValidUnicode(), NonEmpty()]
+Number = Annotated[float, Strict(), AllowInfNan(False)]  # a JSON number (an integer is one too), finite
+TokenId = Annotated[Integer, Range(0), limited("token_id")]
+GenerationLength = Annotated[Integer, Range(1), limited("generation_length")]
+ModelName = Annotated[Optional[Text], limited("model")]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -23,31 +150,40 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
 
 
+class TransferParamsModel(OpenAIBaseModel):
+    """A PD leg, set by ``tandem router`` (``role`` must equal the server's)."""
+    room: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{32}$")]
+    role: Literal["prefill", "decode"]
+    prefill_address: Optional[Text] = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
-    model: Optional[StrictStr] = None
-    n: StrictInt = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[float] = None
-    seed: Optional[StrictInt] = None
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    model: ModelName = Field(None, description="one of the served model names; absent, null or empty: the first")
+    n: Annotated[Integer, Range(1, MAX_N)] = 1
+    temperature: Optional[Annotated[Number, Range(0)]] = None
+    top_p: Optional[Annotated[Number, Range(0, 1, low_open=True)]] = None
+    top_k: Optional[Annotated[Integer, Range(-1, INT32_MAX)]] = Field(None, description="-1 or 0: off")
+    min_p: Optional[Annotated[Number, Range(0, 1)]] = None
+    seed: Optional[Annotated[Integer, Range(-MAX_SAFE_INTEGER, MAX_SAFE_INTEGER)]] = None
+    stop: Optional[Union[NonEmptyText, list[NonEmptyText]]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    presence_penalty: Annotated[Number, Range(-2, 2)] = 0.0
+    frequency_penalty: Annotated[Number, Range(-2, 2)] = 0.0
+    repetition_penalty: Annotated[Number, Range(0, low_open=True)] = 1.0
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: Annotated[Integer, Range(0), limited("generation_length")] = Field(
+        0, description="at most max_tokens (or what the prompt leaves of the context)")
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False
-    user: Optional[str] = None
-    # Prefill/decode disaggregation: set by ``tandem router`` on each leg ({"room", "role",
-    # "prefill_address"}); clients never send it.
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    user: Optional[Text] = None
+    # Prefill/decode disaggregation: set by ``tandem router`` on each leg; clients never send it.
+    # A colocated server accepts only null (its schema says so).
+    kv_transfer_params: Optional[TransferParamsModel] = Field(
+        None, description="set by tandem router on prefill/decode servers; clients never send it")
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> SamplingParams:
         """Build (and so validate) the engine's parameters; raises ``ValueError("field: ...")``."""
@@ -77,27 +213,32 @@ class SamplingFields(OpenAIBaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-CompletionPrompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+CompletionPrompt = Union[NonEmptyText, Annotated[list[NonEmptyText], NonEmpty()],
+                         Annotated[list[TokenId], NonEmpty()],
+                         Annotated[list[Annotated[list[TokenId], NonEmpty()]], NonEmpty()]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: CompletionPrompt
-    max_tokens: Optional[StrictInt] = 16
+    model_config = ConfigDict(json_schema_extra={"description": "Rules JSON Schema cannot state: "
+                                                 + "; ".join(CROSS_FIELD_RULES[:3]) + "."})
+    prompt: CompletionPrompt = Field(description="a string, strings, token ids, or lists of token ids; none empty")
+    max_tokens: Optional[GenerationLength] = Field(16, description="null: what the prompt leaves of the context")
     echo: StrictBool = False
-    logprobs: Optional[StrictInt] = None
-    best_of: Optional[StrictInt] = None
-    suffix: Optional[str] = None
+    logprobs: Optional[Annotated[Integer, Range(0, MAX_LOGPROBS)]] = None
+    best_of: Optional[Annotated[Integer, Range(1, MAX_N)]] = Field(None, description="must equal n")
+    suffix: Optional[Annotated[StrictStr, Field(max_length=0)]] = Field(None, description="not supported: "
+                                                                             "empty or null only")
 
 
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(OpenAIBaseModel):
     role: ChatRole
-    content: Optional[Union[StrictStr, list[TextContentPart]]] = None
-    name: Optional[StrictStr] = None
+    content: Optional[Union[Text, list[TextContentPart]]] = None
+    name: Optional[Text] = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to one string."""
@@ -110,14 +251,33 @@ class ChatMessage(OpenAIBaseModel):
         return message
 
 
+def check_template_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    reserved = sorted(set(kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"key {reserved[0]!r} is reserved (it would change how the template is called)")
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[Text, Any], AfterValidator(check_template_kwargs), Field(json_schema_extra={
+    "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[StrictInt] = None
-    max_completion_tokens: Optional[StrictInt] = None
+    model_config = ConfigDict(json_schema_extra={
+        "description": "Rules JSON Schema cannot state: " + "; ".join(CROSS_FIELD_RULES[:2]) + ".",
+        # top_logprobs needs logprobs true (what the route checks; the schema states it too)
+        "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
+                  {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]})
+    messages: Annotated[list[ChatMessage], NonEmpty()]
+    max_tokens: Optional[GenerationLength] = Field(None, description="null: what the prompt leaves of the "
+                                                                     "context; max_completion_tokens wins")
+    max_completion_tokens: Optional[GenerationLength] = None
     logprobs: StrictBool = False
-    top_logprobs: Optional[StrictInt] = None
+    top_logprobs: Optional[Annotated[Integer, Range(0, MAX_LOGPROBS)]] = Field(
+        None, description="needs logprobs true")
     add_generation_prompt: StrictBool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[TemplateKwargs] = Field(None, description="extra variables for the chat "
+                                                           "template; reserved keys are rejected")
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -125,13 +285,188 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    model: Optional[StrictStr] = None
-    prompt: Optional[StrictStr] = None
-    messages: Optional[list[ChatMessage]] = None
+    """Exactly one of ``prompt`` and ``messages`` (null counts as absent)."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
+    model: ModelName = None
+    prompt: Optional[Text] = None
+    messages: Optional[Annotated[list[ChatMessage], NonEmpty()]] = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: Optional[StrictStr] = None
-    tokens: list[StrictInt]
+    model: ModelName = None
+    tokens: list[TokenId]
+
+
+# ---- responses (documentation only: handlers build dicts) -------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error (400), authentication_error (401), not_found_error (404), "
+                                  "method_not_allowed_error (405), internal_server_error (500), "
+                                  "service_unavailable_error (503)")
+    param: Optional[str] = Field(description="the offending field (``messages[0].role``, ``body`` for the body "
+                                             "as a whole), or null")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape (what the official ``openai`` client parses)."""
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[str]
+    stop_reason: Optional[Union[int, str]]
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
+    prompt_token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One streamed event of ``/v1/completions`` (choices carry only what is new)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = Field(None, description="with stream_options.include_usage: null but in the last "
+                                                     "chunk, whose choices are empty")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+    stop_reason: Optional[Union[int, str]]
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = Field(None, description="in each choice's first chunk")
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed event of ``/v1/chat/completions``."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = Field(None, description="with stream_options.include_usage: null but in the last "
+                                                     "chunk, whose choices are empty")
+    prompt_token_ids: Optional[list[int]] = Field(None, description="with return_token_ids, in the first chunks")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class StatusResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class UnhealthyResponse(BaseModel):
+    status: Literal["unhealthy"]
+    reason: Optional[str]
+
+
+class TransferInfo(BaseModel):
+    role: Literal["colocated", "prefill", "decode"]
+    served_model_names: list[str]
+    backend: Optional[str] = Field(None, description="PD servers only")
+    bootstrap_address: Optional[str] = Field(None, description="PD servers only")
+    layout: Optional[dict[str, Any]] = Field(None, description="PD servers only: the state layout")

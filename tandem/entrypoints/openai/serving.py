@@ -72,10 +72,35 @@ class ServerState:
     def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise OpenAIError(400, f"{param}: the prompt must not be empty", param)
+        self.check_token_ids(token_ids, param)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.model_info.vocab_size
         bad = [token for token in token_ids if not 0 <= token < vocab_size]
         if bad:
             raise OpenAIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)
+
+    def check_generation_lengths(self, body, names: tuple[str, ...]) -> None:
+        """Each length field given is below the context length (the schema's maximum says so too),
+        even one that another field overrides (``max_tokens`` beside ``max_completion_tokens``)."""
+        for name in names:
+            value = getattr(body, name, None)
+            if value is not None and value >= self.max_model_len:
+                raise OpenAIError(400, f"{name}: must be at most {self.max_model_len - 1} (this model's maximum "
+                                       f"context length is {self.max_model_len} tokens), got {value}", name)
+
+    def check_sampling_fields(self, body, length_names: tuple[str, ...]) -> None:
+        """The bounds that depend on the served model, for the fields both generation routes share."""
+        if body.stop_token_ids:
+            self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        self.check_generation_lengths(body, length_names)
+
+    def encode(self, text: str, param: str, **options) -> list[int]:
+        """Tokenize; a text the tokenizer cannot take is the client's 400 naming ``param``."""
+        try:
+            return list(self.tokenizer.encode(text, **options))
+        except Exception as error:  # noqa: BLE001 - tokenizers raise several types
+            raise OpenAIError(400, f"{param}: cannot be tokenized: {error}", param) from None
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: Optional[int], prompt_param: str,
                            max_tokens_param: str = "max_tokens") -> int:
@@ -116,16 +141,25 @@ class PromptInput:
     token_ids: list[int]
 
 
-def transfer_params(body) -> Optional[TransferParams]:
-    """The PD leg a router set in ``kv_transfer_params`` (None for an ordinary request)."""
+def transfer_params(body, state: Optional[ServerState] = None) -> Optional[TransferParams]:
+    """The PD leg a router set in ``kv_transfer_params`` (None for an ordinary request); with
+    ``state``, a leg of another role than the server's is a 400."""
     raw = getattr(body, "kv_transfer_params", None)
     if raw is None:
         return None
+    if hasattr(raw, "model_dump"):
+        raw = raw.model_dump()
     try:
         params = msgspec.convert(raw, TransferParams)
         check_room(params.room)
     except (msgspec.ValidationError, ValueError) as error:
         raise OpenAIError(400, f"kv_transfer_params: {error}", "kv_transfer_params") from None
+    if state is not None:
+        endpoint = getattr(state.client, "transfer_endpoint", None)
+        role = endpoint.role if endpoint is not None else "colocated"
+        if params.role != role:
+            raise OpenAIError(400, f"kv_transfer_params: a {params.role} leg sent to a {role} server",
+                              "kv_transfer_params")
     return params
 
 
