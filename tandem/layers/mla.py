@@ -13,6 +13,10 @@ through ``context.state.layer(name)`` (I3).
 
 With DeepSeek sparse attention, a ``TopKSelection`` from the lightning indexer
 (``layers/sparse_indexer.py``) further restricts which past tokens each query attends to.
+
+Two backends: ``TorchMLABackend`` (plain PyTorch, per decode bucket and prefill chunk; the CPU
+path) and ``TritonMLABackend`` (CUDA: one absorbed-latent kernel launch for every decode row,
+the indexer's decode top-k as positions; prefill chunks as in PyTorch).
 """
 from __future__ import annotations
 
@@ -101,7 +105,10 @@ class TorchMLABackend:
 
     Slots past a sequence's length may hold NaN poison in sanitizer mode; decode zeroes them
     before the product (a NaN inside the valid region still propagates and fails loudly).
+    Reads the indexer's selection as per-bucket masks (``TopKSelection.decode``).
     """
+
+    uses_kernels = False  # the indexer feeding it runs in plain PyTorch too
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 cache: torch.Tensor, metadata: AttentionMetadata, kv_b_weight: torch.Tensor,
@@ -164,6 +171,51 @@ class TorchMLABackend:
         return out[0].transpose(0, 1)
 
 
+class TritonMLABackend(TorchMLABackend):
+    """MLA with the Triton kernels (CUDA): the step's latents written by the row writer (slots of
+    -1, CUDA-graph padding, skipped), every decode row in one absorbed-latent launch
+    (``kernels/mla_decode.py``; with DSA over ``TopKSelection.decode_indices``), prefill chunks
+    as ``TorchMLABackend``. The decode path has no host synchronisation."""
+
+    uses_kernels = True  # the indexer feeding it selects decode positions with its kernels
+
+    def forward(self, q_nope, q_rope, latent, cache, metadata, kv_b_weight, scale, selection):
+        from tandem.kernels.token_write import write_token_rows
+
+        write_token_rows(latent, cache, metadata.slot_mapping)
+        num_heads, head_size, rank = kv_b_weight.shape
+        output = q_nope.new_empty(q_nope.shape[0], num_heads, head_size - q_nope.shape[-1])
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            output[:num_decode] = self._decode_rows(q_nope[:num_decode], q_rope[:num_decode], cache, metadata,
+                                                    kv_b_weight, scale, selection)
+        for index, chunk in enumerate(metadata.prefills):
+            rows = slice(chunk.query_start, chunk.query_end)
+            output[rows] = self._prefill(q_nope[rows], q_rope[rows], cache, chunk, kv_b_weight, scale,
+                                         selection.prefills[index] if selection else None)
+        return output
+
+    @staticmethod
+    def _decode_rows(q_nope, q_rope, cache, metadata, kv_b_weight, scale, selection):
+        """Decode rows ``[n, H, dn]`` → ``[n, H, dv]``: ``W_uk`` absorbed into the queries, the
+        kernel's weighted latents expanded by ``W_uv``."""
+        from tandem.kernels.mla_decode import mla_decode_attention
+
+        if selection is not None and selection.decode_indices is None:
+            raise ValueError("TritonMLABackend: the top-k selection carries no decode positions")
+        nope_dim = q_nope.shape[-1]
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, kv_b_weight[:, :nope_dim])
+        latents = mla_decode_attention(q_latent, q_rope, cache, metadata.decode_page_table,
+                                       metadata.decode_context_lengths, scale,
+                                       topk_indices=None if selection is None else selection.decode_indices)
+        return torch.einsum("bhr,hvr->bhv", latents, kv_b_weight[:, nope_dim:])
+
+
+def default_mla_backend(device: torch.device) -> TorchMLABackend:
+    """Triton kernels on CUDA; plain PyTorch elsewhere."""
+    return TritonMLABackend() if device.type == "cuda" else TorchMLABackend()
+
+
 class MLAAttention(nn.Module):
     """DeepSeek-V3 attention block: projections, rotary, latent cache, optional DSA indexer.
 
@@ -208,7 +260,7 @@ class MLAAttention(nn.Module):
         else:
             self.indexer = None
         self.state_spec = MLASpec(self.rank, self.rope_dim, state_dtype)
-        self.backend = TorchMLABackend()
+        self.backend: Optional[TorchMLABackend] = None  # None: default_mla_backend(device) on first use
 
     def state_specs(self) -> dict:
         specs = {self.layer_name: self.state_spec}
@@ -234,8 +286,10 @@ class MLAAttention(nn.Module):
         compressed = self.kv_a_layernorm(compressed)
         q_rope = self._rotate(q_rope, positions)
         k_rope = self._rotate(k_rope.unsqueeze(1), positions).squeeze(1)
+        if self.backend is None:
+            self.backend = default_mla_backend(hidden.device)
         if self.indexer is not None:
-            selection = self.indexer(hidden, q_resid, positions, context)
+            selection = self.indexer(hidden, q_resid, positions, context, use_kernels=self.backend.uses_kernels)
         elif self.shares_selection and selection is None:
             raise ValueError(f"{self.layer_name}: a layer that shares top-k indices follows no indexer layer")
         elif not self.shares_selection:

@@ -21,7 +21,7 @@ in one of two modes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,14 @@ class TopKSelection:
     ``i``. Positions are token positions in the sequence, the same in every state group (the
     runner builds the same buckets for every group), so the latent cache reads them through its
     own page tables.
+
+    With the kernels (``use_kernels``) the decode rows are given instead as ``decode_indices``
+    ``[num_decode_tokens, min(index_topk, width * page_size)]`` int32: the selected positions
+    of each decode row, -1 where fewer are visible (the shape depends on shapes only).
     """
     decode: list[torch.Tensor] = field(default_factory=list)
     prefills: list[torch.Tensor] = field(default_factory=list)
+    decode_indices: Optional[torch.Tensor] = None
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
@@ -83,6 +88,12 @@ class Float32IndexKeys:
 
     def write(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
         buffer.view(-1, buffer.shape[-1]).index_copy_(0, slots, keys.float())
+
+    def write_kernel(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
+        """:meth:`write` through the row-writer kernel: slots of -1 are skipped."""
+        from tandem.kernels.token_write import write_token_rows
+
+        write_token_rows(keys.float(), buffer, slots)
 
     def gather(self, buffer: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """pages ``[..., n]`` → keys ``[..., n * page_size, head_dim]`` float32."""
@@ -119,6 +130,15 @@ class Fp8PageMajorIndexKeys:
         pages, offsets = slots // page_size, slots % page_size
         key_view[pages, offsets] = quantized.view(torch.uint8)
         scale_view[pages, offsets] = scale
+
+    def write_kernel(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
+        """:meth:`write` through the row-writer kernel: slots of -1 are skipped."""
+        from tandem.kernels.token_write import write_token_rows
+
+        key_view, scale_view = self._views(buffer, page_size)
+        quantized, scale = quantize_fp8(self._rotate(keys))
+        write_token_rows(quantized.view(torch.uint8), key_view, slots)
+        write_token_rows(scale[:, None], scale_view[:, :, None], slots)
 
     def gather(self, buffer: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         key_view, scale_view = self._views(buffer, page_size)
@@ -158,7 +178,10 @@ class LightningIndexer(nn.Module):
         return torch.cat([rotate(rot, positions), rest], dim=-1)
 
     def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
-                context: "ForwardContext") -> TopKSelection:
+                context: "ForwardContext", *, use_kernels: bool = False) -> TopKSelection:
+        """The step's selection: decode rows per bucket as masks or, with ``use_kernels``, all
+        at once as positions (``decode_indices``; keys then written by the kernel, which skips
+        padding slots); prefill chunks as masks."""
         tokens = hidden.shape[0]
         queries = self._rotate(self.wq_b(q_resid).view(tokens, self.num_heads, self.head_dim), positions)
         keys = self._rotate(self.k_norm(self.wk(hidden)).unsqueeze(1), positions).squeeze(1)
@@ -166,12 +189,19 @@ class LightningIndexer(nn.Module):
         buffer = context.state.layer(self.layer_name)["index_key"]
         metadata: AttentionMetadata = context.attention_metadata[context.state.group_of(self.layer_name)]
         page_size = metadata.page_size
-        self.keys.write(buffer, metadata.slot_mapping, keys, page_size)
         queries = self.keys.queries(queries)
         selection = TopKSelection()
-        for bucket in metadata.decode_buckets:
-            rows = slice(bucket.start, bucket.end)
-            selection.decode.append(self._decode(queries[rows], weights[rows], buffer, bucket, metadata))
+        if use_kernels:
+            self.keys.write_kernel(buffer, metadata.slot_mapping, keys, page_size)
+            num_decode = metadata.num_decode_tokens
+            if num_decode:
+                selection.decode_indices = self._decode_positions(queries[:num_decode], weights[:num_decode],
+                                                                  buffer, metadata)
+        else:
+            self.keys.write(buffer, metadata.slot_mapping, keys, page_size)
+            for bucket in metadata.decode_buckets:
+                rows = slice(bucket.start, bucket.end)
+                selection.decode.append(self._decode(queries[rows], weights[rows], buffer, bucket, metadata))
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_end)
             selection.prefills.append(self._prefill(queries[rows], weights[rows], buffer, chunk, page_size))
@@ -189,6 +219,22 @@ class LightningIndexer(nn.Module):
             keys = torch.where(valid[:, :, None], keys, 0)
         scores = index_scores(queries[:, None], weights[:, None], keys, self.softmax_scale)[:, 0]
         return self._select(scores, valid)
+
+    def _decode_positions(self, queries, weights, buffer, metadata: AttentionMetadata) -> torch.Tensor:
+        """Every decode row at once over the whole page-table width → ``[n, k]`` int32 positions
+        (-1 where fewer than ``k`` are visible). Shapes depend on shapes only (no host sync)."""
+        page_table, context_lengths = metadata.decode_page_table, metadata.decode_context_lengths
+        keys = self.keys.gather(buffer, page_table, metadata.page_size)  # [n, W * page_size, D]
+        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] < context_lengths[:, None]
+        keys = torch.where(visible[:, :, None], keys, 0)  # unseen slots may hold NaN poison
+        scores = index_scores(queries[:, None], weights[:, None], keys, self.softmax_scale)[:, 0]
+        return self._top_positions(scores, visible)
+
+    def _top_positions(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The ``min(topk, width)`` best visible positions per row, -1 for picks not visible."""
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        return torch.where(visible.gather(1, top), top, -1).to(torch.int32)
 
     def _prefill(self, queries, weights, buffer, chunk, page_size: int) -> torch.Tensor:
         length, num_queries = chunk.context_length, queries.shape[0]
