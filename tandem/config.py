@@ -45,6 +45,9 @@ class EngineConfig:
     # CUDA graphs for decode steps (CUDA only): off with enforce_eager; captured at these batch
     # sizes (None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs, see worker/cuda_graphs.py).
     enforce_eager: bool = False
+    # Overlapped engine loop: the host schedules and prepares step N+1 while the device runs
+    # step N. None: on for CUDA devices (on a CPU the forward pass is synchronous anyway).
+    async_scheduling: Optional[bool] = None
     cuda_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).

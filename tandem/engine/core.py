@@ -21,7 +21,8 @@ from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequ
 from tandem.kv.registry import StateRegistry
 from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
-from tandem.scheduler.sequence import Sequence
+from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
+from tandem.engine.launched_step import LaunchedStep
 from tandem.worker.cuda_graphs import default_graph_batch_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import Sampler, SamplingMetadata
@@ -74,6 +75,7 @@ class EngineCore:
             self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
                                        self.model_info.max_model_len)
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -81,6 +83,8 @@ class EngineCore:
             from tandem.disagg import create_pd
 
             self.pd = create_pd(self, config.transfer)
+        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap = overlap and self.pd is None  # PD keeps the one-step-at-a-time loop
         logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
                     plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
@@ -173,7 +177,7 @@ class EngineCore:
             for sequence in self._sequences.pop(request_id, []):
                 if sequence.pending_forks:
                     sequence.pending_forks = 0
-                self.scheduler.finish(sequence, "abort")
+                self._end(sequence, "abort")
 
     def finish_sequences(self, keys: list[tuple[str, int]]) -> None:
         """End single sequences as "stop" (the frontend saw a stop string); frees their pages."""
@@ -181,7 +185,7 @@ class EngineCore:
             for sequence in self._sequences.get(request_id, []):
                 if sequence.index == index:
                     sequence.pending_forks = 0
-                    self.scheduler.finish(sequence, "stop")
+                    self._end(sequence, "stop")
             self._forget_if_done(request_id)
 
     def _forget_if_done(self, request_id: str) -> None:
@@ -190,7 +194,8 @@ class EngineCore:
             del self._sequences[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or (self.pd is not None and self.pd.has_work())
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or (self.pd is not None and self.pd.has_work()))
 
     # PD engines: the process loop waits on these between steps instead of spinning.
     def idle_wait_milliseconds(self) -> int:
@@ -207,25 +212,76 @@ class EngineCore:
         return transfer_deltas + self.pd.filter_deltas(self._step())
 
     def _step(self) -> list[RequestDelta]:
-        output = self.scheduler.schedule()
+        """Schedule, launch and complete steps. With the overlapped loop, a launched step is
+        completed (its tokens read back) only after the next one has been launched, so the
+        host prepares step N+1 while the device runs step N; the next step then reads step N's
+        tokens on the device. Where the next step needs step N's results first (a preemption,
+        a fork, penalties over output tokens), step N is completed before it is scheduled."""
+        previous = self._in_flight
+        output = self.scheduler.schedule(allow_preemption=previous is None)
+        if previous is not None and (output is None or not self._can_overlap(output)):
+            self._in_flight = None
+            deltas = self._complete(previous)
+            self._check_books()
+            return deltas
         deltas: list[RequestDelta] = []
-        if output.chunks:
-            try:
-                result = self.runner.execute(output.chunks)
-            except SanitizerError:
-                raise
-            except Exception as error:  # a failed forward ends its sequences, not the engine
-                logger.exception("forward pass failed")
-                return self._fail(output.chunks, f"{type(error).__name__}: {error}")
-            for chunk in output.chunks:
-                self.scheduler.on_computed(chunk)
-                if self.pd is not None:
-                    self.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
-                self._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
-            deltas = self._sample_and_update(result)
-        self.coordinator.sanitizer.check_books(
-            self.coordinator, [s.state for s in self.scheduler.live_sequences()])
+        current = self._launch(output.chunks, previous) if output.chunks else None
+        if isinstance(current, list):  # the forward pass failed: its sequences ended
+            current, deltas = None, current
+        if previous is not None:
+            self._in_flight = current
+            deltas += self._complete(previous)
+            if current is not None:
+                self._after_computed(current)
+        elif current is not None:
+            self._after_computed(current)
+            if self.overlap:
+                self._in_flight = current
+            else:
+                deltas += self._complete(current)
+        self._check_books()
         return deltas
+
+    def _check_books(self) -> None:
+        held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
+        self.coordinator.sanitizer.check_books(
+            self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
+
+    def _can_overlap(self, output) -> bool:
+        """Whether ``output`` may run before the step in flight has been read back: its
+        sampling must not read output tokens (penalties) and no sequence in it may fork."""
+        return not any(chunk.sequence.pending_forks or chunk.sequence.params.uses_penalties
+                       for chunk in output.chunks)
+
+    def _launch(self, chunks, previous: Optional["LaunchedStep"]):
+        """Run the forward pass and the sampler (on the device, not waited for); each sampled
+        sequence gets a pending token. Returns the launched step, or the error deltas."""
+        pending = previous.pending_tokens() if previous is not None else None
+        try:
+            result = self.runner.execute(chunks, pending)
+        except SanitizerError:
+            raise
+        except Exception as error:  # a failed forward ends its sequences, not the engine
+            logger.exception("forward pass failed")
+            return self._fail(chunks, f"{type(error).__name__}: {error}")
+        step = LaunchedStep(chunks=chunks, prompt_logprobs=result.prompt_logprobs)
+        if previous is None:  # forks copy computed state: only without a step in flight
+            for chunk in chunks:
+                self.scheduler.on_computed(chunk)
+            step.computed = True
+        self._sample(step, result)
+        return step
+
+    def _after_computed(self, step: "LaunchedStep") -> None:
+        """Book the step's chunks as computed, once every token they read is known (the
+        prefix cache hashes them)."""
+        for chunk in step.chunks:
+            if not step.computed and not chunk.sequence.is_finished:
+                self.scheduler.on_computed(chunk)
+            if self.pd is not None:
+                self.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
+            self._collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
+        step.computed = True
 
     def _collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
         if not chunk.prompt_logprobs:
@@ -235,16 +291,17 @@ class EngineCore:
             sequence.prompt_logprobs = [None]
         sequence.prompt_logprobs.extend(logprobs or [])
 
-    def _sample_and_update(self, result) -> list[RequestDelta]:
-        sequences, rows = [], []
+    def _sample(self, step: "LaunchedStep", result) -> None:
+        rows = []
         for row, chunk in enumerate(result.sampling_chunks):
-            sequences.append(chunk.sequence)
+            step.sequences.append(chunk.sequence)
             rows.append(row)
             for child in self._fork(chunk.sequence):
-                sequences.append(child)
+                step.sequences.append(child)
                 rows.append(row)
-        if not sequences:
-            return []
+        if not step.sequences:
+            return
+        sequences = step.sequences
         logits = result.logits if len(rows) == result.logits.shape[0] else result.logits[rows]
         # Token ids are gathered only when some row's penalties read them.
         penalised = any(s.params.uses_penalties for s in sequences)
@@ -253,11 +310,53 @@ class EngineCore:
             [s.prompt_token_ids if penalised else [] for s in sequences],
             [s.output_token_ids if penalised else [] for s in sequences],
             [self._banned_tokens(s) for s in sequences], self.device)
-        sampled = self.sampler(logits, metadata).to_host()  # the step's one device-to-host copy
+        step.sampled = self.sampler(logits, metadata)
+        step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
+        for sequence in sequences:
+            step.positions.append(len(sequence.token_ids))
+            sequence.token_ids.append(PENDING_TOKEN)
+
+    def _complete(self, step: "LaunchedStep") -> list[RequestDelta]:
+        """Read the step's tokens back, write them over the pending ones, finish sequences."""
+        if step.host is None:
+            self._release_held(step)
+            return []
+        sampled = step.host.wait()
+        self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
-        logprobs = self._sampled_logprobs(sequences, sampled)
-        return [self._append_token(sequence, token, position_logprobs)
-                for sequence, token, position_logprobs in zip(sequences, token_ids, logprobs)]
+        logprobs = self._sampled_logprobs(step.sequences, sampled)
+        deltas = []
+        for sequence, position, token, position_logprobs in zip(step.sequences, step.positions, token_ids,
+                                                                logprobs):
+            if sequence.is_finished:  # ended while the step ran (abort, stop string, its last token)
+                continue
+            sequence.token_ids[position] = token
+            deltas.append(self._token_delta(sequence, position, token, position_logprobs))
+        return deltas
+
+    def _release_held(self, step: "LaunchedStep") -> None:
+        for sequence in step.held:
+            self.coordinator.free(sequence.state)
+        step.held.clear()
+
+    def _end(self, sequence: Sequence, reason: str) -> None:
+        """Finish a sequence; while a launched step still computes for it, its pages are held
+        until that step completes (I2: no page is freed under a reader)."""
+        step = self._in_flight
+        if step is not None and not sequence.is_finished and step.includes(sequence):
+            self.scheduler.finish(sequence, reason, release=False)
+            step.held.append(sequence)
+        else:
+            self.scheduler.finish(sequence, reason)
+
+    def finish_in_flight(self) -> list[RequestDelta]:
+        """Complete the launched step, if any (the engine is then quiescent)."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        deltas = self._complete(step)
+        self._check_books()
+        return deltas
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the end of the parent's prompt: make its n-1 siblings, sharing its pages."""
@@ -299,8 +398,14 @@ class EngineCore:
 
     def _append_token(self, sequence: Sequence, token: int,
                       logprobs: Optional[PositionLogprobs]) -> RequestDelta:
+        """Append a token known on the host (PD: the first token, from the prefill server)."""
         sequence.token_ids.append(token)
-        reason, stop_reason = self._finish_reason(sequence, token)
+        return self._token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
+
+    def _token_delta(self, sequence: Sequence, position: int, token: int,
+                     logprobs: Optional[PositionLogprobs]) -> RequestDelta:
+        """The delta of the token now at ``position`` (later pending tokens may follow it)."""
+        reason, stop_reason = self._finish_reason(sequence, token, position + 1 - sequence.num_prompt_tokens)
         delta = RequestDelta(request_id=sequence.request_id, index=sequence.index,
                              new_token_ids=[token],
                              new_logprobs=[logprobs] if logprobs is not None else None)
@@ -311,20 +416,20 @@ class EngineCore:
             if sequence.params.prompt_logprobs is not None and sequence.index == 0:
                 delta.prompt_logprobs = sequence.prompt_logprobs
         if reason is not None:
+            del sequence.token_ids[position + 1:]  # tokens a later step computed past its end
             delta.finish_reason, delta.stop_reason = reason, stop_reason
-            self.scheduler.finish(sequence, reason)
+            self._end(sequence, reason)
             self._forget_if_done(sequence.request_id)
         return delta
 
-    def _finish_reason(self, sequence: Sequence, token: int):
+    def _finish_reason(self, sequence: Sequence, token: int, num_output: int):
         params = sequence.params
-        num_output = sequence.num_output_tokens
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.model_info.eos_token_ids:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if num_output >= sequence.max_tokens or sequence.num_tokens >= self.model_info.max_model_len:
+        if num_output >= sequence.max_tokens or sequence.num_prompt_tokens + num_output >= self.model_info.max_model_len:
             return "length", None
         return None, None
 
@@ -332,7 +437,7 @@ class EngineCore:
         deltas = []
         for chunk in chunks:
             sequence = chunk.sequence
-            self.scheduler.finish(sequence, "error")
+            self._end(sequence, "error")
             deltas.append(RequestDelta(request_id=sequence.request_id, index=sequence.index,
                                        finish_reason="error", error=message))
             self._forget_if_done(sequence.request_id)
@@ -354,12 +459,15 @@ class EngineCore:
 
     def check_all_free(self) -> None:
         """I5 at idle: flush the prefix cache, then every page must be free."""
+        if self.finish_in_flight():
+            raise SanitizerError("check_all_free called while a launched step still had tokens to deliver")
         if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
         self.reset_prefix_cache()
         self.coordinator.sanitizer.check_all_free(self.coordinator)
 
     def shutdown(self) -> None:
+        self.finish_in_flight()
         self._sequences.clear()
         if self.pd is not None:
             self.pd.close()

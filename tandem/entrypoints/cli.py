@@ -53,6 +53,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--indexer-cache-dtype", choices=INDEXER_CACHE_DTYPE_CHOICES, default="fp8",
                        help="sparse-attention (DSA) indexer key cache: fp8 (e4m3 keys + fp32 scales, "
                             "page-major) or float32 (unquantised) (default: %(default)s)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: run every step eagerly (CUDA only; default: decode steps "
+                            "replay graphs captured at start-up)")
+    group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                       help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8, then every 16 "
+                            "up to 256 and every 32 up to 512, capped at --max-num-seqs)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap the host's scheduling of step N+1 with the device's step N "
+                            "(default: on for CUDA devices)")
 
 
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
@@ -62,7 +71,9 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         max_total_tokens=arguments.max_total_tokens, kv_cache_memory_bytes=arguments.kv_cache_memory_bytes,
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
-        max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype)
+        max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
+        enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
+        cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

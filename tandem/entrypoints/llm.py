@@ -116,4 +116,5 @@ class LLM:
                         progress.update(1)
                 if not self.engine.has_unfinished_requests() and len(finished) < len(request_ids):
                     raise RuntimeError("engine went idle with unfinished requests")
+        self.engine.finish_in_flight()  # rows of finished sequences only: their pages go
         return [finished[request_id] for request_id in request_ids]

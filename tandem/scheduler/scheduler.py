@@ -82,13 +82,15 @@ class Scheduler:
     def has_runnable(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def finish(self, sequence: Sequence, reason: str) -> None:
-        """End a sequence wherever it is and release its state at once."""
+    def finish(self, sequence: Sequence, reason: str, release: bool = True) -> None:
+        """End a sequence wherever it is and release its state at once (``release=False``: the
+        caller releases it later, once no launched step computes for it)."""
         if sequence.is_finished:
             return
         sequence.status = SequenceStatus.FINISHED
         sequence.finish_reason = reason
-        self.coordinator.free(sequence.state)
+        if release:
+            self.coordinator.free(sequence.state)
         if sequence in self.running:
             self.running.remove(sequence)
         elif sequence in self.waiting:
@@ -97,10 +99,15 @@ class Scheduler:
             self.remote.remove(sequence)
 
     # -- scheduling --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_preemption: bool = True) -> SchedulerOutput | None:
+        """The next step's chunks. With ``allow_preemption=False`` (a step is still running on
+        the device, so no running sequence's pages may be released), returns None where a
+        preemption would be needed; pages allocated so far stay with their sequences."""
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        budget = self._schedule_running(output, budget)
+        budget = self._schedule_running(output, budget, allow_preemption)
+        if budget is None:
+            return None
         if not output.preempted:
             self._admit_waiting(output, budget)
         return output
@@ -113,13 +120,18 @@ class Scheduler:
                               prompt_logprobs=sequence.wants_prompt_logprobs
                               and start < sequence.num_prompt_tokens)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, allow_preemption: bool = True) -> int | None:
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
+            index += 1
+            if sequence.awaits_final_token:
+                continue
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_new_tokens
             while not self.coordinator.try_allocate(sequence.state, target):
+                if not allow_preemption:
+                    return None
                 victim = self.running.pop()
                 self._preempt(victim)
                 output.preempted.append(victim)
@@ -127,7 +139,6 @@ class Scheduler:
                     return budget
             output.chunks.append(chunk)
             budget -= chunk.num_new_tokens
-            index += 1
         return budget
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:

@@ -12,6 +12,12 @@ from tandem.kv.coordinator import RequestState
 from tandem.sampling_params import SamplingParams
 
 
+# Stands in ``token_ids`` for a token sampled by a step still running on the device (overlapped
+# engine loop): the next step reads it on the device, the engine writes the value in when the
+# step's results arrive.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -61,6 +67,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def awaits_final_token(self) -> bool:
+        """Its last token is still pending and is the last it may generate: nothing is left to
+        compute for it (it finishes when the token arrives)."""
+        return self.token_ids[-1] == PENDING_TOKEN and self.num_output_tokens >= self.max_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -99,13 +99,16 @@ class CudaGraphRunner:
         return (step.is_pure_decode and len(step.chunks) <= self.batch_sizes[-1]
                 and all(table.shape[1] <= self.max_width for table in step.page_tables))
 
-    def replay(self, step: StepInputs) -> torch.Tensor:
-        """Copy the step into the static buffers, replay, and return ``[n, vocab]`` logits."""
+    def replay(self, step: StepInputs, feed=None) -> torch.Tensor:
+        """Copy the step into the static buffers, replay, and return ``[n, vocab]`` logits.
+        ``feed`` writes pending input tokens (still on the device) into the static ids."""
         count = len(step.chunks)
         batch_size = next(size for size in self.batch_sizes if size >= count)
         copy = lambda target, array: target.copy_(torch.from_numpy(array), non_blocking=True)
         copy(self.input_ids[:count], step.input_ids)
         copy(self.positions[:count], step.positions)
+        if feed is not None:
+            feed(self.input_ids[:count])
         lengths = np.asarray(step.context_lengths, dtype=np.int32)
         for group, table in enumerate(step.page_tables):
             copy(self.slot_mappings[group][:count], step.slot_mappings[group])

@@ -19,7 +19,7 @@ from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
-from tandem.worker.step_inputs import StepInputs, build_step_inputs
+from tandem.worker.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -65,18 +65,23 @@ class ModelRunner:
         return ForwardContext(self.accessor, metadata, self.backend)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> ExecuteResult:
+    def execute(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None) -> ExecuteResult:
+        """One forward pass over ``chunks``. A chunk whose input token is still pending (sampled
+        by the step before, which may still be running) reads it from ``pending`` on the device."""
         sanitizer = self.coordinator.sanitizer
         for chunk in chunks:
             sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
                                   chunk.sequence.state.page_tables)
         step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size)
+        feed = pending.feed(step, self.device) if pending is not None else None
         if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
             # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
             # with any runs eagerly.
-            logits = self.graphs.replay(step)
+            logits = self.graphs.replay(step, feed)
             return self._outputs(step, None, logits, sanitizer.enabled)
         input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+        if feed is not None:
+            feed(input_ids)
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         hidden = self.model(input_ids, positions, self.forward_context(metadata))
         logits = self.model.compute_logits(hidden[step.sampling_rows]).float() if step.sampling_rows else \

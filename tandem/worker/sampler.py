@@ -126,15 +126,39 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor]  # [B, num_logprobs] float32
 
     def to_host(self) -> "SamplerOutput":
-        """The same output on the CPU, through one device-to-host copy (float64 holds token
-        ids, ranks and float32 logprobs exactly)."""
+        """The same output on the CPU (see ``to_host_async``), waited for."""
+        return self.to_host_async().wait()
+
+    def to_host_async(self) -> "HostSamplerOutput":
+        """Start the one device-to-host copy of this output (float64 holds token ids, ranks
+        and float32 logprobs exactly); ``wait()`` on the result gives it on the CPU."""
         columns = [self.token_ids[:, None], self.logprobs[:, None], self.ranks[:, None]]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
-        host = torch.cat([column.double() for column in columns], dim=1).cpu()
-        if self.top_token_ids is None:
+        packed = torch.cat([column.double() for column in columns], dim=1)
+        num_top = -1 if self.top_token_ids is None else self.top_token_ids.shape[1]
+        if packed.device.type != "cuda":
+            return HostSamplerOutput(packed.cpu(), num_top, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return HostSamplerOutput(host, num_top, copied)
+
+
+@dataclass
+class HostSamplerOutput:
+    """A ``SamplerOutput`` on its way to the host: ``packed`` is valid once ``copied`` is done."""
+    packed: torch.Tensor  # [B, 3 + 2 * num_top] float64 (pinned on CUDA machines)
+    num_top: int  # -1: no top logprobs
+    copied: Optional["torch.cuda.Event"]
+
+    def wait(self) -> SamplerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        host, num_top = self.packed, self.num_top
+        if num_top < 0:
             return SamplerOutput(host[:, 0].long(), host[:, 1].float(), host[:, 2].long(), None, None)
-        num_top = self.top_token_ids.shape[1]
         return SamplerOutput(host[:, 0].long(), host[:, 1].float(), host[:, 2].long(),
                              host[:, 3:3 + num_top].long(), host[:, 3 + num_top:].float())
 

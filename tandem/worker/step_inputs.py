@@ -7,10 +7,13 @@ never modified.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from tandem.scheduler.scheduler import ScheduledChunk
+from tandem.scheduler.sequence import PENDING_TOKEN
 
 
 @dataclass
@@ -73,3 +76,26 @@ def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: 
                              + positions % page_size)
     return StepInputs(chunks, num_decode, np.asarray(ids, dtype=np.int64), positions, query_starts,
                       start_positions, context_lengths, page_tables, slot_mappings, sampling_rows)
+
+
+@dataclass
+class PendingTokens:
+    """Tokens sampled by the step in flight, still on the device (overlapped engine loop).
+
+    ``token_ids[row_of[id(sequence)]]`` is the token that stands as ``PENDING_TOKEN`` at the
+    end of that sequence's ``token_ids``."""
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    row_of: dict[int, int]
+
+    def feed(self, step: StepInputs, device: torch.device) -> Optional[Callable[[torch.Tensor], None]]:
+        """A function writing the step's pending input tokens into its device input ids (None
+        when the step reads none). Only a decode chunk reads a pending token: its one input."""
+        targets, sources = [], []
+        for row, chunk in enumerate(step.chunks[:step.num_decode]):
+            if chunk.sequence.token_ids[chunk.start] == PENDING_TOKEN:
+                targets.append(row)
+                sources.append(self.row_of[id(chunk.sequence)])
+        if not targets:
+            return None
+        indices = torch.tensor([targets, sources], dtype=torch.long).to(device, non_blocking=True)
+        return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))

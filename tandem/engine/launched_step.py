@@ -1,0 +1,38 @@
+"""A step whose forward pass and sampling have been launched on the device but whose tokens
+have not been read back yet (the overlapped engine loop keeps one such step in flight).
+
+Owned by the engine core from launch until it is completed. ``held`` lists sequences that
+finished while the step still computed for them: their pages are released only when the step
+is completed, after the device has finished with it (I2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tandem.scheduler.scheduler import ScheduledChunk
+from tandem.scheduler.sequence import Sequence
+from tandem.worker.sampler import HostSamplerOutput, SamplerOutput
+from tandem.worker.step_inputs import PendingTokens
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    chunks: list[ScheduledChunk]
+    prompt_logprobs: dict  # id(chunk) -> that chunk's prompt logprobs
+    sequences: list[Sequence] = field(default_factory=list)  # the sampled rows, in order
+    positions: list[int] = field(default_factory=list)  # where each row's pending token stands
+    sampled: Optional[SamplerOutput] = None  # on the device
+    host: Optional[HostSamplerOutput] = None  # its copy to the host, in flight
+    held: list[Sequence] = field(default_factory=list)
+    computed: bool = False  # the scheduler has booked its chunks as computed
+
+    def includes(self, sequence: Sequence) -> bool:
+        return any(chunk.sequence is sequence for chunk in self.chunks) or \
+            any(row is sequence for row in self.sequences)
+
+    def pending_tokens(self) -> Optional[PendingTokens]:
+        """The step's sampled tokens as the next step's device-side inputs."""
+        if self.sampled is None:
+            return None
+        return PendingTokens(self.sampled.token_ids, {id(sequence): row for row, sequence in enumerate(self.sequences)})
