@@ -102,6 +102,11 @@ class Float32IndexKeys:
     def queries(self, queries: torch.Tensor) -> torch.Tensor:
         return queries.float()
 
+    def decode_operands(self, buffer: torch.Tensor, page_size: int, queries: torch.Tensor) -> tuple:
+        """``(queries, keys, key_scales)`` as ``index_decode_scores`` reads them (``queries`` as
+        :meth:`queries` returned them): float32 keys, no scales."""
+        return queries, buffer, None
+
 
 class Fp8PageMajorIndexKeys:
     """FP8 keys + FP32 scales, page-major in a ``[pages, page_size * (head_dim + 4)]`` byte buffer."""
@@ -148,6 +153,13 @@ class Fp8PageMajorIndexKeys:
     def queries(self, queries: torch.Tensor) -> torch.Tensor:
         quantized, scale = quantize_fp8(self._rotate(queries))
         return quantized.float() * scale.unsqueeze(-1)
+
+    def decode_operands(self, buffer: torch.Tensor, page_size: int, queries: torch.Tensor) -> tuple:
+        """``(queries, keys, key_scales)`` as ``index_decode_scores`` reads them (``queries`` as
+        :meth:`queries` returned them): the queries in bfloat16 (e4m3 values times a power of
+        two: exact), the FP8 key region and the FP32 scale region of the page-major buffer."""
+        key_view, scale_view = self._views(buffer, page_size)
+        return queries.to(torch.bfloat16), key_view.view(FP8_DTYPE), scale_view
 
 
 class LightningIndexer(nn.Module):
@@ -221,13 +233,16 @@ class LightningIndexer(nn.Module):
         return self._select(scores, valid)
 
     def _decode_positions(self, queries, weights, buffer, metadata: AttentionMetadata) -> torch.Tensor:
-        """Every decode row at once over the whole page-table width → ``[n, k]`` int32 positions
-        (-1 where fewer than ``k`` are visible). Shapes depend on shapes only (no host sync)."""
+        """Every decode row at once over the whole page-table width (``index_decode_scores``) →
+        ``[n, k]`` int32 positions (-1 where fewer than ``k`` are visible). Shapes depend on
+        shapes only (no host synchronisation)."""
+        from tandem.kernels.indexer_decode import index_decode_scores
+
         page_table, context_lengths = metadata.decode_page_table, metadata.decode_context_lengths
-        keys = self.keys.gather(buffer, page_table, metadata.page_size)  # [n, W * page_size, D]
-        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] < context_lengths[:, None]
-        keys = torch.where(visible[:, :, None], keys, 0)  # unseen slots may hold NaN poison
-        scores = index_scores(queries[:, None], weights[:, None], keys, self.softmax_scale)[:, 0]
+        queries, keys, key_scales = self.keys.decode_operands(buffer, metadata.page_size, queries)
+        scores = index_decode_scores(queries, weights, keys, key_scales, page_table, context_lengths,
+                                     self.softmax_scale)
+        visible = torch.arange(scores.shape[1], device=scores.device)[None, :] < context_lengths[:, None]
         return self._top_positions(scores, visible)
 
     def _top_positions(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
