@@ -265,7 +265,7 @@ def test_cuda_matches_oracle_and_bfloat16_runs(model_dirs, oracles, monkeypatch)
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
     rng = random.Random(8)
     prompts = [random_prompt(rng, n) for n in (1, 70, 200, 33, 150, 9)]
-    llm = make_llm(model_dirs[ARCH], device="cuda", dtype="float32", max_total_tokens=400,
+    llm = make_llm(model_dirs[ARCH], device="cuda", dtype="float32", max_total_tokens=288,
                    max_num_batched_tokens=128)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY))
     assert llm.engine.stats().num_preemptions > 0

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.worker.host_staging import copy_to_device
 from tandem.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class CudaGraphRunner:
         ``feed`` writes pending input tokens (still on the device) into the static ids."""
         count = len(step.chunks)
         batch_size = next(size for size in self.batch_sizes if size >= count)
-        copy = lambda target, array: target.copy_(torch.from_numpy(array), non_blocking=True)
+        copy = copy_to_device
         copy(self.input_ids[:count], step.input_ids)
         copy(self.positions[:count], step.positions)
         if feed is not None:

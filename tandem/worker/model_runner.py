@@ -19,6 +19,7 @@ from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
+from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
@@ -84,15 +85,16 @@ class ModelRunner:
             feed(input_ids)
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         hidden = self.model(input_ids, positions, self.forward_context(metadata))
-        logits = self.model.compute_logits(hidden[step.sampling_rows]).float() if step.sampling_rows else \
+        rows = to_device(step.sampling_rows, self.device, torch.long)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float() if step.sampling_rows else \
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return self._outputs(step, hidden, logits, sanitizer.enabled)
 
     def _to_device(self, array) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     def _group_metadata(self, step: StepInputs, group: int) -> AttentionMetadata:
-        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)
+        as_int32 = lambda values: to_device(values, self.device, torch.int32)
         return AttentionMetadata(
             page_size=self.page_size, slot_mapping=self._to_device(step.slot_mappings[group]),
             page_table=self._to_device(step.page_tables[group]),

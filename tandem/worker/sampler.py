@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from tandem.sampling_params import SamplingParams
+from tandem.worker.host_staging import to_device
 
 PARAMETER_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty")
@@ -84,8 +85,9 @@ class SamplingMetadata:
             raise ValueError(f"sampling metadata: per-row inputs differ in length: {sorted(lengths)}")
 
         # One host-to-device copy for every per-row parameter (float64 holds them all exactly).
-        table = torch.tensor([[getattr(p, name) for name in PARAMETER_COLUMNS] for p in params],
-                             dtype=torch.float64).reshape(len(params), len(PARAMETER_COLUMNS)).to(device)
+        table = to_device(torch.tensor([[getattr(p, name) for name in PARAMETER_COLUMNS] for p in params],
+                                       dtype=torch.float64).reshape(len(params), len(PARAMETER_COLUMNS)),
+                          device)
         column = lambda name, dtype: table[:, PARAMETER_COLUMNS.index(name)].to(dtype)
 
         temperatures = [p.temperature for p in params]
@@ -191,7 +193,7 @@ def flat_row_indices(
     token_ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
     row_index = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     in_vocab = token_ids < vocab_size
-    return row_index[in_vocab].to(device), token_ids[in_vocab].to(device)
+    return to_device(row_index[in_vocab], device), to_device(token_ids[in_vocab], device)
 
 
 def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -224,6 +226,8 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
     """Set each row's banned token ids to -inf in place."""
+    if not any(banned_token_ids):
+        return logits
     row_index, token_ids = flat_row_indices(banned_token_ids, logits.shape[-1], logits.device)
     if token_ids.numel():
         logits[row_index, token_ids] = float("-inf")
@@ -339,7 +343,7 @@ class Sampler:
         if shared_rows:
             shared = torch.empty(len(shared_rows), vocab_size, device=probs.device)
             shared.exponential_(generator=self.generator)
-            noise[torch.tensor(shared_rows, device=probs.device)] = shared
+            noise[to_device(shared_rows, probs.device, torch.long)] = shared
         for row, generator in enumerate(generators):
             if generator is not None:
                 draw = torch.empty(vocab_size, device=probs.device)

@@ -14,6 +14,7 @@ import torch
 
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.scheduler.sequence import PENDING_TOKEN
+from tandem.worker.host_staging import to_device
 
 
 @dataclass
@@ -97,5 +98,5 @@ class PendingTokens:
                 sources.append(self.row_of[id(chunk.sequence)])
         if not targets:
             return None
-        indices = torch.tensor([targets, sources], dtype=torch.long).to(device, non_blocking=True)
+        indices = to_device([targets, sources], device, torch.long)
         return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))
