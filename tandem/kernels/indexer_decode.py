@@ -86,12 +86,14 @@ def _index_decode_scores_kernel(
     tl.store(out_ptrs, tl.where(key_mask, totals, float("-inf")), mask=in_range)
 
 
-def _config(num_heads: int, device: torch.device) -> dict:
-    """Interpreted (CPU) runs use small tiles so tiny shapes cross head and key blocks."""
+def _config(num_heads: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Interpreted (CPU) runs use small tiles so tiny shapes cross head and key blocks. On CUDA
+    (64 heads x head dim 128, sm_90 per ptxas) 8 warps keep the tiles out of local memory
+    (4 warps spill); float32 (the unquantised mode) keys are twice as wide, so half the block."""
     if device.type != "cuda":
         return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
     block_h = min(64, max(MINIMUM_DOT_SIZE, triton.next_power_of_2(num_heads)))
-    return dict(BLOCK_H=block_h, BLOCK_N=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_N=64 if dtype == torch.float32 else 128, num_warps=8, num_stages=2)
 
 
 def _check(queries, weights, keys, key_scales, page_table, context_lengths) -> None:
@@ -126,7 +128,7 @@ def index_decode_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torc
         out = torch.empty(batch, num_positions, dtype=torch.float32, device=queries.device)
     if batch == 0 or num_positions == 0:
         return out
-    config = _config(num_heads, queries.device)
+    config = _config(num_heads, queries.device, queries.dtype)
     has_scales = key_scales is not None
     scale_strides = key_scales.stride() if has_scales else (0, 0)
     _index_decode_scores_kernel[(batch, triton.cdiv(num_positions, config["BLOCK_N"]))](

@@ -188,20 +188,27 @@ def _block_size(dim: int) -> int:
     return max(MINIMUM_DOT_SIZE, triton.next_power_of_2(dim))
 
 
-def _decode_config(device: torch.device) -> dict:
+def _decode_config(num_heads: int, device: torch.device, dtype: torch.dtype) -> dict:
     """Heads per tile, key block and launch options of the split kernel. Interpreted (CPU) runs
-    use small key blocks so tiny test shapes still cross block and page boundaries."""
+    use small key blocks so tiny test shapes still cross block and page boundaries. On CUDA
+    (rank 512, sm_90 per ptxas): 16-bit tiles of 32 heads x 32 keys with 8 warps hold the
+    [heads, rank] accumulator without spilling (4 warps spill); float32 (exactness runs) tiles
+    are twice as wide in bytes, so 16 x 16."""
     if device.type != "cuda":
         return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:
+        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=8, num_stages=1)
+    block_h = min(32, max(MINIMUM_DOT_SIZE, triton.next_power_of_2(num_heads)))
+    return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8, num_stages=2)
 
 
-def mla_decode_num_splits(batch: int, num_heads: int, max_entries: int, device) -> int:
+def mla_decode_num_splits(batch: int, num_heads: int, max_entries: int, device,
+                          dtype: torch.dtype = torch.bfloat16) -> int:
     """Default number of KV splits: :func:`decode_num_splits` with the head blocks in place of
     kv heads, capped at the key blocks ``max_entries`` (page-table width x page size, or the
     top-k width) fills. Shapes only (never context lengths): a captured CUDA graph stays valid."""
     device = torch.device(device)
-    config = _decode_config(device)
+    config = _decode_config(num_heads, device, dtype)
     head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     max_blocks = max(1, triton.cdiv(max_entries, config["BLOCK_N"]))
     return min(decode_num_splits(batch, head_blocks, max_blocks, device), max_blocks)
@@ -250,12 +257,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_ca
         out = torch.empty_like(q_latent)
     if batch == 0:
         return out
-    config = _decode_config(q_latent.device)
+    config = _decode_config(num_heads, q_latent.device, q_latent.dtype)
     sparse = topk_indices is not None
     num_selected = topk_indices.shape[1] if sparse else 0
     if num_splits is None:
         max_entries = num_selected if sparse else page_table.shape[1] * latent_cache.shape[1]
-        num_splits = mla_decode_num_splits(batch, num_heads, max_entries, q_latent.device)
+        num_splits = mla_decode_num_splits(batch, num_heads, max_entries, q_latent.device, q_latent.dtype)
     block_r = _block_size(rank)
     write_final = num_splits == 1
     if write_final:  # the partial buffers are not touched; pass ``out`` in their place
