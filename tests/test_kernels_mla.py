@@ -246,3 +246,118 @@ def test_gpu_mla_decode_replays_in_a_cuda_graph(topk_width):
         expected = mla_decode_attention_reference(q_latent, q_rope, cache, page_table, context_lengths, GPU_SCALE,
                                                   topk_indices=topk_indices)
         assert_close(out, expected, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer's decode path (MLA + FP8 indexer) under a CUDA graph
+
+
+class LayerState:
+    """The two methods of ``StateAccessor`` a layer calls: buffers by layer, group by layer."""
+
+    def __init__(self, buffers: dict, groups: dict) -> None:
+        self.buffers, self.groups = buffers, groups
+
+    def layer(self, layer_name):
+        return self.buffers[layer_name]
+
+    def group_of(self, layer_name):
+        return self.groups[layer_name]
+
+
+def mla_layer_setup(device, sparse, seed=0):
+    """``(layer, context, fill)``: a tiny DeepSeek-V3.2 attention layer on ``device`` (FP8
+    indexer when ``sparse``), a forward context over static decode metadata for 4 rows, and
+    ``fill(lengths, table_rows)`` loading a step's values into the static tensors (length 0:
+    a padding row, slot -1)."""
+    from transformers import DeepseekV32Config
+
+    from tandem.kv.spec import IndexerSpec
+    from tandem.layers.attention_metadata import AttentionMetadata
+    from tandem.layers.mla import LatentRotary, MLAAttention
+    from tandem.worker.forward_context import ForwardContext
+
+    torch.manual_seed(seed)
+    config = DeepseekV32Config(hidden_size=64, num_attention_heads=8, kv_lora_rank=32, q_lora_rank=48,
+                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=16,
+                               index_head_dim=32, index_n_heads=16)
+    layer = MLAAttention(config, "attention", torch.float32, LatentRotary(config, 512),
+                         indexer="full" if sparse else None).to(device)
+    for parameter in layer.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    page_size, num_pages, rows, width = 16, 40, 4, 8
+    buffers = {"attention": {"latent": torch.randn(num_pages, page_size, 40, device=device)}}
+    groups = {"attention": 0}
+    if sparse:
+        (layout,) = IndexerSpec(32, quantized=True).buffer_layouts()
+        index_buffer = torch.zeros(num_pages, *layout.page_shape(page_size), dtype=torch.uint8, device=device)
+        slots = torch.arange(num_pages * page_size, device=device)
+        layer.indexer.keys.write(index_buffer, slots, torch.randn(len(slots), 32, device=device), page_size)
+        buffers["attention.indexer"], groups["attention.indexer"] = {"index_key": index_buffer}, 0
+    slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
+    page_table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    context_lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+    metadata = AttentionMetadata(
+        page_size=page_size, slot_mapping=slot_mapping, page_table=page_table, context_lengths=context_lengths,
+        query_starts=torch.arange(rows + 1, dtype=torch.int32, device=device), num_decode_tokens=rows,
+        chunk_query_starts=list(range(rows + 1)), chunk_start_positions=[0] * rows,
+        chunk_context_lengths=[1] * rows, zero_invalid=True)
+    context = ForwardContext(LayerState(buffers, groups), [metadata], None)
+    hidden = torch.zeros(rows, 64, device=device)
+    positions = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def fill(lengths, table_rows):
+        hidden.copy_(torch.randn(rows, 64, device=device))
+        page_table.copy_(torch.tensor(table_rows, dtype=torch.int32))
+        context_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        positions.copy_((context_lengths.long() - 1).clamp(min=0))
+        last = positions // page_size
+        slots = page_table.gather(1, last[:, None])[:, 0].long() * page_size + positions % page_size
+        slot_mapping.copy_(torch.where(context_lengths > 0, slots, -1))
+
+    return layer, context, hidden, positions, fill
+
+
+STEPS = [  # (context lengths, page-table rows): distinct pages per row; row 2 then 3 is padding
+    ([37, 5, 0, 120], [[1, 2, 3, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0], [0] * 8,
+                       [5, 6, 7, 8, 9, 10, 11, 12]]),
+    ([128, 17, 64, 0], [[13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 0, 0, 0, 0, 0, 0],
+                        [23, 24, 25, 26, 0, 0, 0, 0], [0] * 8]),
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "fp8-indexer"])
+def test_gpu_mla_layer_decode_replays_in_a_cuda_graph(sparse):
+    """``MLAAttention`` (kernel backend; with the FP8 indexer's decode top-k) captured once and
+    replayed: the same outputs and cache contents as eager runs, padding rows write nothing."""
+    layer, context, hidden, positions, fill = mla_layer_setup("cuda", sparse)
+    buffers = context.state.buffers
+    fill(*STEPS[0])
+    with torch.inference_mode():
+        layer(hidden, positions, context)  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, _ = layer(hidden, positions, context)
+        for lengths, table_rows in STEPS:
+            fill(lengths, table_rows)
+            before = {name: {kind: t.clone() for kind, t in layer_buffers.items()}
+                      for name, layer_buffers in buffers.items()}
+            graph.replay()
+            replayed = captured.clone()
+            after = {name: {kind: t.clone() for kind, t in layer_buffers.items()}
+                     for name, layer_buffers in buffers.items()}
+            for name, layer_buffers in before.items():  # eager, from the same starting state
+                for kind, tensor in layer_buffers.items():
+                    buffers[name][kind].copy_(tensor)
+            eager, _ = layer(hidden, positions, context)
+            valid = torch.tensor(lengths, device="cuda") > 0
+            torch.testing.assert_close(replayed[valid], eager[valid], atol=1e-4, rtol=1e-4)
+            changed = (before["attention"]["latent"] != after["attention"]["latent"]).any(-1).flatten()
+            written = context.attention_metadata[0].slot_mapping[valid]
+            assert torch.equal(changed.nonzero()[:, 0].sort().values, written.sort().values)
+            for name, layer_buffers in after.items():
+                for kind, tensor in layer_buffers.items():
+                    assert torch.equal(tensor, buffers[name][kind]), f"{name}.{kind} differs from eager"
