@@ -141,8 +141,8 @@ def test_gpu_index_decode_replays_in_a_cuda_graph():
     codec, buffer, queries_all, weights_all, page_table_all, lengths_all = index_inputs(
         64, 64, 128, [100, 2000, 0, 4096, 4000, 0, 1, 333], True, seed=2, device="cuda")
     operands_all = codec.decode_operands(buffer, 64, queries_all)
-    queries, page_table, context_lengths = operands_all[0][:4].clone(), page_table_all[:4].clone(), lengths_all[:4].clone()
-    weights = weights_all[:4].clone()
+    queries, weights = operands_all[0][:4].clone(), weights_all[:4].clone()
+    page_table, context_lengths = page_table_all[:4].clone(), lengths_all[:4].clone()
     out = torch.empty(4, page_table.shape[1] * 64, device="cuda")
 
     def step():
