@@ -107,7 +107,7 @@ class LLM:
                         disable=not use_tqdm or len(request_ids) < 2)
         with progress:
             while len(finished) < len(request_ids):
-                outputs, stopped = processor.process(self.engine.step())
+                outputs, stopped = processor.process(self.engine.step(), finished_only=True)
                 if stopped:
                     self.engine.finish_sequences(stopped)
                 for output in outputs:

@@ -229,11 +229,13 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
                                                  deferred_text=not self.incremental_text and not params.stop)
 
-    def process(self, deltas: list[RequestDelta]) -> tuple[list[RequestOutput], list[SequenceKey]]:
+    def process(self, deltas: list[RequestDelta],
+                finished_only: bool = False) -> tuple[list[RequestOutput], list[SequenceKey]]:
         """Apply one step's deltas.
 
-        Returns the outputs of the requests that changed (in first-seen order) and the
-        ``(request_id, index)`` sequences that a stop string ended, for ``finish_sequences``.
+        Returns the outputs of the requests that changed (in first-seen order; with
+        ``finished_only``, of those that finished) and the ``(request_id, index)`` sequences
+        that a stop string ended, for ``finish_sequences``.
         """
         changed: dict[str, RequestState] = {}
         stopped: list[SequenceKey] = []
@@ -246,7 +248,7 @@ class OutputProcessor:
             if state.apply(delta, self.token_texts):
                 stopped.append((delta.request_id, delta.index))
             changed[delta.request_id] = state
-        outputs = [state.snapshot() for state in changed.values()]
+        outputs = [state.snapshot() for state in changed.values() if state.finished or not finished_only]
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]

@@ -122,10 +122,11 @@ class StateCoordinator:
         """``allocate`` when ``can_allocate``, computing the pages needed once (the scheduler's
         per-step call for every running sequence); False, with nothing changed, otherwise."""
         needed = self.pages_needed(state, num_tokens)
+        if not any(needed):  # managers allocate nothing when they need no new page
+            return True
         if not self._fits(needed):
             return False
-        if any(needed):
-            self._make_room(needed)
+        self._make_room(needed)
         self._grow(state, num_tokens)
         return True
 

@@ -47,7 +47,9 @@ class StateManager:
     def allocate(self, page_table: list[int], num_tokens: int, owner: str,
                  copy_page: Callable[[int, int], None]) -> None:
         """Grow ``page_table`` to hold ``num_tokens``; the coordinator has made room for
-        ``num_new_pages``. ``copy_page(source, destination)`` copies a page of this group."""
+        ``num_new_pages`` and calls this only when some group needs a new page (so an override
+        must change nothing when its ``num_new_pages`` is 0). ``copy_page(source, destination)``
+        copies a page of this group."""
         count = self.num_new_pages(page_table, num_tokens)
         if count:
             page_table.extend(self.pool.allocate(count, owner))
