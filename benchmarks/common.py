@@ -3,6 +3,7 @@ and the roofline of a workload (the fewest bytes and FLOPs it must spend, over t
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
@@ -42,6 +43,18 @@ def model_dir_for(shape: str, load_format: str) -> str:
 
 def vocab_size_of(model_dir: str) -> int:
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
+def release(llm) -> None:
+    """Give an engine's device memory back before the next system loads its model (CUDA graphs
+    and the engine's own references form cycles that only the collector breaks)."""
+    engine, llm.engine = llm.engine, None
+    engine.shutdown()
+    del engine
+    gc.collect()
+    synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def synchronize() -> None:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, Ceilings, ModelCost, model_dir_for, synchronize, vocab_size_of  # noqa: E402
+from common import SHAPES, Ceilings, ModelCost, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
 
 
 def parse_args():
@@ -81,8 +81,7 @@ def tandem_figures(model_dir, args, vocab_size, prefill_lengths):
         prompts = random_prompts(max(1, args.prefill_tokens // length), length, vocab_size, seed=length)
         prefill[length] = len(prompts) * length / seconds_of(lambda: generate(prompts, 1), repeat=2)
     cost = ModelCost.of_engine(llm.engine)
-    del llm
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    release(llm)
     return first, tpot, prefill, cost
 
 

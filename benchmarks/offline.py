@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Ceilings, ModelCost, model_dir_for, synchronize, vocab_size_of  # noqa: E402
+from common import Ceilings, ModelCost, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -111,9 +111,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
     preemptions = llm.engine.stats().num_preemptions
     if preemptions:
         print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
-    del llm
-    synchronize()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    release(llm)
     return seconds, cost
 
 
