@@ -287,3 +287,29 @@ def test_mismatched_page_size_fails_at_connect(model_dirs):
         pair.assert_all_free()
     finally:
         pair.close()
+
+
+def test_a_destination_that_arrived_before_a_stall_is_never_written(llama_pair):
+    """I2/I7: the decode side sends its destination before the prefill leg of the request has
+    arrived, then the prefill engine stalls past peer_timeout, so the decode side gives up and
+    frees (and poisons) those pages. The prefill leg that arrives after the stall must not bind
+    to that stale destination: it fails at once and nothing lands in the freed pages."""
+    pair = llama_pair
+    room = pair.submit("r", LONG_PROMPT, prefill=False)
+    pair.run_until(lambda: room in pair.prefill.pd.early_destinations)
+    pages = list(pair.decode.scheduler.remote[0].state.page_tables[0])
+    pair.run_until(lambda: pair.finished("r"), prefill=False, timeout=15)  # the prefill engine stalls
+    assert "stopped responding" in pair.error("r")
+    pair.decode.check_all_free()
+    for descriptor in pair.decode.registry.buffers():  # freed and poisoned (I6)
+        assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
+    pair.step(decode=False)  # the prefill engine resumes: queued heartbeats make its peer look alive
+    assert room not in pair.prefill.pd.early_destinations
+    pair.submit("r", LONG_PROMPT, room=room, decode=False)
+    pair.run_until(lambda: pair.prefill_error("r") is not None, decode=False, timeout=5)
+    assert "stalled" in pair.prefill_error("r")
+    pair.settle()
+    assert pair.prefill.pd.touched == set()  # not one page was written
+    for descriptor in pair.decode.registry.buffers():
+        assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
+    pair.assert_all_free()

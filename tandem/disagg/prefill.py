@@ -49,7 +49,9 @@ class PrefillSide(PDSide):
         self.by_request: dict[str, PrefillTransfer] = {}
         self.peers: dict[str, DecodePeer] = {}
         self.early_destinations: dict[str, tuple[str, Destination, float]] = {}  # room -> (peer, message, time)
-        self.aborted_rooms: dict[str, float] = {}  # rooms the decode side aborted before the request came
+        # rooms ended before their request came (the decode side aborted, or this side refused the
+        # destination): room -> (time, state, reason); the request fails on arrival
+        self.ended_rooms: dict[str, tuple[float, TransferState, str]] = {}
         self.touched: set[tuple[int, str, str]] = set()  # registry buffers written so far (I1 tests)
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -63,9 +65,9 @@ class PrefillSide(PDSide):
         self.transfers[room] = transfer
         self.by_request[sequence.request_id] = transfer
         self.scheduler.add_remote(sequence)
-        if room in self.aborted_rooms:
-            del self.aborted_rooms[room]
-            self.end(transfer, TransferState.ABORTED, "the decode server aborted this request")
+        ended = self.ended_rooms.pop(room, None)
+        if ended is not None:
+            self.end(transfer, ended[1], ended[2])
             transfer.notify_drained = False
             return
         early = self.early_destinations.pop(room, None)
@@ -81,13 +83,18 @@ class PrefillSide(PDSide):
     def after_stall(self, seconds: float) -> None:
         """A decode engine that heard nothing from us for ``peer_timeout`` has released the
         destination pages of our transfers: writing them now could land in another request's
-        pages. Fail every bound transfer, and refuse destinations that queued up meanwhile."""
+        pages. Fail every bound transfer and every destination that came before its request (that
+        request fails when it comes), and refuse destinations that queued up meanwhile."""
         super().after_stall(seconds)
         reason = (f"the prefill engine stalled for {seconds:.1f} s, longer than peer_timeout "
                   f"({self.config.peer_timeout:g} s); its decode peer has given up")
         for transfer in list(self.transfers.values()):
             if transfer.peer is not None and not transfer.status.terminal:
                 self.end(transfer, TransferState.FAILED, reason)
+        now = time.monotonic()
+        for room, (identity, _, _) in list(self.early_destinations.items()):
+            self.refuse(identity, room, reason, now)
+        self.early_destinations.clear()
         self.stalled_batch = True
 
     def stalled(self) -> bool:
@@ -159,12 +166,13 @@ class PrefillSide(PDSide):
                                                                    reason="destination from an unknown peer"))
             return
         if self.stalled_batch:
-            self.channel.send_to_identity(identity, TransferFailed(
-                room=message.room, drained=True, reason="the destination arrived while the prefill engine stalled"))
+            reason = "the destination arrived while the prefill engine stalled"
             transfer = self.transfers.get(message.room)
-            if transfer is not None:
-                self.end(transfer, TransferState.FAILED, "the destination arrived while the prefill engine stalled",
-                         tell_peer=False)
+            if transfer is None:
+                self.refuse(identity, message.room, reason, now)
+                return
+            self.channel.send_to_identity(identity, TransferFailed(room=message.room, drained=True, reason=reason))
+            self.end(transfer, TransferState.FAILED, reason, tell_peer=False)
             return
         transfer = self.transfers.get(message.room)
         if transfer is None:
@@ -174,6 +182,12 @@ class PrefillSide(PDSide):
             logger.warning("PD: second destination for room %s ignored", message.room)
             return
         self.bind(transfer, identity, message)
+
+    def refuse(self, identity: str, room: str, reason: str, now: float) -> None:
+        """Refuse a destination whose request has not come: nothing was written to it, so the
+        decode side may release it; the request fails when it comes."""
+        self.channel.send_to_identity(identity, TransferFailed(room=room, drained=True, reason=reason))
+        self.ended_rooms[room] = (now, TransferState.FAILED, reason)
 
     def bind(self, transfer: PrefillTransfer, identity: str, message: Destination) -> None:
         peer = self.peers.get(identity)
@@ -201,7 +215,7 @@ class PrefillSide(PDSide):
         transfer = self.transfers.get(message.room)
         if transfer is None or (transfer.peer is not None and transfer.peer.identity != identity):
             if transfer is None:
-                self.aborted_rooms[message.room] = now
+                self.ended_rooms[message.room] = (now, TransferState.ABORTED, "the decode server aborted this request")
             self.channel.send_to_identity(identity, Drained(room=message.room))
             return
         transfer.notify_drained = True
@@ -398,9 +412,9 @@ class PrefillSide(PDSide):
                 del self.early_destinations[room]
                 self.channel.send_to_identity(identity, TransferFailed(
                     room=room, drained=True, reason="the prefill server never received this request"))
-        for room, moment in list(self.aborted_rooms.items()):
+        for room, (moment, _, _) in list(self.ended_rooms.items()):
             if now - moment > config.bootstrap_timeout:
-                del self.aborted_rooms[room]
+                del self.ended_rooms[room]
 
     def awaiting_backend(self) -> bool:
         return any(transfer.outstanding or transfer.first_delta is not None for transfer in self.transfers.values())
