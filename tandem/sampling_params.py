@@ -11,6 +11,11 @@ from typing import Optional, Union
 from tandem.validation import require
 
 
+# The parameters the sampler takes per row, in the order of ``SamplingParams.sampling_row``.
+SAMPLING_ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -71,6 +76,13 @@ class SamplingParams:
         require(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         require(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def sampling_row(self) -> tuple[float, ...]:
+        """The per-row sampler parameters, in ``SAMPLING_ROW_FIELDS`` order (spelled out: this
+        runs for every row of every step)."""
+        return (self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalty,
+                self.frequency_penalty, self.repetition_penalty)
 
     @property
     def uses_penalties(self) -> bool:

@@ -386,3 +386,11 @@ def test_build_collects_rows_and_flags():
 def test_logits_rows_must_match_metadata():
     with pytest.raises(ValueError):
         Sampler()(random_logits(3, seed=18), make_metadata([SamplingParams()] * 2))
+
+
+def test_sampling_row_follows_its_field_order():
+    from tandem.sampling_params import SAMPLING_ROW_FIELDS
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.3,
+                            frequency_penalty=-0.2, repetition_penalty=1.1)
+    assert params.sampling_row == tuple(getattr(params, name) for name in SAMPLING_ROW_FIELDS)

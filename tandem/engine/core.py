@@ -243,6 +243,8 @@ class EngineCore:
         return deltas
 
     def _check_books(self) -> None:
+        if not self.coordinator.sanitizer.enabled:
+            return
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
         self.coordinator.sanitizer.check_books(
             self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)

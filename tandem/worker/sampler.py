@@ -24,11 +24,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SAMPLING_ROW_FIELDS, SamplingParams
 from tandem.worker.host_staging import to_device
 
-PARAMETER_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty")
+PARAMETER_COLUMNS = SAMPLING_ROW_FIELDS
 
 # Temperatures below this are treated as greedy (as in vLLM), so no row divides by ~0.
 GREEDY_TEMPERATURE_EPSILON = 1e-5
@@ -85,7 +84,7 @@ class SamplingMetadata:
             raise ValueError(f"sampling metadata: per-row inputs differ in length: {sorted(lengths)}")
 
         # One host-to-device copy for every per-row parameter (float64 holds them all exactly).
-        table = to_device(torch.tensor([[getattr(p, name) for name in PARAMETER_COLUMNS] for p in params],
+        table = to_device(torch.tensor([p.sampling_row for p in params],
                                        dtype=torch.float64).reshape(len(params), len(PARAMETER_COLUMNS)),
                           device)
         column = lambda name, dtype: table[:, PARAMETER_COLUMNS.index(name)].to(dtype)
