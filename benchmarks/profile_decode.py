@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--python-profile", action="store_true",
+                        help="also print the host's Python functions by time over a few steps (cProfile)")
     args = parser.parse_args()
     from tandem import LLM, SamplingParams
     from tandem.engine.protocol import EngineRequest
@@ -84,8 +86,14 @@ def main() -> None:
     print(f"{'GPU kernels per step':<36}{len(kernels) / 8:>10.1f}")
     print(f"{'GPU busy per step (ms)':<36}{busy_ms:>10.3f}")
     print(f"{'GPU busy fraction':<36}{busy_ms / step_ms:>10.2f}")
-    top = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    print(top)
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if args.python_profile:
+        import cProfile
+        import pstats
+
+        python_profiler = cProfile.Profile()
+        python_profiler.runcall(lambda: [engine.step() for _ in range(16)])
+        pstats.Stats(python_profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
