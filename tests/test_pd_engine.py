@@ -4,6 +4,7 @@ I1 (the transfer writes exactly the registry's buffers), I4 (metadata rows are c
 I7 (room ids checked; forward-only states), and the lifetimes of pages under aborts, failures and
 dead peers (I2: nothing freed under a writer; everything free once idle)."""
 import os
+import time
 
 os.environ["TANDEM_SANITIZE"] = "1"
 
@@ -11,11 +12,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tandem import LLM  # noqa: E402
+from tandem.disagg.transfers import PrefillLink  # noqa: E402
 from tandem.kv.registry import StateRegistry  # noqa: E402
 from tandem.kv.spec import FullAttentionSpec  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.transfer.descriptors import coalesce, describe_layout, plan_page_writes  # noqa: E402
-from tandem.transfer.messages import first_difference, new_room  # noqa: E402
+from tandem.transfer.messages import Drained, TransferFailed, first_difference, new_room  # noqa: E402
 from tandem.transfer.metadata import POISON_BYTE, MetadataBuffer, MetadataRow  # noqa: E402
 from tandem.transfer.state import TransferState, TransferStateError, TransferStatus  # noqa: E402
 from tests.conftest import ARCH_OPTIONS  # noqa: E402
@@ -193,6 +195,29 @@ def test_decode_abort_keeps_pages_until_the_prefill_side_drains(llama_pair):
     assert pair.decode.pd.metrics.outcomes["aborted"] == 1
     for descriptor in pair.decode.registry.buffers():  # released, then poisoned (I6)
         assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
+
+
+@pytest.mark.parametrize("message", ["drained", "failed"])
+def test_only_the_writer_releases_a_draining_room(llama_pair, message):
+    """I7: a room whose pages wait for the prefill side's drain is released only by the prefill
+    engine that writes them; a ``Drained`` or ``TransferFailed(drained=True)`` for that room from
+    another prefill engine leaves the pages held."""
+    pair = llama_pair
+    room = pair.submit("r", LONG_PROMPT)
+    pair.run_until(lambda: decode_bound(pair))
+    pair.step(decode=False)  # the prefill side starts writing
+    pair.decode.abort_requests(["r"])
+    assert pair.decode.pd.queue_lengths()["draining"] == 1
+    other = "tcp://127.0.0.1:1"  # another prefill engine this decode engine talks to
+    now = time.monotonic()
+    pair.decode.pd.links[other] = PrefillLink(address=other, since=now, last_seen=now, ready=True)
+    forged = Drained(room=room) if message == "drained" else TransferFailed(room=room, reason="x", drained=True)
+    pair.decode.pd.handle(None, other, forged, now)
+    del pair.decode.pd.links[other]
+    assert pair.decode.pd.queue_lengths()["draining"] == 1
+    assert pair.decode.coordinator.pools[0].census()["inflight"] > 0
+    pair.settle()
+    pair.assert_all_free()
 
 
 def test_prefill_abort_fails_the_decode_leg(llama_pair):

@@ -113,12 +113,10 @@ class DecodeSide(PDSide):
             if transfer is not None and transfer.address == address:
                 self.end(transfer, TransferState.FAILED, f"the prefill server failed the transfer: {message.reason}",
                          hold=transfer.status.state is TransferState.BOUND and not message.drained)
-            elif message.drained and message.room in self.draining:
-                self.release_hold(self.draining[message.room])
+            elif message.drained:
+                self.release_drained(message.room, address)
         elif isinstance(message, Drained):
-            transfer = self.draining.get(message.room)
-            if transfer is not None and transfer.address == address:
-                self.release_hold(transfer)
+            self.release_drained(message.room, address)
 
     def on_hello_reply(self, link: PrefillLink, reply: HelloReply) -> None:
         if not reply.accepted:
@@ -279,6 +277,17 @@ class DecodeSide(PDSide):
             self.queue.remove(transfer)
         if self.by_request.get(transfer.sequence.request_id) is transfer:
             del self.by_request[transfer.sequence.request_id]
+
+    def release_drained(self, room: str, address: str) -> None:
+        """The prefill engine at ``address`` says it will write no more to ``room``: release the
+        held pages, but only if that engine is the one writing them (I7)."""
+        transfer = self.draining.get(room)
+        if transfer is None:
+            return
+        if transfer.address != address:
+            logger.warning("PD: drain of room %s from %s ignored (its writer is %s)", room, address, transfer.address)
+            return
+        self.release_hold(transfer)
 
     def release_hold(self, transfer: DecodeTransfer) -> None:
         """The prefill side will write no more (or is dead): free the pages (poisoned) and row."""
