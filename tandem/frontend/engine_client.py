@@ -244,16 +244,27 @@ class EngineClient:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: Optional[float] = None,
                     transfer: Optional[TransferParams] = None) -> RequestStream:
-        """Register the request and send it to the engine; its outputs arrive on the stream."""
+        """Register the request and send it to the engine; its outputs arrive on the stream.
+
+        A request that cannot be encoded or sent raises and leaves nothing registered (it would
+        otherwise count as in flight forever).
+        """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         arrival_time = time.time() if arrival_time is None else arrival_time
+        request = EngineRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                sampling_params=params, arrival_time=arrival_time, transfer=transfer)
+        payload = self.encoder.encode(AddRequestMessage(request=request))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = RequestStream(request_id, self.observer.start_request(len(prompt_token_ids), arrival_time))
         self.streams[request_id] = stream
-        request = EngineRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                sampling_params=params, arrival_time=arrival_time, transfer=transfer)
-        self._send(AddRequestMessage(request=request))
+        try:
+            self.input_socket.send(payload, copy=False)
+        except BaseException:
+            del self.streams[request_id]
+            self.output_processor.abort(request_id)
+            stream.timer.record_end("error", time.time())
+            raise
         return stream
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
