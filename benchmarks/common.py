@@ -91,9 +91,11 @@ class Ceilings:
                 f"matrix rate {self.flops / 1e12:.1f} TFLOP/s")
 
 
-def best_seconds(function, repeat: int = 10) -> float:
-    function()
-    synchronize()
+def best_seconds(function, repeat: int = 10, warm_up: bool = True) -> float:
+    """The fastest of ``repeat`` timed calls (device work included), after one untimed call."""
+    if warm_up:
+        function()
+        synchronize()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()

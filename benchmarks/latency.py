@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, Ceilings, ModelCost, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
+from common import SHAPES, Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
 
 
 def parse_args():
@@ -52,15 +51,7 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 def seconds_of(function, repeat: int = 3) -> float:
-    function()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        synchronize()
-        start = time.perf_counter()
-        function()
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_seconds(function, repeat)
 
 
 def tandem_figures(model_dir, args, vocab_size, prefill_lengths):

@@ -20,14 +20,13 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Ceilings, ModelCost, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
+from common import Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -87,14 +86,7 @@ def make_output_lengths(args) -> list[int]:
 
 
 def timed(function, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        synchronize()
-        start = time.perf_counter()
-        function()
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_seconds(function, repeat, warm_up=False)
 
 
 def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCost]:
