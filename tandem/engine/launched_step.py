@@ -26,10 +26,13 @@ class LaunchedStep:
     host: Optional[HostSamplerOutput] = None  # its copy to the host, in flight
     held: list[Sequence] = field(default_factory=list)
     computed: bool = False  # the scheduler has booked its chunks as computed
+    _members: Optional[set[int]] = field(default=None, repr=False)  # ids, built on first use
 
     def includes(self, sequence: Sequence) -> bool:
-        return any(chunk.sequence is sequence for chunk in self.chunks) or \
-            any(row is sequence for row in self.sequences)
+        """Whether the step computes for ``sequence`` (a chunk of it, or a sampled row)."""
+        if self._members is None:
+            self._members = {id(chunk.sequence) for chunk in self.chunks} | {id(row) for row in self.sequences}
+        return id(sequence) in self._members
 
     def pending_tokens(self) -> Optional[PendingTokens]:
         """The step's sampled tokens as the next step's device-side inputs."""
