@@ -13,6 +13,7 @@ os.environ["TANDEM_SANITIZE"] = "1"
 import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import random  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -148,9 +149,22 @@ def make_fake_model_dir(directory: Path, tokenizer_source: Path, **settings) -> 
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free now, drawn from below the kernel's ephemeral range: a port the kernel hands
+    out for port 0 may be taken by any outgoing connection before the server binds it."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(10000, max(10001, first_ephemeral))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class ServerProcess:
