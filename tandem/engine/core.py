@@ -73,7 +73,7 @@ class EngineCore:
         if not config.enforce_eager:
             sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
             self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
-                                       self.model_info.max_model_len)
+                                       self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
         self._sequences: dict[str, list[Sequence]] = {}

@@ -53,14 +53,35 @@ class ModelRunner:
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
 
-    def capture_graphs(self, batch_sizes: list[int], max_model_len: int) -> list[int]:
-        """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only).
-        Returns the sizes captured (empty when graphs do not apply)."""
+    def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
+        """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
+        one eager prefill of a full token budget. Returns the sizes captured (empty when graphs
+        do not apply)."""
         if self.device.type != "cuda" or not batch_sizes or not model_is_graph_safe(self.model):
             return []
+        self._warm_up_prefill(min(max_num_batched_tokens, max_model_len))
         self.graphs = CudaGraphRunner(self, batch_sizes, max_width=-(-max_model_len // self.page_size) + 1)
         self.graphs.capture()
         return self.graphs.batch_sizes
+
+    @torch.inference_mode()
+    def _warm_up_prefill(self, num_tokens: int) -> None:
+        """One eager forward of ``num_tokens`` prompt tokens that writes no page (slots -1;
+        reads go to the null page): kernels compile and the allocator grows to a full step's
+        activations at start-up, not in the first requests."""
+        width = -(-num_tokens // self.page_size)
+        metadata = [AttentionMetadata(
+            page_size=self.page_size, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            page_table=torch.zeros((1, width), dtype=torch.int32, device=self.device),
+            context_lengths=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_starts=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            num_decode_tokens=0, chunk_query_starts=[0, num_tokens], chunk_start_positions=[0],
+            chunk_context_lengths=[num_tokens]) for _ in range(self.coordinator.num_groups)]
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(ids, positions, self.forward_context(metadata))
+        self.model.compute_logits(hidden[-1:]).float()
+        torch.cuda.synchronize(self.device)
 
     def forward_context(self, metadata: list[AttentionMetadata]) -> ForwardContext:
         return ForwardContext(self.accessor, metadata, self.backend)
