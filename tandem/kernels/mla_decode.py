@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.paged_attention import (MINIMUM_DOT_SIZE, _dot_operand, _dot_precision, _upcast_dots,
-                                            decode_num_splits)
+from tandem.kernels.paged_attention import (MINIMUM_DOT_SIZE, _dot_operand, _dot_precision, _store_split_output,
+                                            _upcast_dots, decode_num_splits)
 from tandem.kernels.triton_support import jit, tl, triton
 
 
@@ -138,18 +138,9 @@ def _mla_decode_split_kernel(
             _dot_operand(probabilities, input_dtype, UPCAST_DOTS), latents, input_precision=DOT_PRECISION)
         running_max = new_max
 
-    empty = running_sum == 0.0
-    output = accumulator / tl.where(empty, 1.0, running_sum)[:, None]
-    if WRITE_FINAL:
-        tl.store(out_ptr + row * stride_out_row + heads[:, None] * stride_out_head
-                 + rank_dims[None, :] * stride_out_dim,
-                 output.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & rank_mask[None, :])
-    else:
-        partial_offsets = row * stride_partial_row + heads * stride_partial_head + split * stride_partial_split
-        tl.store(partial_out_ptr + partial_offsets[:, None] * BLOCK_R + rank_dims[None, :], output,
-                 mask=head_mask[:, None])
-        log_sum = tl.where(empty, float("-inf"), running_max + tl.log2(tl.where(empty, 1.0, running_sum)))
-        tl.store(partial_lse_ptr + partial_offsets, log_sum, mask=head_mask)
+    _store_split_output(accumulator, running_max, running_sum, row, split, heads, head_mask, rank_dims, rank_mask,
+                        out_ptr, stride_out_row, stride_out_head, stride_out_dim, partial_out_ptr, partial_lse_ptr,
+                        stride_partial_row, stride_partial_head, stride_partial_split, BLOCK_R, WRITE_FINAL)
 
 
 @jit

@@ -169,14 +169,26 @@ def _decode_split_kernel(
             input_precision=DOT_PRECISION)
         running_max = new_max
 
+    _store_split_output(accumulator, running_max, running_sum, row, split, query_heads, head_mask, dims, dim_mask,
+                        out_ptr, stride_out_row, stride_out_head, stride_out_dim, partial_out_ptr, partial_lse_ptr,
+                        stride_partial_row, stride_partial_head, stride_partial_split, BLOCK_D, WRITE_FINAL)
+
+
+@jit
+def _store_split_output(accumulator, running_max, running_sum, row, split, heads, head_mask, dims, dim_mask,
+                        out_ptr, stride_out_row, stride_out_head, stride_out_dim, partial_out_ptr, partial_lse_ptr,
+                        stride_partial_row, stride_partial_head, stride_partial_split,
+                        BLOCK_D: tl.constexpr, WRITE_FINAL: tl.constexpr):
+    """End of a split-KV program (decode, MLA decode): the normalised output straight into
+    ``out`` when there is one split, else the split's output and log-sum-exp (base 2; -inf for
+    a split with no visible key) for the combine kernel."""
     empty = running_sum == 0.0
     output = accumulator / tl.where(empty, 1.0, running_sum)[:, None]
     if WRITE_FINAL:
-        tl.store(out_ptr + row * stride_out_row + query_heads[:, None] * stride_out_head
-                 + dims[None, :] * stride_out_dim,
+        tl.store(out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + dims[None, :] * stride_out_dim,
                  output.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
     else:
-        partial_offsets = row * stride_partial_row + query_heads * stride_partial_head + split * stride_partial_split
+        partial_offsets = row * stride_partial_row + heads * stride_partial_head + split * stride_partial_split
         tl.store(partial_out_ptr + partial_offsets[:, None] * BLOCK_D + dims[None, :], output,
                  mask=head_mask[:, None])
         log_sum = tl.where(empty, float("-inf"), running_max + tl.log2(tl.where(empty, 1.0, running_sum)))
