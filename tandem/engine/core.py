@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta
+from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequence_pools
 from tandem.kv.registry import StateRegistry
+from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
@@ -67,8 +68,12 @@ class EngineCore:
         self.coordinator = StateCoordinator(self.registry, plan,
                                             enable_prefix_caching=config.enable_prefix_caching,
                                             sanitize=config.sanitizer_on)
+        tiers = build_tiers(config, self.coordinator, self.device)
+        if tiers is not None:
+            self.coordinator.attach_tiers(tiers)
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption_mode=config.resolved_preemption_mode)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if not config.enforce_eager:
             sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
@@ -217,6 +222,8 @@ class EngineCore:
         host prepares step N+1 while the device runs step N; the next step then reads step N's
         tokens on the device. Where the next step needs step N's results first (a preemption,
         a fork, penalties over output tokens), step N is completed before it is scheduled."""
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.poll()  # tier copies that completed release their pages
         previous = self._in_flight
         output = self.scheduler.schedule(allow_preemption=previous is None)
         if previous is not None and (output is None or not self._can_overlap(output)):
@@ -248,6 +255,8 @@ class EngineCore:
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
         self.coordinator.sanitizer.check_books(
             self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.check_books()
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its
@@ -454,7 +463,8 @@ class EngineCore:
                            prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
                            num_preemptions=self.scheduler.num_preemptions,
                            page_size=self.coordinator.page_size,
-                           transfer=self.pd.stats() if self.pd is not None else None)
+                           transfer=self.pd.stats() if self.pd is not None else None,
+                           tiers=tier_stats(self.coordinator.tiers) if self.coordinator.tiers is not None else None)
 
     def reset_prefix_cache(self) -> int:
         return self.coordinator.reset_prefix_cache()
@@ -465,7 +475,13 @@ class EngineCore:
             raise SanitizerError("check_all_free called while a launched step still had tokens to deliver")
         if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
+        tiers = self.coordinator.tiers
+        if tiers is not None:
+            tiers.drain()
         self.reset_prefix_cache()
+        if tiers is not None:
+            tiers.drain()  # write-back saves of the flushed nodes
+            tiers.check_idle()
         self.coordinator.sanitizer.check_all_free(self.coordinator)
 
     def shutdown(self) -> None:
@@ -473,3 +489,5 @@ class EngineCore:
         self._sequences.clear()
         if self.pd is not None:
             self.pd.close()
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.close()  # queued disk writes finish first

@@ -8,34 +8,77 @@ recently used first.
 
     root ─ [t0..t15] ─ [t16..t31] ─ [t32..t47]      one node = one page per group
                      └ [t16'..t31']                 siblings share the parent's pages
+
+Tiers (``kv/tiers/``): a node's pages may also live in host memory (``host_pages``) and on disk
+(keyed by ``hash``, the chain of its page's tokens under its ancestors'). Eviction from the
+device drops a node's device pages (``pages`` becomes None); the node stays while some tier
+below still holds it (the ``keeps_below`` hook says so), else it goes. Device-resident nodes
+form a prefix-closed subtree: eviction takes device leaves first, and a hit that restores a
+node restores its off-device ancestors with it.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool
 
 
+def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """A page's key in every tier: blake2b (16 bytes) over its parent's key and its token ids
+    (int64 little-endian); the root's key is empty. Equal keys mean equal token prefixes."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return digest.digest()
+
+
 @dataclass(eq=False)
 class CacheNode:
     tokens: tuple[int, ...]
-    pages: tuple[int, ...]  # one per group
+    pages: Optional[tuple[int, ...]]  # one device page per group; None: not on the device
     parent: Optional["CacheNode"]
     children: dict[tuple[int, ...], "CacheNode"] = field(default_factory=dict)
     lock_count: int = 0
     last_access: int = 0
+    hash: bytes = b""  # chain hash of the page's tokens under its ancestors (tiers' key)
+    host_pages: Optional[tuple[int, ...]] = None  # one host page per group; None: not on the host
+    hits: int = 0  # prefix hits that used the node (write_through_selective)
+
+    @property
+    def on_device(self) -> bool:
+        return self.pages is not None
+
+    def device_children(self) -> bool:
+        return any(child.pages is not None for child in self.children.values())
 
 
 class PrefixCache:
-    def __init__(self, pools: list[BlockPool], page_size: int) -> None:
+    def __init__(self, pools: list[BlockPool], page_size: int,
+                 chain_hash: Optional[Callable[[bytes, tuple[int, ...]], bytes]] = None) -> None:
         self.pools = pools
         self.page_size = page_size
         self.root = CacheNode(tokens=(), pages=(), parent=None)
         self._clock = itertools.count(1)
         self.num_nodes = 0
+        self._chain_hash = chain_hash
+        # Tiers: called when a node leaves the device; True when a tier below keeps its pages
+        # (the node stays, off the device), False when the node's contents are gone.
+        self.keeps_below: Callable[[CacheNode], bool] = lambda node: False
+
+    def touch(self) -> int:
+        return next(self._clock)
+
+    def add_child(self, parent: CacheNode, tokens: tuple[int, ...], pages: Optional[tuple[int, ...]]) -> CacheNode:
+        """A new node under ``parent`` (the caller accounts for ``pages``' references)."""
+        child = CacheNode(tokens=tokens, pages=pages, parent=parent,
+                          hash=self._chain_hash(parent.hash, tokens) if self._chain_hash else b"")
+        parent.children[tokens] = child
+        self.num_nodes += 1
+        return child
 
     def _page_keys(self, token_ids: list[int], num_pages: int) -> list[tuple[int, ...]]:
         size = self.page_size
@@ -77,44 +120,32 @@ class PrefixCache:
         keys = self._page_keys(token_ids, num_pages)
         for index in range(start_index, num_pages):
             child = node.children.get(keys[index])
-            if child is None:
+            if child is None or child.pages is None:
+                # A new node, or one whose pages left the device: the sequence's pages are it.
                 pages = tuple(table[index] for table in page_tables)
                 for pool, page in zip(self.pools, pages):
                     pool.acquire([page], CACHE_OWNER)
-                child = CacheNode(tokens=keys[index], pages=pages, parent=node)
-                node.children[keys[index]] = child
-                self.num_nodes += 1
+                if child is None:
+                    child = self.add_child(node, keys[index], pages)
+                else:
+                    child.pages = pages
             child.last_access = now
             path.append(child)
             node = child
         return path
 
     def _evictable_leaves(self) -> list[tuple[int, int, CacheNode]]:
+        """Unlocked device leaves (device-resident, no device-resident child), LRU first."""
         heap, counter = [], itertools.count()
         stack = [self.root]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root and not node.children and node.lock_count == 0:
+            if node is not self.root and node.pages is not None and node.lock_count == 0 \
+                    and not node.device_children():
                 heap.append((node.last_access, next(counter), node))
         heapq.heapify(heap)
         return heap
-
-    def num_evictable_pages(self) -> int:
-        """Nodes that evicting leaf-first could remove: unlocked nodes with no locked
-        descendant (each frees one page per group)."""
-        order, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        evictable: dict[int, bool] = {}
-        count = 0
-        for node in reversed(order):
-            ok = node.lock_count == 0 and all(evictable[id(c)] for c in node.children.values())
-            evictable[id(node)] = ok
-            count += ok and node is not self.root
-        return count
 
     def evict(self, num_pages: int, is_short: Optional[Callable[[], bool]] = None) -> int:
         """Evict LRU unlocked leaves until ``num_pages`` nodes are gone (or ``is_short()`` is
@@ -124,22 +155,38 @@ class PrefixCache:
         evicted = 0
         while heap and evicted < num_pages and (is_short is None or is_short()):
             _, _, node = heapq.heappop(heap)
-            self._remove(node)
+            self.evict_from_device(node)
             evicted += 1
             parent = node.parent
-            if parent is not self.root and not parent.children and parent.lock_count == 0:
+            if parent is not self.root and parent.pages is not None and parent.lock_count == 0 \
+                    and not parent.device_children():
                 heapq.heappush(heap, (parent.last_access, next(counter), parent))
         return evicted
 
-    def _remove(self, node: CacheNode) -> None:
-        del node.parent.children[node.tokens]
-        self.num_nodes -= 1
-        for pool, page in zip(self.pools, node.pages):
+    def evict_from_device(self, node: CacheNode) -> None:
+        """Drop the node's device pages; the node stays if a tier below keeps them."""
+        keep = self.keeps_below(node)
+        pages, node.pages = node.pages, None
+        for pool, page in zip(self.pools, pages):
             pool.release([page], CACHE_OWNER)
+        if not keep:
+            self.forget_if_hollow(node)
+
+    def forget_if_hollow(self, node: CacheNode, resident_below: bool = False) -> None:
+        """Remove ``node`` (and hollow ancestors) when no tier holds it and nothing hangs below."""
+        while (node is not self.root and not node.children and node.pages is None
+               and node.host_pages is None and not resident_below and node.lock_count == 0):
+            parent = node.parent
+            del parent.children[node.tokens]
+            self.num_nodes -= 1
+            node, resident_below = parent, False
 
     def reset(self) -> int:
-        """Evict every unlocked node; returns the number evicted."""
+        """Evict every unlocked node from the device; returns the number evicted."""
         return self.evict(self.num_nodes)
+
+    def device_nodes(self) -> list[CacheNode]:
+        return [node for node in self.all_nodes() if node.pages is not None]
 
     def all_nodes(self) -> list[CacheNode]:
         nodes, stack = [], list(self.root.children.values())

@@ -92,6 +92,10 @@ class StateRegistry:
     def spec_of(self, layer_name: str) -> StateSpec:
         return self._specs[layer_name]
 
+    def layer_names(self) -> list[str]:
+        """Every stateful layer, in registration (the model's) order."""
+        return list(self._specs)
+
     def buffers(self, group_id: Optional[int] = None) -> Iterator[BufferDescriptor]:
         for descriptor in self._buffers.values():
             if group_id is None or descriptor.group_id == group_id:

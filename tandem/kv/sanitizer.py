@@ -61,7 +61,7 @@ class Sanitizer:
             for state in live:
                 for page in state.page_tables[group_index]:
                     expected[page][state.owner] += 1
-            for node in coordinator.prefix_cache.all_nodes() if coordinator.prefix_cache else ():
+            for node in coordinator.prefix_cache.device_nodes() if coordinator.prefix_cache else ():
                 expected[node.pages[group_index]][CACHE_OWNER] += 1
             for owner, pages in coordinator.inflight_references(group_index):
                 for page in pages:

@@ -4,10 +4,13 @@ Each step has a token budget (``max_num_batched_tokens``). Running sequences are
 in admission order (decodes take one token, unfinished prefills take a chunk), then waiting
 sequences are admitted in arrival order while budget and ``max_num_seqs`` allow.
 
-Preemption (by recompute): when a running sequence needs pages and none are free after evicting
-unlocked prefix-cache pages, the most recently admitted running sequence is preempted — its
-pages are released and it goes back to the front of the waiting queue, to recompute its prompt
-and outputs later (prefix-cache hits make that cheap). A sequence may preempt itself, which
+Preemption: when a running sequence needs pages and none are free after evicting unlocked
+prefix-cache pages, the most recently admitted running sequence is preempted — its pages are
+released and it goes back to the front of the waiting queue. By swap (``preemption_mode="swap"``,
+with a host tier): its whole state is copied to the host tier first and comes back into fresh
+pages when it is admitted again, with exactly the computed-token count it had (nothing it did
+not save is re-fed); by recompute (the default without a host tier, and the fallback when the
+host tier is full): it recomputes its prompt and outputs later (prefix hits make that cheap). A sequence may preempt itself, which
 ends that step's scheduling. The oldest running sequence is never preempted by a younger one,
 and every sequence's prompt plus ``max_tokens`` fits in the pool (checked at admission), so the
 oldest always progresses: no deadlock, no livelock.
@@ -42,8 +45,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, coordinator: StateCoordinator, *, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, preemption_mode: str = "recompute") -> None:
         self.coordinator = coordinator
+        self.swap = preemption_mode == "swap"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -144,7 +148,15 @@ class Scheduler:
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             sequence = self.waiting[0]
-            self._match_prefix(sequence)
+            swapped = sequence.state.swapped
+            if swapped is not None:
+                if not self.coordinator.tiers.swap_in(sequence.state):
+                    if not self.running:
+                        raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
+                    return
+                sequence.num_computed_tokens = swapped.num_computed_tokens
+            else:
+                self._match_prefix(sequence)
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_new_tokens
             if not self.coordinator.try_allocate(sequence.state, target):
@@ -153,6 +165,8 @@ class Scheduler:
                 self._release(sequence)
                 return
             self.waiting.popleft()
+            if swapped is not None:
+                self.coordinator.tiers.commit_swap_in(sequence.state)
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             output.chunks.append(chunk)
@@ -171,14 +185,18 @@ class Scheduler:
             self.prefix_query_tokens += sequence.num_prompt_tokens
 
     def _release(self, sequence: Sequence) -> None:
-        self.coordinator.free(sequence.state)
+        """Release the sequence's device pages (a swapped-out copy stays for its next admission)."""
+        self.coordinator.free(sequence.state, keep_swapped=True)
         sequence.num_computed_tokens = 0
 
     def _preempt(self, sequence: Sequence) -> None:
+        swapped = self.swap and self.coordinator.tiers is not None and self.coordinator.tiers.swap_out(
+            sequence.state, sequence.num_computed_tokens)
         self._release(sequence)
         sequence.status = SequenceStatus.WAITING
         sequence.num_preemptions += 1
-        if sequence.prompt_logprobs is not None and len(sequence.prompt_logprobs) < sequence.num_prompt_tokens:
+        if not swapped and sequence.prompt_logprobs is not None \
+                and len(sequence.prompt_logprobs) < sequence.num_prompt_tokens:
             sequence.prompt_logprobs = None
         self.num_preemptions += 1
         self.waiting.appendleft(sequence)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from tandem.engine.protocol import PositionLogprobs
-from tandem.kv.accessor import PendingLoads, StateAccessor
+from tandem.kv.accessor import StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
@@ -45,7 +45,7 @@ class ModelRunner:
         self.coordinator = coordinator
         self.device = device
         self.page_size = coordinator.page_size
-        self.pending_loads = PendingLoads()
+        self.pending_loads = coordinator.pending_loads
         self.accessor = StateAccessor(coordinator.registry, self.pending_loads)
         self.backend = backend or default_backend(device)
         # On CPU, buckets of similar lengths save gathered bytes; on a GPU every bucket costs
