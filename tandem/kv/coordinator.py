@@ -45,6 +45,8 @@ class StateCoordinator:
         self.sanitizer = Sanitizer(registry, sanitize)
         self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self.sanitizer.poison)
                       for group in registry.groups]
+        for pool in self.pools:  # a page never written reads as poison too (I6)
+            self.sanitizer.poison(pool.group_id, [page for page in range(pool.num_pages) if page != NULL_PAGE])
         self.managers = [manager_class_for(group.spec.manager_kind)(group, pool, plan.page_size)
                          for group, pool in zip(registry.groups, self.pools)]
         self.prefix_cache = PrefixCache(self.pools, plan.page_size, chain_hash) if enable_prefix_caching else None

@@ -152,6 +152,8 @@ class Scheduler:
             if swapped is not None:
                 if not self.coordinator.tiers.swap_in(sequence.state):
                     if not self.running:
+                        if self._wait_for_tier_copies():
+                            continue
                         raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
                     return
                 sequence.num_computed_tokens = swapped.num_computed_tokens
@@ -160,9 +162,12 @@ class Scheduler:
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_new_tokens
             if not self.coordinator.try_allocate(sequence.state, target):
-                if not self.running and sequence.num_computed_tokens == 0:
-                    raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
+                empty = not self.running and sequence.num_computed_tokens == 0
                 self._release(sequence)
+                if not self.running and self._wait_for_tier_copies():
+                    continue  # pages held by tier copies come back once they complete
+                if empty:
+                    raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
                 return
             self.waiting.popleft()
             if swapped is not None:
@@ -171,6 +176,15 @@ class Scheduler:
             self.running.append(sequence)
             output.chunks.append(chunk)
             budget -= chunk.num_new_tokens
+
+    def _wait_for_tier_copies(self) -> bool:
+        """With nothing running, pages still held by tier copies are the only ones that can
+        come back: wait for the copies (True) — or there are none (False)."""
+        tiers = self.coordinator.tiers
+        if tiers is None or not tiers.copies_in_flight:
+            return False
+        tiers.drain()
+        return True
 
     def _match_prefix(self, sequence: Sequence) -> None:
         if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
