@@ -196,6 +196,8 @@ class Scheduler:
         if sequence.num_cached_tokens < 0:
             sequence.num_cached_tokens = hit
             self.prefix_hit_tokens += hit
+            if self.coordinator.tiers is not None:
+                self.coordinator.tiers.count_hit(sequence.state.cache_path)
             self.prefix_query_tokens += sequence.num_prompt_tokens
 
     def _release(self, sequence: Sequence) -> None:

@@ -102,6 +102,7 @@ class TieredState:
         self._op_ids = itertools.count()
         self._swapped: dict[str, SwappedState] = {}
         self._read_from_disk_now: set[int] = set()
+        self.restored_now: dict[int, str] = {}  # the latest match's restored nodes -> "host"/"disk"
         self.stats = TierStats()
 
     @property
@@ -232,6 +233,15 @@ class TieredState:
         """Nodes a sequence just cached (or made device-resident again)."""
         if self.policy == "write_through":
             self._save_nodes(nodes)
+
+    def count_hit(self, path: list[CacheNode]) -> None:
+        """A sequence's first admission took ``path``: count the tokens each tier supplied."""
+        for node in path:
+            tier = self.restored_now.get(id(node))
+            if tier == "host":
+                self.stats.host_hit_tokens += self.page_size
+            elif tier == "disk":
+                self.stats.disk_hit_tokens += self.page_size
 
     def on_hit(self, nodes: list[CacheNode]) -> None:
         for node in nodes:
@@ -367,6 +377,7 @@ class TieredState:
     def restore(self, path: list[CacheNode]) -> int:
         """Make the path's nodes device-resident, as many as the device pool allows; returns how
         many leading nodes are on the device. Loads are issued per layer (I3)."""
+        self.restored_now = {}
         first = next((index for index, node in enumerate(path) if node.pages is None), len(path))
         todo = path[first:]
         self.on_hit(path[:first])
@@ -402,10 +413,7 @@ class TieredState:
                 moves[group].device_pages.append(page)
                 moves[group].host_pages.append(host_page)
             node.pages = tuple(pages)
-            if id(node) in self._read_from_disk_now:
-                self.stats.disk_hit_tokens += self.page_size
-            else:
-                self.stats.host_hit_tokens += self.page_size
+            self.restored_now[id(node)] = "disk" if id(node) in self._read_from_disk_now else "host"
         self._read_from_disk_now.clear()
         self.stats.loaded_pages += len(todo)
         self._start(moves, True, [move.device_pages for move in moves], [move.host_pages for move in moves])
