@@ -45,7 +45,7 @@ def parse_args():
     parser.add_argument("--output-len", type=int, default=None, help="answer length (default: 16, 100)")
     parser.add_argument("--device-pool-tokens", type=int, default=None,
                         help="device pool in tokens (default: a third of what all conversations need)")
-    parser.add_argument("--host-cache-size", type=float, default=None, help="GB (default: 0.5 CPU, 32 GPU)")
+    parser.add_argument("--host-cache-size", type=float, default=None, help="GB (default: 0.5 CPU, 24 GPU)")
     parser.add_argument("--long-prompt", type=int, default=None, help="tokens (default: 2000 CPU, 10000 GPU)")
     parser.add_argument("--skip-conversations", action="store_true")
     parser.add_argument("--skip-long-prompt", action="store_true")
@@ -55,7 +55,7 @@ def parse_args():
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     args.load_format = "dummy" if gpu and not args.model else "auto"
     defaults = dict(users=(32, 8), first_len=(2000, 256), message_len=(500, 64), output_len=(100, 16),
-                    host_cache_size=(32.0, 0.5), long_prompt=(10000, 2000))
+                    host_cache_size=(24.0, 0.5), long_prompt=(10000, 2000))
     for name, (on_gpu, on_cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, on_gpu if gpu else on_cpu)

@@ -74,9 +74,13 @@ class HostPool:
         self.sanitize = sanitize
         self.arrays = []
         for layout in layouts:
-            array = torch.zeros((num_pages + 1, layout.block_bytes), dtype=torch.uint8)
-            self.arrays.append(array.pin_memory() if pin else array)
+            # Not zeroed (a page is written before it is read; sanitizer mode poisons it below).
+            array = torch.empty((num_pages + 1, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
+            array[0].zero_()
+            self.arrays.append(array)
         self.pools = [BlockPool(layout.group_id, num_pages + 1, on_free=self._poison) for layout in layouts]
+        for group in range(len(layouts)):
+            self._poison(group, list(range(1, num_pages + 1)))
 
     @property
     def num_pages(self) -> int:
