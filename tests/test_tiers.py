@@ -72,3 +72,81 @@ def test_swap_preemption_is_exact(arch, model_dirs, oracles):
     assert llm.engine.stats().num_preemptions == stats.swaps["out"]
     check(outputs, prompts, 20, oracles[arch], f"{arch} swap")
     llm.engine.check_all_free()
+
+
+def close(llm) -> None:
+    llm.engine.check_all_free()
+    llm.engine.shutdown()  # queued disk writes finish first
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_disk_hits_host_hits_and_swap_in_one_workload(arch, model_dirs, oracles, tmp_path):
+    """(b) a fresh engine on the same disk directory hits it; (d) in the same workload, with
+    chunked prefill: host hits after a device flush and swap preemption forced by a small pool."""
+    directory = str(tmp_path / "disk")
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    earlier = prompts_for(41, (20, 45), shared=60)
+    writer = make_llm(model_dirs[arch], arch, disk_cache_dir=directory)
+    first = writer.generate(earlier, params)
+    close(writer)
+    check(first, earlier, 8, oracles[arch], f"{arch} before restart")
+
+    llm = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, max_total_tokens=320,
+                   max_num_batched_tokens=64, host_cache_size=0.05)
+    again = [earlier[1][:-3] + [7, 8, 9]] + prompts_for(42, (150, 17, 64, 129, 3, 90))
+    outputs = llm.generate(again, params)
+    stats = llm.engine.stats().tiers
+    assert stats.disk_hit_tokens >= 96, stats
+    assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
+    llm.engine.coordinator.tiers.drain()
+    llm.engine.reset_prefix_cache()
+    repeat = llm.generate(again[1:3], params)
+    assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
+    check(outputs + repeat, again + again[1:3], 8, oracles[arch], f"{arch} mixed")
+    close(llm)
+
+
+def test_corrupt_disk_page_is_a_counted_miss(model_dirs, oracles, tmp_path):
+    directory = tmp_path / "disk"
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    prompts = prompts_for(43, (70,))
+    writer = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(directory))
+    writer.generate(prompts, params)
+    close(writer)
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    assert len(files) == 4  # one per full page of the prompt
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(directory))
+    outputs = llm.generate(prompts, params)
+    stats = llm.engine.stats().tiers
+    assert sum(stats.disk_rejected.values()) == 1, stats.disk_rejected
+    check(outputs, prompts, 4, oracles["llama"], "corrupt page")
+    close(llm)
+
+
+def test_unwritable_disk_directory_serves_without_the_disk_tier(model_dirs, oracles, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level("WARNING"):
+        llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(blocker / "disk"))
+    assert "disk tier off" in caplog.text and "--disk-cache-dir" in caplog.text
+    assert not llm.engine.stats().tiers.disk_enabled
+    prompts = prompts_for(44, (40,))
+    check(llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY)), prompts, 4, oracles["llama"], "no disk")
+    close(llm)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(host_cache_size=-1), "host_cache_size"),
+    (dict(host_cache_write_policy="sometimes"), "host_cache_write_policy"),
+    (dict(preemption_mode="swap", host_cache_size=0), "preemption_mode"),
+    (dict(preemption_mode="later"), "preemption_mode"),
+    (dict(disk_cache_size=0), "disk_cache_size"),
+])
+def test_bad_tier_options_name_the_field(options, message):
+    from tandem.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{message}: "):
+        EngineConfig(model="unused", **options)
