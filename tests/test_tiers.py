@@ -61,19 +61,6 @@ def test_host_hit_after_device_flush(arch, model_dirs, oracles):
     llm.engine.check_all_free()
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_swap_preemption_is_exact(arch, model_dirs, oracles):
-    prompts = prompts_for(12, (150, 17, 64, 129, 3, 90, 40, 111))
-    # 384 tokens of pool for 8 prompts of 3..150 tokens plus 20 new each: preemption is forced.
-    llm = make_llm(model_dirs[arch], arch, max_total_tokens=384, max_num_batched_tokens=128, host_cache_size=0.05)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
-    stats = tier_stats(llm)
-    assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
-    assert llm.engine.stats().num_preemptions == stats.swaps["out"]
-    check(outputs, prompts, 20, oracles[arch], f"{arch} swap")
-    llm.engine.check_all_free()
-
-
 def close(llm) -> None:
     llm.engine.check_all_free()
     llm.engine.shutdown()  # queued disk writes finish first
@@ -81,19 +68,20 @@ def close(llm) -> None:
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_disk_hits_host_hits_and_swap_in_one_workload(arch, model_dirs, oracles, tmp_path):
-    """(b) a fresh engine on the same disk directory hits it; (d) in the same workload, with
-    chunked prefill: host hits after a device flush and swap preemption forced by a small pool."""
+    """(b) a fresh engine on the same disk directory hits it; (c) swap preemption forced by a
+    small pool, resumed requests exact; (d) all of it in one workload with chunked prefill, and
+    host hits after a device flush."""
     directory = str(tmp_path / "disk")
-    params = SamplingParams(max_tokens=8, **GREEDY)
+    params = SamplingParams(max_tokens=6, **GREEDY)
     earlier = prompts_for(41, (20, 45), shared=60)
     writer = make_llm(model_dirs[arch], arch, disk_cache_dir=directory)
     first = writer.generate(earlier, params)
     close(writer)
-    check(first, earlier, 8, oracles[arch], f"{arch} before restart")
+    check(first, earlier, 6, oracles[arch], f"{arch} before restart")
 
-    llm = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, max_total_tokens=320,
+    llm = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, max_total_tokens=192,
                    max_num_batched_tokens=64, host_cache_size=0.05)
-    again = [earlier[1][:-3] + [7, 8, 9]] + prompts_for(42, (150, 17, 64, 129, 3, 90))
+    again = [earlier[1][:-3] + [7, 8, 9]] + prompts_for(42, (120, 17, 64, 90))
     outputs = llm.generate(again, params)
     stats = llm.engine.stats().tiers
     assert stats.disk_hit_tokens >= 96, stats
@@ -102,7 +90,7 @@ def test_disk_hits_host_hits_and_swap_in_one_workload(arch, model_dirs, oracles,
     llm.engine.reset_prefix_cache()
     repeat = llm.generate(again[1:3], params)
     assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
-    check(outputs + repeat, again + again[1:3], 8, oracles[arch], f"{arch} mixed")
+    check(outputs + repeat, again + again[1:3], 6, oracles[arch], f"{arch} mixed")
     close(llm)
 
 

@@ -15,7 +15,8 @@ from tandem.kv.accessor import PendingLoads
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
-from tandem.kv.prefix_cache import CacheNode, PrefixCache, chain_hash
+from tandem.kv.prefix_cache import CacheNode, PrefixCache
+from tandem.kv.tiers.disk_store import chain_hash
 from tandem.kv.registry import StateRegistry
 from tandem.kv.sanitizer import Sanitizer
 

@@ -18,22 +18,12 @@ node restores its off-device ancestors with it.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-import struct
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool
-
-
-def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    """A page's key in every tier: blake2b (16 bytes) over its parent's key and its token ids
-    (int64 little-endian); the root's key is empty. Equal keys mean equal token prefixes."""
-    digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return digest.digest()
 
 
 @dataclass(eq=False)
