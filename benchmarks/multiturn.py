@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -197,7 +196,7 @@ def main() -> None:
               f"{args.message_len}, answers {args.output_len} tokens; device pool {on['pool']} tokens")
         print(f"{'tiers':<24}{'TTFT p50 (ms)':>14}{'TTFT p90 (ms)':>14}{'out tok/s':>11}"
               f"{'device hit':>12}{'host hit':>10}{'disk hit':>10}{'preempt':>9}")
-        for name, figures in ((f"off", off), (f"host {args.host_cache_size} GB", on)):
+        for name, figures in (("off", off), (f"host {args.host_cache_size} GB", on)):
             print(f"{name:<24}{figures['p50'] * 1e3:>14.1f}{figures['p90'] * 1e3:>14.1f}{figures['throughput']:>11.0f}"
                   f"{figures['device']:>12}{figures['host']:>10}{figures['disk']:>10}{figures['preemptions']:>9}")
         print(f"TTFT p50 ratio off/on: {off['p50'] / on['p50']:.2f}x; p90: {off['p90'] / on['p90']:.2f}x")

@@ -39,24 +39,17 @@ from tandem.kv.planner import NULL_PAGE
 from tandem.kv.prefix_cache import CacheNode
 from tandem.kv.tiers.copy_stream import TierStream
 from tandem.kv.tiers.host_pool import HostPool, layouts_of
+from tandem.kv.tiers.disk_pages import DiskPages
 from tandem.kv.tiers.page_mover import Move, TierMover, Transfer
+from tandem.kv.tiers.swap import Swap, SwappedState
 
 if TYPE_CHECKING:
-    from tandem.kv.coordinator import RequestState, StateCoordinator
+    from tandem.kv.coordinator import StateCoordinator
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2  # write_through_selective: a node is saved on its second hit
-
-
-@dataclass
-class SwappedState:
-    """A preempted sequence's state in the host tier: per group, its page table's entries as
-    host pages (null where the device table had null), and how many tokens it had computed."""
-    owner: str
-    host_tables: list[list[int]]
-    num_computed_tokens: int
 
 
 @dataclass
@@ -83,7 +76,7 @@ class _Operation:
     on_done: list[Callable[[], None]] = field(default_factory=list)
 
 
-class TieredState:
+class TieredState(DiskPages, Swap):
     def __init__(self, coordinator: "StateCoordinator", *, host_pages: int, write_policy: str,
                  device: torch.device, disk=None) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -297,52 +290,6 @@ class TieredState:
             return True
         return self.disk is not None and self.disk.contains(node.hash)
 
-    # -- disk ------------------------------------------------------------------------------------------
-    def _payload(self, node: CacheNode) -> torch.Tensor:
-        """A node as one object: a presence byte per group, then the present groups' blocks."""
-        mask = torch.tensor([int(page != NULL_PAGE) for page in node.host_pages], dtype=torch.uint8)
-        blocks = [self.host.arrays[group][page] for group, page in enumerate(node.host_pages) if page != NULL_PAGE]
-        return torch.cat([mask, *blocks])
-
-    def _write_to_disk(self, node: CacheNode) -> bool:
-        if self.disk is None or node.host_pages is None:
-            return False
-        self.disk.write_async(node.hash, self._payload(node))
-        return True
-
-    def _write_nodes_to_disk(self, nodes: list[CacheNode]) -> None:
-        for node in nodes:
-            if node.host_pages is not None and not self.disk.contains(node.hash):
-                self._write_to_disk(node)
-
-    def _read_from_disk(self, node: CacheNode) -> bool:
-        """Bring a node's pages from disk into new host pages; False on a miss (a rejected
-        file is a miss: the store counted, logged and deleted it)."""
-        payload = self.disk.read(node.hash)
-        if payload is None:
-            return False
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        mask = data[:self.num_groups].tolist() if data.numel() >= self.num_groups else []
-        expected = self.num_groups + sum(layout.block_bytes for layout, present in zip(self.layouts, mask) if present)
-        if len(mask) != self.num_groups or any(value not in (0, 1) for value in mask) or data.numel() != expected:
-            logger.warning("disk tier: page %s does not match this layout; treated as a miss", node.hash.hex())
-            return False
-        host = self._allocate_host(mask, CACHE_OWNER)
-        if host is None:
-            return False
-        offset, host_pages = self.num_groups, []
-        for group, present in enumerate(mask):
-            if not present:
-                host_pages.append(NULL_PAGE)
-                continue
-            width = self.layouts[group].block_bytes
-            self.host.arrays[group][host[group][0]].copy_(data[offset:offset + width])
-            offset += width
-            host_pages.append(host[group][0])
-        node.host_pages = tuple(host_pages)
-        self._read_from_disk_now.add(id(node))
-        return True
-
     # -- hits ----------------------------------------------------------------------------------------
     def complete_path(self, path: list[CacheNode], token_ids: list[int], max_pages: int) -> list[CacheNode]:
         """The matched path, every node resident in some tier (disk pages are read into the
@@ -418,56 +365,6 @@ class TieredState:
         self.stats.loaded_pages += len(todo)
         self._start(moves, True, [move.device_pages for move in moves], [move.host_pages for move in moves])
         return first + kept
-
-    # -- swap ------------------------------------------------------------------------------------------
-    def swap_out(self, state: "RequestState", num_computed_tokens: int) -> bool:
-        """Copy every page of the sequence to the host tier (waits for the copy). False when
-        the host tier cannot hold it (the caller recomputes instead)."""
-        device = [[page for page in table if page != NULL_PAGE] for table in state.page_tables]
-        owner = f"swap:{state.owner}"
-        host = self._allocate_host([len(pages) for pages in device], owner)
-        if host is None:
-            self.stats.swaps_refused += 1
-            return False
-        moves = [Move(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
-        host_tables = []
-        for table, host_pages in zip(state.page_tables, host):
-            cursor = iter(host_pages)
-            host_tables.append([NULL_PAGE if page == NULL_PAGE else next(cursor) for page in table])
-        self._wait(self._start(moves, False, device, host))
-        state.swapped = SwappedState(owner, host_tables, num_computed_tokens)
-        self._swapped[owner] = state.swapped
-        self.stats.swap_outs += 1
-        return True
-
-    def swap_in(self, state: "RequestState") -> bool:
-        """Fresh device pages for a swapped sequence and their loads (per layer); False when
-        the device pool cannot take them now. The host copy stays until ``commit_swap_in``."""
-        swapped = state.swapped
-        host = [[page for page in table if page != NULL_PAGE] for table in swapped.host_tables]
-        counts = [len(pages) for pages in host]
-        if not self.coordinator.fits(counts):
-            return False
-        self.coordinator.make_room(counts)
-        device = [pool.allocate(count, state.owner) if count else []
-                  for pool, count in zip(self.coordinator.pools, counts)]
-        for table, host_table, pages in zip(state.page_tables, swapped.host_tables, device):
-            cursor = iter(pages)
-            table[:] = [NULL_PAGE if page == NULL_PAGE else next(cursor) for page in host_table]
-        moves = [Move(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
-        self._start(moves, True, device, host)
-        return True
-
-    def commit_swap_in(self, state: "RequestState") -> None:
-        """The sequence runs again: its host copy goes (the load, if still running, holds it)."""
-        self.drop_swapped(state)
-        self.stats.swap_ins += 1
-
-    def drop_swapped(self, state: "RequestState") -> None:
-        swapped, state.swapped = state.swapped, None
-        del self._swapped[swapped.owner]
-        for pool, table in zip(self.host.pools, swapped.host_tables):
-            pool.release([page for page in table if page != NULL_PAGE], swapped.owner)
 
     # -- books (I5 across tiers) -----------------------------------------------------------------------
     def check_books(self) -> None:

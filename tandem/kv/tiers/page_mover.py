@@ -52,34 +52,39 @@ class TierMover:
         self.touched: set[tuple[int, str, str]] = set()
 
     # -- one buffer's pages ------------------------------------------------------------------
-    def _copy(self, source: torch.Tensor, destination: torch.Tensor, source_pages: list[int],
-              destination_pages: list[int], source_offset: int, destination_offset: int, width: int) -> None:
+    def _indices(self, move: Move) -> torch.Tensor:
+        """``[device pages, host pages]`` where the copy runs (one upload per move)."""
+        index = torch.tensor([move.device_pages, move.host_pages], dtype=torch.long)
         if self.device.type != "cuda":
-            copy_pages_reference(source, destination, torch.tensor(source_pages, dtype=torch.long),
-                                 torch.tensor(destination_pages, dtype=torch.long),
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
+
+    def _copy(self, source: torch.Tensor, destination: torch.Tensor, source_pages: torch.Tensor,
+              destination_pages: torch.Tensor, source_offset: int, destination_offset: int, width: int) -> None:
+        if self.device.type != "cuda":
+            copy_pages_reference(source, destination, source_pages, destination_pages,
                                  source_offset, destination_offset, width)
             return
         if self.use_kernel:
-            index = torch.tensor([source_pages, destination_pages], dtype=torch.long).pin_memory()
-            index = index.to(self.device, non_blocking=True)
             try:
-                copy_pages(source, destination, index[0], index[1], source_offset, destination_offset, width)
+                copy_pages(source, destination, source_pages, destination_pages, source_offset,
+                           destination_offset, width)
                 return
             except (RuntimeError, ValueError) as error:  # the kernel cannot address host memory here
                 logger.warning("page-copy kernel unavailable (%s); tier copies fall back to one copy "
                                "per page", error)
                 self.use_kernel = False
-        for source_page, destination_page in zip(source_pages, destination_pages):
+        for source_page, destination_page in zip(source_pages.tolist(), destination_pages.tolist()):
             destination[destination_page, destination_offset:destination_offset + width].copy_(
                 source[source_page, source_offset:source_offset + width], non_blocking=True)
 
-    def _save_segment(self, segment: Segment, move: Move) -> None:
-        self._copy(segment.device_rows(), self.host.arrays[move.group], move.device_pages, move.host_pages,
+    def _save_segment(self, segment: Segment, move: Move, index: torch.Tensor) -> None:
+        self._copy(segment.device_rows(), self.host.arrays[move.group], index[0], index[1],
                    0, segment.offset, segment.width)
         self.touched.add(segment.descriptor.key)
 
-    def _load_segment(self, segment: Segment, move: Move) -> None:
-        self._copy(self.host.arrays[move.group], segment.device_rows(), move.host_pages, move.device_pages,
+    def _load_segment(self, segment: Segment, move: Move, index: torch.Tensor) -> None:
+        self._copy(self.host.arrays[move.group], segment.device_rows(), index[1], index[0],
                    segment.offset, 0, segment.width)
         self.touched.add(segment.descriptor.key)
 
@@ -94,8 +99,9 @@ class TierMover:
 
         def work() -> None:
             for move in moves:
+                index = self._indices(move)
                 for segment in self.host.layouts[move.group].segments:
-                    self._save_segment(segment, move)
+                    self._save_segment(segment, move, index)
 
         return Transfer(self.stream.submit(work), self._bytes(moves), "d2h", time.perf_counter(), start)
 
@@ -104,6 +110,7 @@ class TierMover:
         is registered with ``pending`` under the layer's name."""
         moves = [move for move in moves if move.device_pages]
         by_group = {move.group: move for move in moves}
+        indices: dict[int, torch.Tensor] = {}
         start = self._start_event()
         ticket = None
         for layer_name in self.registry.layer_names():
@@ -113,8 +120,10 @@ class TierMover:
             segments = self.host.layouts[move.group].layer_segments(layer_name)
 
             def work(segments=segments, move=move) -> None:
+                if move.group not in indices:  # uploaded once, on the tier stream
+                    indices[move.group] = self._indices(move)
                 for segment in segments:
-                    self._load_segment(segment, move)
+                    self._load_segment(segment, move, indices[move.group])
 
             ticket = self.stream.submit(work)
             pending.add(layer_name, ticket.order_reader)
