@@ -138,3 +138,29 @@ def test_bad_tier_options_name_the_field(options, message):
 
     with pytest.raises(ValueError, match=f"^{message}: "):
         EngineConfig(model="unused", **options)
+
+
+def test_full_host_tier_moves_pages_on_to_disk(model_dirs, oracles, tmp_path):
+    """A host tier of 6 pages under a workload of ~20: least recently used host copies go to
+    disk (device → host → disk), and a later prompt hits pages that only the disk still holds."""
+    from tandem.kv.tiers.host_pool import node_bytes
+
+    probe = make_llm(model_dirs["llama"], "llama")
+    per_page = node_bytes(probe.engine.coordinator.tiers.layouts)
+    probe.engine.shutdown()
+    directory = str(tmp_path / "disk")
+    llm = make_llm(model_dirs["llama"], "llama", host_cache_size=6.5 * per_page / (1 << 30),
+                   disk_cache_dir=directory, max_total_tokens=256)
+    tiers = llm.engine.coordinator.tiers
+    assert tiers.host.num_pages == 6
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    prompts = prompts_for(45, (100, 90, 120))
+    first = llm.generate(prompts, params)
+    llm.engine.reset_prefix_cache()
+    tiers.drain()
+    assert tiers.disk.stats.files >= 18  # every page went to disk; the host keeps 6
+    again = [prompts[0][:96] + [5, 6, 7]]  # its first pages were evicted from the host long ago
+    second = llm.generate(again, params)
+    assert llm.engine.stats().tiers.disk_hit_tokens >= 64
+    check(first + second, prompts + again, 4, oracles["llama"], "host full")
+    close(llm)

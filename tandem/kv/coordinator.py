@@ -96,18 +96,10 @@ class StateCoordinator:
         counts = [0] * self.num_groups
         if self.prefix_cache is None:
             return counts
-        root = self.prefix_cache.root
-        order, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
         evictable: dict[int, bool] = {}
-        for node in reversed(order):
+        for node in reversed(self.prefix_cache.device_nodes()):  # children before parents
             evictable[id(node)] = node.lock_count == 0 and all(
-                evictable[id(c)] or c.pages is None for c in node.children.values())
-            if node is root or node.pages is None:
-                continue
+                c.pages is None or evictable[id(c)] for c in node.children.values())
             for group_index, (manager, pool, page) in enumerate(zip(self.managers, self.pools, node.pages)):
                 if page == NULL_PAGE:
                     continue
@@ -125,7 +117,7 @@ class StateCoordinator:
                  if manager.sparse_prefix_entries and pool.num_free < count]
         if not short:
             return
-        nodes = sorted(self.prefix_cache.all_nodes(), key=lambda node: node.last_access)
+        nodes = sorted(self.prefix_cache.device_nodes(), key=lambda node: node.last_access)
         for group_index in short:
             pool, count = self.pools[group_index], needed[group_index]
             for node in nodes:

@@ -127,12 +127,8 @@ class PrefixCache:
     def _evictable_leaves(self) -> list[tuple[int, int, CacheNode]]:
         """Unlocked device leaves (device-resident, no device-resident child), LRU first."""
         heap, counter = [], itertools.count()
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node is not self.root and node.pages is not None and node.lock_count == 0 \
-                    and not node.device_children():
+        for node in self.device_nodes():
+            if node.lock_count == 0 and not node.device_children():
                 heap.append((node.last_access, next(counter), node))
         heapq.heapify(heap)
         return heap
@@ -176,7 +172,15 @@ class PrefixCache:
         return self.evict(self.num_nodes)
 
     def device_nodes(self) -> list[CacheNode]:
-        return [node for node in self.all_nodes() if node.pages is not None]
+        """Device-resident nodes, parents before children. They form a prefix-closed subtree
+        (a node on the device has its parent there), so the walk never enters a subtree that
+        lives only in lower tiers."""
+        nodes, stack = [], [child for child in self.root.children.values() if child.pages is not None]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(child for child in node.children.values() if child.pages is not None)
+        return nodes
 
     def all_nodes(self) -> list[CacheNode]:
         nodes, stack = [], list(self.root.children.values())

@@ -63,5 +63,6 @@ class DiskPages:
             offset += width
             host_pages.append(host[group][0])
         node.host_pages = tuple(host_pages)
+        self._host_resident(node)
         self._read_from_disk_now.add(id(node))
         return True

@@ -13,8 +13,9 @@ knows nothing of what a group holds: the mover copies the registry's buffers as 
   host → disk → gone (``keeps_below`` tells the prefix cache whether a node survives leaving
   the device; host eviction writes a node to disk first when the store lacks it).
 - **Write policies** (SGLang's names): ``write_through`` saves a node to the host when it is
-  cached; ``write_through_selective`` when it is hit for the second time; ``write_back`` when it
-  leaves the device (the eviction waits for the copy).
+  cached (and, if the host had no room then, when it leaves the device);
+  ``write_through_selective`` when it is hit for the second time; ``write_back`` when it leaves
+  the device (the eviction waits for the copy).
 - **I2.** Every copy holds in-flight references on the device pages and host pages it reads or
   writes, released when its completion is observed (``poll``); a disk write copies its payload
   first, so it holds nothing.
@@ -26,8 +27,8 @@ knows nothing of what a group holds: the mover copies the registry's buffers as 
 """
 from __future__ import annotations
 
-import heapq
 import itertools
+from collections import OrderedDict
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
@@ -94,6 +95,7 @@ class TieredState(DiskPages, Swap):
         self._ops: list[_Operation] = []
         self._op_ids = itertools.count()
         self._swapped: dict[str, SwappedState] = {}
+        self._host_lru: "OrderedDict[CacheNode, None]" = OrderedDict()  # host-resident nodes, LRU first
         self._read_from_disk_now: set[int] = set()
         self.restored_now: dict[int, str] = {}  # the latest match's restored nodes -> "host"/"disk"
         self.stats = TierStats()
@@ -180,20 +182,22 @@ class TieredState(DiskPages, Swap):
             return True
         if any(count > pool.num_usable for pool, count in zip(pools, counts)) or self._cache is None:
             return False
-        heap, order = self._host_leaves(), itertools.count()
-        while heap and short():
-            _, _, node = heapq.heappop(heap)
-            if node.host_pages is None or not self._host_evictable(node):
-                continue
-            parent = node.parent
-            self._evict_from_host(node)
-            if parent is not None and parent.host_pages is not None and self._host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        # Least recently used host copies first, leaves before their parents (a parent whose
+        # child is still on the host is passed over while the walk can find others).
+        for leaves_only in (True, False):
+            for node in list(self._host_lru):
+                if not short():
+                    return True
+                if (leaves_only and not self._host_leaf(node)) or not self._host_evictable(node):
+                    continue
+                self._evict_from_host(node)
         return not short()
 
     def _host_evictable(self, node: CacheNode) -> bool:
-        """Unlocked, and no copy reads or writes its host pages (only the cache holds them)."""
-        if node.lock_count:
+        """No copy reads or writes its host pages (only the cache holds them), and a hit is not
+        about to restore it (locked off the device; a locked node on the device is in use there,
+        and its host copy is only a backup)."""
+        if node.lock_count and node.pages is None:
             return False
         return all(page == NULL_PAGE or dict(pool.holders(page)) == {CACHE_OWNER: 1}
                    for pool, page in zip(self.host.pools, node.host_pages))
@@ -202,13 +206,10 @@ class TieredState(DiskPages, Swap):
     def _host_leaf(node: CacheNode) -> bool:
         return not any(child.host_pages is not None for child in node.children.values())
 
-    def _host_leaves(self) -> list:
-        heap, order = [], itertools.count()
-        for node in self._cache.all_nodes():
-            if node.host_pages is not None and self._host_leaf(node):
-                heap.append((node.last_access, next(order), node))
-        heapq.heapify(heap)
-        return heap
+    def _host_resident(self, node: CacheNode) -> None:
+        """The node's host copy exists or was just used: most recently used now."""
+        self._host_lru[node] = None
+        self._host_lru.move_to_end(node)
 
     def _evict_from_host(self, node: CacheNode) -> None:
         """Host → disk (when the store lacks the node) → gone from the host."""
@@ -216,6 +217,7 @@ class TieredState(DiskPages, Swap):
         if self.disk is not None:
             on_disk = self.disk.contains(node.hash) or self._write_to_disk(node)
         pages, node.host_pages = node.host_pages, None
+        del self._host_lru[node]
         for pool, page in zip(self.host.pools, pages):
             if page != NULL_PAGE:
                 pool.release([page], CACHE_OWNER)
@@ -249,7 +251,9 @@ class TieredState(DiskPages, Swap):
         counts = [[int(node.pages[group] != NULL_PAGE) for group in range(self.num_groups)] for node in nodes]
         totals = [sum(column) for column in zip(*counts)]
         if not self._make_host_room(totals):
-            # Save the leading nodes that fit (parents come before children).
+            # Save the leading nodes that fit (parents come before children) in what room
+            # eviction can make.
+            self._make_host_room([min(total, pool.num_usable) for total, pool in zip(totals, self.host.pools)])
             free = [pool.num_free for pool in self.host.pools]
             kept, totals = 0, [0] * self.num_groups
             for row in counts:
@@ -274,6 +278,7 @@ class TieredState(DiskPages, Swap):
                 moves[group].device_pages.append(page)
                 moves[group].host_pages.append(host_page)
             node.host_pages = tuple(host_pages)
+            self._host_resident(node)
         self.stats.saved_pages += len(nodes)
         op = self._start(moves, False, [move.device_pages for move in moves], [move.host_pages for move in moves])
         if self.disk is not None:
@@ -282,7 +287,9 @@ class TieredState(DiskPages, Swap):
 
     def keeps_below(self, node: CacheNode) -> bool:
         """The prefix cache drops ``node``'s device pages: whether a tier below holds them."""
-        if node.host_pages is None and self.policy == "write_back":
+        # write_back saves here; so does write_through for a node its insertion could not save
+        # (the host was full of copies in flight then). write_through_selective leaves it.
+        if node.host_pages is None and self.policy != "write_through_selective":
             op = self._save_nodes([node])
             if op is not None:
                 self._wait(op)
@@ -302,6 +309,8 @@ class TieredState(DiskPages, Swap):
                     self.disk is None or not self._read_from_disk(node)):
                 break
             cache.lock([node])
+            if node.host_pages is not None:
+                self._host_resident(node)
             result.append(node)
         if self.disk is not None and len(result) == len(path):
             parent = result[-1] if result else cache.root
@@ -317,6 +326,8 @@ class TieredState(DiskPages, Swap):
                     break
                 child.last_access = now
                 cache.lock([child])
+                if child.host_pages is not None:
+                    self._host_resident(child)
                 result.append(child)
                 parent = child
         return result
@@ -332,8 +343,9 @@ class TieredState(DiskPages, Swap):
             self._read_from_disk_now.clear()
             return len(path)
         rows = [[int(page != NULL_PAGE) for page in node.host_pages] for node in todo]
-        available = [pool.num_free + evictable for pool, evictable in
-                     zip(self.coordinator.pools, self.coordinator.evictable_pages())]
+        available = [pool.num_free for pool in self.coordinator.pools]
+        if any(need > free for need, free in zip(map(sum, zip(*rows)), available)):
+            available = [free + evictable for free, evictable in zip(available, self.coordinator.evictable_pages())]
         kept, totals = 0, [0] * self.num_groups
         for row in rows:
             if any(total + count > limit for total, count, limit in zip(totals, row, available)):
