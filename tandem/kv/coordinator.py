@@ -96,17 +96,16 @@ class StateCoordinator:
         counts = [0] * self.num_groups
         if self.prefix_cache is None:
             return counts
-        evictable: dict[int, bool] = {}
-        for node in reversed(self.prefix_cache.device_nodes()):  # children before parents
-            evictable[id(node)] = node.lock_count == 0 and all(
-                c.pages is None or evictable[id(c)] for c in node.children.values())
-            for group_index, (manager, pool, page) in enumerate(zip(self.managers, self.pools, node.pages)):
-                if page == NULL_PAGE:
-                    continue
-                if manager.sparse_prefix_entries:
-                    counts[group_index] += pool.refcount(page) == 1
-                elif evictable[id(node)]:
-                    counts[group_index] += 1
+        cache = self.prefix_cache
+        sparse = [index for index, manager in enumerate(self.managers) if manager.sparse_prefix_entries]
+        for group_index in range(self.num_groups):
+            if group_index not in sparse:
+                counts[group_index] = cache.unlocked_pages[group_index]
+        if sparse:  # a sparse entry can be dropped from any node where the cache alone holds it
+            for node in cache.device_nodes():
+                for group_index in sparse:
+                    page = node.pages[group_index]
+                    counts[group_index] += page != NULL_PAGE and self.pools[group_index].refcount(page) == 1
         return counts
 
     def _drop_sparse_entries(self, needed: list[int]) -> None:
@@ -127,7 +126,8 @@ class StateCoordinator:
                     continue
                 page = node.pages[group_index]
                 if page != NULL_PAGE:
-                    node.pages = node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:]
+                    self.prefix_cache.set_device_pages(
+                        node, node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:])
                     self.pools[group_index].release([page], CACHE_OWNER)
 
     def try_allocate(self, state: RequestState, num_tokens: int) -> bool:
@@ -158,7 +158,11 @@ class StateCoordinator:
         if short() and self.prefix_cache is not None:
             self._drop_sparse_entries(needed)
         if short() and self.prefix_cache is not None:
-            self.prefix_cache.evict(1 << 62, is_short=short)
+            # Evict a little past the need (1/64 of each pool): one walk over the cache serves
+            # the next allocations too.
+            slack = [n + max(1, pool.num_usable // 64) for pool, n in zip(self.pools, needed)]
+            self.prefix_cache.evict(1 << 62, is_short=lambda: any(
+                pool.num_free < want for pool, want in zip(self.pools, slack)))
         if short():
             raise OutOfPagesError(f"need {needed} pages, free {[p.num_free for p in self.pools]}")
 
@@ -271,7 +275,8 @@ class StateCoordinator:
                 page = entries[group_index][index]
                 if node.pages[group_index] == NULL_PAGE and page != NULL_PAGE:
                     pool.acquire([page], CACHE_OWNER)
-                    node.pages = node.pages[:group_index] + (page,) + node.pages[group_index + 1:]
+                    self.prefix_cache.set_device_pages(
+                        node, node.pages[:group_index] + (page,) + node.pages[group_index + 1:])
 
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool
+from tandem.kv.planner import NULL_PAGE
 
 
 @dataclass(eq=False)
@@ -55,6 +56,9 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.num_nodes = 0
         self._chain_hash = chain_hash
+        # Pages per group of device-resident nodes nobody locks: what evicting can free. A
+        # sequence locks a path from the root, so an unlocked node has no locked descendant.
+        self.unlocked_pages = [0] * len(pools)
         # Tiers: called when a node leaves the device; True when a tier below keeps its pages
         # (the node stays, off the device), False when the node's contents are gone.
         self.keeps_below: Callable[[CacheNode], bool] = lambda node: False
@@ -89,6 +93,8 @@ class PrefixCache:
 
     def lock(self, nodes: list[CacheNode]) -> None:
         for node in nodes:
+            if node.lock_count == 0:
+                self._count_unlocked(node, -1)
             node.lock_count += 1
 
     def unlock(self, nodes: list[CacheNode]) -> None:
@@ -96,6 +102,22 @@ class PrefixCache:
             if node.lock_count <= 0:
                 raise AssertionError("prefix cache: unlock of an unlocked node")
             node.lock_count -= 1
+            if node.lock_count == 0:
+                self._count_unlocked(node, 1)
+
+    def _count_unlocked(self, node: CacheNode, sign: int) -> None:
+        if node.pages is not None:
+            for group, page in enumerate(node.pages):
+                if page != NULL_PAGE:
+                    self.unlocked_pages[group] += sign
+
+    def set_device_pages(self, node: CacheNode, pages: Optional[tuple[int, ...]]) -> None:
+        """Change a node's device pages (the caller accounts for the references)."""
+        if node.lock_count == 0:
+            self._count_unlocked(node, -1)
+        node.pages = pages
+        if node.lock_count == 0:
+            self._count_unlocked(node, 1)
 
     def insert(self, token_ids: list[int], page_tables: list[list[int]], num_pages: int,
                start_node: Optional[CacheNode], start_index: int) -> list[CacheNode]:
@@ -116,9 +138,8 @@ class PrefixCache:
                 for pool, page in zip(self.pools, pages):
                     pool.acquire([page], CACHE_OWNER)
                 if child is None:
-                    child = self.add_child(node, keys[index], pages)
-                else:
-                    child.pages = pages
+                    child = self.add_child(node, keys[index], None)
+                self.set_device_pages(child, pages)
             child.last_access = now
             path.append(child)
             node = child
@@ -152,7 +173,8 @@ class PrefixCache:
     def evict_from_device(self, node: CacheNode) -> None:
         """Drop the node's device pages; the node stays if a tier below keeps them."""
         keep = self.keeps_below(node)
-        pages, node.pages = node.pages, None
+        pages = node.pages
+        self.set_device_pages(node, None)
         for pool, page in zip(self.pools, pages):
             pool.release([page], CACHE_OWNER)
         if not keep:

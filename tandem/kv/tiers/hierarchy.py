@@ -371,7 +371,7 @@ class TieredState(DiskPages, Swap):
                 pages.append(page)
                 moves[group].device_pages.append(page)
                 moves[group].host_pages.append(host_page)
-            node.pages = tuple(pages)
+            self._cache.set_device_pages(node, tuple(pages))
             self.restored_now[id(node)] = "disk" if id(node) in self._read_from_disk_now else "host"
         self._read_from_disk_now.clear()
         self.stats.loaded_pages += len(todo)
