@@ -12,7 +12,13 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import DTYPE_CHOICES, INDEXER_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, EngineConfig
+from tandem.config import (
+    DTYPE_CHOICES,
+    INDEXER_CACHE_DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
+    SPECULATIVE_METHOD_CHOICES,
+    EngineConfig,
+)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -62,6 +68,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap the host's scheduling of step N+1 with the device's step N "
                             "(default: on for CUDA devices)")
+    group.add_argument("--speculative-method", choices=SPECULATIVE_METHOD_CHOICES, default=None,
+                       help="speculative decoding: mtp (the checkpoint's next-n layers; DeepSeek-V3, V3.2, "
+                            "GLM-5) or draft (--speculative-model) (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="draft tokens verified per step (default for mtp: the number of next-n layers)")
+    group.add_argument("--speculative-model", default=None,
+                       help="draft model directory (same vocabulary as --model); implies --speculative-method draft")
 
 
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
@@ -73,7 +86,9 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
-        cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None)
+        cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
+        speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
+        speculative_model=arguments.speculative_model)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

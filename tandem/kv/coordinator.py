@@ -7,11 +7,11 @@ methods fan out over the groups; none knows what kind of state a group holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 
-from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
+from tandem.kv.block_pool import CACHE_OWNER, INFLIGHT_PREFIX, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
@@ -277,6 +277,51 @@ class StateCoordinator:
         (the managers say which: whole computed pages, a recurrent working slot at the end)."""
         return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
                 for manager, table in zip(self.managers, state.page_tables)]
+
+    # -- speculative decoding ----------------------------------------------------------------------
+    def speculation_copies(self, groups: Iterable[int]) -> bool:
+        """Whether a speculative step in ``groups`` needs copies set aside (the managers say)."""
+        return any(self.managers[group].speculation_sets_aside for group in groups)
+
+    def set_aside(self, state: RequestState, groups: Iterable[int]) -> Optional[str]:
+        """Copy aside, in ``groups``, the pages the managers say a speculative step may have to
+        restore or run a draft chain on (a recurrent working slot). The copies are held in flight
+        under the returned owner until ``release_inflight``; None when nothing needed copying."""
+        wanted = set(groups)
+        sources = [manager.speculation_sources(table) if index in wanted else []
+                   for index, (manager, table) in enumerate(zip(self.managers, state.page_tables))]
+        if not any(sources):
+            return None
+        self._make_room([len(pages) for pages in sources])
+        owner = f"{INFLIGHT_PREFIX}speculation:{state.owner}"
+        copies = []
+        for group_index, (pool, pages) in enumerate(zip(self.pools, sources)):
+            destinations = pool.allocate(len(pages), owner) if pages else []
+            for source, destination in zip(pages, destinations):
+                self.copy_page(group_index, source, destination)
+            copies.append(destinations)
+        self._inflight[owner] = copies
+        return owner
+
+    def chain_page_tables(self, state: RequestState, owner: Optional[str]) -> list[list[int]]:
+        """Per group, the table a draft's speculative chain reads and writes (the managers say:
+        the sequence's own, or the copies ``set_aside`` made)."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        return [manager.chain_page_table(table, group_copies)
+                for manager, table, group_copies in zip(self.managers, state.page_tables, copies)]
+
+    def roll_back(self, state: RequestState, owner: Optional[str], *, num_valid: int, num_written: int) -> bool:
+        """After a verification that wrote ``num_written`` tokens' state of which ``num_valid``
+        are accepted: every group drops what holds only rejected tokens. Returns whether every
+        group holds exactly ``num_valid`` tokens' state; False when some group had to restore
+        the state from before the verification (from the copies ``set_aside`` made)."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        exact = True
+        for group_index, (manager, table, group_copies) in enumerate(zip(self.managers, state.page_tables, copies)):
+            exact &= manager.rollback(table, group_copies, state.owner, num_valid, num_written,
+                                      lambda source, destination, group=group_index:
+                                      self.copy_page(group, source, destination))
+        return exact
 
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:

@@ -8,6 +8,7 @@ import math
 from typing import Callable
 
 from tandem.kv.block_pool import BlockPool
+from tandem.kv.planner import NULL_PAGE
 from tandem.kv.registry import StateGroup
 
 
@@ -87,3 +88,31 @@ class StateManager:
         else:
             count = num_computed_tokens // self.page_size
         return list(range(min(count, len(page_table))))
+
+    # -- speculative decoding ------------------------------------------------------------------
+    # A verification computes a sequence's known tokens plus drafts in one forward pass, then
+    # keeps only the accepted ones; a draft model's chain of proposals runs ahead of what will
+    # be kept. Token-paged state needs nothing set aside for either: speculative tokens land
+    # in slots of their own, past the computed tokens, and are rewritten later.
+    speculation_sets_aside: bool = False  # whether ``speculation_sources`` may name pages
+
+    def speculation_sources(self, page_table: list[int]) -> list[int]:
+        """Pages to copy aside before a speculative step (the coordinator allocates the copies)."""
+        return []
+
+    def chain_page_table(self, page_table: list[int], copies: list[int]) -> list[int]:
+        """The table a draft's speculative chain reads and writes, given the copies set aside."""
+        return page_table
+
+    def rollback(self, page_table: list[int], copies: list[int], owner: str, num_valid: int, num_written: int,
+                 copy_page: Callable[[int, int], None]) -> bool:
+        """A verification wrote ``num_written`` tokens' state, of which the first ``num_valid``
+        are accepted: drop what holds only rejected tokens. Returns whether the group now holds
+        exactly ``num_valid`` tokens' state (False: the state from before the verification,
+        restored from ``copies``). Token pages: those past ``num_valid`` are released."""
+        keep = self.pages_for_tokens(num_valid)
+        rejected = [page for page in page_table[keep:] if page != NULL_PAGE]
+        if rejected:
+            self.pool.release(rejected, owner)
+        del page_table[keep:]
+        return True
