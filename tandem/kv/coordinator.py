@@ -46,6 +46,11 @@ class StateCoordinator:
         for manager in self.managers:
             manager.prefix_caching = self.prefix_cache is not None
         self._inflight: dict[str, list[list[int]]] = {}
+        # Set when some layer's state at a position depends on the token after it (an MTP draft
+        # layer's): the last slot of a page is then not final until the next token is known, so
+        # a prefix hit leaves its last page to be recomputed into pages of the request's own, and
+        # a fork copies the page holding the last token instead of sharing it.
+        self.state_reads_next_token = False
 
     @property
     def num_groups(self) -> int:
@@ -177,6 +182,8 @@ class StateCoordinator:
             return 0
         max_pages = (len(token_ids) - 1) // self.page_size
         path = self.prefix_cache.match(token_ids, max_pages)
+        if self.state_reads_next_token:
+            path = path[:-1]
         usable = min(manager.usable_prefix_pages_on_path([node.pages[group_index] for node in path])
                      for group_index, manager in enumerate(self.managers)) if path else 0
         path = path[:usable]
@@ -244,8 +251,9 @@ class StateCoordinator:
         say which: for token pages the partial last page, for a recurrent slot the slot).
 
         Returns False (child left empty) when no page is free for the copies."""
-        num_shared = num_tokens // self.page_size
-        plans = [manager.fork_pages(table, num_tokens)
+        private_last = self.state_reads_next_token
+        num_shared = (num_tokens - 1 if private_last and num_tokens else num_tokens) // self.page_size
+        plans = [manager.fork_pages(table, num_tokens, private_last)
                  for manager, table in zip(self.managers, parent.page_tables)]
         needed = [len(copied) for _, copied in plans]
         if any(needed):

@@ -115,6 +115,7 @@ class Speculator:
 
     def attach(self, core) -> None:
         self.network.bind(core.runner, core.registry)
+        core.coordinator.state_reads_next_token = self.network.reads_next_token
         if self.method == "mtp":
             self.proposer = MTPProposer(core, self.network, self.num_speculative_tokens,
                                         int(core.model_info.hidden_size))

@@ -34,6 +34,8 @@ class PrefixedAccessor:
 class _Network:
     """What both networks share: their registered layer names, groups and forward context."""
 
+    reads_next_token = False  # its state at a position depends on the token after it
+
     def __init__(self, specs: dict) -> None:
         self._specs = specs
         self.groups: list[int] = []
@@ -80,6 +82,8 @@ class DraftModelNetwork(_Network):
 
 class MTPNetwork(_Network):
     """The target's first MTP module (``next_n_layers()[0]``), chained for every draft."""
+
+    reads_next_token = True  # position p's state is computed from the token at p + 1
 
     def __init__(self, target: torch.nn.Module) -> None:
         layers = target.next_n_layers() if callable(getattr(target, "next_n_layers", None)) else []

@@ -4,13 +4,13 @@
       chunk carries the sequence's drafts after its known tokens
     set aside what a rollback may restore (recurrent working slots of the target's groups)
     one target forward pass over every chunk (known tokens and drafts)
-    book chunks without drafts as computed; fork n > 1 siblings at the end of their prompt
+    chunks without drafts have computed their tokens; fork n > 1 siblings at the end of a prompt
     verify: accepted drafts plus one token of the target's, per sampling sequence
-    append them (up to a finishing token); roll back every group past the accepted tokens and
-      book the verified chunks
+    append them (up to a finishing token); roll back every group past the accepted tokens
     draft work: every chunk's draft state catches up with the target; continuing sequences
       get new drafts
-    PD prefill: send the pages the chunks completed (target and draft state alike)
+    book the chunks as computed: the prefix cache takes their pages, now that every group's
+      state is written; PD prefill sends the pages they completed (target and draft alike)
     deltas, one per token (a finishing token ends the sequence and frees its pages)
 
 The overlapped loop is off while speculating (each step's tokens are known on the host before
@@ -68,7 +68,7 @@ class SpeculativeStep:
         step = result.step
         for chunk in step.chunks:
             if not chunk.num_draft_tokens:
-                core.scheduler.on_computed(chunk)
+                chunk.sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
         items, children = self._verify_items(result)
         verdicts = self.verifier(result.logits, items) if items else []
         emitted = {id(item.sequence): self._until_finish(item.sequence, verdict)
@@ -77,12 +77,14 @@ class SpeculativeStep:
             item.sequence.token_ids.extend(emitted[id(item.sequence)][0])
         for chunk, verdict in zip(result.sampling_chunks, self._chunk_verdicts(items, verdicts)):
             if chunk.num_draft_tokens:
-                self._book_verified(chunk, verdict, len(emitted[id(chunk.sequence)][0]), copies.pop(id(chunk)))
-        for chunk in step.chunks:
-            core._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
+                self._roll_back(chunk, verdict, len(emitted[id(chunk.sequence)][0]), copies.pop(id(chunk)))
         self.proposer.run(self._draft_works(result, children, emitted))
-        if core.pd is not None:
-            for chunk in step.chunks:
+        for chunk in step.chunks:
+            # Only now is every group's state of the computed tokens written (the draft's too):
+            # the prefix cache may take the pages (and a recurrent checkpoint slot).
+            core.scheduler.on_computed(chunk, chunk.sequence.num_computed_tokens)
+            core._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
+            if core.pd is not None:
                 core.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
         deltas = []
         for item in items:
@@ -127,9 +129,9 @@ class SpeculativeStep:
                 return verdict.token_ids[:index + 1], verdict.logprobs[:index + 1], True
         return verdict.token_ids, verdict.logprobs, False
 
-    def _book_verified(self, chunk, verdict: Verdict, num_emitted: int, owner: Optional[str]) -> None:
-        """Roll every group back past the accepted drafts and book the chunk as computed: up to
-        them, or (a group restored its state from before the step) up to its start."""
+    def _roll_back(self, chunk, verdict: Verdict, num_emitted: int, owner: Optional[str]) -> None:
+        """Roll every group back past the accepted drafts; the sequence has computed up to them,
+        or (a group restored its state from before the step) up to the chunk's start."""
         coordinator = self.core.coordinator
         kept = min(verdict.num_accepted, num_emitted)
         num_valid = chunk.start + chunk.num_new_tokens + kept
@@ -137,7 +139,7 @@ class SpeculativeStep:
                                       num_written=chunk.start + chunk.num_query_tokens)
         if owner is not None:
             coordinator.release_inflight(owner)
-        self.core.scheduler.on_computed(chunk, num_valid if exact else chunk.start)
+        chunk.sequence.num_computed_tokens = num_valid if exact else chunk.start
         self.metrics.record(chunk.num_draft_tokens, verdict.num_accepted)
 
     def _draft_works(self, result, children: dict[int, list[Sequence]], emitted) -> list[DraftWork]:

@@ -55,12 +55,14 @@ class StateManager:
         if count:
             page_table.extend(self.pool.allocate(count, owner))
 
-    def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+    def fork_pages(self, page_table: list[int], num_tokens: int,
+                   private_last: bool = False) -> tuple[list[int], list[int]]:
         """A forked child's (n > 1) share of its parent's ``num_tokens``: (pages it shares,
         pages it gets a private copy of, appended after the shared ones). Whole pages are
-        shared; the partial last page, which both will write, is copied."""
-        num_shared = num_tokens // self.page_size
-        copied = page_table[num_shared:num_shared + 1] if num_tokens % self.page_size else []
+        shared; the partial last page, which both will write, is copied (with
+        ``private_last``, the page holding the last token, even when whole)."""
+        num_shared = (num_tokens - 1 if private_last and num_tokens else num_tokens) // self.page_size
+        copied = page_table[num_shared:num_shared + 1] if num_tokens > num_shared * self.page_size else []
         return page_table[:num_shared], copied
 
     def usable_prefix_pages_on_path(self, pages: list[int]) -> int:

@@ -77,7 +77,8 @@ class RecurrentManager(StateManager):
         if missing > 0:
             page_table.extend(self.pool.allocate(missing, owner))
 
-    def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+    def fork_pages(self, page_table: list[int], num_tokens: int,
+                   private_last: bool = False) -> tuple[list[int], list[int]]:
         return [], page_table[:1]
 
     def final_page_indices(self, page_table: list[int], num_computed_tokens: int, prompt_done: bool) -> list[int]:
