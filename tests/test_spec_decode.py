@@ -103,3 +103,73 @@ def test_random_draft_is_exact(arch, model_dirs, oracles, random_draft):
         assert len(common) >= 0.8 * len(expected), (len(common), len(expected))
         differing = differing_proposals(proposals, expected)
         assert not differing, differing[:5]
+
+
+def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` against ``probabilities`` (bins expecting fewer than 5 pooled)."""
+    expected = probabilities * counts.sum()
+    kept = expected >= 5
+    observed = torch.cat([counts[kept], counts[~kept].sum()[None]])
+    expected = torch.cat([expected[kept], expected[~kept].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
+    degrees = len(observed) - 1
+    return torch.special.gammaincc(torch.tensor(degrees / 2.0, dtype=torch.float64), statistic.double() / 2).item()
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(model_dirs, tmp_path_factory):
+    """The llama test model with noise (a tenth of each matrix's spread) on its matrices: it
+    agrees with the target often but not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("noisy_draft")
+    shutil.copytree(model_dirs["llama"], directory, dirs_exist_ok=True)
+    tensors = load_file(str(directory / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    noisy = {name: tensor + 0.1 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+             if tensor.dim() > 1 else tensor for name, tensor in tensors.items()}
+    save_file(noisy, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
+@torch.inference_mode()
+def target_distributions(oracle, prompt: list[int], temperature: float):
+    """The target's exact distribution of the second output token (over every first token), and
+    of the third given that the first two are one of the likeliest pairs (each above 1e-4), with
+    those pairs."""
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(oracle.model(prefixes).logits[:, -1].double() / temperature, dim=-1)
+
+    first = next_probs(torch.tensor([prompt]))[0]
+    vocabulary = torch.arange(len(first))
+    prefixes = torch.cat([torch.tensor([prompt]).expand(len(first), -1), vocabulary[:, None]], dim=1)
+    joint = first[:, None] * next_probs(prefixes)
+    pairs = torch.nonzero(joint > 1e-4)
+    weights = joint[pairs[:, 0], pairs[:, 1]]
+    third = (weights[:, None] * next_probs(torch.cat([prefixes[pairs[:, 0]], pairs[:, 1:2]], dim=1))).sum(0)
+    return joint.sum(0), third / weights.sum(), {tuple(pair) for pair in pairs.tolist()}
+
+
+def test_sampled_outputs_follow_the_target_distribution(model_dirs, oracles, noisy_draft):
+    """Rejection sampling keeps the target's distribution: over 1,500 sampled runs of one prompt
+    with a draft that agrees with the target about half the time (so drafts are accepted and
+    rejected alike), the second and third output tokens (both decided by a verification) have
+    the frequencies the target's exact distributions predict (chi-square, p > 0.001)."""
+    prompt, temperature, runs = [5, 17, 99, 230, 41, 8], 1.0, 1500
+    llm = LLM(model=model_dirs["llama"], page_size=16, max_total_tokens=8192, max_num_seqs=256,
+              speculative_model=noisy_draft, num_speculative_tokens=2, seed=3)
+    outputs = llm.generate([prompt] * runs, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    stats = llm.engine.stats().speculation
+    assert stats.num_drafts >= runs and 0.2 < stats.acceptance_rate < 0.8, stats
+    second, third, pairs = target_distributions(oracles["llama"], prompt, temperature)
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    counts = torch.bincount(torch.tensor([t[1] for t in tokens]), minlength=len(second)).double()
+    assert chi_square_p_value(counts, second) > 1e-3
+    conditioned = torch.tensor([t[2] for t in tokens if (t[0], t[1]) in pairs])
+    assert len(conditioned) > 0.8 * runs
+    counts = torch.bincount(conditioned, minlength=len(third)).double()
+    assert chi_square_p_value(counts, third) > 1e-3
+    llm.engine.check_all_free()
