@@ -14,6 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tests.conftest import ARCH_OPTIONS
 from tests.oracle import assert_matches
+from tests.state_checks import check_movers_touch_registry
 from tests.spec_helpers import differing_proposals, record_proposals
 
 ALL_ARCHS = tuple(ARCH_OPTIONS)
@@ -173,3 +174,73 @@ def test_sampled_outputs_follow_the_target_distribution(model_dirs, oracles, noi
     counts = torch.bincount(conditioned, minlength=len(third)).double()
     assert chi_square_p_value(counts, third) > 1e-3
     llm.engine.check_all_free()
+
+
+@pytest.mark.parametrize("arch,speculation", [("deepseek_v32", dict(speculative_method="mtp")),
+                                              ("qwen3_next", dict(speculative_model="same", num_speculative_tokens=2))])
+def test_movers_carry_the_draft_state(arch, speculation, model_dirs):
+    """I1 with a draft: its buffers are registry buffers (beside the target's), every mover
+    (host gather/scatter, the sanitizer's poison) touches them, and one step wrote them."""
+    if speculation.get("speculative_model") == "same":
+        speculation = {**speculation, "speculative_model": model_dirs[arch]}
+    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False, **speculation)
+    engine = llm.engine
+    draft_layers = set(engine.speculator.network.layer_names)
+    assert draft_layers and draft_layers <= set(engine.registry.layer_names())
+    assert {d.layer_name for d in engine.registry.buffers()} >= draft_layers
+    check_movers_touch_registry(engine, require_nonzero=True)
+
+
+def test_flags_and_their_errors():
+    from tandem.config import EngineConfig
+    from tandem.entrypoints.cli import build_parser, engine_config
+
+    arguments = build_parser().parse_args(["serve", "--speculative-model", "/d", "--num-speculative-tokens", "4"])
+    config = engine_config(arguments, "/m")
+    assert (config.speculative_method, config.num_speculative_tokens, config.speculative_model) == ("draft", 4, "/d")
+    for options, field in ((dict(speculative_method="eagle"), "speculative_method"),
+                           (dict(speculative_method="draft", num_speculative_tokens=2), "speculative_model"),
+                           (dict(speculative_method="mtp", speculative_model="/d"), "speculative_model"),
+                           (dict(num_speculative_tokens=2), "num_speculative_tokens"),
+                           (dict(speculative_method="mtp", num_speculative_tokens=0), "num_speculative_tokens"),
+                           (dict(speculative_model="/d"), "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            EngineConfig(model="/m", **options)
+
+
+def test_mtp_needs_next_n_layers_and_drafts_need_the_vocabulary(model_dirs, random_draft, tmp_path):
+    import json
+    import shutil
+
+    with pytest.raises(ValueError, match="^speculative_method: 'mtp' needs a checkpoint with next-n"):
+        LLM(model=model_dirs["llama"], max_total_tokens=256, speculative_method="mtp", num_speculative_tokens=1)
+    shutil.copy(f"{random_draft}/config.json", tmp_path / "config.json")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+    with pytest.raises(ValueError, match="^speculative_model: the draft has a vocabulary of 1024 tokens, the target 512"):
+        LLM(model=model_dirs["llama"], max_total_tokens=256, load_format="dummy", speculative_model=str(tmp_path),
+            num_speculative_tokens=1)
+
+
+def test_simulated_acceptance_length_and_metrics(model_dirs, random_draft, monkeypatch):
+    """TANDEM_SIMULATE_ACCEPT_LEN (benchmarks on random weights) accepts drafts at the asked mean
+    length whatever they are; the counters reach the engine stats and the server's /metrics."""
+    from tandem.entrypoints.openai.metrics import ServerMetrics
+
+    monkeypatch.setenv("TANDEM_SIMULATE_ACCEPT_LEN", "2.5")
+    llm = LLM(model=model_dirs["llama"], max_total_tokens=1024, speculative_model=random_draft,
+              num_speculative_tokens=3)
+    outputs = llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(len(output.outputs[0].token_ids) == 40 for output in outputs)
+    stats = llm.engine.stats()
+    assert stats.speculation.num_drafts > 0 and 2.4 <= stats.speculation.mean_acceptance_length <= 2.6
+    text = ServerMetrics(lambda: stats).render().decode()
+    for line in (f"tandem:spec_decode_num_drafts_total {float(stats.speculation.num_drafts)}",
+                 f"tandem:spec_decode_num_accepted_tokens_total {float(stats.speculation.num_accepted_tokens)}",
+                 f"tandem:spec_decode_num_draft_tokens_total {float(stats.speculation.num_draft_tokens)}",
+                 "tandem:spec_decode_mean_acceptance_length "):
+        assert line in text, line
+    monkeypatch.setenv("TANDEM_SIMULATE_ACCEPT_LEN", "0.5")
+    with pytest.raises(ValueError, match="^TANDEM_SIMULATE_ACCEPT_LEN: must be a number >= 1"):
+        LLM(model=model_dirs["llama"], max_total_tokens=256, speculative_model=random_draft, num_speculative_tokens=1)
