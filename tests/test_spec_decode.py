@@ -244,3 +244,80 @@ def test_simulated_acceptance_length_and_metrics(model_dirs, random_draft, monke
     monkeypatch.setenv("TANDEM_SIMULATE_ACCEPT_LEN", "0.5")
     with pytest.raises(ValueError, match="^TANDEM_SIMULATE_ACCEPT_LEN: must be a number >= 1"):
         LLM(model=model_dirs["llama"], max_total_tokens=256, speculative_model=random_draft, num_speculative_tokens=1)
+
+
+def test_sampling_options_and_seeds(model_dirs, random_draft):
+    """Penalties, min_tokens bans, stop tokens, n > 1 and logprobs read each draft's position as
+    a plain step would: greedy outputs equal speculation off. A seeded sampled request gives the
+    same tokens alone and in a batch."""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 30)]
+    eos = LLM(model=model_dirs["llama"], max_total_tokens=1024).engine.model_info.eos_token_ids[0]
+    greedy = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.3, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=10, stop_token_ids=[eos], logprobs=1, n=2)]
+    outputs = {}
+    for name, speculation in (("off", {}), ("on", dict(speculative_model=model_dirs["llama"], num_speculative_tokens=3))):
+        llm = LLM(model=model_dirs["llama"], max_total_tokens=1024, **speculation)
+        results = [llm.generate(prompts, params, use_tqdm=False) for params in greedy]
+        outputs[name] = [[(c.token_ids, [sorted(p) for p in c.logprobs]) for o in r for c in o.outputs] for r in results]
+        llm.engine.check_all_free()
+    assert outputs["on"] == outputs["off"]
+    llm = LLM(model=model_dirs["llama"], max_total_tokens=1024, speculative_model=random_draft, num_speculative_tokens=3)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([prompts[1], prompts[0]], [SamplingParams(temperature=1.0, max_tokens=12), seeded],
+                         use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == batch
+    llm.engine.check_all_free()
+
+
+@torch.inference_mode()
+def test_mtp_proposals_match_a_transformers_reference(model_dirs, oracles, tmp_path):
+    """The MTP layer's first two proposals after a prompt equal a reference built from
+    transformers' own DeepSeek-V3 decoder layer carrying the checkpoint's MTP weights: over the
+    positions ``p`` of the prompt, ``eh_proj([enorm(embed(t[p + 1])), hnorm(h[p])])`` (``h``: the
+    target's hidden state after its final norm) through the block, ``shared_head`` on top; then
+    one chained step on the first proposal and the block's own normalised output."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["deepseek_v3"]
+    config = json.loads(open(f"{model_dir}/config.json").read())
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    with safe_open(f"{model_dir}/model-mtp.safetensors", framework="pt") as handle:
+        mtp = {name[len(prefix):]: handle.get_tensor(name) for name in handle.keys()}
+    renamed = {"model.norm.weight": mtp.pop("shared_head.norm.weight"), "lm_head.weight": mtp.pop("shared_head.head.weight"),
+               "model.embed_tokens.weight": mtp.pop("embed_tokens.weight")}
+    norms = {name: mtp.pop(f"{name}.weight") for name in ("enorm", "hnorm", "eh_proj")}
+    renamed.update({f"model.layers.0.{name}": tensor for name, tensor in mtp.items()})
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "first_k_dense_replace": 0,
+                                                       "num_nextn_predict_layers": 0}))
+    block = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    target = oracles["deepseek_v3"].model
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * weight
+
+    def step(tokens, hidden):
+        inputs = torch.cat([rms(block.model.embed_tokens(tokens), norms["enorm"]), rms(hidden, norms["hnorm"])], -1)
+        output = block.model(inputs_embeds=(inputs @ norms["eh_proj"].T)[None],
+                             position_ids=torch.arange(len(tokens))[None]).last_hidden_state[0]
+        return block.lm_head(output[-1]).argmax().item(), output[-1]
+
+    llm = LLM(model=model_dir, max_total_tokens=1024, speculative_method="mtp", num_speculative_tokens=2)
+    proposals = record_proposals(llm.engine)
+    rng = random.Random(23)
+    for prompt in ([rng.randrange(3, 500) for _ in range(n)] for n in (6, 29, 50)):
+        first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids[0]
+        tokens = torch.tensor(prompt + [first])
+        hidden = target.model(tokens[None, :-1]).last_hidden_state[0]
+        one, carried = step(tokens[1:], hidden)
+        two, _ = step(torch.cat([tokens[1:], torch.tensor([one])]), torch.cat([hidden, carried[None]]))
+        assert proposals[tuple(prompt), len(prompt) + 1] == (one, two), prompt
+    llm.engine.check_all_free()
