@@ -17,6 +17,8 @@ from tests.oracle import assert_matches
 from tests.state_checks import check_movers_touch_registry
 from tests.spec_helpers import differing_proposals, record_proposals
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 ALL_ARCHS = tuple(ARCH_OPTIONS)
 MTP_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 EXACT_INDEXER = dict(indexer_cache_dtype="float32")  # DSA: comparable with transformers bit for bit
@@ -30,14 +32,6 @@ PROMPTS = ([[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 70)] + [_SHA
            [_SHARED + [_rng.randrange(3, 500) for _ in range(11)]])
 # Pages of 8, a token budget of 24 (chunked prefill) and a pool of 120 tokens (preemption).
 STRESS = dict(page_size=8, max_num_batched_tokens=24, max_total_tokens=120, max_num_seqs=8)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -10,25 +10,17 @@ import os
 os.environ["TANDEM_SANITIZE"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from tandem import LLM  # noqa: E402
-from tests.oracle import LOGPROB_TOLERANCE  # noqa: E402
 from tests.pd_helpers import GREEDY, PDPair  # noqa: E402
 from tests.spec_helpers import differing_proposals, record_proposals  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 OPTIONS = dict(page_size=4, max_total_tokens=512, max_num_seqs=4, max_num_batched_tokens=16,
                indexer_cache_dtype="float32")
 MTP = dict(speculative_method="mtp", num_speculative_tokens=2)
 PROMPTS = {"long": [(7 * i + 3) % 500 + 5 for i in range(21)], "short": [11, 12, 13]}  # two chunks; one
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
@@ -40,13 +32,7 @@ def test_mtp_state_crosses_with_the_target(arch, model_dirs, oracles):
             pair.submit(request_id, prompt)
         pair.run_until(lambda: all(pair.finished(r) for r in PROMPTS))
         for request_id, prompt in PROMPTS.items():
-            assert pair.error(request_id) is None, pair.error(request_id)
-            reference = oracles[arch].greedy(prompt, GREEDY.max_tokens)
-            assert pair.tokens(request_id) == reference.token_ids, request_id
-            entries = [entry for delta in pair.outputs[request_id] for entry in delta.new_logprobs or []]
-            for position, entry in enumerate(entries):
-                expected = reference.logprobs[position][entry.token_ids[0]].item()
-                assert abs(entry.logprobs[0] - expected) <= LOGPROB_TOLERANCE, (request_id, position)
+            pair.assert_matches(request_id, oracles[arch].greedy(prompt, GREEDY.max_tokens))
         registry = pair.prefill.registry
         draft_buffers = {d.key for d in registry.buffers() if d.layer_name in pair.prefill.speculator.network.layer_names}
         assert len(draft_buffers) == 2  # the MTP layer's latent and indexer keys
