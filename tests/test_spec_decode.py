@@ -315,3 +315,45 @@ def test_mtp_proposals_match_a_transformers_reference(model_dirs, oracles, tmp_p
         two, _ = step(torch.cat([tokens[1:], torch.tensor([one])]), torch.cat([hidden, carried[None]]))
         assert proposals[tuple(prompt), len(prompt) + 1] == (one, two), prompt
     llm.engine.check_all_free()
+
+
+def test_rollback_in_every_group():
+    """The coordinator's speculation hooks fan out over the managers: a verification's copies are
+    set aside only where a manager asks (a recurrent working slot) and only in the groups given;
+    a rejection releases token pages holding only rejected tokens and restores a recurrent slot
+    from its copy; a draft's chain runs on the copy; groups not given are left alone."""
+    from tandem.kv.coordinator import StateCoordinator
+    from tandem.kv.planner import allocate_buffers, plan_pools
+    from tandem.kv.registry import StateRegistry
+    from tandem.kv.spec import FullAttentionSpec, RecurrentSpec
+
+    registry = StateRegistry()
+    registry.register("attention", FullAttentionSpec(num_kv_heads=1, head_dim=4, dtype=torch.float32))
+    registry.register("recurrent", RecurrentSpec((4, 3), torch.float32, (2, 2), torch.float32))
+    registry.register("draft.recurrent", RecurrentSpec((2, 3), torch.float32, (2, 2), torch.float32))
+    registry.finalize()
+    plan = plan_pools(registry, 4, max_total_tokens=64, memory_budget_bytes=None, max_num_seqs=2, speculative=True)
+    assert plan.pages_of(1) == 2 * 2 + 1  # a working slot and a copy per sequence seat
+    allocate_buffers(registry, plan, torch.device("cpu"))
+    coordinator = StateCoordinator(registry, plan, enable_prefix_caching=False, sanitize=True)
+    state = coordinator.new_state("s#0")
+    coordinator.allocate(state, 10)
+    ssm, draft_ssm = registry.layer_buffers("recurrent")["ssm"], registry.layer_buffers("draft.recurrent")["ssm"]
+    working, draft_working = state.page_tables[1][0], state.page_tables[2][0]
+    ssm[working].fill_(1.0)
+    owner = coordinator.set_aside(state, [0, 1])
+    assert coordinator.set_aside(coordinator.new_state("s#1"), [0]) is None  # token pages need no copy
+    chain = coordinator.chain_page_tables(state, owner)
+    assert chain[0] is state.page_tables[0] and chain[1] != [working] and len(chain[1]) == 1
+    ssm[working].fill_(2.0)  # what the verification wrote
+    draft_ssm[draft_working].fill_(3.0)
+    released = state.page_tables[0][2]
+    assert coordinator.roll_back(state, owner, [0, 1], num_valid=10, num_written=10)
+    assert not coordinator.roll_back(state, owner, [0, 1], num_valid=5, num_written=10)
+    assert torch.all(ssm[working] == 1.0) and torch.all(draft_ssm[draft_working] == 3.0)
+    assert len(state.page_tables[0]) == 2
+    assert torch.isnan(registry.layer_buffers("attention")["key"][released]).all()  # poisoned
+    coordinator.sanitizer.check_books(coordinator, [state])
+    coordinator.release_inflight(owner)
+    coordinator.free(state)
+    coordinator.sanitizer.check_all_free(coordinator)

@@ -318,17 +318,18 @@ class StateCoordinator:
         return [manager.chain_page_table(table, group_copies)
                 for manager, table, group_copies in zip(self.managers, state.page_tables, copies)]
 
-    def roll_back(self, state: RequestState, owner: Optional[str], *, num_valid: int, num_written: int) -> bool:
+    def roll_back(self, state: RequestState, owner: Optional[str], groups: Iterable[int], *, num_valid: int,
+                  num_written: int) -> bool:
         """After a verification that wrote ``num_written`` tokens' state of which ``num_valid``
-        are accepted: every group drops what holds only rejected tokens. Returns whether every
-        group holds exactly ``num_valid`` tokens' state; False when some group had to restore
-        the state from before the verification (from the copies ``set_aside`` made)."""
+        are accepted, in ``groups`` (those ``set_aside`` was given): every group drops what holds
+        only rejected tokens. Returns whether each holds exactly ``num_valid`` tokens' state;
+        False when some group had to restore the state from before the verification."""
         copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
         exact = True
-        for group_index, (manager, table, group_copies) in enumerate(zip(self.managers, state.page_tables, copies)):
-            exact &= manager.rollback(table, group_copies, state.owner, num_valid, num_written,
-                                      lambda source, destination, group=group_index:
-                                      self.copy_page(group, source, destination))
+        for group_index in groups:
+            exact &= self.managers[group_index].rollback(
+                state.page_tables[group_index], copies[group_index], state.owner, num_valid, num_written,
+                lambda source, destination, group=group_index: self.copy_page(group, source, destination))
         return exact
 
     # -- in-flight operations (I2) ---------------------------------------------------------------

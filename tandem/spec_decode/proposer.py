@@ -187,12 +187,12 @@ class Proposer:
         distribution under the request's temperature, top-k, top-p and min-p (kept: the
         verification's rejection sampling needs it)."""
         sequences = [plan.work.sequence for plan in plans]
-        empty = [[] for _ in sequences]
-        metadata = SamplingMetadata.build([s.params for s in sequences], [s.generator for s in sequences],
-                                          empty, empty, empty, logits.device)
         tokens = logits.argmax(dim=-1)
         probs = None
-        if not metadata.all_greedy:
+        if any(s.params.temperature >= GREEDY_TEMPERATURE_EPSILON for s in sequences):
+            empty = [[] for _ in sequences]
+            metadata = SamplingMetadata.build([s.params for s in sequences], [s.generator for s in sequences],
+                                              empty, empty, empty, logits.device)
             probs = Sampler.probabilities(logits.clone(), metadata)
             drawn = self.core.sampler.draw(probs, metadata.generators)
             tokens = torch.where(greedy_mask(metadata.temperature.to(logits.device)), tokens, drawn)

@@ -135,7 +135,7 @@ class SpeculativeStep:
         coordinator = self.core.coordinator
         kept = min(verdict.num_accepted, num_emitted)
         num_valid = chunk.start + chunk.num_new_tokens + kept
-        exact = coordinator.roll_back(chunk.sequence.state, owner, num_valid=num_valid,
+        exact = coordinator.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
                                       num_written=chunk.start + chunk.num_query_tokens)
         if owner is not None:
             coordinator.release_inflight(owner)
