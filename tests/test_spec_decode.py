@@ -357,3 +357,25 @@ def test_rollback_in_every_group():
     coordinator.release_inflight(owner)
     coordinator.free(state)
     coordinator.sanitizer.check_all_free(coordinator)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32", "glm_moe_dsa"])
+def test_cuda_speculation_matches_oracle(arch, model_dirs, oracles, monkeypatch):
+    """On CUDA (Triton kernels, eager; bfloat16 only runs): greedy speculation equals the oracle
+    (logprobs within 1e-3) with an identical draft (every draft accepted) and with MTP."""
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    speculation = dict(speculative_method="mtp", num_speculative_tokens=2) if arch in MTP_ARCHS else \
+        dict(speculative_model=model_dirs[arch], num_speculative_tokens=3)
+    llm, outputs, _ = run_workload(model_dirs[arch], **options_for(arch, device="cuda", dtype="float32",
+                                                                   **speculation))
+    check_against_oracle(llm, outputs, oracles[arch], f"{arch} cuda")
+    stats = llm.engine.stats().speculation
+    assert arch in MTP_ARCHS or stats.num_accepted_tokens >= stats.num_draft_tokens - 2, stats
+    llm, outputs, _ = run_workload(model_dirs[arch], **options_for(arch, device="cuda", dtype="bfloat16",
+                                                                   **speculation))
+    assert all(len(output.outputs[0].token_ids) == GREEDY.max_tokens for output in outputs)
+    llm.engine.check_all_free()
