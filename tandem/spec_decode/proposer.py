@@ -172,15 +172,12 @@ class Proposer:
         output = run_rows(self.core.runner, self.network, [row for _, row in entries],
                           self.coordinator.sanitizer.enabled)
         drawing = []
-        for (plan, row), hidden, logits in zip(entries, output.last_hidden, output.logits):
-            self.after_row(plan, row, hidden)
+        for (plan, _), hidden, logits in zip(entries, output.last_hidden, output.logits):
+            plan.hidden = hidden
             if logits is not None:
                 drawing.append((plan, logits))
         if drawing:
             self._draw([plan for plan, _ in drawing], torch.stack([logits for _, logits in drawing]))
-
-    def after_row(self, plan: _Plan, row: DraftRow, hidden: torch.Tensor) -> None:
-        plan.hidden = hidden
 
     def _draw(self, plans: list[_Plan], logits: torch.Tensor) -> None:
         """Each plan's next draft: the argmax for greedy requests, else a draw from the draft's
