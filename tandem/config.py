@@ -15,6 +15,8 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
 HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREEMPTION_MODES = ("swap", "recompute")
+SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def sanitize_enabled() -> bool:
@@ -61,6 +63,13 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     cuda_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
+    # Speculative decoding (tandem/spec_decode): "mtp" (the checkpoint's next-n layers: DeepSeek-V3,
+    # V3.2, GLM-5) or "draft" (``speculative_model``, a smaller model with the same vocabulary);
+    # None: off. ``num_speculative_tokens`` drafts are verified per step (default for "mtp": the
+    # checkpoint's number of next-n layers). A draft model alone implies "draft".
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    speculative_model: Optional[str] = None
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
     transfer: Optional["TransferConfig"] = None
 
@@ -91,6 +100,8 @@ class EngineConfig:
         require(self.preemption_mode != "swap" or self.has_host_tier, "preemption_mode",
                 "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
 
+        self._validate_speculation()
+
     @property
     def has_host_tier(self) -> bool:
         return self.host_cache_size > 0 or bool(self.disk_cache_dir)
@@ -100,6 +111,24 @@ class EngineConfig:
         if self.preemption_mode is not None:
             return self.preemption_mode
         return "swap" if self.has_host_tier else "recompute"
+
+    def _validate_speculation(self) -> None:
+        if self.speculative_method is None and self.speculative_model is not None:
+            object.__setattr__(self, "speculative_method", "draft")
+        method = self.speculative_method
+        require(method is None or method in SPECULATIVE_METHOD_CHOICES, "speculative_method",
+                f"must be one of {SPECULATIVE_METHOD_CHOICES}, got {method!r}")
+        require(method != "draft" or self.speculative_model is not None, "speculative_model",
+                "a draft model directory is required with speculative_method='draft'")
+        require(method != "mtp" or self.speculative_model is None, "speculative_model",
+                "not used with speculative_method='mtp' (the next-n layers come with the model)")
+        tokens = self.num_speculative_tokens
+        require(tokens is None or method is not None, "num_speculative_tokens",
+                "needs speculative_method (or speculative_model)")
+        require(tokens is None or (isinstance(tokens, int) and 1 <= tokens <= MAX_SPECULATIVE_TOKENS),
+                "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
+        require(method != "draft" or tokens is not None, "num_speculative_tokens",
+                "required with speculative_method='draft'")
 
     @property
     def sanitizer_on(self) -> bool:

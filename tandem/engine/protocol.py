@@ -47,6 +47,24 @@ class RequestDelta(msgspec.Struct, kw_only=True):
     error: Optional[str] = None
 
 
+class SpeculationStats(msgspec.Struct, kw_only=True):
+    """Cumulative speculative-decoding counts of one engine."""
+    method: str  # "mtp" or "draft"
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified (proposed and scheduled)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification yields on average: accepted drafts plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -58,6 +76,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     page_size: int = 0
     transfer: Optional["TransferStats"] = None  # PD engines only
     tiers: Optional["TierStats"] = None  # engines with a host (and disk) tier
+    speculation: Optional[SpeculationStats] = None  # engines that speculate only
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

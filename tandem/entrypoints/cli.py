@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES,
-                           PREEMPTION_MODES, EngineConfig)
+from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
+                           LOAD_FORMAT_CHOICES, PREEMPTION_MODES, SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -63,6 +63,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap the host's scheduling of step N+1 with the device's step N "
                             "(default: on for CUDA devices)")
+    group.add_argument("--speculative-method", choices=SPECULATIVE_METHOD_CHOICES, default=None,
+                       help="speculative decoding: mtp (the checkpoint's next-n layers; DeepSeek-V3, V3.2, "
+                            "GLM-5) or draft (--speculative-model) (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="draft tokens verified per step (default for mtp: the number of next-n layers)")
+    group.add_argument("--speculative-model", default=None,
+                       help="draft model directory (same vocabulary as --model); implies --speculative-method draft")
     tiers = parser.add_argument_group("state tiers (host memory and disk behind the prefix cache)")
     tiers.add_argument("--host-cache-size", type=float, default=0.0, metavar="GB",
                        help="host-memory tier in GB (2^30 bytes; pinned on CUDA); 0: off (default: %(default)s)")
@@ -94,7 +101,9 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
-        preemption_mode=arguments.preemption_mode)
+        preemption_mode=arguments.preemption_mode,
+        speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
+        speculative_model=arguments.speculative_model)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

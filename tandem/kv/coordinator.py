@@ -7,12 +7,12 @@ methods fan out over the groups; none knows what kind of state a group holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 import torch
 
 from tandem.kv.accessor import PendingLoads
-from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
+from tandem.kv.block_pool import CACHE_OWNER, INFLIGHT_PREFIX, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
@@ -54,6 +54,11 @@ class StateCoordinator:
         for manager in self.managers:
             manager.prefix_caching = self.prefix_cache is not None
         self._inflight: dict[str, list[list[int]]] = {}
+        # Set when some layer's state at a position depends on the token after it (an MTP draft
+        # layer's): the last slot of a page is then not final until the next token is known, so
+        # a prefix hit leaves its last page to be recomputed into pages of the request's own, and
+        # a fork copies the page holding the last token instead of sharing it.
+        self.state_reads_next_token = False
         # Per-layer completions of asynchronous loads into device pages; every read of a
         # layer's state waits for its own (the accessor, I3; ``copy_page`` here).
         self.pending_loads = PendingLoads()
@@ -198,11 +203,15 @@ class StateCoordinator:
         max_pages = (len(token_ids) - 1) // self.page_size
         path = self.prefix_cache.match(token_ids, max_pages)
         if self.tiers is None:
+            if self.state_reads_next_token:
+                path = path[:-1]
             path = path[:self._usable_pages(path)]
             self.prefix_cache.lock(path)
         else:
             # Locked while it is completed and restored: making room must not evict it.
             path = self.tiers.complete_path(path, token_ids, max_pages)
+            if self.state_reads_next_token:
+                path = self._truncate_locked(path, max(len(path) - 1, 0))
             path = self._truncate_locked(path, self._usable_pages(path))
             path = self._truncate_locked(path, self.tiers.restore(path))
             path = self._truncate_locked(path, self._usable_pages(path))
@@ -287,8 +296,9 @@ class StateCoordinator:
         say which: for token pages the partial last page, for a recurrent slot the slot).
 
         Returns False (child left empty) when no page is free for the copies."""
-        num_shared = num_tokens // self.page_size
-        plans = [manager.fork_pages(table, num_tokens)
+        private_last = self.state_reads_next_token
+        num_shared = (num_tokens - 1 if private_last and num_tokens else num_tokens) // self.page_size
+        plans = [manager.fork_pages(table, num_tokens, private_last)
                  for manager, table in zip(self.managers, parent.page_tables)]
         needed = [len(copied) for _, copied in plans]
         if any(needed):
@@ -323,6 +333,52 @@ class StateCoordinator:
         (the managers say which: whole computed pages, a recurrent working slot at the end)."""
         return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
                 for manager, table in zip(self.managers, state.page_tables)]
+
+    # -- speculative decoding ----------------------------------------------------------------------
+    def speculation_copies(self, groups: Iterable[int]) -> bool:
+        """Whether a speculative step in ``groups`` needs copies set aside (the managers say)."""
+        return any(self.managers[group].speculation_sets_aside for group in groups)
+
+    def set_aside(self, state: RequestState, groups: Iterable[int]) -> Optional[str]:
+        """Copy aside, in ``groups``, the pages the managers say a speculative step may have to
+        restore or run a draft chain on (a recurrent working slot). The copies are held in flight
+        under the returned owner until ``release_inflight``; None when nothing needed copying."""
+        wanted = set(groups)
+        sources = [manager.speculation_sources(table) if index in wanted else []
+                   for index, (manager, table) in enumerate(zip(self.managers, state.page_tables))]
+        if not any(sources):
+            return None
+        self.make_room([len(pages) for pages in sources])
+        owner = f"{INFLIGHT_PREFIX}speculation:{state.owner}"
+        copies = []
+        for group_index, (pool, pages) in enumerate(zip(self.pools, sources)):
+            destinations = pool.allocate(len(pages), owner) if pages else []
+            for source, destination in zip(pages, destinations):
+                self.copy_page(group_index, source, destination)
+            copies.append(destinations)
+        self._inflight[owner] = copies
+        return owner
+
+    def chain_page_tables(self, state: RequestState, owner: Optional[str]) -> list[list[int]]:
+        """Per group, the table a draft's speculative chain reads and writes (the managers say:
+        the sequence's own, or the copies ``set_aside`` made)."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        return [manager.chain_page_table(table, group_copies)
+                for manager, table, group_copies in zip(self.managers, state.page_tables, copies)]
+
+    def roll_back(self, state: RequestState, owner: Optional[str], groups: Iterable[int], *, num_valid: int,
+                  num_written: int) -> bool:
+        """After a verification that wrote ``num_written`` tokens' state of which ``num_valid``
+        are accepted, in ``groups`` (those ``set_aside`` was given): every group drops what holds
+        only rejected tokens. Returns whether each holds exactly ``num_valid`` tokens' state;
+        False when some group had to restore the state from before the verification."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        exact = True
+        for group_index in groups:
+            exact &= self.managers[group_index].rollback(
+                state.page_tables[group_index], copies[group_index], state.owner, num_valid, num_written,
+                lambda source, destination, group=group_index: self.copy_page(group, source, destination))
+        return exact
 
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:

@@ -31,6 +31,14 @@ class ScheduledChunk:
     num_new_tokens: int
     samples: bool  # the chunk reaches the sequence's last known token: sample after it
     prompt_logprobs: bool  # compute logprobs for the prompt tokens this chunk covers
+    # Speculative decoding: the sequence's first draft tokens appended after its known tokens
+    # (only when it samples); they are verified, and only the accepted ones are kept.
+    num_draft_tokens: int = 0
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this chunk puts through the forward pass: known ones, then drafts."""
+        return self.num_new_tokens + self.num_draft_tokens
 
 
 @dataclass
@@ -40,7 +48,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
+        return sum(chunk.num_query_tokens for chunk in self.chunks)
 
 
 class Scheduler:
@@ -119,10 +127,11 @@ class Scheduler:
     def _chunk(self, sequence: Sequence, budget: int) -> ScheduledChunk:
         start = sequence.num_computed_tokens
         num_new = min(sequence.num_tokens - start, budget)
-        return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new,
-                              samples=start + num_new == sequence.num_tokens,
+        samples = start + num_new == sequence.num_tokens
+        return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new, samples=samples,
                               prompt_logprobs=sequence.wants_prompt_logprobs
-                              and start < sequence.num_prompt_tokens)
+                              and start < sequence.num_prompt_tokens,
+                              num_draft_tokens=min(len(sequence.draft_token_ids), budget - num_new) if samples else 0)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, allow_preemption: bool = True) -> int | None:
         index = 0
@@ -132,7 +141,7 @@ class Scheduler:
             if sequence.awaits_final_token:
                 continue
             chunk = self._chunk(sequence, budget)
-            target = chunk.start + chunk.num_new_tokens
+            target = chunk.start + chunk.num_query_tokens
             while not self.coordinator.try_allocate(sequence.state, target):
                 if not allow_preemption:
                     return None
@@ -142,7 +151,7 @@ class Scheduler:
                 if victim is sequence:
                     return budget
             output.chunks.append(chunk)
-            budget -= chunk.num_new_tokens
+            budget -= chunk.num_query_tokens
         return budget
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
@@ -160,7 +169,7 @@ class Scheduler:
             else:
                 self._match_prefix(sequence)
             chunk = self._chunk(sequence, budget)
-            target = chunk.start + chunk.num_new_tokens
+            target = chunk.start + chunk.num_query_tokens
             if not self.coordinator.try_allocate(sequence.state, target):
                 empty = not self.running and sequence.num_computed_tokens == 0
                 self._release(sequence)
@@ -175,7 +184,7 @@ class Scheduler:
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             output.chunks.append(chunk)
-            budget -= chunk.num_new_tokens
+            budget -= chunk.num_query_tokens
 
     def _wait_for_tier_copies(self) -> bool:
         """With nothing running, pages still held by tier copies are the only ones that can
@@ -218,9 +227,11 @@ class Scheduler:
         self.waiting.appendleft(sequence)
 
     # -- after the forward pass ------------------------------------------------------------------
-    def on_computed(self, chunk: ScheduledChunk) -> None:
+    def on_computed(self, chunk: ScheduledChunk, num_computed: int | None = None) -> None:
+        """Book the chunk as computed: its known tokens, or ``num_computed`` in all (speculative
+        decoding: the accepted drafts too, or fewer where a group rolled back)."""
         sequence = chunk.sequence
-        sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
+        sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens if num_computed is None else num_computed
         self.coordinator.cache_computed_pages(sequence.state, sequence.token_ids,
                                               sequence.num_computed_tokens)
         # After caching (the cache takes pages only while the sequence holds them all): release

@@ -49,6 +49,8 @@ class EngineStatsCollector:
             yield from transfer_metric_families(stats.transfer)
         if stats.tiers is not None:
             yield from tier_metric_families(stats)
+        if stats.speculation is not None:
+            yield from speculation_metric_families(stats.speculation)
 
 
 def tier_metric_families(stats: EngineStats):
@@ -93,6 +95,20 @@ def tier_metric_families(stats: EngineStats):
     }
     for name, (documentation, value) in gauges.items():
         yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def speculation_metric_families(speculation):
+    """Speculative decoding: verifications, draft tokens verified and accepted, and their ratio."""
+    counters = {
+        "spec_decode_num_drafts": ("Verifications of at least one draft token.", speculation.num_drafts),
+        "spec_decode_num_draft_tokens": ("Draft tokens verified.", speculation.num_draft_tokens),
+        "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", speculation.num_accepted_tokens),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+    yield GaugeMetricFamily(PREFIX + "spec_decode_mean_acceptance_length",
+                            "Tokens per verification: accepted drafts plus the target's own (0 before any).",
+                            value=speculation.mean_acceptance_length)
 
 
 def transfer_metric_families(transfer):
