@@ -379,3 +379,26 @@ def test_cuda_speculation_matches_oracle(arch, model_dirs, oracles, monkeypatch)
                                                                    **speculation))
     assert all(len(output.outputs[0].token_ids) == GREEDY.max_tokens for output in outputs)
     llm.engine.check_all_free()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32"])
+def test_speculation_survives_swap_preemption(arch, model_dirs, oracles):
+    """Preemption by swap (a host tier) moves the draft's state with the target's: outputs stay
+    exact, an identical draft keeps being accepted, MTP proposals equal a plain run's."""
+    mtp = arch in MTP_ARCHS
+    speculation = dict(speculative_method="mtp", num_speculative_tokens=2) if mtp else \
+        dict(speculative_model=model_dirs[arch], num_speculative_tokens=3)
+    llm, outputs, proposals = run_workload(model_dirs[arch], record=mtp, host_cache_size=0.01,
+                                           **options_for(arch, **speculation))
+    swaps = llm.engine.stats().tiers.swaps
+    assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps
+    check_against_oracle(llm, outputs, oracles[arch], f"{arch} swap")
+    stats = llm.engine.stats().speculation
+    if not mtp:
+        assert stats.num_accepted_tokens >= stats.num_draft_tokens - 1, stats
+        return
+    plain = {**options_for(arch, **speculation), "max_total_tokens": 2048, "max_num_batched_tokens": 512,
+             "enable_prefix_caching": False}
+    _, _, expected = run_workload(model_dirs[arch], record=True, **plain)
+    differing = differing_proposals(proposals, expected)
+    assert not differing, differing[:5]
