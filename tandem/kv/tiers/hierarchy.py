@@ -77,6 +77,39 @@ class _Operation:
     on_done: list[Callable[[], None]] = field(default_factory=list)
 
 
+def leading_fit(rows: list[list[int]], limits: list[int]) -> tuple[int, list[int]]:
+    """How many leading rows (pages per group) fit within ``limits`` together, and their sum."""
+    kept, totals = 0, [0] * len(limits)
+    for row in rows:
+        if any(total + count > limit for total, count, limit in zip(totals, row, limits)):
+            break
+        totals = [total + count for total, count in zip(totals, row)]
+        kept += 1
+    return kept, totals
+
+
+def pair_pages(sources: list[tuple[int, ...]], fresh: list[list[int]],
+               to_host: bool) -> tuple[list[tuple[int, ...]], list[Move]]:
+    """Give each node's non-null entry (one page per group, in ``sources``) the next fresh page
+    of its group: the nodes' new entries, and the moves (device ⇄ host pairs per group)."""
+    cursors = [iter(pages) for pages in fresh]
+    moves = [Move(group, [], []) for group in range(len(fresh))]
+    placed = []
+    for entries in sources:
+        new = []
+        for group, page in enumerate(entries):
+            if page == NULL_PAGE:
+                new.append(NULL_PAGE)
+                continue
+            other = next(cursors[group])
+            new.append(other)
+            device, host = (page, other) if to_host else (other, page)
+            moves[group].device_pages.append(device)
+            moves[group].host_pages.append(host)
+        placed.append(tuple(new))
+    return placed, moves
+
+
 class TieredState(DiskPages, Swap):
     def __init__(self, coordinator: "StateCoordinator", *, host_pages: int, write_policy: str,
                  device: torch.device, disk=None) -> None:
@@ -254,30 +287,14 @@ class TieredState(DiskPages, Swap):
             # Save the leading nodes that fit (parents come before children) in what room
             # eviction can make.
             self._make_host_room([min(total, pool.num_usable) for total, pool in zip(totals, self.host.pools)])
-            free = [pool.num_free for pool in self.host.pools]
-            kept, totals = 0, [0] * self.num_groups
-            for row in counts:
-                if any(total + count > limit for total, count, limit in zip(totals, row, free)):
-                    break
-                totals = [total + count for total, count in zip(totals, row)]
-                kept += 1
+            kept, totals = leading_fit(counts, [pool.num_free for pool in self.host.pools])
             nodes = nodes[:kept]
             if not nodes:
                 return None
         host = [pool.allocate(total, CACHE_OWNER) if total else [] for pool, total in zip(self.host.pools, totals)]
-        cursors = [iter(pages) for pages in host]
-        moves = [Move(group, [], []) for group in range(self.num_groups)]
-        for node in nodes:
-            host_pages = []
-            for group, page in enumerate(node.pages):
-                if page == NULL_PAGE:
-                    host_pages.append(NULL_PAGE)
-                    continue
-                host_page = next(cursors[group])
-                host_pages.append(host_page)
-                moves[group].device_pages.append(page)
-                moves[group].host_pages.append(host_page)
-            node.host_pages = tuple(host_pages)
+        placed, moves = pair_pages([node.pages for node in nodes], host, to_host=True)
+        for node, host_pages in zip(nodes, placed):
+            node.host_pages = host_pages
             self._host_resident(node)
         self.stats.saved_pages += len(nodes)
         op = self._start(moves, False, [move.device_pages for move in moves], [move.host_pages for move in moves])
@@ -346,12 +363,7 @@ class TieredState(DiskPages, Swap):
         available = [pool.num_free for pool in self.coordinator.pools]
         if any(need > free for need, free in zip(map(sum, zip(*rows)), available)):
             available = [free + evictable for free, evictable in zip(available, self.coordinator.evictable_pages())]
-        kept, totals = 0, [0] * self.num_groups
-        for row in rows:
-            if any(total + count > limit for total, count, limit in zip(totals, row, available)):
-                break
-            totals = [total + count for total, count in zip(totals, row)]
-            kept += 1
+        kept, totals = leading_fit(rows, available)
         todo = todo[:kept]
         if not todo:
             self._read_from_disk_now.clear()
@@ -359,19 +371,9 @@ class TieredState(DiskPages, Swap):
         self.coordinator.make_room(totals)
         device = [pool.allocate(total, CACHE_OWNER) if total else []
                   for pool, total in zip(self.coordinator.pools, totals)]
-        cursors = [iter(pages) for pages in device]
-        moves = [Move(group, [], []) for group in range(self.num_groups)]
-        for node in todo:
-            pages = []
-            for group, host_page in enumerate(node.host_pages):
-                if host_page == NULL_PAGE:
-                    pages.append(NULL_PAGE)
-                    continue
-                page = next(cursors[group])
-                pages.append(page)
-                moves[group].device_pages.append(page)
-                moves[group].host_pages.append(host_page)
-            self._cache.set_device_pages(node, tuple(pages))
+        placed, moves = pair_pages([node.host_pages for node in todo], device, to_host=False)
+        for node, pages in zip(todo, placed):
+            self._cache.set_device_pages(node, pages)
             self.restored_now[id(node)] = "disk" if id(node) in self._read_from_disk_now else "host"
         self._read_from_disk_now.clear()
         self.stats.loaded_pages += len(todo)
