@@ -39,12 +39,13 @@ class PDPair:
     """
 
     def __init__(self, model_dir: str, prefill_options: Optional[dict] = None, decode_options: Optional[dict] = None,
-                 transfer: Optional[dict] = None, **options) -> None:
+                 transfer: Optional[dict] = None, decode_transfer: Optional[dict] = None, **options) -> None:
         transfer = {**FAST_TIMEOUTS, **(transfer or {})}
         self.prefill = EngineCore(EngineConfig(model=model_dir, **{**options, **(prefill_options or {})},
                                                transfer=TransferConfig(role="prefill", **transfer)))
         self.decode = EngineCore(EngineConfig(model=model_dir, **{**options, **(decode_options or {})},
-                                              transfer=TransferConfig(role="decode", **transfer)))
+                                              transfer=TransferConfig(role="decode", **{**transfer,
+                                                                                       **(decode_transfer or {})})))
         self.outputs: dict[str, list[RequestDelta]] = {}
         self.prefill_outputs: dict[str, list[RequestDelta]] = {}
 
