@@ -116,8 +116,9 @@ def serve_flags(options: dict) -> list[str]:
 
 
 class RouterProcess(ServerProcess):
-    """``tandem router`` as a child process (same lifetime rules as ``ServerProcess``)."""
-    ready_path = "/v1/models"
+    """``tandem router`` as a child process (same lifetime rules as ``ServerProcess``); its
+    /health answers once it has read every server's /pd/info."""
+    ready_path = "/health"
     kind = "router"
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], log_path: Path, extra: tuple = (),
