@@ -26,9 +26,10 @@ class StepInputs:
     query_starts: list[int]  # [N + 1]
     start_positions: list[int]  # [N]: tokens computed before the chunk
     context_lengths: list[int]  # [N]: tokens visible to the chunk's last query
-    page_tables: list[np.ndarray]  # per group: [N, width] int32, null-page (0) padded
-    slot_mappings: list[np.ndarray]  # per group: [T] int64
-    sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order
+    page_tables: list[Optional[np.ndarray]]  # per group: [N, width] int32, null-page (0) padded
+    slot_mappings: list[Optional[np.ndarray]]  # per group: [T] int64
+    sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order (a sampling
+    # chunk with drafts has one per draft after its last known token's)
 
     @property
     def num_tokens(self) -> int:
@@ -43,33 +44,51 @@ class StepInputs:
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """Single-token chunks first (the batched decode path) by context length, then the rest."""
-    decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
-    return decodes + [c for c in chunks if c.num_new_tokens > 1]
+    decodes = sorted((c for c in chunks if c.num_query_tokens == 1), key=lambda c: c.start)
+    return decodes + [c for c in chunks if c.num_query_tokens > 1]
 
 
 def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: int) -> StepInputs:
+    """A chunk's rows are its known tokens, then its draft tokens (speculative decoding); a
+    sampling chunk's logits are wanted at its last known token and at each draft."""
     chunks = order_chunks(chunks)
-    num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
     ids: list[int] = []
-    query_starts = [0]
-    sampling_rows = []
+    lengths, num_sampled = [], []
     for chunk in chunks:
-        end = chunk.start + chunk.num_new_tokens
-        ids.extend(chunk.sequence.token_ids[chunk.start:end])
-        query_starts.append(query_starts[-1] + chunk.num_new_tokens)
-        if chunk.samples:
-            sampling_rows.append(query_starts[-1] - 1)
-    start_positions = [chunk.start for chunk in chunks]
-    context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
-    counts = np.diff(np.asarray(query_starts, dtype=np.int64))
-    row_of_token = np.repeat(np.arange(len(chunks)), counts)
+        ids.extend(chunk.sequence.token_ids[chunk.start:chunk.start + chunk.num_new_tokens])
+        if chunk.num_draft_tokens:
+            ids.extend(chunk.sequence.draft_token_ids[:chunk.num_draft_tokens])
+        lengths.append(chunk.num_query_tokens)
+        num_sampled.append(1 + chunk.num_draft_tokens if chunk.samples else 0)
+    tables = [[chunk.sequence.state.page_tables[group] for chunk in chunks] for group in range(num_groups)]
+    return layout_rows(chunks, ids, [chunk.start for chunk in chunks], lengths, num_sampled, tables, page_size)
+
+
+def layout_rows(chunks: list, ids: list[int], start_positions: list[int], lengths: list[int],
+                num_sampled: list[int], tables: list[Optional[list[list[int]]]], page_size: int) -> StepInputs:
+    """Flatten rows (single-token rows first, as ``order_chunks`` orders them): row ``i`` has
+    ``lengths[i]`` tokens (in ``ids``, concatenated) from position ``start_positions[i]`` on and
+    its last ``num_sampled[i]`` rows' logits are wanted; ``tables[group][i]`` is its page table
+    in that group (a group given as None gets no table and no slots: the forward reads none)."""
+    num_decode = sum(1 for length in lengths if length == 1)
+    query_starts = [0]
+    sampling_rows: list[int] = []
+    for length, sampled in zip(lengths, num_sampled):
+        query_starts.append(query_starts[-1] + length)
+        sampling_rows.extend(range(query_starts[-1] - sampled, query_starts[-1]))
+    context_lengths = [start + length for start, length in zip(start_positions, lengths)]
+    counts = np.asarray(lengths, dtype=np.int64)
+    row_of_token = np.repeat(np.arange(len(lengths)), counts)
     positions = (np.arange(len(ids), dtype=np.int64) - np.asarray(query_starts[:-1], dtype=np.int64)[row_of_token]
                  + np.asarray(start_positions, dtype=np.int64)[row_of_token])
     needed_width = max(-(-length // page_size) for length in context_lengths)
     page_tables, slot_mappings = [], []
-    for group in range(num_groups):
-        rows = [chunk.sequence.state.page_tables[group] for chunk in chunks]
-        table = np.zeros((len(chunks), max(needed_width, max(map(len, rows)))), dtype=np.int32)
+    for rows in tables:
+        if rows is None:
+            page_tables.append(None)
+            slot_mappings.append(None)
+            continue
+        table = np.zeros((len(rows), max(needed_width, max(map(len, rows)))), dtype=np.int32)
         for index, row in enumerate(rows):
             table[index, :len(row)] = row
         page_tables.append(table)
