@@ -39,12 +39,13 @@ class PDPair:
     """
 
     def __init__(self, model_dir: str, prefill_options: Optional[dict] = None, decode_options: Optional[dict] = None,
-                 transfer: Optional[dict] = None, **options) -> None:
+                 transfer: Optional[dict] = None, decode_transfer: Optional[dict] = None, **options) -> None:
         transfer = {**FAST_TIMEOUTS, **(transfer or {})}
         self.prefill = EngineCore(EngineConfig(model=model_dir, **{**options, **(prefill_options or {})},
                                                transfer=TransferConfig(role="prefill", **transfer)))
         self.decode = EngineCore(EngineConfig(model=model_dir, **{**options, **(decode_options or {})},
-                                              transfer=TransferConfig(role="decode", **transfer)))
+                                              transfer=TransferConfig(role="decode", **{**transfer,
+                                                                                       **(decode_transfer or {})})))
         self.outputs: dict[str, list[RequestDelta]] = {}
         self.prefill_outputs: dict[str, list[RequestDelta]] = {}
 
@@ -126,8 +127,9 @@ def serve_flags(options: dict) -> list[str]:
 
 
 class RouterProcess(ServerProcess):
-    """``tandem router`` as a child process (same lifetime rules as ``ServerProcess``)."""
-    ready_path = "/v1/models"
+    """``tandem router`` as a child process (same lifetime rules as ``ServerProcess``); its
+    /health answers once it has read every server's /pd/info."""
+    ready_path = "/health"
     kind = "router"
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], log_path: Path, extra: tuple = (),

@@ -4,7 +4,10 @@ UCX, ZMQ control channels), tiny llama. Outputs through the router equal a coloc
 enough to hold requests back; and the faults: a transfer failure injected at random, a client
 that disconnects mid-stream, a prefill server and a decode server killed mid-transfer. Every
 affected request ends with an error, unaffected ones stay exact, survivors keep serving, and
-every page on every survivor is free once idle. Servers start once for the module."""
+every page on every survivor is free once idle. The deployment runs as an operator would run
+it: a PD secret file shared by every server, an API key on every server and router. The routers
+pass over a server that died and take it back once it answers again (the decode server
+restarted). Servers start once for the module."""
 import os
 
 os.environ["TANDEM_SANITIZE"] = "1"
@@ -35,6 +38,9 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived a king who had three "
            "daughters and a very old dog", "1 2 3 4 5 6 7 8"]
 CLEANUP_SECONDS = 15.0  # peer_timeout + drain_timeout + slack on a loaded machine
+API_KEY = "pd-test-key"
+AUTHORIZATION = {"Authorization": f"Bearer {API_KEY}"}
+ROUTER_FLAGS = ("--api-key", API_KEY, "--health-interval", "0.5")
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +53,14 @@ def cluster(model_dir, tmp_path_factory):
     """Prefill A, B (clean), F (injects transfer failures); decode A (a small pool); routers:
     1P1D, 2P1D, one for the faulty prefill server and one for the prefill server to be killed."""
     logs = tmp_path_factory.mktemp("pd_logs")
+    secret_file = logs / "pd_secret"
+    secret_file.write_bytes(os.urandom(32).hex().encode())
+    secret_file.chmod(0o600)
 
     def server(name, role, options, model=model_dir, environment=None):
         return ServerProcess(["--model", model, "--served-model-name", MODEL_NAME, "--role", role, *PD_FLAGS,
-                              *serve_flags(options)], logs / f"{name}.log", environment)
+                              "--pd-secret-file", str(secret_file), "--api-key", API_KEY, *serve_flags(options)],
+                             logs / f"{name}.log", environment)
 
     servers = {
         "prefill_a": server("prefill_a", "prefill", ENGINE),
@@ -61,11 +71,11 @@ def cluster(model_dir, tmp_path_factory):
     }
     url = {name: process.base_url for name, process in servers.items()}
     routers = {
-        "one": RouterProcess([url["prefill_a"]], [url["decode_a"]], logs / "router_one.log"),
+        "one": RouterProcess([url["prefill_a"]], [url["decode_a"]], logs / "router_one.log", extra=ROUTER_FLAGS),
         "two": RouterProcess([url["prefill_a"], url["prefill_b"]], [url["decode_a"]], logs / "router_two.log",
-                             extra=("--policy", "round-robin")),
-        "faulty": RouterProcess([url["prefill_f"]], [url["decode_a"]], logs / "router_faulty.log"),
-        "victim": RouterProcess([url["prefill_b"]], [url["decode_a"]], logs / "router_victim.log"),
+                             extra=("--policy", "round-robin", *ROUTER_FLAGS)),
+        "faulty": RouterProcess([url["prefill_f"]], [url["decode_a"]], logs / "router_faulty.log", extra=ROUTER_FLAGS),
+        "victim": RouterProcess([url["prefill_b"]], [url["decode_a"]], logs / "router_victim.log", extra=ROUTER_FLAGS),
     }
     try:
         start_all(list(servers.values()))
@@ -83,7 +93,7 @@ def colocated(model_dir):
 
 
 def client_for(router) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=router.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def expected(colocated, prompt: str, max_tokens: int):
@@ -92,7 +102,7 @@ def expected(colocated, prompt: str, max_tokens: int):
 
 
 def reset_and_count_pages(server) -> int:
-    httpx.post(server.base_url + "/reset_prefix_cache", timeout=10)
+    httpx.post(server.base_url + "/reset_prefix_cache", headers=AUTHORIZATION, timeout=10)
     time.sleep(0.1)
     return int(server.metric("kv_pages_used"))
 
@@ -172,7 +182,8 @@ def test_client_disconnect_mid_stream(cluster):
     servers, routers = cluster
     body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", routers["one"].base_url + "/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", routers["one"].base_url + "/v1/completions", json=body, headers=AUTHORIZATION,
+                      timeout=60) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
     assert any(line.startswith("data: {") for line in received)
@@ -210,6 +221,7 @@ def test_transfer_metrics(cluster):
     assert prefill.metric("pd_transfer_bandwidth_bytes_per_second_count") >= 3
     assert decode.metric("pd_transfer_duration_seconds_count") >= 3
     assert routers["one"].metric("router_requests_total", 'outcome="ok"') >= 1
+    assert httpx.get(routers["one"].base_url + "/v1/models").status_code == 401  # the router wants its key too
 
 
 def stream_in_background(router, prompt: str, max_tokens: int) -> concurrent.futures.Future:
@@ -217,7 +229,8 @@ def stream_in_background(router, prompt: str, max_tokens: int) -> concurrent.fut
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         started = time.monotonic()
-        with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", router.base_url + "/v1/completions", json=body, headers=AUTHORIZATION,
+                          timeout=60) as response:
             lines = [line for line in response.iter_lines() if line]
         return response.status_code, lines, time.monotonic() - started
     return concurrent.futures.ThreadPoolExecutor(1).submit(run)
@@ -251,6 +264,30 @@ def test_prefill_killed_mid_transfer(cluster, colocated):
     victim.kill()
 
 
+def router_sees(router, server, healthy: bool) -> None:
+    wait_for(lambda: router.metric("router_backend_healthy", f'role="{role_of(server)}",url="{server.base_url}"')
+             == float(healthy), 10, f"the router never saw {server.base_url} as {'healthy' if healthy else 'dead'}")
+
+
+def role_of(server) -> str:
+    return server.arguments[server.arguments.index("--role") + 1]
+
+
+def test_router_passes_over_a_dead_prefill_server(cluster, colocated):
+    """Prefill B is dead (killed above): router "two" routes everything to prefill A, exactly (a
+    request that still tries B is sent again, to A) and stays healthy. (Taking a restarted prefill
+    server back, at its new control address, is part of benchmarks/soak.py, which CI runs.)"""
+    servers, routers = cluster
+    router, victim = routers["two"], servers["prefill_b"]
+    client = client_for(router)
+    for index in range(3):
+        prompt = f"{index} {PROMPTS[0]}"
+        response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY)
+        assert response.choices[0].model_dump()["token_ids"] == expected(colocated, prompt, 4).outputs[0].token_ids
+    router_sees(router, victim, healthy=False)
+    assert httpx.get(router.base_url + "/health").json()["status"] == "ok"  # prefill A still serves
+
+
 def test_decode_killed_mid_transfer(cluster, colocated):
     servers, routers = cluster
     victim, prefill = servers["decode_a"], servers["prefill_a"]
@@ -261,8 +298,28 @@ def test_decode_killed_mid_transfer(cluster, colocated):
     assert status != 200 or any('"error"' in line for line in lines), lines
     assert_idle_and_free(prefill, servers["prefill_f"])
     # The prefill server keeps serving (a colocated request, as no decode server is left).
-    response = httpx.post(prefill.base_url + "/v1/completions", timeout=60, json={
+    response = httpx.post(prefill.base_url + "/v1/completions", headers=AUTHORIZATION, timeout=60, json={
         "model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert response.json()["choices"][0]["token_ids"] == expected(colocated, PROMPTS[0], 5).outputs[0].token_ids
+    victim.kill()
+
+
+def test_router_survives_a_decode_server_restart(cluster, colocated):
+    """The decode server is dead (killed above): the router answers 503 with Retry-After naming
+    the dead server; once it is restarted, the router routes to it again, exactly."""
+    servers, routers = cluster
+    router, victim = routers["one"], servers["decode_a"]
+    router_sees(router, victim, healthy=False)
+    response = httpx.post(router.base_url + "/v1/completions", headers=AUTHORIZATION, timeout=30,
+                          json={"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 4})
+    assert response.status_code == 503 and response.headers["retry-after"], response.text
+    assert "no healthy decode server" in response.json()["error"]["message"]
+    assert httpx.get(router.base_url + "/health").status_code == 503
+
+    victim.start()
+    router_sees(router, victim, healthy=True)
+    response = client_for(router).completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, **GREEDY)
+    assert response.choices[0].model_dump()["token_ids"] == expected(colocated, PROMPTS[2], 6).outputs[0].token_ids
+    assert_idle_and_free(victim, servers["prefill_a"])
     victim.kill()

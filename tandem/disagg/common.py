@@ -61,7 +61,7 @@ class PDSide:
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
                                       metadata_row_bytes=self.metadata.row_bytes)
-        self.channel = ControlChannel(self.engine_id, config.bootstrap_address)
+        self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())
         self.outbox: list[RequestDelta] = []
         self.metrics = TransferMetrics(config.role)
         self.last_poll = time.monotonic()
@@ -107,7 +107,7 @@ class PDSide:
         return deltas
 
     def stats(self) -> TransferStats:
-        return self.metrics.stats(self.queue_lengths())
+        return self.metrics.stats(self.queue_lengths(), self.channel.rejected)
 
     def close(self) -> None:
         try:

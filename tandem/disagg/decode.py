@@ -255,7 +255,8 @@ class DecodeSide(PDSide):
         """This side ends the transfer: tell the prefill side; bound pages wait for its drain."""
         bound = transfer.status.state is TransferState.BOUND
         self.end(transfer, state, reason, hold=bound)
-        if transfer.address in self.links:
+        link = self.links.get(transfer.address)
+        if link is not None and link.ready:  # else the prefill engine never got a destination
             self.channel.send_to_address(transfer.address, AbortTransfer(room=transfer.room, reason=reason))
 
     def end(self, transfer: DecodeTransfer, state: TransferState, reason: str, *, hold: bool) -> None:
@@ -314,7 +315,8 @@ class DecodeSide(PDSide):
         for link in list(self.links.values()):
             if not link.ready and now - link.since > config.connect_timeout:
                 self.fail_link(link.address, f"no handshake reply from the prefill server at {link.address} "
-                                             f"within {config.connect_timeout:g} s")
+                                             f"within {config.connect_timeout:g} s (is it reachable, and do both "
+                                             f"servers share the PD secret, --pd-secret-file or $TANDEM_PD_SECRET?)")
             elif link.ready and now - link.last_seen > config.peer_timeout:
                 self.fail_link(link.address, f"the prefill server at {link.address} stopped responding "
                                              f"(no heartbeat for {config.peer_timeout:g} s)")

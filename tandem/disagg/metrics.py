@@ -64,12 +64,13 @@ class TransferMetrics:
         self.num_held_back += 1
         self._version += 1
 
-    def stats(self, queues: dict[str, int]) -> TransferStats:
-        key = tuple(sorted(queues.items()))
+    def stats(self, queues: dict[str, int], control_rejected: dict[str, int]) -> TransferStats:
+        """A snapshot; ``control_rejected``: control messages dropped, by reason (the channel's)."""
+        key = (tuple(sorted(queues.items())), tuple(sorted(control_rejected.items())))
         if self._cache is None or self._cache[:2] != (self._version, key):
             stats = TransferStats(role=self.role, outcomes=dict(self.outcomes), bytes_total=self.bytes_total,
                                   size_bytes=self.sizes.snapshot(), duration_seconds=self.durations.snapshot(),
                                   bandwidth_bytes_per_second=self.bandwidths.snapshot(), queues=queues,
-                                  num_held_back=self.num_held_back)
+                                  num_held_back=self.num_held_back, control_rejected=dict(control_rejected))
             self._cache = (self._version, key, stats)
         return self._cache[2]

@@ -183,6 +183,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     bandwidth_bytes_per_second: Optional[HistogramSnapshot] = None
     queues: dict[str, int] = {}  # e.g. waiting_for_destination, sending, waiting_for_admission
     num_held_back: int = 0  # decode: requests that had to wait for admission (pool full)
+    control_rejected: dict[str, int] = {}  # control messages dropped, by reason (transfer/frames.py)
 
 
 class TierStats(msgspec.Struct, kw_only=True):

@@ -177,6 +177,11 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pd-progress-thread", action=argparse.BooleanOptionalAction, default=False,
                        help="run the transfer backend's progress thread (it keeps a core busy); needed only "
                             "where writes are not one-sided, e.g. UCX over TCP between hosts (default: off)")
+    group.add_argument("--pd-secret-file", default=None, metavar="PATH",
+                       help="file holding the deployment secret that authenticates every PD control message "
+                            "(the same on every prefill and decode server; at least 16 bytes). Default: "
+                            "$TANDEM_PD_SECRET; else, when --pd-address is loopback, this user's generated "
+                            "$TANDEM_CACHE_DIR/pd_secret; required for any other address")
     group.add_argument("--pd-drain-timeout", type=float, default=10.0,
                        help="prefill: seconds a failed transfer's writes may take to finish before they are "
                             "cancelled (default: %(default)s)")
@@ -196,7 +201,8 @@ def transfer_config(arguments: argparse.Namespace):
                               bootstrap_timeout=arguments.pd_bootstrap_timeout,
                               transfer_timeout=arguments.pd_transfer_timeout,
                               drain_timeout=arguments.pd_drain_timeout,
-                              progress_thread=arguments.pd_progress_thread)
+                              progress_thread=arguments.pd_progress_thread,
+                              secret_file=arguments.pd_secret_file).with_secret()
     except ValueError as error:
         raise SystemExit(f"tandem serve: {error}") from None
 

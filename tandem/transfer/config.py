@@ -13,13 +13,16 @@ Defaults (documented in ``tandem serve --help`` and the README):
                                 transfer failed before it is cancelled
     progress_thread     off     NIXL's progress thread (spins a core); needed only where UCX
                                 emulates one-sided writes, e.g. TCP between hosts
+    secret_file         none    the deployment secret authenticating control messages
+                                (``secret.py``: also $TANDEM_PD_SECRET; on loopback, generated)
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from tandem.transfer.secret import explicit_secret_given, is_loopback_address, missing_secret_message, resolve_secret
 from tandem.validation import require
 
 ROLE_CHOICES = ("colocated", "prefill", "decode")
@@ -55,6 +58,8 @@ class TransferConfig:
     drain_timeout: float = 10.0
     failure_probability: Optional[float] = None  # None: from TANDEM_TEST_TRANSFER_FAILURE_PROB
     progress_thread: bool = False  # the backend's own progress thread (see nixl_backend.py)
+    secret_file: Optional[str] = None  # --pd-secret-file
+    secret: Optional[bytes] = field(default=None, repr=False)  # the secret itself (wins over the file)
 
     def __post_init__(self) -> None:
         require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
@@ -67,6 +72,16 @@ class TransferConfig:
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(self.peer_timeout > self.heartbeat_interval, "peer_timeout",
               f"must exceed heartbeat_interval ({self.heartbeat_interval}), got {self.peer_timeout}")
+        if not explicit_secret_given(self.secret, self.secret_file) and not is_loopback_address(self.bootstrap_address):
+            raise ValueError(missing_secret_message(self.bootstrap_address))
+
+    def control_secret(self) -> bytes:
+        """The deployment secret (``secret.py``); ValueError naming the flag when there is none."""
+        return resolve_secret(self.secret, self.secret_file, self.bootstrap_address)
+
+    def with_secret(self) -> "TransferConfig":
+        """This config with its secret read now (the CLI checks it before the engine starts)."""
+        return replace(self, secret=self.control_secret())
 
     @property
     def injected_failure_probability(self) -> float:

@@ -6,6 +6,8 @@ request; every control message, the completion notification and the metadata row
 each side checks it before acting (I7). Connection-level messages (hello, heartbeat) carry
 ``NULL_ROOM``.
 
+Every message travels in an authenticated frame (``frames.py``, ``control.py``).
+
 Message flow (decode D connects to prefill P's bootstrap address)::
 
     D -> P  Hello(layout, backend metadata, buffer addresses)   once per peer
@@ -174,3 +176,6 @@ class Drained(msgspec.Struct, kw_only=True, tag="drained"):
 
 
 ControlMessage = Union[Hello, HelloReply, Heartbeat, Destination, TransferFailed, AbortTransfer, Drained]
+# Messages that may travel without a recipient (the decode side's first words to an address, and
+# its heartbeats); every other one is bound to the receiving engine's id (``frames.py``).
+UNBOUND_MESSAGES = (Hello, Heartbeat)

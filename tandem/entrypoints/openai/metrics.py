@@ -119,6 +119,12 @@ def transfer_metric_families(transfer):
     yield outcomes
     yield CounterMetricFamily(PREFIX + "pd_transfer_bytes", "Bytes of completed PD transfers.",
                               value=transfer.bytes_total)
+    rejected = CounterMetricFamily(PREFIX + "pd_control_rejected",
+                                   "PD control messages dropped unread (unauthenticated, replayed, malformed), by reason.",
+                                   labels=["role", "reason"])
+    for reason, count in sorted(transfer.control_rejected.items()):
+        rejected.add_metric([transfer.role, reason], count)
+    yield rejected
     yield CounterMetricFamily(PREFIX + "pd_requests_held_back",
                               "Decode: requests that waited for admission because the pool was full.",
                               value=transfer.num_held_back)

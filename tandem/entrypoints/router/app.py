@@ -1,0 +1,62 @@
+"""The router's HTTP face: the OpenAI generation routes (forwarded as two legs, ``routing.py``),
+``/v1/models``, ``/health`` (from the health monitor's view: 503 while a role has no healthy
+server) and ``/metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
+exactly as on ``tandem serve``."""
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.entrypoints.openai.app import api_key_checker
+from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tandem.entrypoints.router.routing import Router
+
+
+def create_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="tandem router", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    authorized = [Depends(api_key_checker(router))]
+
+    async def forward(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, ValueError) as error:
+            raise OpenAIError(400, f"malformed JSON body: {error}", "body") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "body: must be a JSON object", "body")
+        return await router.dispatch(path, body, request)
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(request: Request):
+        return await forward("/v1/completions", request)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(request: Request):
+        return await forward("/v1/chat/completions", request)
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models():
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem"}
+                                           for name in sorted(router.pools)]}
+
+    @app.get("/health")
+    async def health():
+        servers = [{"url": backend.url, "role": backend.role, "healthy": backend.healthy,
+                    **({"problem": backend.problem} if not backend.healthy else {})} for backend in router.backends]
+        missing = [role for role in ("prefill", "decode")
+                   if not any(backend.healthy for backend in router.backends if backend.role == role)]
+        if missing:
+            return JSONResponse({"status": "unhealthy", "reason": f"no healthy {' or '.join(missing)} server",
+                                 "servers": servers}, status_code=503)
+        return {"status": "ok", "servers": servers}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,76 @@
+"""``tandem router`` on the command line: flags, start-up checks, serving until a signal."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, RouterSetupError
+from tandem.entrypoints.router.routing import POLICIES, Router
+
+logger = logging.getLogger("tandem.router")
+
+
+def add_router_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "router", help="serve the OpenAI API in front of prefill and decode servers",
+        description="Route each request to a prefill server and a decode server at once (disaggregated "
+                    "prefill/decode) and stream the decode server's answer back.")
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="base URLs of prefill servers (tandem serve --role prefill)")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="base URLs of decode servers (tandem serve --role decode)")
+    parser.add_argument("--policy", choices=POLICIES, default="least-loaded",
+                        help="how a server is chosen for each leg (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' from clients on the /v1 routes "
+                             "(default: $TANDEM_API_KEY; none: open)")
+    parser.add_argument("--server-api-key", default=None,
+                        help="the key the router sends to the servers (their --api-key) (default: the --api-key "
+                             "value)")
+    parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL,
+                        help="seconds between GET /health probes of each server; an unhealthy server gets no "
+                             "requests until it answers again (default: %(default)s)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0,
+                        help="seconds to wait for every server to answer GET /pd/info (default: %(default)s)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                        help="log level (default: %(default)s)")
+    parser.set_defaults(func=run_router)
+
+
+def run_router(arguments: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.entrypoints.router.app import create_router_app
+
+    logging.basicConfig(level=arguments.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if arguments.health_interval <= 0:
+        raise SystemExit(f"tandem router: --health-interval must be > 0, got {arguments.health_interval}")
+    api_key = arguments.api_key or os.environ.get("TANDEM_API_KEY") or None
+
+    async def serve() -> int:
+        router = Router(arguments.prefill, arguments.decode, arguments.policy, api_key=api_key,
+                        server_api_key=arguments.server_api_key or api_key, health_interval=arguments.health_interval)
+        try:
+            try:
+                await router.discover(arguments.startup_timeout)
+            except RouterSetupError as error:
+                logger.error("%s", error)
+                print(f"tandem router: {error}", flush=True)
+                return 2
+            logger.info("routing %s over %d prefill and %d decode servers (%s)", ", ".join(sorted(router.pools)),
+                        len(arguments.prefill), len(arguments.decode), arguments.policy)
+            config = uvicorn.Config(create_router_app(router), host=arguments.host, port=arguments.port,
+                                    log_level=arguments.log_level, access_log=arguments.log_level == "debug")
+            await uvicorn.Server(config).serve()
+            return 0
+        finally:
+            await router.close()
+
+    try:
+        return asyncio.run(serve())
+    except KeyboardInterrupt:
+        return 0

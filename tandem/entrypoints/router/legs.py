@@ -1,0 +1,228 @@
+"""The two legs of one routed request: the prefill leg (never streamed) and the decode leg
+(relayed to the client, streamed or not). As soon as either leg fails — an error status, an
+error event in the decode stream, a dropped connection — both end: the other one is cancelled
+(its server aborts the request and releases its pages) and the client gets an OpenAI-style error
+(in-stream once streaming has begun). A client that goes away cancels both legs. A server that
+cannot be reached is reported to the router's ``BackendMonitor`` (no new requests go to it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+import httpx
+from fastapi.responses import JSONResponse, Response
+
+from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.serving import SSE_DONE, sse_event
+from tandem.entrypoints.router.backends import Backend
+
+if TYPE_CHECKING:
+    from tandem.entrypoints.router.routing import Router
+
+ERROR_EVENT_PREFIX = b'data: {"error"'
+
+
+class LegFailed(Exception):
+    """One leg ended in an error; ``status`` and ``body`` are what the client gets."""
+
+    def __init__(self, status: int, body: dict, unreachable: bool = False):
+        super().__init__(body.get("error", {}).get("message", "leg failed"))
+        self.status = status
+        self.body = body
+        self.unreachable = unreachable  # no connection was made: nothing reached the server
+
+
+def unreachable_error(role: str, backend: Backend, error: httpx.HTTPError) -> LegFailed:
+    """The leg's server failed at the connection level; connect errors mean it never got the request."""
+    return LegFailed(502, error_body(502, f"the {role} server {backend.url} failed: {type(error).__name__}: {error}"),
+                     unreachable=isinstance(error, httpx.ConnectError))
+
+
+def error_body(status: int, message: str) -> dict:
+    return OpenAIError(status, message).body()
+
+
+class Legs:
+    """The two legs of one request; owns the decode response and counts both in flight."""
+
+    def __init__(self, router: Router, prefill: Backend, decode: Backend):
+        self.router = router
+        self.prefill = prefill
+        self.decode = decode
+        self.decode_response: Optional[httpx.Response] = None
+        self.failed_leg: Optional[str] = None
+        for backend in (prefill, decode):
+            backend.in_flight += 1
+            backend.dispatched += 1
+        self.decode_open = True
+        self.prefill_open = True
+
+    def _done(self, role: str) -> None:
+        if role == "prefill" and self.prefill_open:
+            self.prefill_open = False
+            self.prefill.in_flight -= 1
+        elif role == "decode" and self.decode_open:
+            self.decode_open = False
+            self.decode.in_flight -= 1
+
+    async def run_prefill(self, path: str, body: dict) -> None:
+        """The prefill leg; raises ``LegFailed`` when it ends in an error."""
+        try:
+            response = await self.router.client.post(self.prefill.url + path, json=body)
+        except httpx.HTTPError as error:
+            self.router.monitor.mark_unhealthy(self.prefill, f"{type(error).__name__} on a request")
+            raise unreachable_error("prefill", self.prefill, error) from None
+        finally:
+            self._done("prefill")
+        if response.status_code != 200:
+            raise LegFailed(response.status_code, response_error(response, "prefill"))
+
+    async def open_decode(self, path: str, body: dict, prefill_task: asyncio.Task) -> httpx.Response:
+        """Send the decode leg and wait for its status line; a prefill failure first wins."""
+        request = self.router.client.build_request("POST", self.decode.url + path, json=body)
+        decode_task = asyncio.create_task(self.router.client.send(request, stream=True))
+        try:
+            await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done() and prefill_task.exception() is not None and not decode_task.done():
+                self.failed_leg = "prefill"
+                raise prefill_task.exception()
+            try:
+                response = await decode_task
+            except httpx.HTTPError as error:
+                self.failed_leg = "decode"
+                self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
+                raise unreachable_error("decode", self.decode, error) from None
+        except BaseException:
+            if not decode_task.done():
+                decode_task.cancel()
+                await asyncio.gather(decode_task, return_exceptions=True)
+            elif not decode_task.cancelled() and decode_task.exception() is None:
+                await decode_task.result().aclose()
+            self._done("decode")
+            raise
+        self.decode_response = response
+        if response.status_code != 200:
+            await response.aread()
+            self.failed_leg = "decode"
+            self.close_decode()
+            raise LegFailed(response.status_code, response_error(response, "decode"))
+        return response
+
+    def close_decode(self) -> None:
+        if self.decode_response is not None:
+            self.router.keep(asyncio.create_task(self.decode_response.aclose()))
+        self._done("decode")
+
+    async def cancel(self, prefill_task: asyncio.Task) -> None:
+        self.cancel_soon(prefill_task)
+        await asyncio.gather(prefill_task, return_exceptions=True)
+
+    def cancel_soon(self, task: asyncio.Task) -> None:
+        """Cancel without waiting (safe inside a cancelled scope); the task ends on its own."""
+        if not task.done():
+            task.cancel()
+        self.router.keep(task)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def finish_prefill_in_background(self, prefill_task: asyncio.Task) -> None:
+        """The decode leg succeeded; the prefill leg (already done with its transfer) may still be
+        answering: let it, without holding the client."""
+        if not prefill_task.done():
+            self.router.keep(prefill_task)
+        prefill_task.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def collect(self, response: httpx.Response, prefill_task: asyncio.Task) -> Response:
+        """Non-streaming: the decode body, unless either leg fails first."""
+        read_task = asyncio.create_task(response.aread())
+        try:
+            pending = {read_task, prefill_task}
+            while read_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task in done and prefill_task.exception() is not None and read_task in pending:
+                    failure = prefill_task.exception()
+                    self.router.requests.labels(outcome="prefill_failed").inc()
+                    return JSONResponse(failure.body, status_code=failure.status)
+            try:
+                content = read_task.result()
+            except httpx.HTTPError as error:
+                self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
+                await self.cancel(prefill_task)
+                self.router.requests.labels(outcome="decode_failed").inc()
+                return JSONResponse(error_body(502, f"the decode server {self.decode.url} failed: {error}"),
+                                    status_code=502)
+            self.finish_prefill_in_background(prefill_task)
+            self.router.requests.labels(outcome="ok").inc()
+            return Response(content, status_code=200, media_type=response.headers.get("content-type"))
+        except asyncio.CancelledError:
+            self.router.requests.labels(outcome="disconnected").inc()
+            self.cancel_soon(prefill_task)
+            raise
+        finally:
+            self.cancel_soon(read_task)
+            self.close_decode()
+
+    async def relay(self, response: httpx.Response, prefill_task: asyncio.Task) -> AsyncIterator[bytes]:
+        """Streaming: relay the decode server's SSE events, cutting both legs on the first error."""
+        events = sse_events(response.aiter_raw())
+        next_event = asyncio.ensure_future(events.__anext__())
+        outcome = "disconnected"
+        try:
+            while True:
+                waiting = {next_event} if prefill_task.done() else {next_event, prefill_task}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task in done and prefill_task.exception() is not None and not next_event.done():
+                    outcome = "prefill_failed"
+                    yield sse_event(prefill_task.exception().body)
+                    yield SSE_DONE
+                    return
+                if not next_event.done():
+                    continue
+                try:
+                    event = next_event.result()
+                except StopAsyncIteration:
+                    outcome = "ok"
+                    self.finish_prefill_in_background(prefill_task)
+                    return
+                except httpx.HTTPError as error:
+                    outcome = "decode_failed"
+                    self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
+                    yield sse_event(error_body(502, f"the decode server {self.decode.url} failed: {error}"))
+                    yield SSE_DONE
+                    return
+                yield event
+                if event.startswith(ERROR_EVENT_PREFIX):
+                    outcome = "decode_failed"
+                    yield SSE_DONE
+                    return
+                next_event = asyncio.ensure_future(events.__anext__())
+        finally:
+            # No awaits here: after a client disconnect this runs inside a cancelled scope.
+            self.router.requests.labels(outcome=outcome).inc()
+            self.cancel_soon(next_event)
+            if outcome != "ok":
+                self.cancel_soon(prefill_task)
+            self.close_decode()
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole SSE events (each ending in a blank line) from a byte stream."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            yield event + b"\n\n"
+    if buffer.strip():
+        yield buffer
+
+
+def response_error(response: httpx.Response, role: str) -> dict:
+    try:
+        body = response.json()
+        if isinstance(body, dict) and "error" in body:
+            return body
+    except (json.JSONDecodeError, ValueError):
+        pass
+    return error_body(response.status_code, f"the {role} server answered {response.status_code}: {response.text[:200]}")

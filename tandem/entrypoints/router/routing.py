@@ -1,0 +1,159 @@
+"""Routing one request: pick a healthy prefill and decode server of the requested model (least
+loaded, or round robin), make a 128-bit room id, send both legs at once (``legs.py``).
+
+    client --> router --(kv_transfer_params: room, role=prefill)--> prefill server  (not streamed)
+                      --(kv_transfer_params: room, role=decode,  --> decode server   (streamed back)
+                          prefill_address)
+
+A leg whose server cannot be connected to (it never got the request) is retried with a fresh room
+on another healthy server, at most ``MAX_ATTEMPTS`` times in all; no healthy server for a role is
+a 503 with ``Retry-After``. Calls to the servers carry the server API key when one is set.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Optional
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+
+from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
+from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
+from tandem.entrypoints.router.legs import LegFailed, Legs
+from tandem.transfer.messages import new_room
+
+POLICIES = ("least-loaded", "round-robin")
+MAX_ATTEMPTS = 3
+RETRY_AFTER_SECONDS = 2
+OUTCOMES = ("ok", "error", "prefill_failed", "decode_failed", "disconnected")
+
+
+class Router:
+    """Owns the backends table, their monitor and the HTTP client; one per router process.
+
+    ``api_key``: what clients must send to the router; ``server_api_key``: what the router sends to
+    the servers (their ``--api-key``)."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
+                 client: Optional[httpx.AsyncClient] = None, *, api_key: Optional[str] = None,
+                 server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL):
+        self.backends = [Backend(url.rstrip("/"), "prefill") for url in prefill_urls] + \
+                        [Backend(url.rstrip("/"), "decode") for url in decode_urls]
+        self.policy = policy
+        self.api_key = api_key
+        headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), headers=headers,
+                                                  limits=httpx.Limits(max_connections=None,
+                                                                      max_keepalive_connections=64))
+        self.monitor = BackendMonitor(self.backends, self.client, health_interval)
+        self.pools: dict[str, ModelPool] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tandem:router_requests", "Requests by outcome.", ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        self.retries = Counter("tandem:router_retries", "Requests sent again because a server could not be reached.",
+                               ["role"], registry=self.registry)
+        self.registry.register(BackendCollector(self))
+        self.background: set[asyncio.Task] = set()
+
+    # -- start-up ---------------------------------------------------------------------------------
+    async def discover(self, timeout: float = 120.0) -> None:
+        """Read every server's /pd/info (waiting for servers still starting), form the pools, and
+        start the health probes."""
+        await self.monitor.discover(timeout)
+        self.pools = form_pools(self.backends)
+        self.monitor.start()
+
+    # -- choosing ------------------------------------------------------------------------------------
+    def pool_for(self, model: Optional[str]) -> ModelPool:
+        if model is None or model == "":
+            if len(self.pools) == 1:
+                return next(iter(self.pools.values()))
+            raise OpenAIError(400, f"model: this router serves several models ({', '.join(sorted(self.pools))}); "
+                                   "name one", "model")
+        pool = self.pools.get(model)
+        if pool is None:
+            raise OpenAIError(404, f"model: the model {model!r} does not exist; this router serves "
+                                   f"{', '.join(repr(name) for name in sorted(self.pools))}", "model")
+        return pool
+
+    def pick(self, pool: ModelPool, role: str) -> Backend:
+        """A healthy server for one leg; 503 when there is none."""
+        backends = pool.prefills if role == "prefill" else pool.decodes
+        candidates = [backend for backend in backends if backend.healthy]
+        if not candidates:
+            problems = "; ".join(f"{backend.url}: {backend.problem}" for backend in backends)
+            raise OpenAIError(503, f"no healthy {role} server for model {pool.name!r} ({problems})",
+                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        if self.policy == "round-robin":
+            turn = pool.turns.setdefault(role, itertools.count())
+            return candidates[next(turn) % len(candidates)]
+        return min(candidates, key=lambda backend: (backend.in_flight, backend.dispatched))
+
+    # -- dispatching -----------------------------------------------------------------------------------
+    async def dispatch(self, path: str, body: dict, request: Request) -> Response:
+        pool = self.pool_for(body.get("model"))
+        for attempt in range(MAX_ATTEMPTS):
+            prefill, decode = self.pick(pool, "prefill"), self.pick(pool, "decode")
+            room = new_room()
+            prefill_body = {**body, "stream": False, "kv_transfer_params": {"room": room, "role": "prefill"}}
+            prefill_body.pop("stream_options", None)
+            decode_body = {**body, "kv_transfer_params": {"room": room, "role": "decode",
+                                                          "prefill_address": prefill.bootstrap_address}}
+            legs = Legs(self, prefill, decode)
+            prefill_task = asyncio.create_task(legs.run_prefill(path, prefill_body))
+            try:
+                decode_response = await legs.open_decode(path, decode_body, prefill_task)
+            except LegFailed as failure:
+                await legs.cancel(prefill_task)
+                if failure.unreachable and attempt + 1 < MAX_ATTEMPTS:
+                    self.retries.labels(role=legs.failed_leg or "prefill").inc()
+                    continue  # that server is marked unhealthy now: pick again
+                self.requests.labels(outcome="decode_failed" if legs.failed_leg == "decode" else "prefill_failed").inc()
+                return JSONResponse(failure.body, status_code=failure.status)
+            except BaseException:
+                await legs.cancel(prefill_task)
+                legs.close_decode()
+                raise
+            if body.get("stream"):
+                return streaming_response(legs.relay(decode_response, prefill_task))
+            return await run_until_disconnected(request, legs.collect(decode_response, prefill_task))
+        raise AssertionError("unreachable")
+
+    def keep(self, task: asyncio.Task) -> None:
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self) -> None:
+        await self.monitor.stop()
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        await self.client.aclose()
+
+
+class BackendCollector:
+    """Per-server gauges: legs in flight, legs sent, healthy (1) or not (0)."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self):
+        families = {
+            "in_flight": GaugeMetricFamily("tandem:router_backend_in_flight", "Legs in flight per server.",
+                                           labels=["role", "url"]),
+            "dispatched": GaugeMetricFamily("tandem:router_backend_dispatched", "Legs sent per server.",
+                                            labels=["role", "url"]),
+            "healthy": GaugeMetricFamily("tandem:router_backend_healthy",
+                                         "1 while the server answers its health checks, else 0.",
+                                         labels=["role", "url"]),
+        }
+        for backend in self.router.backends:
+            for name, family in families.items():
+                family.add_metric([backend.role, backend.url], int(getattr(backend, name)))
+        yield from families.values()
