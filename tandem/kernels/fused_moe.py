@@ -130,9 +130,10 @@ def align_assignments(expert_ids: torch.Tensor, num_experts: int,
 
 def _config(num_assignments: int, num_experts: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile sizes by the mean rows per expert (a decode step: few; a prefill: many). Interpreted
-    (CPU) runs use the smallest tiles, so tiny test shapes cross block boundaries."""
+    (CPU) runs use the smallest row blocks (so tiny test shapes pad and cross blocks) and wide
+    column and depth tiles (the interpreter's cost is per program and per loop step)."""
     if device.type != "cuda":
-        return dict(BLOCK_M=MINIMUM_DOT_SIZE, BLOCK_N=MINIMUM_DOT_SIZE, BLOCK_K=MINIMUM_DOT_SIZE, num_warps=1)
+        return dict(BLOCK_M=MINIMUM_DOT_SIZE, BLOCK_N=64, BLOCK_K=64, num_warps=1)
     rows_per_expert = num_assignments / num_experts
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if rows_per_expert <= 16:

@@ -19,7 +19,8 @@ from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear
 from tandem.layers.moe import FusedExperts, load_with_experts
 from tandem.layers.norm import RMSNorm
-from tandem.layers.recurrent import RecurrentSlots, mamba2_chunk_scan, mamba2_step
+from tandem.layers.recurrent import mamba2_chunk_scan, mamba2_step
+from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
@@ -58,6 +59,8 @@ class FloatRMSNorm(RMSNorm):
 
 
 class NemotronHMamba2Mixer(nn.Module):
+    cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
+
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.mamba_num_heads
@@ -84,9 +87,9 @@ class NemotronHMamba2Mixer(nn.Module):
                              ssm_shape=(self.num_heads, self.head_dim, self.ssm_state_size), ssm_dtype=ssm_dtype)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.mixer", spec, self.conv1d)
 
-
     def state_specs(self) -> dict:
         return {self.slots.layer_name: self.slots.state_spec}
+
     def _split(self, conv_out: torch.Tensor):
         tokens = conv_out.shape[0]
         groups_size = self.n_groups * self.ssm_state_size

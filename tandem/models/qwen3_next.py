@@ -19,7 +19,8 @@ from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import FusedExperts, load_with_experts
-from tandem.layers.recurrent import RecurrentSlots, chunk_gated_delta_rule, gated_delta_rule_step
+from tandem.layers.recurrent import chunk_gated_delta_rule, gated_delta_rule_step
+from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
 from tandem.models.llama import rope_parameters_of
@@ -95,6 +96,8 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
+    cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
+
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
         super().__init__()
         self.num_v_heads = config.linear_num_value_heads
@@ -118,9 +121,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
                              ssm_dtype=torch.float32)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.linear_attn", spec, self.conv1d)
 
-
     def state_specs(self) -> dict:
         return {self.slots.layer_name: self.slots.state_spec}
+
     def _split(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor):
         """Per key-head groups [q | k | v.. | z..] and [b.. | a..] → q, k, v, z, b, a."""
         tokens = mixed_qkvz.shape[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tandem.engine.protocol import PositionLogprobs
@@ -76,7 +77,8 @@ class ModelRunner:
             context_lengths=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             query_starts=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             num_decode_tokens=0, chunk_query_starts=[0, num_tokens], chunk_start_positions=[0],
-            chunk_context_lengths=[num_tokens]) for _ in range(self.coordinator.num_groups)]
+            chunk_context_lengths=[num_tokens], host_page_table=np.zeros((1, width), dtype=np.int32))
+            for _ in range(self.coordinator.num_groups)]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         hidden = self.model(ids, positions, self.forward_context(metadata))
@@ -122,7 +124,8 @@ class ModelRunner:
             context_lengths=as_int32(step.context_lengths), query_starts=as_int32(step.query_starts),
             num_decode_tokens=step.num_decode, chunk_query_starts=step.query_starts,
             chunk_start_positions=step.start_positions, chunk_context_lengths=step.context_lengths,
-            zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket)
+            zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket,
+            host_page_table=step.page_tables[group])
 
     def _outputs(self, step: StepInputs, hidden, logits, check_finite: bool) -> ExecuteResult:
         if check_finite and not torch.isfinite(logits).all():
