@@ -21,7 +21,7 @@ from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import PendingTokens, StepInputs, build_step_inputs
+from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -53,6 +53,7 @@ class ModelRunner:
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
+        self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
         """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
@@ -93,10 +94,11 @@ class ModelRunner:
         """One forward pass over ``chunks``. A chunk whose input token is still pending (sampled
         by the step before, which may still be running) reads it from ``pending`` on the device."""
         sanitizer = self.coordinator.sanitizer
-        for chunk in chunks:
-            sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
-                                  chunk.sequence.state.page_tables)
-        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size)
+        if sanitizer.enabled:
+            for chunk in chunks:
+                sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
+                                      chunk.sequence.state.page_tables)
+        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
         if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
             # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
@@ -131,12 +133,12 @@ class ModelRunner:
         if check_finite and not torch.isfinite(logits).all():
             from tandem.kv.block_pool import SanitizerError
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
-        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
         prompt_logprobs = {}
-        for row, chunk in enumerate(step.chunks):
-            if chunk.prompt_logprobs:
-                prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
-        return ExecuteResult(sampling_chunks, logits, prompt_logprobs)
+        if step.wants_prompt_logprobs:
+            for row, chunk in enumerate(step.chunks):
+                if chunk.prompt_logprobs:
+                    prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
+        return ExecuteResult(step.sampling_chunks, logits, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int):
         """Logprobs of prompt tokens ``start+1 .. min(end, prompt_len)-1`` from this chunk's rows."""

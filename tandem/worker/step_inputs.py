@@ -7,6 +7,7 @@ never modified.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Optional
 
 import numpy as np
@@ -29,6 +30,8 @@ class StepInputs:
     page_tables: list[np.ndarray]  # per group: [N, width] int32, null-page (0) padded
     slot_mappings: list[np.ndarray]  # per group: [T] int64
     sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order
+    sampling_chunks: list[ScheduledChunk]  # the chunks of those rows
+    wants_prompt_logprobs: bool  # some chunk computes prompt logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -38,45 +41,94 @@ class StepInputs:
     def is_pure_decode(self) -> bool:
         """One sampled token per chunk, no prompt logprobs: the shape a CUDA graph replays."""
         return (self.num_decode == len(self.chunks) and len(self.sampling_rows) == len(self.chunks)
-                and not any(chunk.prompt_logprobs for chunk in self.chunks))
+                and not self.wants_prompt_logprobs)
 
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """Single-token chunks first (the batched decode path) by context length, then the rest."""
-    decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
-    return decodes + [c for c in chunks if c.num_new_tokens > 1]
-
-
-def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: int) -> StepInputs:
-    chunks = order_chunks(chunks)
-    num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
-    ids: list[int] = []
-    query_starts = [0]
-    sampling_rows = []
+    decodes, others = [], []
     for chunk in chunks:
-        end = chunk.start + chunk.num_new_tokens
-        ids.extend(chunk.sequence.token_ids[chunk.start:end])
-        query_starts.append(query_starts[-1] + chunk.num_new_tokens)
-        if chunk.samples:
-            sampling_rows.append(query_starts[-1] - 1)
+        (decodes if chunk.num_new_tokens == 1 else others).append(chunk)
+    decodes.sort(key=attrgetter("start"))
+    return decodes + others if others else decodes
+
+
+class PageTableRows:
+    """Numpy copies of sequences' page-table lists, converted again only when a list changed.
+
+    Owned by the model runner. An entry is keyed by the list object and checked against a
+    snapshot of the list taken at conversion (one C-level list comparison), so any change (a new
+    page, an entry replaced or dropped, a cleared table) is seen. Entries not used by a step are
+    dropped after it (``end_step``)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[list[int], list[int], np.ndarray]] = {}
+        self._used: dict[int, tuple[list[int], list[int], np.ndarray]] = {}
+
+    def row(self, table: list[int]) -> np.ndarray:
+        key = id(table)
+        entry = self._rows.get(key)
+        if entry is None or entry[0] is not table or entry[1] != table:
+            entry = (table, list(table), np.array(table, dtype=np.int32))
+        self._used[key] = entry
+        return entry[2]
+
+    def end_step(self) -> None:
+        self._rows, self._used = self._used, {}
+
+
+def _page_table(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Ragged rows → ``[len(rows), width]`` int32, null-page (0) padded."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    width = max(width, int(lengths.max()))
+    table = np.zeros((len(rows), width), dtype=np.int32)
+    table[np.arange(width)[None, :] < lengths[:, None]] = np.concatenate(rows)
+    return table
+
+
+def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: int,
+                      page_table_rows: Optional[PageTableRows] = None) -> StepInputs:
+    chunks = order_chunks(chunks)
+    rows = page_table_rows or PageTableRows()
     start_positions = [chunk.start for chunk in chunks]
-    context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
-    counts = np.diff(np.asarray(query_starts, dtype=np.int64))
-    row_of_token = np.repeat(np.arange(len(chunks)), counts)
-    positions = (np.arange(len(ids), dtype=np.int64) - np.asarray(query_starts[:-1], dtype=np.int64)[row_of_token]
-                 + np.asarray(start_positions, dtype=np.int64)[row_of_token])
-    needed_width = max(-(-length // page_size) for length in context_lengths)
+    if chunks[-1].num_new_tokens == 1:  # decode rows only: one token each
+        num_decode = len(chunks)
+        ids = [chunk.sequence.token_ids[chunk.start] for chunk in chunks]
+        query_starts = list(range(num_decode + 1))
+        sampling_chunks = [chunk for chunk in chunks if chunk.samples]
+        sampling_rows = (query_starts[:-1] if len(sampling_chunks) == num_decode
+                         else [row for row, chunk in enumerate(chunks) if chunk.samples])
+        context_lengths = [start + 1 for start in start_positions]
+        positions = np.asarray(start_positions, dtype=np.int64)
+        row_of_token = np.arange(num_decode)
+    else:
+        num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
+        ids = []
+        query_starts = [0]
+        sampling_rows, sampling_chunks = [], []
+        for chunk in chunks:
+            end = chunk.start + chunk.num_new_tokens
+            ids.extend(chunk.sequence.token_ids[chunk.start:end])
+            query_starts.append(query_starts[-1] + chunk.num_new_tokens)
+            if chunk.samples:
+                sampling_rows.append(query_starts[-1] - 1)
+                sampling_chunks.append(chunk)
+        context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
+        counts = np.diff(np.asarray(query_starts, dtype=np.int64))
+        row_of_token = np.repeat(np.arange(len(chunks)), counts)
+        positions = (np.arange(len(ids), dtype=np.int64) - np.asarray(query_starts[:-1], dtype=np.int64)[row_of_token]
+                     + np.asarray(start_positions, dtype=np.int64)[row_of_token])
+    needed_width = -(-max(context_lengths) // page_size)
     page_tables, slot_mappings = [], []
     for group in range(num_groups):
-        rows = [chunk.sequence.state.page_tables[group] for chunk in chunks]
-        table = np.zeros((len(chunks), max(needed_width, max(map(len, rows)))), dtype=np.int32)
-        for index, row in enumerate(rows):
-            table[index, :len(row)] = row
+        table = _page_table([rows.row(chunk.sequence.state.page_tables[group]) for chunk in chunks], needed_width)
         page_tables.append(table)
         slot_mappings.append(table[row_of_token, positions // page_size].astype(np.int64) * page_size
                              + positions % page_size)
+    rows.end_step()
     return StepInputs(chunks, num_decode, np.asarray(ids, dtype=np.int64), positions, query_starts,
-                      start_positions, context_lengths, page_tables, slot_mappings, sampling_rows)
+                      start_positions, context_lengths, page_tables, slot_mappings, sampling_rows,
+                      sampling_chunks, any(chunk.prompt_logprobs for chunk in chunks))
 
 
 @dataclass
@@ -91,12 +143,10 @@ class PendingTokens:
     def feed(self, step: StepInputs, device: torch.device) -> Optional[Callable[[torch.Tensor], None]]:
         """A function writing the step's pending input tokens into its device input ids (None
         when the step reads none). Only a decode chunk reads a pending token: its one input."""
-        targets, sources = [], []
-        for row, chunk in enumerate(step.chunks[:step.num_decode]):
-            if chunk.sequence.token_ids[chunk.start] == PENDING_TOKEN:
-                targets.append(row)
-                sources.append(self.row_of[id(chunk.sequence)])
+        targets = np.flatnonzero(step.input_ids[:step.num_decode] == PENDING_TOKEN).tolist()
         if not targets:
             return None
+        chunks, row_of = step.chunks, self.row_of
+        sources = [row_of[id(chunks[row].sequence)] for row in targets]
         indices = to_device([targets, sources], device, torch.long)
         return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))
