@@ -7,6 +7,7 @@ never modified.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter
 from typing import Callable, Optional
 
@@ -135,18 +136,29 @@ def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: 
 class PendingTokens:
     """Tokens sampled by the step in flight, still on the device (overlapped engine loop).
 
-    ``token_ids[row_of[id(sequence)]]`` is the token that stands as ``PENDING_TOKEN`` at the
-    end of that sequence's ``token_ids``."""
+    ``token_ids[row]`` is the token that stands as ``PENDING_TOKEN`` at the end of
+    ``sequences[row]``'s ``token_ids``."""
     token_ids: torch.Tensor  # [rows] int64, on the device
-    row_of: dict[int, int]
+    sequences: list  # the sampled sequences, in row order
+
+    @cached_property
+    def row_of(self) -> dict[int, int]:
+        return {id(sequence): row for row, sequence in enumerate(self.sequences)}
 
     def feed(self, step: StepInputs, device: torch.device) -> Optional[Callable[[torch.Tensor], None]]:
         """A function writing the step's pending input tokens into its device input ids (None
-        when the step reads none). Only a decode chunk reads a pending token: its one input."""
+        when the step reads none). Only a decode chunk reads a pending token: its one input.
+        When the step's first rows are the sampled rows in the same order (a steady decode
+        batch), they are one slice copy."""
         targets = np.flatnonzero(step.input_ids[:step.num_decode] == PENDING_TOKEN).tolist()
         if not targets:
             return None
-        chunks, row_of = step.chunks, self.row_of
+        count, chunks = len(self.sequences), step.chunks
+        if (len(targets) == count and targets[-1] == count - 1
+                and [chunk.sequence for chunk in chunks[:count]] == self.sequences):
+            token_ids = self.token_ids
+            return lambda input_ids: input_ids[:count].copy_(token_ids)
+        row_of = self.row_of
         sources = [row_of[id(chunks[row].sequence)] for row in targets]
         indices = to_device([targets, sources], device, torch.long)
         return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))
