@@ -28,6 +28,12 @@ SHAPES = {
     "llama3-8b": ("llama", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                 intermediate_size=14336, vocab_size=128256, rope_scaling="llama3",
                                 rope_theta=500000.0, max_position_embeddings=131072)),
+    # Draft shapes for benchmarks/spec_decode.py (the same vocabulary as their targets).
+    "llama3.2-1b": ("llama", dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                                  intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                                  rope_scaling="llama3", rope_theta=500000.0, max_position_embeddings=131072)),
+    "tiny-draft": ("llama", dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=256, vocab_size=8192)),
 }
 
 

@@ -7,6 +7,7 @@
 #   bash scripts/gpu_checks.sh kernels      # kernel benchmarks
 #   bash scripts/gpu_checks.sh latency      # benchmarks/latency.py, Llama-3.1-8B shape
 #   bash scripts/gpu_checks.sh offline      # benchmarks/offline.py presets
+#   bash scripts/gpu_checks.sh tiers        # state-tier GPU tests and benchmarks/multiturn.py (8B shape)
 #
 # Logs go to $LOG_DIR (default ./gpu-logs), one file per part.
 set -uo pipefail
@@ -39,6 +40,8 @@ for part in "${@:-tests}"; do
     offline) for preset in llama3-8b-b1 llama3-8b-b32 qwen3-0.6b-nanovllm; do
                run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1
              done ;;
+    tiers) run tiers_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_tiers.py tests/test_kernels_page_copy.py
+           run multiturn python3 benchmarks/multiturn.py --shape llama3-8b ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

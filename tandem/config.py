@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
+HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREEMPTION_MODES = ("swap", "recompute")
+SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def sanitize_enabled() -> bool:
@@ -38,7 +42,16 @@ class EngineConfig:
     # Sparse-attention (DSA) indexer key cache: "fp8" (e4m3 keys + FP32 scales, page-major, as
     # deployed) or "float32" (unquantised; bit-for-bit comparable with the reference).
     indexer_cache_dtype: str = "fp8"
-    # Scheduler.
+    # Tiers behind the prefix cache (kv/tiers): host memory in GB (2**30 bytes; 0: off), when
+    # device pages are copied there, and a disk directory behind it (shared by engines that name
+    # the same one) with its size cap in GB.
+    host_cache_size: float = 0.0
+    host_cache_write_policy: str = "write_through"
+    disk_cache_dir: Optional[str] = None
+    disk_cache_size: float = 16.0
+    # Scheduler. Preemption by "swap" (to the host tier; the default when one exists) or
+    # "recompute" (the default without one, and the fallback when the host tier is full).
+    preemption_mode: Optional[str] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
@@ -50,6 +63,13 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     cuda_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
+    # Speculative decoding (tandem/spec_decode): "mtp" (the checkpoint's next-n layers: DeepSeek-V3,
+    # V3.2, GLM-5) or "draft" (``speculative_model``, a smaller model with the same vocabulary);
+    # None: off. ``num_speculative_tokens`` drafts are verified per step (default for "mtp": the
+    # checkpoint's number of next-n layers). A draft model alone implies "draft".
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    speculative_model: Optional[str] = None
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
     transfer: Optional["TransferConfig"] = None
 
@@ -71,6 +91,44 @@ class EngineConfig:
                 "cuda_graph_sizes", f"must be positive batch sizes, got {self.cuda_graph_sizes}")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               f"must be >= 1, got {self.max_model_len}")
+        require(self.host_cache_size >= 0, "host_cache_size", f"must be >= 0 GB, got {self.host_cache_size}")
+        require(self.disk_cache_size > 0, "disk_cache_size", f"must be > 0 GB, got {self.disk_cache_size}")
+        require(self.host_cache_write_policy in HOST_CACHE_WRITE_POLICIES, "host_cache_write_policy",
+                f"must be one of {HOST_CACHE_WRITE_POLICIES}, got {self.host_cache_write_policy!r}")
+        require(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        require(self.preemption_mode != "swap" or self.has_host_tier, "preemption_mode",
+                "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
+
+        self._validate_speculation()
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_cache_size > 0 or bool(self.disk_cache_dir)
+
+    @property
+    def resolved_preemption_mode(self) -> str:
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "swap" if self.has_host_tier else "recompute"
+
+    def _validate_speculation(self) -> None:
+        if self.speculative_method is None and self.speculative_model is not None:
+            object.__setattr__(self, "speculative_method", "draft")
+        method = self.speculative_method
+        require(method is None or method in SPECULATIVE_METHOD_CHOICES, "speculative_method",
+                f"must be one of {SPECULATIVE_METHOD_CHOICES}, got {method!r}")
+        require(method != "draft" or self.speculative_model is not None, "speculative_model",
+                "a draft model directory is required with speculative_method='draft'")
+        require(method != "mtp" or self.speculative_model is None, "speculative_model",
+                "not used with speculative_method='mtp' (the next-n layers come with the model)")
+        tokens = self.num_speculative_tokens
+        require(tokens is None or method is not None, "num_speculative_tokens",
+                "needs speculative_method (or speculative_model)")
+        require(tokens is None or (isinstance(tokens, int) and 1 <= tokens <= MAX_SPECULATIVE_TOKENS),
+                "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
+        require(method != "draft" or tokens is not None, "num_speculative_tokens",
+                "required with speculative_method='draft'")
 
     @property
     def sanitizer_on(self) -> bool:

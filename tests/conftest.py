@@ -49,6 +49,17 @@ ARCH_OPTIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """Tiny models run fastest on one thread, especially on a busy CI machine (each parallel
+    region of their many small ops waits for a second core). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("single_torch_thread")``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     from tandem.tools.make_model import make_model

@@ -86,6 +86,17 @@ class PDPair:
     def tokens(self, request_id: str) -> list[int]:
         return [token for delta in self.outputs.get(request_id, []) for token in delta.new_token_ids]
 
+    def assert_matches(self, request_id: str, reference) -> None:
+        """The decode side's tokens equal an oracle ``Reference``'s, and their logprobs too."""
+        from tests.oracle import LOGPROB_TOLERANCE
+
+        assert self.error(request_id) is None, self.error(request_id)
+        assert self.tokens(request_id) == reference.token_ids, request_id
+        entries = [entry for delta in self.outputs[request_id] for entry in delta.new_logprobs or []]
+        for position, entry in enumerate(entries):
+            expected = reference.logprobs[position][entry.token_ids[0]].item()
+            assert abs(entry.logprobs[0] - expected) <= LOGPROB_TOLERANCE, (request_id, position)
+
     def error(self, request_id: str) -> Optional[str]:
         return next((delta.error for delta in self.outputs.get(request_id, []) if delta.finish_reason == "error"), None)
 

@@ -25,6 +25,8 @@ from tandem.layers.sparse_indexer import (FP8_DTYPE, Fp8PageMajorIndexKeys, Ligh
                                           index_scores)
 from tests.oracle import assert_matches
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 FAMILY = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 INDEX_TOPK = 16  # make_model's DSA configs
@@ -59,15 +61,6 @@ def make_llm(model_dir, **options) -> LLM:
 def check_outputs(outputs, prompts, oracle, context: str) -> None:
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         assert_matches(output.outputs[0], oracle.greedy(prompt, MAX_TOKENS), context=f"{context} prompt {number}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny models run fastest on one thread, especially on a busy CI machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 # -- against transformers ------------------------------------------------------------------------

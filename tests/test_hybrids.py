@@ -16,6 +16,8 @@ from tandem.kv.planner import bytes_per_page, plan_pools
 from tandem.layers import recurrent
 from tests.oracle import assert_matches
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 HYBRIDS = ("qwen3_next", "nemotron_h")
 GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 16
@@ -30,16 +32,6 @@ _rng = random.Random(11)
 PROMPTS = {length: random_prompt(_rng, length) for length in (1, 5, 17, 70, 97, 130, 150, 200)}
 SHARED = random_prompt(_rng, 120)
 PREFIX_PROMPTS = [SHARED + random_prompt(_rng, n) for n in (5, 40, 1, 77)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models gain nothing from intra-op threads; on a busy machine each parallel
-    region of the many small scan ops waits for a second core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_llm(model_dir, **options):

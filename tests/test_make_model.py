@@ -29,6 +29,8 @@ from tandem.tools.make_model import (
     train_tokenizer,
 )
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SAMPLE_TEXTS = (
     "Hello world! The pilot reads 12 books.",
@@ -36,15 +38,6 @@ SAMPLE_TEXTS = (
     "  leading spaces, tabs\tand new\r\nlines; unicode wörld 🙂",
     "<|im_start|>user\nhi<|im_end|>",
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny models run fastest on one thread, especially on a busy CI machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

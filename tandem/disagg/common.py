@@ -29,8 +29,11 @@ EXTRA_METADATA_ROWS = 16
 
 def model_dimensions(core) -> dict[str, int]:
     info = core.model_info
+    speculator = core.speculator
     return {"vocab_size": int(info.vocab_size), "hidden_size": int(info.hidden_size),
-            "num_state_layers": sum(len(group.layer_names) for group in core.registry.groups)}
+            "num_state_layers": sum(len(group.layer_names) for group in core.registry.groups),
+            # a draft's state crosses like the target's: both sides must hold the same draft
+            "draft_state_layers": speculator.num_state_layers if speculator is not None else 0}
 
 
 class PDSide:

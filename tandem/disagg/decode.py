@@ -227,10 +227,15 @@ class DecodeSide(PDSide):
                 return
             keep = 1 + sequence.params.logprobs
             logprobs = PositionLogprobs(list(row.logprob_token_ids[:keep]), list(row.logprobs[:keep]), row.rank)
+        sequence.num_computed_tokens = sequence.num_prompt_tokens
+        speculator = self.core.speculator
+        problem = speculator.on_remote_prefill(sequence, row.hidden_states) if speculator is not None else None
+        if problem is not None:
+            self.end(transfer, TransferState.FAILED, problem, hold=False)
+            return
         transfer.status.advance(TransferState.DONE)
         self.forget(transfer)
         self.metrics.record("done", transfer.num_bytes, now - transfer.bound_at)
-        sequence.num_computed_tokens = sequence.num_prompt_tokens
         sequence.num_cached_tokens = row.num_cached_tokens
         self.skip_first_draw(sequence)
         self.scheduler.release_remote(sequence, running=True)

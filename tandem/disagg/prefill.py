@@ -348,11 +348,13 @@ class PrefillSide(PDSide):
             return  # all rows busy: retried on the next poll
         delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
         logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
+        speculator = self.core.speculator
         self.metadata.write(row, MetadataRow(
             room=transfer.room, first_token=delta.new_token_ids[0],
             num_cached_tokens=max(sequence.num_cached_tokens, 0),
             logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
-            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0))
+            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
+            hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
         transfer.local_row = row
         destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
         handle = self.backend.write(peer.agent, [(self.metadata.address(row), destination, self.metadata.row_bytes)],

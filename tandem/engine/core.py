@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta
+from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequence_pools
 from tandem.kv.registry import StateRegistry
+from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
@@ -59,16 +60,26 @@ class EngineCore:
         self.registry = StateRegistry()
         for layer_name, spec in self.model.state_specs().items():
             self.registry.register(layer_name, spec)
+        self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
+        if config.speculative_method is not None:
+            from tandem.spec_decode import Speculator, engine_config_for_speculation
+
+            self.config = config = engine_config_for_speculation(config, self.device.type)
+            self.speculator = Speculator(self, config)  # registers the draft's state specs
         self.registry.finalize()
         plan = plan_pools(self.registry, config.page_size, max_total_tokens=config.max_total_tokens,
                           memory_budget_bytes=self._memory_budget(), max_num_seqs=config.max_num_seqs,
-                          prefix_caching=config.enable_prefix_caching)
+                          prefix_caching=config.enable_prefix_caching, speculative=self.speculator is not None)
         allocate_buffers(self.registry, plan, self.device)
         self.coordinator = StateCoordinator(self.registry, plan,
                                             enable_prefix_caching=config.enable_prefix_caching,
                                             sanitize=config.sanitizer_on)
+        tiers = build_tiers(config, self.coordinator, self.device)
+        if tiers is not None:
+            self.coordinator.attach_tiers(tiers)
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption_mode=config.resolved_preemption_mode)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if not config.enforce_eager:
             sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
@@ -76,6 +87,8 @@ class EngineCore:
                                        self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
+        if self.speculator is not None:
+            self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
@@ -102,7 +115,7 @@ class EngineCore:
         wanted = bytes_per_page(self.registry, config.page_size) * (
             -(-self.model_info.max_model_len // config.page_size) * config.max_num_seqs + 1)
         wanted += sequence_pools(self.registry, config.page_size, config.max_num_seqs,
-                                 config.enable_prefix_caching)[1]
+                                 config.enable_prefix_caching, self.speculator is not None)[1]
         return min(int(available_host_memory() * config.cpu_kv_cache_fraction), wanted)
 
     # -- requests ------------------------------------------------------------------------------
@@ -217,7 +230,12 @@ class EngineCore:
         completed (its tokens read back) only after the next one has been launched, so the
         host prepares step N+1 while the device runs step N; the next step then reads step N's
         tokens on the device. Where the next step needs step N's results first (a preemption,
-        a fork, penalties over output tokens), step N is completed before it is scheduled."""
+        a fork, penalties over output tokens), step N is completed before it is scheduled.
+        While speculating, the speculator runs the step (one at a time)."""
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.poll()  # tier copies that completed release their pages
+        if self.speculator is not None:
+            return self.speculator.run_step()
         previous = self._in_flight
         output = self.scheduler.schedule(allow_preemption=previous is None)
         if previous is not None and (output is None or not self._can_overlap(output)):
@@ -249,6 +267,8 @@ class EngineCore:
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
         self.coordinator.sanitizer.check_books(
             self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.check_books()
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its
@@ -391,9 +411,10 @@ class EngineCore:
         parent.pending_forks = 0
         return children
 
-    def _banned_tokens(self, sequence: Sequence) -> list[int]:
+    def _banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
+        """Token ids the next token (``ahead`` tokens later: a draft's position) may not take."""
         params = sequence.params
-        if sequence.num_output_tokens >= params.min_tokens:
+        if sequence.num_output_tokens + ahead >= params.min_tokens:
             return []
         eos = [] if params.ignore_eos else list(self.model_info.eos_token_ids)
         return eos + list(params.stop_token_ids)
@@ -468,7 +489,9 @@ class EngineCore:
                            prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
                            num_preemptions=self.scheduler.num_preemptions,
                            page_size=self.coordinator.page_size,
-                           transfer=self.pd.stats() if self.pd is not None else None)
+                           transfer=self.pd.stats() if self.pd is not None else None,
+                           tiers=tier_stats(self.coordinator.tiers) if self.coordinator.tiers is not None else None,
+                           speculation=self.speculator.stats() if self.speculator is not None else None)
 
     def reset_prefix_cache(self) -> int:
         return self.coordinator.reset_prefix_cache()
@@ -479,7 +502,13 @@ class EngineCore:
             raise SanitizerError("check_all_free called while a launched step still had tokens to deliver")
         if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
+        tiers = self.coordinator.tiers
+        if tiers is not None:
+            tiers.drain()
         self.reset_prefix_cache()
+        if tiers is not None:
+            tiers.drain()  # write-back saves of the flushed nodes
+            tiers.check_idle()
         self.coordinator.sanitizer.check_all_free(self.coordinator)
 
     def shutdown(self) -> None:
@@ -487,3 +516,5 @@ class EngineCore:
         self._sequences.clear()
         if self.pd is not None:
             self.pd.close()
+        if self.coordinator.tiers is not None:
+            self.coordinator.tiers.close()  # queued disk writes finish first

@@ -47,6 +47,24 @@ class RequestDelta(msgspec.Struct, kw_only=True):
     error: Optional[str] = None
 
 
+class SpeculationStats(msgspec.Struct, kw_only=True):
+    """Cumulative speculative-decoding counts of one engine."""
+    method: str  # "mtp" or "draft"
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified (proposed and scheduled)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification yields on average: accepted drafts plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -57,6 +75,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     page_size: int = 0
     transfer: Optional["TransferStats"] = None  # PD engines only
+    tiers: Optional["TierStats"] = None  # engines with a host (and disk) tier
+    speculation: Optional[SpeculationStats] = None  # engines that speculate only
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
@@ -163,3 +183,47 @@ class TransferStats(msgspec.Struct, kw_only=True):
     bandwidth_bytes_per_second: Optional[HistogramSnapshot] = None
     queues: dict[str, int] = {}  # e.g. waiting_for_destination, sending, waiting_for_admission
     num_held_back: int = 0  # decode: requests that had to wait for admission (pool full)
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    """Cumulative figures of the host and disk tiers, and what they hold now."""
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    copy_bytes: dict[str, int] = {}  # by direction: d2h, h2d, disk_write, disk_read
+    copy_seconds: dict[str, float] = {}  # d2h, h2d (device time on CUDA)
+    copies_in_flight: int = 0
+    swaps: dict[str, int] = {}  # out, in, refused (host tier full: recomputed instead)
+    host_pages_used: int = 0
+    host_pages_total: int = 0
+    disk_enabled: bool = False
+    disk_files: int = 0
+    disk_bytes: int = 0
+    disk_rejected: dict[str, int] = {}  # files rejected by reason (truncated, checksum, foreign, ...)
+    disk_write_failures: int = 0
+
+
+def tier_stats(tiers) -> TierStats:
+    """A snapshot of a ``TieredState``'s figures."""
+    stats = tiers.stats
+    disk = tiers.disk
+    disk_stats = disk.stats if disk is not None else None
+    used = sum(pool.num_usable - pool.num_free for pool in tiers.host.pools)
+    total = sum(pool.num_usable for pool in tiers.host.pools)
+    copy_bytes = {"d2h": stats.d2h_bytes, "h2d": stats.h2d_bytes}
+    if disk_stats is not None:
+        copy_bytes.update(disk_write=_stat(disk_stats, "bytes_written"), disk_read=_stat(disk_stats, "bytes_read"))
+    return TierStats(
+        host_hit_tokens=stats.host_hit_tokens, disk_hit_tokens=stats.disk_hit_tokens, copy_bytes=copy_bytes,
+        copy_seconds={"d2h": stats.d2h_seconds, "h2d": stats.h2d_seconds},
+        copies_in_flight=tiers.copies_in_flight,
+        swaps={"out": stats.swap_outs, "in": stats.swap_ins, "refused": stats.swaps_refused},
+        host_pages_used=used, host_pages_total=total, disk_enabled=disk is not None,
+        disk_files=_stat(disk_stats, "files"), disk_bytes=_stat(disk_stats, "bytes"),
+        disk_rejected=dict(_stat(disk_stats, "rejected", {})),
+        disk_write_failures=_stat(disk_stats, "write_failures"))
+
+
+def _stat(stats, name: str, default=0):
+    if stats is None:
+        return default
+    return stats.get(name, default) if isinstance(stats, dict) else getattr(stats, name, default)

@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import DTYPE_CHOICES, INDEXER_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, EngineConfig
+from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
+                           LOAD_FORMAT_CHOICES, PREEMPTION_MODES, SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -62,6 +63,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap the host's scheduling of step N+1 with the device's step N "
                             "(default: on for CUDA devices)")
+    group.add_argument("--speculative-method", choices=SPECULATIVE_METHOD_CHOICES, default=None,
+                       help="speculative decoding: mtp (the checkpoint's next-n layers; DeepSeek-V3, V3.2, "
+                            "GLM-5) or draft (--speculative-model) (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="draft tokens verified per step (default for mtp: the number of next-n layers)")
+    group.add_argument("--speculative-model", default=None,
+                       help="draft model directory (same vocabulary as --model); implies --speculative-method draft")
+    tiers = parser.add_argument_group("state tiers (host memory and disk behind the prefix cache)")
+    tiers.add_argument("--host-cache-size", type=float, default=0.0, metavar="GB",
+                       help="host-memory tier in GB (2^30 bytes; pinned on CUDA); 0: off (default: %(default)s)")
+    tiers.add_argument("--host-cache-write-policy", choices=HOST_CACHE_WRITE_POLICIES, default="write_through",
+                       help="when device pages are copied to the host tier: as they are cached "
+                            "(write_through), on their second hit (write_through_selective), or when "
+                            "they leave the device (write_back) (default: %(default)s)")
+    tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="disk tier directory (survives restarts; engines naming the same directory "
+                            "share it); with no --host-cache-size, the host tier gets as many pages as "
+                            "the device pool (default: off)")
+    tiers.add_argument("--disk-cache-size", type=float, default=16.0, metavar="GB",
+                       help="disk tier size cap in GB, least recently used pages go first (default: %(default)s)")
+    tiers.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
+                       help="swap: a preempted request's state goes to the host tier and comes back; "
+                            "recompute: it is recomputed (default: swap with a host tier, else recompute; "
+                            "recompute also when the host tier is full)")
 
 
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
@@ -73,7 +98,12 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
-        cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None)
+        cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
+        host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
+        disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
+        preemption_mode=arguments.preemption_mode,
+        speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
+        speculative_model=arguments.speculative_model)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

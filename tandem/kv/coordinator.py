@@ -7,16 +7,21 @@ methods fan out over the groups; none knows what kind of state a group holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 import torch
 
-from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
+from tandem.kv.accessor import PendingLoads
+from tandem.kv.block_pool import CACHE_OWNER, INFLIGHT_PREFIX, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
+from tandem.kv.tiers.disk_store import chain_hash
 from tandem.kv.registry import StateRegistry
 from tandem.kv.sanitizer import Sanitizer
+
+if TYPE_CHECKING:
+    from tandem.kv.tiers.hierarchy import SwappedState, TieredState
 
 
 @dataclass
@@ -25,6 +30,7 @@ class RequestState:
     owner: str
     page_tables: list[list[int]]
     cache_path: list[CacheNode] = field(default_factory=list)  # locked prefix-cache nodes
+    swapped: Optional["SwappedState"] = None  # preempted by swap: the state is in the host tier
 
     @classmethod
     def empty(cls, owner: str, num_groups: int) -> "RequestState":
@@ -40,12 +46,28 @@ class StateCoordinator:
         self.sanitizer = Sanitizer(registry, sanitize)
         self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self.sanitizer.poison)
                       for group in registry.groups]
+        for pool in self.pools:  # a page never written reads as poison too (I6)
+            self.sanitizer.poison(pool.group_id, [page for page in range(pool.num_pages) if page != NULL_PAGE])
         self.managers = [manager_class_for(group.spec.manager_kind)(group, pool, plan.page_size)
                          for group, pool in zip(registry.groups, self.pools)]
-        self.prefix_cache = PrefixCache(self.pools, plan.page_size) if enable_prefix_caching else None
+        self.prefix_cache = PrefixCache(self.pools, plan.page_size, chain_hash) if enable_prefix_caching else None
         for manager in self.managers:
             manager.prefix_caching = self.prefix_cache is not None
         self._inflight: dict[str, list[list[int]]] = {}
+        # Set when some layer's state at a position depends on the token after it (an MTP draft
+        # layer's): the last slot of a page is then not final until the next token is known, so
+        # a prefix hit leaves its last page to be recomputed into pages of the request's own, and
+        # a fork copies the page holding the last token instead of sharing it.
+        self.state_reads_next_token = False
+        # Per-layer completions of asynchronous loads into device pages; every read of a
+        # layer's state waits for its own (the accessor, I3; ``copy_page`` here).
+        self.pending_loads = PendingLoads()
+        self.tiers: Optional["TieredState"] = None  # host and disk tiers, when configured
+
+    def attach_tiers(self, tiers: "TieredState") -> None:
+        self.tiers = tiers
+        if self.prefix_cache is not None:
+            self.prefix_cache.keeps_below = tiers.keeps_below
 
     @property
     def num_groups(self) -> int:
@@ -63,40 +85,32 @@ class StateCoordinator:
                 for manager, table in zip(self.managers, state.page_tables)]
 
     def can_allocate(self, state: RequestState, num_tokens: int) -> bool:
-        return self._fits(self.pages_needed(state, num_tokens))
+        return self.fits(self.pages_needed(state, num_tokens))
 
-    def _fits(self, needed: list[int]) -> bool:
+    def fits(self, needed: list[int]) -> bool:
         """Whether ``needed`` pages per group are free, or can be freed by evicting cache."""
         if all(pool.num_free >= n for pool, n in zip(self.pools, needed)):
             return True
-        evictable = self._evictable_pages()
+        evictable = self.evictable_pages()
         return all(pool.num_free + e >= n for pool, e, n in zip(self.pools, evictable, needed))
 
-    def _evictable_pages(self) -> list[int]:
+    def evictable_pages(self) -> list[int]:
         """Per group: the pages evicting would free. A node that is unlocked with no locked
         descendant frees its page in each group; a sparse group's entry can be dropped from
         any node, freeing the page where the cache is its only holder."""
         counts = [0] * self.num_groups
         if self.prefix_cache is None:
             return counts
-        root = self.prefix_cache.root
-        order, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        evictable: dict[int, bool] = {}
-        for node in reversed(order):
-            evictable[id(node)] = node.lock_count == 0 and all(evictable[id(c)] for c in node.children.values())
-            if node is root:
-                continue
-            for group_index, (manager, pool, page) in enumerate(zip(self.managers, self.pools, node.pages)):
-                if page == NULL_PAGE:
-                    continue
-                if manager.sparse_prefix_entries:
-                    counts[group_index] += pool.refcount(page) == 1
-                elif evictable[id(node)]:
-                    counts[group_index] += 1
+        cache = self.prefix_cache
+        sparse = [index for index, manager in enumerate(self.managers) if manager.sparse_prefix_entries]
+        for group_index in range(self.num_groups):
+            if group_index not in sparse:
+                counts[group_index] = cache.unlocked_pages[group_index]
+        if sparse:  # a sparse entry can be dropped from any node where the cache alone holds it
+            for node in cache.device_nodes():
+                for group_index in sparse:
+                    page = node.pages[group_index]
+                    counts[group_index] += page != NULL_PAGE and self.pools[group_index].refcount(page) == 1
         return counts
 
     def _drop_sparse_entries(self, needed: list[int]) -> None:
@@ -107,15 +121,18 @@ class StateCoordinator:
                  if manager.sparse_prefix_entries and pool.num_free < count]
         if not short:
             return
-        nodes = sorted(self.prefix_cache.all_nodes(), key=lambda node: node.last_access)
+        nodes = sorted(self.prefix_cache.device_nodes(), key=lambda node: node.last_access)
         for group_index in short:
             pool, count = self.pools[group_index], needed[group_index]
             for node in nodes:
                 if pool.num_free >= count:
                     break
+                if node.pages is None:
+                    continue
                 page = node.pages[group_index]
                 if page != NULL_PAGE:
-                    node.pages = node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:]
+                    self.prefix_cache.set_device_pages(
+                        node, node.pages[:group_index] + (NULL_PAGE,) + node.pages[group_index + 1:])
                     self.pools[group_index].release([page], CACHE_OWNER)
 
     def try_allocate(self, state: RequestState, num_tokens: int) -> bool:
@@ -124,15 +141,15 @@ class StateCoordinator:
         needed = self.pages_needed(state, num_tokens)
         if not any(needed):  # managers allocate nothing when they need no new page
             return True
-        if not self._fits(needed):
+        if not self.fits(needed):
             return False
-        self._make_room(needed)
+        self.make_room(needed)
         self._grow(state, num_tokens)
         return True
 
     def allocate(self, state: RequestState, num_tokens: int) -> None:
         """Grow every page table to hold ``num_tokens``; evicts cached pages if needed."""
-        self._make_room(self.pages_needed(state, num_tokens))
+        self.make_room(self.pages_needed(state, num_tokens))
         self._grow(state, num_tokens)
 
     def _grow(self, state: RequestState, num_tokens: int) -> None:
@@ -140,18 +157,25 @@ class StateCoordinator:
             manager.allocate(table, num_tokens, state.owner,
                              lambda source, destination, group=group_index: self.copy_page(group, source, destination))
 
-    def _make_room(self, needed: list[int]) -> None:
+    def make_room(self, needed: list[int]) -> None:
         def short() -> bool:
             return any(pool.num_free < n for pool, n in zip(self.pools, needed))
         if short() and self.prefix_cache is not None:
             self._drop_sparse_entries(needed)
         if short() and self.prefix_cache is not None:
-            self.prefix_cache.evict(1 << 62, is_short=short)
+            # Evict a little past the need (1/64 of each pool): one walk over the cache serves
+            # the next allocations too.
+            slack = [n + max(1, pool.num_usable // 64) for pool, n in zip(self.pools, needed)]
+            self.prefix_cache.evict(1 << 62, is_short=lambda: any(
+                pool.num_free < want for pool, want in zip(self.pools, slack)))
         if short():
             raise OutOfPagesError(f"need {needed} pages, free {[p.num_free for p in self.pools]}")
 
-    def free(self, state: RequestState) -> None:
-        """Release every reference the sequence holds and unlock its cache path."""
+    def free(self, state: RequestState, keep_swapped: bool = False) -> None:
+        """Release every reference the sequence holds and unlock its cache path (and, unless
+        ``keep_swapped``, its swapped-out copy in the host tier)."""
+        if state.swapped is not None and not keep_swapped:
+            self.tiers.drop_swapped(state)
         for pool, table in zip(self.pools, state.page_tables):
             pool.release([page for page in table if page != NULL_PAGE], state.owner)
             table.clear()
@@ -172,17 +196,27 @@ class StateCoordinator:
         """Take the longest cached prefix (whole pages, leaving at least one token to compute).
 
         Returns the number of tokens hit. The sequence gets its own reference on each page and
-        locks the nodes."""
+        locks the nodes. With tiers, nodes off the device are restored first (their loads are
+        issued here and land layer by layer before the layers read them, I3)."""
         if self.prefix_cache is None or any(state.page_tables):
             return 0
         max_pages = (len(token_ids) - 1) // self.page_size
         path = self.prefix_cache.match(token_ids, max_pages)
-        usable = min(manager.usable_prefix_pages_on_path([node.pages[group_index] for node in path])
-                     for group_index, manager in enumerate(self.managers)) if path else 0
-        path = path[:usable]
+        if self.tiers is None:
+            if self.state_reads_next_token:
+                path = path[:-1]
+            path = path[:self._usable_pages(path)]
+            self.prefix_cache.lock(path)
+        else:
+            # Locked while it is completed and restored: making room must not evict it.
+            path = self.tiers.complete_path(path, token_ids, max_pages)
+            if self.state_reads_next_token:
+                path = self._truncate_locked(path, max(len(path) - 1, 0))
+            path = self._truncate_locked(path, self._usable_pages(path))
+            path = self._truncate_locked(path, self.tiers.restore(path))
+            path = self._truncate_locked(path, self._usable_pages(path))
         if not path:
             return 0
-        self.prefix_cache.lock(path)
         state.cache_path = path
         num_hit_tokens = len(path) * self.page_size
         for group_index, (pool, manager) in enumerate(zip(self.pools, self.managers)):
@@ -194,6 +228,21 @@ class StateCoordinator:
             pool.acquire([page for page in pages if page != NULL_PAGE], state.owner)
             state.page_tables[group_index].extend(pages)
         return num_hit_tokens
+
+    def _truncate_locked(self, path: list[CacheNode], length: int) -> list[CacheNode]:
+        self.prefix_cache.unlock(path[length:])
+        return path[:length]
+
+    def _usable_pages(self, path: list[CacheNode]) -> int:
+        """How many leading nodes of ``path`` a hit may use, every group considered (a node's
+        entry: its device page, else its host page)."""
+        if not path:
+            return 0
+        def entry(node: CacheNode, group_index: int) -> int:
+            pages = node.pages if node.pages is not None else node.host_pages
+            return pages[group_index] if pages is not None else NULL_PAGE
+        return min(manager.usable_prefix_pages_on_path([entry(node, group_index) for node in path])
+                   for group_index, manager in enumerate(self.managers))
 
     def cache_computed_pages(self, state: RequestState, token_ids: list[int],
                              num_computed_tokens: int) -> None:
@@ -220,6 +269,8 @@ class StateCoordinator:
         self._fill_sparse_entries(new_nodes, entries, start)
         self.prefix_cache.lock(new_nodes)
         state.cache_path.extend(new_nodes)
+        if self.tiers is not None:
+            self.tiers.on_cached(new_nodes)
         for manager, table in zip(self.managers, state.page_tables):
             manager.after_cache_insert(table, state.owner)
 
@@ -233,7 +284,8 @@ class StateCoordinator:
                 page = entries[group_index][index]
                 if node.pages[group_index] == NULL_PAGE and page != NULL_PAGE:
                     pool.acquire([page], CACHE_OWNER)
-                    node.pages = node.pages[:group_index] + (page,) + node.pages[group_index + 1:]
+                    self.prefix_cache.set_device_pages(
+                        node, node.pages[:group_index] + (page,) + node.pages[group_index + 1:])
 
     def reset_prefix_cache(self) -> int:
         return self.prefix_cache.reset() if self.prefix_cache is not None else 0
@@ -244,13 +296,14 @@ class StateCoordinator:
         say which: for token pages the partial last page, for a recurrent slot the slot).
 
         Returns False (child left empty) when no page is free for the copies."""
-        num_shared = num_tokens // self.page_size
-        plans = [manager.fork_pages(table, num_tokens)
+        private_last = self.state_reads_next_token
+        num_shared = (num_tokens - 1 if private_last and num_tokens else num_tokens) // self.page_size
+        plans = [manager.fork_pages(table, num_tokens, private_last)
                  for manager, table in zip(self.managers, parent.page_tables)]
         needed = [len(copied) for _, copied in plans]
         if any(needed):
             try:
-                self._make_room(needed)
+                self.make_room(needed)
             except OutOfPagesError:
                 return False
         for group_index, (pool, (shared, copied)) in enumerate(zip(self.pools, plans)):
@@ -266,7 +319,10 @@ class StateCoordinator:
         return True
 
     def copy_page(self, group_id: int, source: int, destination: int) -> None:
-        """Mover: copy one page across every buffer of the group (iterates the registry)."""
+        """Mover: copy one page across every buffer of the group (iterates the registry); it
+        reads the group's state, so it first waits for the group's pending loads (I3)."""
+        for layer_name in self.registry.groups[group_id].layer_names:
+            self.pending_loads.wait(layer_name)
         for descriptor in self.registry.buffers(group_id):
             descriptor.tensor[destination].copy_(descriptor.tensor[source])
 
@@ -277,6 +333,52 @@ class StateCoordinator:
         (the managers say which: whole computed pages, a recurrent working slot at the end)."""
         return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
                 for manager, table in zip(self.managers, state.page_tables)]
+
+    # -- speculative decoding ----------------------------------------------------------------------
+    def speculation_copies(self, groups: Iterable[int]) -> bool:
+        """Whether a speculative step in ``groups`` needs copies set aside (the managers say)."""
+        return any(self.managers[group].speculation_sets_aside for group in groups)
+
+    def set_aside(self, state: RequestState, groups: Iterable[int]) -> Optional[str]:
+        """Copy aside, in ``groups``, the pages the managers say a speculative step may have to
+        restore or run a draft chain on (a recurrent working slot). The copies are held in flight
+        under the returned owner until ``release_inflight``; None when nothing needed copying."""
+        wanted = set(groups)
+        sources = [manager.speculation_sources(table) if index in wanted else []
+                   for index, (manager, table) in enumerate(zip(self.managers, state.page_tables))]
+        if not any(sources):
+            return None
+        self.make_room([len(pages) for pages in sources])
+        owner = f"{INFLIGHT_PREFIX}speculation:{state.owner}"
+        copies = []
+        for group_index, (pool, pages) in enumerate(zip(self.pools, sources)):
+            destinations = pool.allocate(len(pages), owner) if pages else []
+            for source, destination in zip(pages, destinations):
+                self.copy_page(group_index, source, destination)
+            copies.append(destinations)
+        self._inflight[owner] = copies
+        return owner
+
+    def chain_page_tables(self, state: RequestState, owner: Optional[str]) -> list[list[int]]:
+        """Per group, the table a draft's speculative chain reads and writes (the managers say:
+        the sequence's own, or the copies ``set_aside`` made)."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        return [manager.chain_page_table(table, group_copies)
+                for manager, table, group_copies in zip(self.managers, state.page_tables, copies)]
+
+    def roll_back(self, state: RequestState, owner: Optional[str], groups: Iterable[int], *, num_valid: int,
+                  num_written: int) -> bool:
+        """After a verification that wrote ``num_written`` tokens' state of which ``num_valid``
+        are accepted, in ``groups`` (those ``set_aside`` was given): every group drops what holds
+        only rejected tokens. Returns whether each holds exactly ``num_valid`` tokens' state;
+        False when some group had to restore the state from before the verification."""
+        copies = self._inflight[owner] if owner is not None else [[] for _ in self.managers]
+        exact = True
+        for group_index in groups:
+            exact &= self.managers[group_index].rollback(
+                state.page_tables[group_index], copies[group_index], state.owner, num_valid, num_written,
+                lambda source, destination, group=group_index: self.copy_page(group, source, destination))
+        return exact
 
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:

@@ -52,11 +52,11 @@ def bytes_per_page(registry: StateRegistry, page_size: int) -> int:
 
 
 def sequence_pools(registry: StateRegistry, page_size: int, max_num_seqs: int | None,
-                   prefix_caching: bool) -> tuple[tuple[tuple[int, int], ...], int]:
+                   prefix_caching: bool, speculative: bool = False) -> tuple[tuple[tuple[int, int], ...], int]:
     """Pools sized in sequences: ((group id, pages incl. the null page), ...) and their bytes."""
     pools, total = [], 0
     for group in registry.groups:
-        per_sequence = group.spec.pages_per_sequence(prefix_caching)
+        per_sequence = group.spec.pages_per_sequence(prefix_caching, speculative)
         if per_sequence is None:
             continue
         if max_num_seqs is None:
@@ -69,10 +69,11 @@ def sequence_pools(registry: StateRegistry, page_size: int, max_num_seqs: int | 
 
 def plan_pools(registry: StateRegistry, page_size: int, *, max_total_tokens: int | None,
                memory_budget_bytes: int | None, max_num_seqs: int | None = None,
-               prefix_caching: bool = False) -> PoolPlan:
+               prefix_caching: bool = False, speculative: bool = False) -> PoolPlan:
     """Pages per group: ``max_total_tokens`` wins; otherwise as many as the budget holds."""
     page_bytes = bytes_per_page(registry, page_size)
-    per_sequence, per_sequence_bytes = sequence_pools(registry, page_size, max_num_seqs, prefix_caching)
+    per_sequence, per_sequence_bytes = sequence_pools(registry, page_size, max_num_seqs, prefix_caching,
+                                                      speculative)
     if max_total_tokens is not None:
         num_pages = math.ceil(max_total_tokens / page_size) + 1
     else:

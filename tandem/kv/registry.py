@@ -89,8 +89,16 @@ class StateRegistry:
     def group_of(self, layer_name: str) -> int:
         return self._layer_group[layer_name]
 
+    def layer_names(self) -> list[str]:
+        """Every registered layer, in registration order."""
+        return list(self._specs)
+
     def spec_of(self, layer_name: str) -> StateSpec:
         return self._specs[layer_name]
+
+    def layer_names(self) -> list[str]:
+        """Every stateful layer, in registration (the model's) order."""
+        return list(self._specs)
 
     def buffers(self, group_id: Optional[int] = None) -> Iterator[BufferDescriptor]:
         for descriptor in self._buffers.values():

@@ -61,7 +61,7 @@ class Sanitizer:
             for state in live:
                 for page in state.page_tables[group_index]:
                     expected[page][state.owner] += 1
-            for node in coordinator.prefix_cache.all_nodes() if coordinator.prefix_cache else ():
+            for node in coordinator.prefix_cache.device_nodes() if coordinator.prefix_cache else ():
                 expected[node.pages[group_index]][CACHE_OWNER] += 1
             for owner, pages in coordinator.inflight_references(group_index):
                 for page in pages:
@@ -71,9 +71,26 @@ class Sanitizer:
                     raise SanitizerError(
                         f"books unbalanced in group {group_index}, page {page}: holders "
                         f"{dict(pool.holders(page))}, accounted for {dict(expected[page])}")
+            if coordinator.prefix_cache is not None:
+                self._check_cache_locks(coordinator.prefix_cache, group_index)
             census = pool.census()
             if sum(census.values()) != pool.num_usable or not pool.free_list_consistent():
                 raise SanitizerError(f"books unbalanced in group {group_index}: {census}")
+
+    @staticmethod
+    def _check_cache_locks(cache, group_index: int) -> None:
+        """Locks run along paths from the root (a node is locked at least as often as any
+        child), and the count of unlocked device pages that eviction relies on is exact."""
+        unlocked = 0
+        for node in cache.device_nodes():
+            for child in node.children.values():
+                if child.lock_count > node.lock_count:
+                    raise SanitizerError(f"prefix cache: a node locked {child.lock_count} times under a "
+                                         f"parent locked {node.lock_count} times")
+            unlocked += node.lock_count == 0 and node.pages[group_index] != 0
+        if unlocked != cache.unlocked_pages[group_index]:
+            raise SanitizerError(f"prefix cache: {cache.unlocked_pages[group_index]} unlocked pages counted in "
+                                 f"group {group_index}, {unlocked} found")
 
     def check_all_free(self, coordinator: "StateCoordinator") -> None:
         """After idle and a cache flush, every page of every pool is free (I5)."""

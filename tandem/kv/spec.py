@@ -48,10 +48,11 @@ class StateSpec:
         """Bytes one page of one layer takes across all its buffers."""
         return sum(layout.page_bytes(page_size) for layout in self.buffer_layouts())
 
-    def pages_per_sequence(self, prefix_caching: bool) -> int | None:
+    def pages_per_sequence(self, prefix_caching: bool, speculative: bool = False) -> int | None:
         """How the group's pool is sized: None when its pages hold tokens (the pool is sized in
         pages of ``page_size`` tokens, from the token count or the memory budget); otherwise
-        the number of pages each live sequence may hold (the pool is sized in sequences)."""
+        the number of pages each live sequence may hold (the pool is sized in sequences).
+        ``speculative``: speculative decoding runs, which may set a page aside per sequence."""
         return None
 
 
@@ -92,7 +93,9 @@ class RecurrentSpec(StateSpec):
 
     A sequence holds one working slot; with prefix caching also a second one, into which the
     forward pass snapshots the state at a page boundary (a prefix-cache checkpoint), and the
-    pool keeps one more slot per sequence seat for checkpoints the cache holds.
+    pool keeps one more slot per sequence seat for checkpoints the cache holds. Speculative
+    decoding adds one slot per seat: a copy of the working slot, taken for one step (the state
+    before a verification, restored if tokens are rejected; a draft's scratch state).
     """
     conv_shape: tuple[int, ...]
     conv_dtype: torch.dtype
@@ -104,8 +107,8 @@ class RecurrentSpec(StateSpec):
         return (BufferLayout("conv", self.conv_shape, self.conv_dtype, per_token=False),
                 BufferLayout("ssm", self.ssm_shape, self.ssm_dtype, per_token=False))
 
-    def pages_per_sequence(self, prefix_caching: bool) -> int | None:
-        return 3 if prefix_caching else 1
+    def pages_per_sequence(self, prefix_caching: bool, speculative: bool = False) -> int | None:
+        return (3 if prefix_caching else 1) + (1 if speculative else 0)
 
 
 @dataclass(frozen=True)

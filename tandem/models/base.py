@@ -10,6 +10,15 @@ import torch
 from torch import nn
 
 
+def collect_state_specs(root: nn.Module) -> dict:
+    """``{layer_name: spec}`` of every submodule of ``root`` that keeps state."""
+    specs: dict = {}
+    for module in root.modules():
+        if module is not root and callable(getattr(module, "state_specs", None)):
+            specs.update(module.state_specs())
+    return specs
+
+
 class CausalLM(nn.Module):
     """Subclasses set ``self.model`` (with ``forward(input_ids, positions, context)``, and a
     final norm named by ``final_norm_name``) and ``self.lm_head``."""
@@ -17,11 +26,7 @@ class CausalLM(nn.Module):
     final_norm_name = "norm"
 
     def state_specs(self) -> dict:
-        specs: dict = {}
-        for module in self.modules():
-            if module is not self and callable(getattr(module, "state_specs", None)):
-                specs.update(module.state_specs())
-        return specs
+        return collect_state_specs(self)
 
     def forward(self, input_ids, positions, context):
         return self.model(input_ids, positions, context)

@@ -7,9 +7,10 @@ DeepSeek sparse attention switched on through ``DeepseekOptions``.
 
 Multi-token prediction (MTP) modules: checkpoints keep them as ``model.layers.{N + k}`` (``N``
 decoder layers): a decoder block plus ``enorm``, ``hnorm``, ``eh_proj``, ``embed_tokens`` and
-``shared_head``. They are loaded and kept in ``model.mtp_layers`` for speculative decoding;
-the target forward pass does not run them and their state is not registered yet. A checkpoint
-without them loads too (the modules are then dropped).
+``shared_head``. They are loaded and kept in ``model.mtp_layers``; the target forward pass does
+not run them. Speculative decoding (``tandem/spec_decode``, ``speculative_method="mtp"``) runs
+the first one as a draft and registers its state (MLA latent, indexer keys) beside the
+target's. A checkpoint without them loads too (the modules are then dropped).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class SharedHead(nn.Module):
 
 class DeepseekMTPLayer(DeepseekDecoderLayer):
     """One MTP module: ``eh_proj([enorm(embed(next token)), hnorm(hidden)])`` through a decoder
-    block, then ``shared_head``. Weights only for now (speculative decoding comes later)."""
+    block, then ``shared_head``. ``hidden`` is the target's output after its final norm (or, for
+    a chained step, this module's own normalised output), as SGLang and vLLM feed it."""
 
     def __init__(self, config, layer_index: int, options: DeepseekOptions, state_dtype: torch.dtype,
                  rotary: LatentRotary, indexer_quantized: bool) -> None:
@@ -92,6 +94,18 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.shared_head = SharedHead(config)
+
+    def draft_forward(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
+                      context: ForwardContext) -> torch.Tensor:
+        """Token ``t + 1`` and the hidden state at ``t`` in, the normalised hidden state at ``t``
+        out (its logits predict token ``t + 2``; it is the next chained step's input)."""
+        hidden = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)),
+                                         self.hnorm(previous_hidden.to(self.eh_proj.weight.dtype))], dim=-1))
+        hidden, _ = super().forward(hidden, positions, context, None)
+        return self.shared_head.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(hidden)
 
 
 class DeepseekModel(nn.Module):
@@ -134,8 +148,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def next_n_layers(self) -> list:
+        """The checkpoint's MTP modules (speculative decoding's draft)."""
+        return list(self.model.mtp_layers)
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's output after its final norm: what an MTP module reads."""
+        return self.model.norm(hidden)
+
     def state_specs(self) -> dict:
-        """Target layers only: MTP modules register their state once they run."""
+        """Target layers only: speculative decoding registers the MTP module it runs."""
         specs = {}
         for layer in self.model.layers:
             specs.update(layer.self_attn.state_specs())

@@ -4,10 +4,13 @@ Each step has a token budget (``max_num_batched_tokens``). Running sequences are
 in admission order (decodes take one token, unfinished prefills take a chunk), then waiting
 sequences are admitted in arrival order while budget and ``max_num_seqs`` allow.
 
-Preemption (by recompute): when a running sequence needs pages and none are free after evicting
-unlocked prefix-cache pages, the most recently admitted running sequence is preempted — its
-pages are released and it goes back to the front of the waiting queue, to recompute its prompt
-and outputs later (prefix-cache hits make that cheap). A sequence may preempt itself, which
+Preemption: when a running sequence needs pages and none are free after evicting unlocked
+prefix-cache pages, the most recently admitted running sequence is preempted — its pages are
+released and it goes back to the front of the waiting queue. By swap (``preemption_mode="swap"``,
+with a host tier): its whole state is copied to the host tier first and comes back into fresh
+pages when it is admitted again, with exactly the computed-token count it had (nothing it did
+not save is re-fed); by recompute (the default without a host tier, and the fallback when the
+host tier is full): it recomputes its prompt and outputs later (prefix hits make that cheap). A sequence may preempt itself, which
 ends that step's scheduling. The oldest running sequence is never preempted by a younger one,
 and every sequence's prompt plus ``max_tokens`` fits in the pool (checked at admission), so the
 oldest always progresses: no deadlock, no livelock.
@@ -28,6 +31,14 @@ class ScheduledChunk:
     num_new_tokens: int
     samples: bool  # the chunk reaches the sequence's last known token: sample after it
     prompt_logprobs: bool  # compute logprobs for the prompt tokens this chunk covers
+    # Speculative decoding: the sequence's first draft tokens appended after its known tokens
+    # (only when it samples); they are verified, and only the accepted ones are kept.
+    num_draft_tokens: int = 0
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this chunk puts through the forward pass: known ones, then drafts."""
+        return self.num_new_tokens + self.num_draft_tokens
 
 
 @dataclass
@@ -37,13 +48,14 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
+        return sum(chunk.num_query_tokens for chunk in self.chunks)
 
 
 class Scheduler:
     def __init__(self, coordinator: StateCoordinator, *, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, preemption_mode: str = "recompute") -> None:
         self.coordinator = coordinator
+        self.swap = preemption_mode == "swap"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -115,10 +127,11 @@ class Scheduler:
     def _chunk(self, sequence: Sequence, budget: int) -> ScheduledChunk:
         start = sequence.num_computed_tokens
         num_new = min(sequence.num_tokens - start, budget)
-        return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new,
-                              samples=start + num_new == sequence.num_tokens,
+        samples = start + num_new == sequence.num_tokens
+        return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new, samples=samples,
                               prompt_logprobs=sequence.wants_prompt_logprobs
-                              and start < sequence.num_prompt_tokens)
+                              and start < sequence.num_prompt_tokens,
+                              num_draft_tokens=min(len(sequence.draft_token_ids), budget - num_new) if samples else 0)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, allow_preemption: bool = True) -> int | None:
         index = 0
@@ -128,7 +141,7 @@ class Scheduler:
             if sequence.awaits_final_token:
                 continue
             chunk = self._chunk(sequence, budget)
-            target = chunk.start + chunk.num_new_tokens
+            target = chunk.start + chunk.num_query_tokens
             while not self.coordinator.try_allocate(sequence.state, target):
                 if not allow_preemption:
                     return None
@@ -138,25 +151,49 @@ class Scheduler:
                 if victim is sequence:
                     return budget
             output.chunks.append(chunk)
-            budget -= chunk.num_new_tokens
+            budget -= chunk.num_query_tokens
         return budget
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             sequence = self.waiting[0]
-            self._match_prefix(sequence)
+            swapped = sequence.state.swapped
+            if swapped is not None:
+                if not self.coordinator.tiers.swap_in(sequence.state):
+                    if not self.running:
+                        if self._wait_for_tier_copies():
+                            continue
+                        raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
+                    return
+                sequence.num_computed_tokens = swapped.num_computed_tokens
+            else:
+                self._match_prefix(sequence)
             chunk = self._chunk(sequence, budget)
-            target = chunk.start + chunk.num_new_tokens
+            target = chunk.start + chunk.num_query_tokens
             if not self.coordinator.try_allocate(sequence.state, target):
-                if not self.running and sequence.num_computed_tokens == 0:
-                    raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
+                empty = not self.running and sequence.num_computed_tokens == 0
                 self._release(sequence)
+                if not self.running and self._wait_for_tier_copies():
+                    continue  # pages held by tier copies come back once they complete
+                if empty:
+                    raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
                 return
             self.waiting.popleft()
+            if swapped is not None:
+                self.coordinator.tiers.commit_swap_in(sequence.state)
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             output.chunks.append(chunk)
-            budget -= chunk.num_new_tokens
+            budget -= chunk.num_query_tokens
+
+    def _wait_for_tier_copies(self) -> bool:
+        """With nothing running, pages still held by tier copies are the only ones that can
+        come back: wait for the copies (True) — or there are none (False)."""
+        tiers = self.coordinator.tiers
+        if tiers is None or not tiers.copies_in_flight:
+            return False
+        tiers.drain()
+        return True
 
     def _match_prefix(self, sequence: Sequence) -> None:
         if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
@@ -168,25 +205,33 @@ class Scheduler:
         if sequence.num_cached_tokens < 0:
             sequence.num_cached_tokens = hit
             self.prefix_hit_tokens += hit
+            if self.coordinator.tiers is not None:
+                self.coordinator.tiers.count_hit(sequence.state.cache_path)
             self.prefix_query_tokens += sequence.num_prompt_tokens
 
     def _release(self, sequence: Sequence) -> None:
-        self.coordinator.free(sequence.state)
+        """Release the sequence's device pages (a swapped-out copy stays for its next admission)."""
+        self.coordinator.free(sequence.state, keep_swapped=True)
         sequence.num_computed_tokens = 0
 
     def _preempt(self, sequence: Sequence) -> None:
+        swapped = self.swap and self.coordinator.tiers is not None and self.coordinator.tiers.swap_out(
+            sequence.state, sequence.num_computed_tokens)
         self._release(sequence)
         sequence.status = SequenceStatus.WAITING
         sequence.num_preemptions += 1
-        if sequence.prompt_logprobs is not None and len(sequence.prompt_logprobs) < sequence.num_prompt_tokens:
+        if not swapped and sequence.prompt_logprobs is not None \
+                and len(sequence.prompt_logprobs) < sequence.num_prompt_tokens:
             sequence.prompt_logprobs = None
         self.num_preemptions += 1
         self.waiting.appendleft(sequence)
 
     # -- after the forward pass ------------------------------------------------------------------
-    def on_computed(self, chunk: ScheduledChunk) -> None:
+    def on_computed(self, chunk: ScheduledChunk, num_computed: int | None = None) -> None:
+        """Book the chunk as computed: its known tokens, or ``num_computed`` in all (speculative
+        decoding: the accepted drafts too, or fewer where a group rolled back)."""
         sequence = chunk.sequence
-        sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
+        sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens if num_computed is None else num_computed
         self.coordinator.cache_computed_pages(sequence.state, sequence.token_ids,
                                               sequence.num_computed_tokens)
         # After caching (the cache takes pages only while the sequence holds them all): release

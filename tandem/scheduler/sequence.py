@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -47,6 +47,10 @@ class Sequence:
     num_preemptions: int = 0
     sent_first_delta: bool = False
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    # Speculative decoding: proposed continuations of ``token_ids``, verified by the next step
+    # (``tandem/spec_decode``), and that package's per-sequence state.
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: Optional[Any] = None
 
     @property
     def key(self) -> tuple[str, int]:

@@ -1,0 +1,146 @@
+"""Speculative decoding: a draft proposes ``k`` tokens, one target forward pass verifies them.
+
+Drafts: a DeepSeek-V3 / V3.2 / GLM-5 checkpoint's next-n (MTP) layer (``speculative_method=
+"mtp"``), or a smaller model with the same vocabulary (``"draft"``, ``speculative_model``).
+Either declares its state (MLA latents and indexer keys; a draft model's KV or recurrent
+state) as ordinary specs in the target's registry, so prefix caching, preemption, PD transfer,
+host copies and the sanitizer carry it as they carry the target's, with no draft-specific code.
+
+- ``networks.py``   the two drafts and how their state is named in the registry
+- ``proposer.py``   the draft's catch-up with the target and its chain of proposals
+- ``draft_batch.py`` a draft forward pass over rows of several sequences
+- ``verify.py``     greedy acceptance and rejection sampling (exact target distribution)
+- ``step.py``       the engine step while speculating
+- ``state.py``      what is kept per sequence; ``metrics.py`` the counters
+
+Owner: ``Speculator``, built by the engine core when its config asks for speculation.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from tandem.config import EngineConfig
+from tandem.engine.protocol import RequestDelta, SpeculationStats
+from tandem.scheduler.sequence import Sequence
+from tandem.spec_decode.metrics import SpeculationMetrics
+from tandem.spec_decode.networks import DraftModelNetwork, MTPNetwork
+from tandem.spec_decode.proposer import DraftModelProposer, MTPProposer
+from tandem.spec_decode.step import SpeculativeStep
+from tandem.spec_decode.verify import Verifier
+
+logger = logging.getLogger(__name__)
+
+SIMULATE_ACCEPT_LENGTH_VARIABLE = "TANDEM_SIMULATE_ACCEPT_LEN"
+
+__all__ = ["Speculator", "engine_config_for_speculation", "simulated_accept_length"]
+
+
+def simulated_accept_length() -> Optional[float]:
+    """``TANDEM_SIMULATE_ACCEPT_LEN`` (a mean acceptance length >= 1), or None when unset."""
+    value = os.environ.get(SIMULATE_ACCEPT_LENGTH_VARIABLE, "")
+    if not value:
+        return None
+    try:
+        length = float(value)
+    except ValueError:
+        length = float("nan")
+    if not length >= 1:
+        raise ValueError(f"{SIMULATE_ACCEPT_LENGTH_VARIABLE}: must be a number >= 1, got {value!r}")
+    return length
+
+
+def engine_config_for_speculation(config: EngineConfig, device_type: str) -> EngineConfig:
+    """This version speculates with the overlapped loop off and the target eager (no CUDA
+    graphs): each verification's outcome decides the next step's inputs on the host."""
+    if config.async_scheduling:
+        logger.warning("speculative decoding: --async-scheduling is not supported yet; the engine loop runs "
+                       "one step at a time")
+    elif device_type == "cuda":
+        logger.info("speculative decoding: the overlapped engine loop is off")
+    if not config.enforce_eager and device_type == "cuda":
+        logger.info("speculative decoding: steps run eagerly (no CUDA graphs) in this version")
+    return config.with_changes(async_scheduling=False, enforce_eager=True)
+
+
+class Speculator:
+    """Speculative decoding for one engine (see the package docstring).
+
+    Built in two phases: ``__init__`` (after the target model, before the registry's groups are
+    formed) loads the draft and registers its state; ``attach`` (once the model runner and the
+    sampler exist) makes the proposer, the verifier and the step."""
+
+    def __init__(self, core, config: EngineConfig) -> None:
+        self.method = config.speculative_method
+        self.target_layers = core.registry.layer_names()
+        if self.method == "mtp":
+            self.network = MTPNetwork(core.model)
+            self.num_speculative_tokens = config.num_speculative_tokens or len(core.model.next_n_layers())
+        else:
+            self.network = DraftModelNetwork(self._load_draft(core, config))
+            self.num_speculative_tokens = config.num_speculative_tokens
+        for name, spec in self.network.state_specs().items():
+            core.registry.register(name, spec)
+        self.simulate_accept_length = simulated_accept_length()
+        if self.simulate_accept_length is not None:
+            logger.warning("%s=%g: drafts are accepted as if the mean acceptance length were %g, whatever "
+                           "they are; outputs change (a performance-only switch for benchmarks)",
+                           SIMULATE_ACCEPT_LENGTH_VARIABLE, self.simulate_accept_length,
+                           self.simulate_accept_length)
+        self.metrics = SpeculationMetrics(self.method, self.num_speculative_tokens)
+        self.proposer = None
+        self.step: Optional[SpeculativeStep] = None
+        logger.info("speculative decoding: %s, %d draft tokens per step, %d draft state layers", self.method,
+                    self.num_speculative_tokens, self.num_state_layers)
+
+    @staticmethod
+    def _load_draft(core, config: EngineConfig):
+        from tandem.models.loader import build_model
+
+        try:
+            model, _, info = build_model(config.speculative_model, dtype=config.dtype, load_format=config.load_format,
+                                         device=core.device, max_model_len=core.model_info.max_model_len,
+                                         seed=config.seed + 1, indexer_cache_dtype=config.indexer_cache_dtype)
+        except ValueError as error:
+            raise ValueError(f"speculative_model: {error}") from None
+        if info.vocab_size != core.model_info.vocab_size:
+            raise ValueError(f"speculative_model: the draft has a vocabulary of {info.vocab_size} tokens, the "
+                             f"target {core.model_info.vocab_size}; a draft must share the target's tokenizer")
+        return model
+
+    @property
+    def num_state_layers(self) -> int:
+        return len(self.network.layer_names)
+
+    def attach(self, core) -> None:
+        self.network.bind(core.runner, core.registry)
+        core.coordinator.state_reads_next_token = self.network.reads_next_token
+        if self.method == "mtp":
+            self.proposer = MTPProposer(core, self.network, self.num_speculative_tokens,
+                                        int(core.model_info.hidden_size))
+        else:
+            self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
+        target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
+        self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
+                                    target_groups, self.metrics)
+
+    # -- what the engine core and the PD sides call ------------------------------------------------
+    def run_step(self) -> list[RequestDelta]:
+        return self.step()
+
+    def stats(self) -> SpeculationStats:
+        return self.metrics.stats()
+
+    def metadata_hidden(self, sequence: Sequence) -> tuple[float, ...]:
+        """PD prefill: what the metadata row carries for the decode side's draft (the target's
+        hidden state at the last prompt position, for an MTP layer; nothing for a draft model)."""
+        state = sequence.speculation
+        if state is None or state.last_hidden is None:
+            return ()
+        return tuple(state.last_hidden.tolist())
+
+    def on_remote_prefill(self, sequence: Sequence, hidden: tuple[float, ...]) -> Optional[str]:
+        """PD decode: the sequence's prompt state arrived (``hidden`` copied out of the metadata
+        row); its drafts are proposed before its first step. Returns an error, or None."""
+        return self.proposer.on_remote_prefill(sequence, hidden)

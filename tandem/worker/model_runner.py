@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tandem.engine.protocol import PositionLogprobs
-from tandem.kv.accessor import PendingLoads, StateAccessor
+from tandem.kv.accessor import StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
@@ -28,8 +28,10 @@ from tandem.worker.sampler import compute_logprobs
 @dataclass
 class ExecuteResult:
     sampling_chunks: list[ScheduledChunk]  # in the order of ``logits`` rows
-    logits: torch.Tensor  # [len(sampling_chunks), vocab] float32
+    logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
+    step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
+    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (None: a replayed graph)
 
 
 class ModelRunner:
@@ -46,7 +48,7 @@ class ModelRunner:
         self.coordinator = coordinator
         self.device = device
         self.page_size = coordinator.page_size
-        self.pending_loads = PendingLoads()
+        self.pending_loads = coordinator.pending_loads
         self.accessor = StateAccessor(coordinator.registry, self.pending_loads)
         self.backend = backend or default_backend(device)
         # On CPU, buckets of similar lengths save gathered bytes; on a GPU every bucket costs
@@ -115,6 +117,12 @@ class ModelRunner:
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return self._outputs(step, hidden, logits, sanitizer.enabled)
 
+    def group_metadata(self, step: StepInputs, groups) -> list[Optional[AttentionMetadata]]:
+        """Attention metadata of ``groups`` (None for the others) for a step's rows."""
+        wanted = set(groups)
+        return [self._group_metadata(step, group) if group in wanted else None
+                for group in range(self.coordinator.num_groups)]
+
     def _to_device(self, array) -> torch.Tensor:
         return to_device(array, self.device)
 
@@ -134,11 +142,13 @@ class ModelRunner:
             from tandem.kv.block_pool import SanitizerError
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
         prompt_logprobs = {}
+        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
+        prompt_logprobs = {}
         if step.wants_prompt_logprobs:
             for row, chunk in enumerate(step.chunks):
                 if chunk.prompt_logprobs:
                     prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
-        return ExecuteResult(step.sampling_chunks, logits, prompt_logprobs)
+        return ExecuteResult(sampling_chunks, logits, prompt_logprobs, step, hidden)
 
     def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int):
         """Logprobs of prompt tokens ``start+1 .. min(end, prompt_len)-1`` from this chunk's rows."""

@@ -365,13 +365,24 @@ class Sampler:
 
         Returns ``[B]`` tokens; values in greedy rows are meaningless (the caller overrides them).
         """
+        probs = self.probabilities(logits, metadata)
+        return probs.div_(self.exponential_noise(probs, metadata.generators)).argmax(dim=-1)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution sampled rows draw from: temperature, top-k, top-p, min-p, softmax
+        (in place on ``logits``, as processed by ``process_logits``)."""
         apply_temperature(logits, metadata.temperature)
         if not metadata.no_top_k_top_p:
             apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         if not metadata.no_min_p:
             apply_min_p(logits, metadata.min_p)
-        probs = logits.softmax(dim=-1)
-        return probs.div_(self.exponential_noise(probs, metadata.generators)).argmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def draw(self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+        """``[B]`` tokens drawn from each row of ``probs`` (an exponential race; see
+        ``exponential_noise``)."""
+        return (probs / self.exponential_noise(probs, generators)).argmax(dim=-1)
 
     def exponential_noise(
         self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]

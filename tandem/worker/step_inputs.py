@@ -28,11 +28,11 @@ class StepInputs:
     query_starts: list[int]  # [N + 1]
     start_positions: list[int]  # [N]: tokens computed before the chunk
     context_lengths: list[int]  # [N]: tokens visible to the chunk's last query
-    page_tables: list[np.ndarray]  # per group: [N, width] int32, null-page (0) padded
-    slot_mappings: list[np.ndarray]  # per group: [T] int64
-    sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order
-    sampling_chunks: list[ScheduledChunk]  # the chunks of those rows
-    wants_prompt_logprobs: bool  # some chunk computes prompt logprobs
+    page_tables: list[Optional[np.ndarray]]  # per group: [N, width] int32, null-page (0) padded
+    slot_mappings: list[Optional[np.ndarray]]  # per group: [T] int64
+    sampling_rows: list[int]  # token rows whose logits are sampled, in chunk order (a sampling
+    # chunk with drafts has one per draft after its last known token's)
+    wants_prompt_logprobs: bool = False  # some chunk computes prompt logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +49,7 @@ def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """Single-token chunks first (the batched decode path) by context length, then the rest."""
     decodes, others = [], []
     for chunk in chunks:
-        (decodes if chunk.num_new_tokens == 1 else others).append(chunk)
+        (decodes if chunk.num_query_tokens == 1 else others).append(chunk)
     decodes.sort(key=attrgetter("start"))
     return decodes + others if others else decodes
 
@@ -89,47 +89,71 @@ def _page_table(rows: list[np.ndarray], width: int) -> np.ndarray:
 
 def build_step_inputs(chunks: list[ScheduledChunk], num_groups: int, page_size: int,
                       page_table_rows: Optional[PageTableRows] = None) -> StepInputs:
+    """A chunk's rows are its known tokens, then its draft tokens (speculative decoding); a
+    sampling chunk's logits are wanted at its last known token and at each draft. Page tables
+    go through ``page_table_rows`` (kept across steps by the caller) when given."""
     chunks = order_chunks(chunks)
-    rows = page_table_rows or PageTableRows()
-    start_positions = [chunk.start for chunk in chunks]
-    if chunks[-1].num_new_tokens == 1:  # decode rows only: one token each
-        num_decode = len(chunks)
+    if chunks and chunks[-1].num_query_tokens == 1:  # single-token rows only (a decode step)
         ids = [chunk.sequence.token_ids[chunk.start] for chunk in chunks]
-        query_starts = list(range(num_decode + 1))
-        sampling_chunks = [chunk for chunk in chunks if chunk.samples]
-        sampling_rows = (query_starts[:-1] if len(sampling_chunks) == num_decode
-                         else [row for row, chunk in enumerate(chunks) if chunk.samples])
-        context_lengths = [start + 1 for start in start_positions]
-        positions = np.asarray(start_positions, dtype=np.int64)
-        row_of_token = np.arange(num_decode)
+        lengths = [1] * len(chunks)
+        num_sampled = [1 if chunk.samples else 0 for chunk in chunks]
     else:
-        num_decode = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
-        ids = []
-        query_starts = [0]
-        sampling_rows, sampling_chunks = [], []
+        ids: list[int] = []
+        lengths, num_sampled = [], []
         for chunk in chunks:
-            end = chunk.start + chunk.num_new_tokens
-            ids.extend(chunk.sequence.token_ids[chunk.start:end])
-            query_starts.append(query_starts[-1] + chunk.num_new_tokens)
-            if chunk.samples:
-                sampling_rows.append(query_starts[-1] - 1)
-                sampling_chunks.append(chunk)
-        context_lengths = [chunk.start + chunk.num_new_tokens for chunk in chunks]
-        counts = np.diff(np.asarray(query_starts, dtype=np.int64))
-        row_of_token = np.repeat(np.arange(len(chunks)), counts)
+            ids.extend(chunk.sequence.token_ids[chunk.start:chunk.start + chunk.num_new_tokens])
+            if chunk.num_draft_tokens:
+                ids.extend(chunk.sequence.draft_token_ids[:chunk.num_draft_tokens])
+            lengths.append(chunk.num_query_tokens)
+            num_sampled.append(1 + chunk.num_draft_tokens if chunk.samples else 0)
+    tables = [[chunk.sequence.state.page_tables[group] for chunk in chunks] for group in range(num_groups)]
+    step = layout_rows(chunks, ids, [chunk.start for chunk in chunks], lengths, num_sampled, tables, page_size,
+                       page_table_rows)
+    if page_table_rows is not None:
+        page_table_rows.end_step()
+    return step
+
+
+def layout_rows(chunks: list, ids: list[int], start_positions: list[int], lengths: list[int],
+                num_sampled: list[int], tables: list[Optional[list[list[int]]]], page_size: int,
+                page_table_rows: Optional[PageTableRows] = None) -> StepInputs:
+    """Flatten rows (single-token rows first, as ``order_chunks`` orders them): row ``i`` has
+    ``lengths[i]`` tokens (in ``ids``, concatenated) from position ``start_positions[i]`` on and
+    its last ``num_sampled[i]`` rows' logits are wanted; ``tables[group][i]`` is its page table
+    in that group (a group given as None gets no table and no slots: the forward reads none)."""
+    rows_cache = page_table_rows or PageTableRows()
+    num_rows = len(lengths)
+    num_decode = sum(1 for length in lengths if length == 1)
+    context_lengths = [start + length for start, length in zip(start_positions, lengths)]
+    if num_decode == num_rows:  # one token per row: rows and tokens coincide
+        query_starts = list(range(num_rows + 1))
+        sampling_rows = [row for row, sampled in enumerate(num_sampled) if sampled]
+        row_of_token = np.arange(num_rows)
+        positions = np.asarray(start_positions, dtype=np.int64)
+    else:
+        query_starts = [0]
+        sampling_rows: list[int] = []
+        for length, sampled in zip(lengths, num_sampled):
+            query_starts.append(query_starts[-1] + length)
+            sampling_rows.extend(range(query_starts[-1] - sampled, query_starts[-1]))
+        counts = np.asarray(lengths, dtype=np.int64)
+        row_of_token = np.repeat(np.arange(num_rows), counts)
         positions = (np.arange(len(ids), dtype=np.int64) - np.asarray(query_starts[:-1], dtype=np.int64)[row_of_token]
                      + np.asarray(start_positions, dtype=np.int64)[row_of_token])
     needed_width = -(-max(context_lengths) // page_size)
     page_tables, slot_mappings = [], []
-    for group in range(num_groups):
-        table = _page_table([rows.row(chunk.sequence.state.page_tables[group]) for chunk in chunks], needed_width)
+    for rows in tables:
+        if rows is None:
+            page_tables.append(None)
+            slot_mappings.append(None)
+            continue
+        table = _page_table([rows_cache.row(row) for row in rows], needed_width)
         page_tables.append(table)
         slot_mappings.append(table[row_of_token, positions // page_size].astype(np.int64) * page_size
                              + positions % page_size)
-    rows.end_step()
     return StepInputs(chunks, num_decode, np.asarray(ids, dtype=np.int64), positions, query_starts,
                       start_positions, context_lengths, page_tables, slot_mappings, sampling_rows,
-                      sampling_chunks, any(chunk.prompt_logprobs for chunk in chunks))
+                      any(chunk.prompt_logprobs for chunk in chunks))
 
 
 @dataclass

@@ -47,6 +47,68 @@ class EngineStatsCollector:
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
         if stats.transfer is not None:
             yield from transfer_metric_families(stats.transfer)
+        if stats.tiers is not None:
+            yield from tier_metric_families(stats)
+        if stats.speculation is not None:
+            yield from speculation_metric_families(stats.speculation)
+
+
+def tier_metric_families(stats: EngineStats):
+    """Host and disk tier series: hit tokens by tier, bytes and seconds per direction, copies in
+    flight, swaps, pages held, disk files rejected."""
+    tiers = stats.tiers
+    hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens_by_tier",
+                               "Prompt tokens served from the prefix cache, by the tier they came from.",
+                               labels=["tier"])
+    device = stats.prefix_cache_hit_tokens - tiers.host_hit_tokens - tiers.disk_hit_tokens
+    for tier, value in (("device", max(device, 0)), ("host", tiers.host_hit_tokens), ("disk", tiers.disk_hit_tokens)):
+        hits.add_metric([tier], value)
+    yield hits
+    copy_bytes = CounterMetricFamily(PREFIX + "tier_copy_bytes", "Bytes copied between tiers, by direction.",
+                                     labels=["direction"])
+    for direction, value in sorted(tiers.copy_bytes.items()):
+        copy_bytes.add_metric([direction], value)
+    yield copy_bytes
+    copy_seconds = CounterMetricFamily(PREFIX + "tier_copy_seconds",
+                                       "Time spent copying between device and host, by direction "
+                                       "(bytes over seconds: the bandwidth).", labels=["direction"])
+    for direction, value in sorted(tiers.copy_seconds.items()):
+        copy_seconds.add_metric([direction], value)
+    yield copy_seconds
+    swaps = CounterMetricFamily(PREFIX + "swaps", "Preemptions by swap: out, in, refused (recomputed).",
+                                labels=["event"])
+    for event, value in sorted(tiers.swaps.items()):
+        swaps.add_metric([event], value)
+    yield swaps
+    rejected = CounterMetricFamily(PREFIX + "disk_cache_rejected_files",
+                                   "Disk-tier files rejected (deleted, treated as misses), by reason.",
+                                   labels=["reason"])
+    for reason, value in sorted(tiers.disk_rejected.items()):
+        rejected.add_metric([reason], value)
+    yield rejected
+    gauges = {
+        "tier_copies_in_flight": ("Tier copies issued and not yet observed complete.", tiers.copies_in_flight),
+        "host_cache_pages_used": ("Host-tier pages held (all groups).", tiers.host_pages_used),
+        "host_cache_pages_total": ("Host-tier pages (all groups).", tiers.host_pages_total),
+        "disk_cache_files": ("Pages stored in the disk tier.", tiers.disk_files),
+        "disk_cache_bytes": ("Bytes stored in the disk tier.", tiers.disk_bytes),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def speculation_metric_families(speculation):
+    """Speculative decoding: verifications, draft tokens verified and accepted, and their ratio."""
+    counters = {
+        "spec_decode_num_drafts": ("Verifications of at least one draft token.", speculation.num_drafts),
+        "spec_decode_num_draft_tokens": ("Draft tokens verified.", speculation.num_draft_tokens),
+        "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", speculation.num_accepted_tokens),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+    yield GaugeMetricFamily(PREFIX + "spec_decode_mean_acceptance_length",
+                            "Tokens per verification: accepted drafts plus the target's own (0 before any).",
+                            value=speculation.mean_acceptance_length)
 
 
 def transfer_metric_families(transfer):

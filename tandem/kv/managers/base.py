@@ -8,6 +8,7 @@ import math
 from typing import Callable
 
 from tandem.kv.block_pool import BlockPool
+from tandem.kv.planner import NULL_PAGE
 from tandem.kv.registry import StateGroup
 
 
@@ -54,12 +55,14 @@ class StateManager:
         if count:
             page_table.extend(self.pool.allocate(count, owner))
 
-    def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+    def fork_pages(self, page_table: list[int], num_tokens: int,
+                   private_last: bool = False) -> tuple[list[int], list[int]]:
         """A forked child's (n > 1) share of its parent's ``num_tokens``: (pages it shares,
         pages it gets a private copy of, appended after the shared ones). Whole pages are
-        shared; the partial last page, which both will write, is copied."""
-        num_shared = num_tokens // self.page_size
-        copied = page_table[num_shared:num_shared + 1] if num_tokens % self.page_size else []
+        shared; the partial last page, which both will write, is copied (with
+        ``private_last``, the page holding the last token, even when whole)."""
+        num_shared = (num_tokens - 1 if private_last and num_tokens else num_tokens) // self.page_size
+        copied = page_table[num_shared:num_shared + 1] if num_tokens > num_shared * self.page_size else []
         return page_table[:num_shared], copied
 
     def usable_prefix_pages_on_path(self, pages: list[int]) -> int:
@@ -87,3 +90,31 @@ class StateManager:
         else:
             count = num_computed_tokens // self.page_size
         return list(range(min(count, len(page_table))))
+
+    # -- speculative decoding ------------------------------------------------------------------
+    # A verification computes a sequence's known tokens plus drafts in one forward pass, then
+    # keeps only the accepted ones; a draft model's chain of proposals runs ahead of what will
+    # be kept. Token-paged state needs nothing set aside for either: speculative tokens land
+    # in slots of their own, past the computed tokens, and are rewritten later.
+    speculation_sets_aside: bool = False  # whether ``speculation_sources`` may name pages
+
+    def speculation_sources(self, page_table: list[int]) -> list[int]:
+        """Pages to copy aside before a speculative step (the coordinator allocates the copies)."""
+        return []
+
+    def chain_page_table(self, page_table: list[int], copies: list[int]) -> list[int]:
+        """The table a draft's speculative chain reads and writes, given the copies set aside."""
+        return page_table
+
+    def rollback(self, page_table: list[int], copies: list[int], owner: str, num_valid: int, num_written: int,
+                 copy_page: Callable[[int, int], None]) -> bool:
+        """A verification wrote ``num_written`` tokens' state, of which the first ``num_valid``
+        are accepted: drop what holds only rejected tokens. Returns whether the group now holds
+        exactly ``num_valid`` tokens' state (False: the state from before the verification,
+        restored from ``copies``). Token pages: those past ``num_valid`` are released."""
+        keep = self.pages_for_tokens(num_valid)
+        rejected = [page for page in page_table[keep:] if page != NULL_PAGE]
+        if rejected:
+            self.pool.release(rejected, owner)
+        del page_table[keep:]
+        return True

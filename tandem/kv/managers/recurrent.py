@@ -22,6 +22,12 @@ checkpoints (the nodes stay, with their other groups' pages), so a sequence neve
 checkpoints.
 
 Forks (n > 1): the child gets a copy of the working slot; nothing is shared.
+
+Speculative decoding: before a verification the working slot is copied aside; if any token is
+rejected, the copy (the state before the verified tokens) is written back and the sequence
+recomputes the accepted ones in its next step (the state after the rejected tokens cannot be
+taken apart). A draft model's speculative chain runs on such a copy instead of the working slot,
+with no checkpoint slot, so it leaves both untouched.
 """
 from __future__ import annotations
 
@@ -71,7 +77,8 @@ class RecurrentManager(StateManager):
         if missing > 0:
             page_table.extend(self.pool.allocate(missing, owner))
 
-    def fork_pages(self, page_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+    def fork_pages(self, page_table: list[int], num_tokens: int,
+                   private_last: bool = False) -> tuple[list[int], list[int]]:
         return [], page_table[:1]
 
     def final_page_indices(self, page_table: list[int], num_computed_tokens: int, prompt_done: bool) -> list[int]:
@@ -107,3 +114,19 @@ class RecurrentManager(StateManager):
         allocation gives the sequence a fresh one."""
         if len(page_table) > CHECKPOINT and self._shared(page_table[CHECKPOINT]):
             self.pool.release([page_table.pop(CHECKPOINT)], owner)
+
+    # -- speculative decoding ------------------------------------------------------------------------
+    speculation_sets_aside = True
+
+    def speculation_sources(self, page_table: list[int]) -> list[int]:
+        return page_table[WORKING:WORKING + 1]
+
+    def chain_page_table(self, page_table: list[int], copies: list[int]) -> list[int]:
+        return list(copies)
+
+    def rollback(self, page_table: list[int], copies: list[int], owner: str, num_valid: int, num_written: int,
+                 copy_page: Callable[[int, int], None]) -> bool:
+        if num_valid >= num_written:
+            return True
+        copy_page(copies[0], page_table[WORKING])
+        return False

@@ -1,0 +1,83 @@
+"""Building the tiers from the engine's options: host pool size, write policy, the disk store
+and its layout fingerprint.
+
+The fingerprint names everything that makes a stored page meaningful: the model's identity
+(its ``config.json`` and a sample of its weight files, or the seed of dummy weights), the
+state dtype per buffer, the page size and the ordered buffer list. A disk page written under
+another fingerprint never hits.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from tandem.kv.tiers.hierarchy import TieredState
+from tandem.kv.tiers.host_pool import layouts_of, node_bytes
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
+    from tandem.kv.coordinator import StateCoordinator
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def model_identity(model_dir: str, load_format: str, seed: int) -> str:
+    """A digest of the model's config and weights: the config file, each weight file's name
+    and size and its first MiB (random weights differ there), or the dummy weights' seed."""
+    digest = hashlib.blake2b(digest_size=16)
+    path = Path(model_dir)
+    config = path / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    if load_format == "dummy":
+        digest.update(f"dummy weights, seed {seed}".encode())
+    else:
+        for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+            with open(weights, "rb") as handle:
+                digest.update(handle.read(WEIGHT_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def layout_fingerprint_parts(config: "EngineConfig", coordinator: "StateCoordinator") -> list[object]:
+    return [model_identity(config.model, config.load_format, config.seed), config.dtype,
+            coordinator.page_size, coordinator.registry.describe()]
+
+
+def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
+                device: torch.device) -> Optional[TieredState]:
+    """The host tier (and the disk tier behind it) when configured, else None. A disk
+    directory without a host size gets a host tier of as many pages as the device pool."""
+    if config.host_cache_size <= 0 and not config.disk_cache_dir:
+        return None
+    layouts = layouts_of(coordinator.registry)
+    per_node = max(node_bytes(layouts), 1)
+    if config.host_cache_size > 0:
+        host_pages = int(config.host_cache_size * GIB) // per_node
+    else:
+        host_pages = coordinator.plan.num_pages - 1
+    if host_pages < 1:
+        raise ValueError(f"host_cache_size: {config.host_cache_size} GB holds no page "
+                         f"({per_node} bytes per page of every group)")
+    disk = None
+    if config.disk_cache_dir:
+        from tandem.kv.tiers.disk_store import DiskStore, layout_fingerprint
+
+        disk = DiskStore(config.disk_cache_dir, int(config.disk_cache_size * GIB),
+                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)))
+        if not disk.available:
+            logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
+    tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
+                        device=device, disk=disk)
+    logger.info("host tier: %d pages (%.2f GB, %s)%s", host_pages, host_pages * per_node / GIB,
+                config.host_cache_write_policy,
+                f"; disk tier: {config.disk_cache_dir} (cap {config.disk_cache_size} GB)"
+                if tiers.disk is not None else "")
+    return tiers

@@ -1,0 +1,78 @@
+"""One forward pass of a draft (an MTP layer or a draft model) over rows of several sequences.
+
+A row is a run of consecutive positions of one sequence: a catch-up over the tokens the target
+computed this step, a chain step of one draft token, or both at once. Rows are laid out like a
+target step (``worker/step_inputs.layout_rows``: single-token rows first, by length) and read
+and write only the draft's state groups, through the accessor (I3), with the page tables the
+row names (a sequence's own, or the copies a speculative chain runs on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from tandem.kv.block_pool import SanitizerError
+from tandem.worker.forward_context import ForwardContext
+from tandem.worker.host_staging import to_device
+from tandem.worker.step_inputs import layout_rows
+
+
+@dataclass
+class DraftRow:
+    token_ids: list[int]
+    start: int  # position of the first token
+    page_tables: list[list[int]]  # per state group (only the draft's groups are read)
+    hidden: Optional[torch.Tensor] = None  # [len(token_ids), hidden] inputs beside the tokens (MTP)
+    wants_logits: bool = False  # the last position's logits are wanted
+
+
+class DraftNetwork(Protocol):
+    """What a proposer runs: ``forward`` gives the output hidden state of every row token,
+    ``logits`` the vocabulary logits of some of them."""
+    groups: list[int]
+
+    def forward(self, input_ids: torch.Tensor, hidden: Optional[torch.Tensor], positions: torch.Tensor,
+                context: ForwardContext) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def context(self, metadata: list) -> ForwardContext: ...
+
+
+@dataclass
+class DraftOutput:
+    last_hidden: list[torch.Tensor]  # per row (given order): the output at its last position
+    logits: list[Optional[torch.Tensor]]  # per row: [vocab] float32 where wanted, else None
+
+
+@torch.inference_mode()
+def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: bool) -> DraftOutput:
+    """One forward pass of ``network`` over ``rows`` (see the module docstring)."""
+    order = sorted(range(len(rows)), key=lambda index: (len(rows[index].token_ids) > 1,
+                                                        rows[index].start + len(rows[index].token_ids)))
+    ordered = [rows[index] for index in order]
+    ids = [token for row in ordered for token in row.token_ids]
+    tables = [[row.page_tables[group] for row in ordered] if group in network.groups else None
+              for group in range(runner.coordinator.num_groups)]
+    step = layout_rows([], ids, [row.start for row in ordered], [len(row.token_ids) for row in ordered],
+                       [0] * len(ordered), tables, runner.page_size)
+    device = runner.device
+    hidden_in = None
+    if ordered and ordered[0].hidden is not None:
+        hidden_in = torch.cat([row.hidden for row in ordered]).to(device)
+    output = network.forward(to_device(step.input_ids, device), hidden_in, to_device(step.positions, device),
+                             network.context(runner.group_metadata(step, network.groups)))
+    last_rows = to_device([end - 1 for end in step.query_starts[1:]], device, torch.long)
+    last_hidden = output.index_select(0, last_rows)
+    wanted = [slot for slot, row in enumerate(ordered) if row.wants_logits]
+    logits = network.logits(last_hidden[wanted]).float() if wanted else None
+    if check_finite and logits is not None and not torch.isfinite(logits).all():
+        raise SanitizerError("non-finite draft logits: a draft forward pass read poisoned (freed) state")
+    result = DraftOutput([None] * len(rows), [None] * len(rows))
+    for slot, index in enumerate(order):
+        result.last_hidden[index] = last_hidden[slot]
+    for position, slot in enumerate(wanted):
+        result.logits[order[slot]] = logits[position]
+    return result
