@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (architecture, make_model shape arguments)
 SHAPES = {
+    # The host's per-sequence work on a CPU: a forward pass that costs next to nothing.
+    "micro": ("llama", dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                            vocab_size=512, max_position_embeddings=4096)),
     "tiny-30m": ("llama", dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                                intermediate_size=1536, vocab_size=8192)),
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,

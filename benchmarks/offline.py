@@ -61,6 +61,8 @@ def parse_args():
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of device memory tandem may use (default: the engine's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -95,7 +97,13 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-              max_model_len=max(map(len, prompts)) + max(output_lengths))
+              max_model_len=max(map(len, prompts)) + max(output_lengths),
+              **({} if args.gpu_memory_utilization is None else
+                 {"gpu_memory_utilization": args.gpu_memory_utilization}))
+    pool_tokens = llm.engine.coordinator.plan.usable_pages * llm.engine.coordinator.page_size
+    peak_tokens = sum(len(prompt) + output for prompt, output in zip(prompts, output_lengths))
+    print(f"state pool: {pool_tokens} tokens; every request at full length: {peak_tokens}"
+          + (" (preemption expected)" if peak_tokens > pool_tokens else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)

@@ -4,6 +4,12 @@ and output handling).
 
     python benchmarks/profile_decode.py                      # Llama-3.1-8B shape, batch 1 (GPU)
     python benchmarks/profile_decode.py --batch 64 --shape qwen3-0.6b
+    python benchmarks/profile_decode.py --shape micro --batch 256 --prompt-len 800   # CPU: host work per sequence
+
+On a CPU the forward pass is timed apart (it is synchronous there), and the rest of a step, over
+the batch, is the host's work per sequence per step: scheduling, step inputs, sampling metadata,
+token bookkeeping and output handling. Those two figures are CPU time of the process (steadier
+than wall time on a shared machine; run with ``OMP_NUM_THREADS=1``).
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ def main() -> None:
     model_dir = model_dir_for(args.shape, "dummy" if gpu else "auto")
     llm = LLM(model=model_dir, dtype="bfloat16" if gpu else "float32", load_format="dummy" if gpu else "auto",
               max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + 4 * args.steps + 64,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              async_scheduling=True)  # the overlapped loop, as on a GPU, on a CPU too
     engine = llm.engine
     rng = random.Random(0)
     vocab = vocab_size_of(model_dir)
@@ -49,12 +56,15 @@ def main() -> None:
         engine.step()  # prefill until every sequence decodes
     for _ in range(8):
         engine.step()  # warm-up
+    forward_seconds = time_forward_passes(engine.runner.model) if not gpu else [0.0]
     synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
     synchronize()
     step_ms = (time.perf_counter() - start) / args.steps * 1e3
+    step_cpu_ms = (time.process_time() - start_cpu) / args.steps * 1e3
+    forward_ms = forward_seconds[0] / args.steps * 1e3
 
     replay_ms = float("nan")
     graphs = engine.runner.graphs
@@ -81,6 +91,10 @@ def main() -> None:
     busy_ms = sum(event.device_time for event in kernels) / 1e3 / 8
     print(f"\n{args.shape}, batch {args.batch}, {'CUDA graphs' if graphs is not None else 'eager'}")
     print(f"{'engine step (ms)':<36}{step_ms:>10.3f}")
+    if not gpu:
+        print(f"{'engine step, CPU time (ms)':<36}{step_cpu_ms:>10.3f}")
+        print(f"{'forward pass, CPU time (ms)':<36}{forward_ms:>10.3f}")
+        print(f"{'host per sequence per step (us)':<36}{(step_cpu_ms - forward_ms) / args.batch * 1e3:>10.2f}")
     print(f"{'graph replay alone (ms)':<36}{replay_ms:>10.3f}")
     print(f"{'host share of a step (ms)':<36}{step_ms - replay_ms:>10.3f}")
     print(f"{'GPU kernels per step':<36}{len(kernels) / 8:>10.1f}")
@@ -94,6 +108,18 @@ def main() -> None:
         python_profiler = cProfile.Profile()
         python_profiler.runcall(lambda: [engine.step() for _ in range(16)])
         pstats.Stats(python_profiler).sort_stats("tottime").print_stats(25)
+
+
+def time_forward_passes(model: torch.nn.Module) -> list[float]:
+    """Hooks adding each forward pass's CPU time (synchronous on a CPU) to the returned cell."""
+    total, starts = [0.0], []
+    model.register_forward_pre_hook(lambda module, inputs: starts.append(time.process_time()))
+
+    def finished(module, inputs, output):
+        total[0] += time.process_time() - starts.pop()
+
+    model.register_forward_hook(finished)
+    return total
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ for part in "${@:-tests}"; do
   case $part in
     tests) run tests python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider tests ;;
     kernels) run kernels_attention python3 benchmarks/kernels_attention.py
-             run kernels_fused python3 benchmarks/kernels_fused.py ;;
+             run kernels_fused python3 benchmarks/kernels_fused.py
+             run kernels_mla python3 benchmarks/kernels_mla.py
+             run kernels_moe python3 benchmarks/kernels_moe.py ;;
     latency) run latency python3 benchmarks/latency.py --shape llama3-8b ;;
     offline) for preset in llama3-8b-b1 llama3-8b-b32 qwen3-0.6b-nanovllm; do
                run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1

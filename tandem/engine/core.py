@@ -26,7 +26,7 @@ from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.launched_step import LaunchedStep
 from tandem.worker.cuda_graphs import default_graph_batch_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
-from tandem.worker.sampler import Sampler, SamplingMetadata
+from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class EngineCore:
             self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
                                        self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
@@ -297,12 +298,14 @@ class EngineCore:
     def _after_computed(self, step: "LaunchedStep") -> None:
         """Book the step's chunks as computed, once every token they read is known (the
         prefix cache hashes them)."""
+        computed, pd = step.computed, self.pd
         for chunk in step.chunks:
-            if not step.computed and not chunk.sequence.is_finished:
+            if not computed and not chunk.sequence.is_finished:
                 self.scheduler.on_computed(chunk)
-            if self.pd is not None:
-                self.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
-            self._collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
+            if pd is not None:
+                pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
+            if chunk.prompt_logprobs:
+                self._collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
         step.computed = True
 
     def _collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
@@ -314,29 +317,40 @@ class EngineCore:
         sequence.prompt_logprobs.extend(logprobs or [])
 
     def _sample(self, step: "LaunchedStep", result) -> None:
-        rows = []
-        for row, chunk in enumerate(result.sampling_chunks):
-            step.sequences.append(chunk.sequence)
-            rows.append(row)
-            for child in self._fork(chunk.sequence):
-                step.sequences.append(child)
-                rows.append(row)
-        if not step.sequences:
-            return
         sequences = step.sequences
-        logits = result.logits if len(rows) == result.logits.shape[0] else result.logits[rows]
-        # Token ids are gathered only when some row's penalties read them.
-        penalised = any(s.params.uses_penalties for s in sequences)
+        rows = None  # logits row of each sampled sequence, where forks repeat their parent's
+        for row, chunk in enumerate(result.sampling_chunks):
+            sequence = chunk.sequence
+            sequences.append(sequence)
+            if sequence.pending_forks and not sequence.num_output_tokens:
+                rows = rows or list(range(row))
+                rows.append(row)
+                for child in self._fork(sequence):
+                    sequences.append(child)
+                    rows.append(row)
+            elif rows is not None:
+                rows.append(row)
+        if not sequences:
+            return
+        logits = result.logits if rows is None else result.logits[rows]
+        params = [s.params for s in sequences]
+        table = self._parameter_tables.get(params, self.device)
+        # Token ids are gathered only when some row's penalties read them, banned ids only
+        # while some row is below its min_tokens.
+        empty = [[]] * len(sequences)
         metadata = SamplingMetadata.build(
-            [s.params for s in sequences], [s.generator for s in sequences],
-            [s.prompt_token_ids if penalised else [] for s in sequences],
-            [s.output_token_ids if penalised else [] for s in sequences],
-            [self._banned_tokens(s) for s in sequences], self.device)
+            params, [s.generator for s in sequences],
+            empty if table.no_penalties else [s.prompt_token_ids for s in sequences],
+            empty if table.no_penalties else [s.output_token_ids for s in sequences],
+            [self._banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
+            self.device, table)
         step.sampled = self.sampler(logits, metadata)
         step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
+        positions = step.positions
         for sequence in sequences:
-            step.positions.append(len(sequence.token_ids))
-            sequence.token_ids.append(PENDING_TOKEN)
+            token_ids = sequence.token_ids
+            positions.append(len(token_ids))
+            token_ids.append(PENDING_TOKEN)
 
     def _complete(self, step: "LaunchedStep") -> list[RequestDelta]:
         """Read the step's tokens back, write them over the pending ones, finish sequences."""

@@ -38,4 +38,4 @@ class LaunchedStep:
         """The step's sampled tokens as the next step's device-side inputs."""
         if self.sampled is None:
             return None
-        return PendingTokens(self.sampled.token_ids, {id(sequence): row for row, sequence in enumerate(self.sequences)})
+        return PendingTokens(self.sampled.token_ids, self.sequences)

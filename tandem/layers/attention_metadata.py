@@ -17,10 +17,12 @@ plain-PyTorch backends, built on first use only.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -59,7 +61,7 @@ class AttentionMetadata:
                  context_lengths: torch.Tensor, query_starts: torch.Tensor, num_decode_tokens: int,
                  chunk_query_starts: list[int], chunk_start_positions: list[int],
                  chunk_context_lengths: list[int], zero_invalid: bool = False,
-                 decode_min_bucket: int = 8) -> None:
+                 decode_min_bucket: int = 8, host_page_table: Optional[np.ndarray] = None) -> None:
         self.page_size = page_size
         self.slot_mapping = slot_mapping  # [T] int64
         self.page_table = page_table  # [num_chunks, width] int32 (null-page padded)
@@ -76,6 +78,19 @@ class AttentionMetadata:
         # slots may hold NaN poison (sanitizer mode); otherwise stale slots are finite and masked.
         self.zero_invalid = zero_invalid
         self.decode_min_bucket = decode_min_bucket
+        # ``page_table`` as the host built it (eager steps), for readers that need page ids as
+        # numbers without reading them back from the device; None in a CUDA graph.
+        self.host_page_table = host_page_table
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.chunk_start_positions)
+
+    @cached_property
+    def num_fresh_decode_rows(self) -> int:
+        """Decode rows whose token is their sequence's first (start position 0). Decode rows are
+        ordered by start position, so these come first."""
+        return bisect.bisect_right(self.chunk_start_positions, 0, 0, self.num_decode_tokens)
 
     @property
     def num_prefills(self) -> int:

@@ -224,6 +224,10 @@ class MLAAttention(nn.Module):
     follow the Hugging Face checkpoints (``self_attn.q_a_proj``, ``self_attn.indexer.wk``, ...).
     """
 
+    # On CUDA the decode rows run through the kernels (latent writes, absorbed decode, the
+    # indexer's scoring and top-k as positions): tensor operations with shapes from shapes only.
+    cuda_graph_safe = True
+
     def __init__(self, config, layer_name: str, state_dtype: torch.dtype, rotary: LatentRotary, *,
                  indexer: Optional[str] = None, indexer_rope_interleaved: bool = False,
                  indexer_quantized: bool = True) -> None:

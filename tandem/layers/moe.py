@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers with DeepSeek-V3 / GLM-5 routing, in plain PyTorch.
+"""Mixture-of-experts layers with DeepSeek-V3 / GLM-5 routing.
 
 Routing (``TopKRouter``), as the reference implementations compute it, in float32:
 
@@ -10,19 +10,22 @@ Routing (``TopKRouter``), as the reference implementations compute it, in float3
               times ``routed_scaling_factor``
 
 ``MoE`` adds the shared experts (one dense MLP of ``n_shared_experts * moe_intermediate_size``)
-to the weighted routed experts. Experts are stored fused, ``gate_up_proj [E, 2I, H]`` and
-``down_proj [E, H, I]``; checkpoints name them per expert (``experts.{e}.gate_proj.weight``),
-which :func:`load_with_experts` maps into the fused tensors.
+to the weighted routed experts. Experts are stored fused (``FusedExperts``: ``gate_up_proj
+[E, 2I, H]`` or, not gated, ``up_proj [E, I, H]``, and ``down_proj [E, H, I]``; Qwen3-Next and
+NemotronH use them too); checkpoints name them per expert (``experts.{e}.gate_proj.weight``),
+which :func:`load_with_experts` maps into the fused tensors. On CUDA the routed experts run in
+one fused Triton kernel (``kernels/fused_moe.py``), capturable in a CUDA graph.
 """
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.fused_moe import ACTIVATIONS, fused_moe, fused_moe_reference
 from tandem.layers.linear import load_by_name
 from tandem.layers.mlp import GatedMLP  # noqa: F401  (re-exported for the MoE families)
 
@@ -64,33 +67,65 @@ class TopKRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """The routed experts; tokens are gathered per expert and the outputs summed in expert order."""
+    """The routed experts, stacked: gated (``activation="silu"``: ``gate_up_proj [E, 2I, H]``,
+    the gate rows then the up rows) or not (``"relu2"``: ``up_proj [E, I, H]``), and
+    ``down_proj [E, H, I]``.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    On CUDA (``use_kernel`` None) every expert runs in the fused kernel
+    (``kernels/fused_moe.py``: no host synchronisation, capturable in a CUDA graph); elsewhere
+    the per-expert loop, the kernel's reference, adding in ``accumulate_dtype`` (the input's
+    dtype unless given). ``use_kernel`` True or False forces one of the two."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 accumulate_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"experts: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.activation = activation
+        self.accumulate_dtype = accumulate_dtype
+        self.use_kernel: Optional[bool] = None
+        if activation == "silu":
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    @property
+    def gated(self) -> bool:
+        return self.activation == "silu"
+
+    @property
+    def fused_parameter_names(self) -> tuple[str, str]:
+        return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
+
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(hidden)
-        for expert in torch.unique(expert_ids).tolist():
-            token_index, slot = torch.where(expert_ids == expert)
-            gate, up = F.linear(hidden[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            expert_out = expert_out * weights[token_index, slot, None]
-            output.index_add_(0, token_index, expert_out.to(output.dtype))
-        return output
+        w1 = self.gate_up_proj if self.gated else self.up_proj
+        use_kernel = hidden.is_cuda if self.use_kernel is None else self.use_kernel
+        if use_kernel:
+            return fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation)
+        return fused_moe_reference(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
+                                   accumulate_dtype=self.accumulate_dtype)
 
     def expert_slice(self, expert: int, part: str) -> torch.Tensor:
         """The fused-parameter slice that checkpoint tensor ``experts.{expert}.{part}.weight`` fills."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (n_routed_experts {self.num_experts})")
         size = self.intermediate_size
-        return {"gate_proj": lambda: self.gate_up_proj.data[expert, :size],
-                "up_proj": lambda: self.gate_up_proj.data[expert, size:],
-                "down_proj": lambda: self.down_proj.data[expert]}[part]()
+        if self.gated:
+            slices = {"gate_proj": lambda: self.gate_up_proj.data[expert, :size],
+                      "up_proj": lambda: self.gate_up_proj.data[expert, size:]}
+        else:
+            slices = {"up_proj": lambda: self.up_proj.data[expert]}
+        slices["down_proj"] = lambda: self.down_proj.data[expert]
+        if part not in slices:
+            raise ValueError(f"expert tensor {part!r} does not exist in {self.activation} experts")
+        return slices[part]()
+
+    @property
+    def num_expert_tensors(self) -> int:
+        return (3 if self.gated else 2) * self.num_experts
 
 
 class MoE(nn.Module):
@@ -124,7 +159,8 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     naming what is missing otherwise."""
     experts = {name: module for name, module in model.named_modules() if isinstance(module, FusedExperts)}
     seen: dict[str, set[tuple[int, str]]] = {name: set() for name in experts}
-    fused_names = {f"{name}.{param}": name for name in experts for param in ("gate_up_proj", "down_proj")}
+    fused_names = {f"{name}.{param}": name for name, module in experts.items()
+                   for param in module.fused_parameter_names}
     fused_seen: set[str] = set()
 
     def stream():
@@ -145,7 +181,9 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
     load_by_name(model, stream(), skip=lambda name: name in fused_names or skip(name))
     for name, module in experts.items():
-        fused_complete = all(f"{name}.{param}" in fused_seen for param in ("gate_up_proj", "down_proj"))
-        if not fused_complete and len(seen[name]) != 3 * module.num_experts and not skip(f"{name}.gate_up_proj"):
+        first = f"{name}.{module.fused_parameter_names[0]}"
+        fused_complete = all(f"{name}.{param}" in fused_seen for param in module.fused_parameter_names)
+        expected = module.num_expert_tensors
+        if not fused_complete and len(seen[name]) != expected and not skip(first):
             raise ValueError(f"checkpoint is missing expert tensors of {name!r}: "
-                             f"{3 * module.num_experts - len(seen[name])} of {3 * module.num_experts}")
+                             f"{expected - len(seen[name])} of {expected}")

@@ -1,37 +1,19 @@
-"""Recurrent-state layers: plain-PyTorch reference recurrences and the slot plumbing.
-
-Kernels (the math of the Hugging Face torch paths, one sequence per scan, batched steps):
+"""Recurrent-state layers: plain-PyTorch reference recurrences (the math of the Hugging Face
+torch paths, one sequence per scan, batched steps); ``recurrent_slots.py`` drives them over a
+step's batch and the layers' state slots:
 
 - ``causal_conv1d_scan`` / ``causal_conv1d_step``: the depthwise causal convolution in front of
   the recurrence, carrying the last ``kernel - 1`` inputs as the conv state;
 - ``chunk_gated_delta_rule`` / ``gated_delta_rule_step``: gated DeltaNet (Qwen3-Next), chunked
   scan for prefill chunks and the single-token update for decode;
 - ``mamba2_chunk_scan`` / ``mamba2_step``: the Mamba-2 SSD (NemotronH), likewise.
-
-``RecurrentSlots.run`` drives them over a step's batch: every chunk that starts a sequence or
-has several tokens is scanned on its own, from zeros or from its slot; single-token chunks of
-running sequences go through the batched step. The state is read from and written back to the
-sequence's working slot through the accessor (I3); where the sequence holds a checkpoint slot
-and the chunk crosses a page boundary, the state at the last boundary crossed is written there
-too (a prefix-cache checkpoint, see ``kv/managers/recurrent.py``)::
-
-    chunk:      start ........ b ...... end        b = the last multiple of page_size <= end
-    scan:       [start, b) -> state_b -> [b, end)  state_b also goes to the checkpoint slot
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from tandem.kv.spec import RecurrentSpec
-
-if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
-
-WORKING_COLUMN, CHECKPOINT_COLUMN = 0, 1
 
 
 # -- convolution -------------------------------------------------------------------------------
@@ -199,129 +181,3 @@ def mamba2_step(hidden, dt, A, B, C, D, dt_bias, state: torch.Tensor):
     output = torch.bmm(new_state.to(C.dtype).view(batch * num_heads, head_dim, state_size), C)
     output = output.view(batch, num_heads, head_dim) + hidden * D[:, None]
     return output.to(hidden.dtype), new_state
-
-
-# -- slot plumbing -------------------------------------------------------------------------------------
-ScanFn = Callable[[torch.Tensor, tuple, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
-StepFn = Callable[[torch.Tensor, tuple, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class _Scan:
-    query_start: int
-    query_end: int
-    slot: int
-    fresh: bool
-    checkpoint_slot: int  # 0: none
-    checkpoint_offset: int  # tokens of the chunk before the checkpoint boundary (0: none)
-
-
-def _plan(metadata) -> tuple[list[int], list[int], list[int], list[_Scan]]:
-    """Split a step's chunks into the batched single-token path and per-chunk scans."""
-    rows = metadata.page_table[:, :CHECKPOINT_COLUMN + 1].tolist()
-    step_tokens, step_slots, step_checkpoints, scans = [], [], [], []
-    page_size = metadata.page_size
-    for index, start in enumerate(metadata.chunk_start_positions):
-        query_start, query_end = metadata.chunk_query_starts[index:index + 2]
-        length = query_end - query_start
-        slot = rows[index][WORKING_COLUMN]
-        checkpoint = rows[index][CHECKPOINT_COLUMN] if len(rows[index]) > CHECKPOINT_COLUMN else 0
-        boundary = (start + length) // page_size * page_size
-        offset = boundary - start if checkpoint and boundary > start else 0
-        if length == 1 and start > 0:
-            step_tokens.append(query_start)
-            step_slots.append(slot)
-            step_checkpoints.append(checkpoint if offset else 0)
-        else:
-            scans.append(_Scan(query_start, query_end, slot, start == 0, checkpoint if offset else 0, offset))
-    return step_tokens, step_slots, step_checkpoints, scans
-
-
-class RecurrentSlots:
-    """The state front of one recurrent layer: declares its spec and runs the recurrence over
-    a step's batch, reading and writing the layer's slots (``conv``, ``ssm``) through the
-    accessor."""
-
-    def __init__(self, layer_name: str, spec: RecurrentSpec, conv: torch.nn.Conv1d) -> None:
-        self.layer_name = layer_name
-        self.state_spec = spec
-        self._conv = conv  # the layer's depthwise conv (weight [C, 1, K]); not owned here
-
-    @property
-    def _conv_weight(self) -> torch.Tensor:
-        return self._conv.weight.squeeze(1)
-
-    @property
-    def _conv_bias(self) -> Optional[torch.Tensor]:
-        return self._conv.bias
-
-    def run(self, conv_inputs: torch.Tensor, extras: tuple, context: "ForwardContext",
-            scan: ScanFn, step: StepFn) -> torch.Tensor:
-        """``conv_inputs [T, C]`` go through the causal conv; ``scan(conv_out, extras, state)``
-        and ``step(conv_out, extras, states)`` run the recurrence on the conv outputs (``extras``:
-        per-token tensors, sliced alike). Returns the recurrence outputs, token-major."""
-        buffers = context.state.layer(self.layer_name)
-        conv_buffer, ssm_buffer = buffers["conv"], buffers["ssm"]
-        metadata = context.attention_metadata[context.state.group_of(self.layer_name)]
-        step_tokens, step_slots, step_checkpoints, scans = _plan(metadata)
-        outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (token indices, rows)
-        if step_tokens:
-            outputs.append(self._step(conv_inputs, extras, step_tokens, step_slots, step_checkpoints,
-                                      conv_buffer, ssm_buffer, step))
-        for chunk in scans:
-            outputs.append(self._scan(conv_inputs, extras, chunk, conv_buffer, ssm_buffer, scan))
-        first = outputs[0][1]
-        dtype = first.dtype
-        for _, rows in outputs:
-            dtype = torch.promote_types(dtype, rows.dtype)
-        result = first.new_empty((conv_inputs.shape[0], *first.shape[1:]), dtype=dtype)
-        for tokens, rows in outputs:
-            result[tokens] = rows.to(dtype)
-        return result
-
-    def _step(self, conv_inputs, extras, tokens, slots, checkpoints, conv_buffer, ssm_buffer, step):
-        device = conv_inputs.device
-        token_index = torch.tensor(tokens, dtype=torch.long, device=device)
-        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
-        conv_out, conv_state = causal_conv1d_step(conv_inputs[token_index], conv_buffer[slot_index],
-                                                  self._conv_weight, self._conv_bias)
-        rows, ssm_state = step(conv_out, tuple(x[token_index] for x in extras), ssm_buffer[slot_index])
-        conv_buffer.index_copy_(0, slot_index, conv_state.to(conv_buffer.dtype))
-        ssm_buffer.index_copy_(0, slot_index, ssm_state.to(ssm_buffer.dtype))
-        kept = [row for row, checkpoint in enumerate(checkpoints) if checkpoint]
-        if kept:
-            rows_index = torch.tensor(kept, dtype=torch.long, device=device)
-            checkpoint_index = torch.tensor([checkpoints[row] for row in kept], dtype=torch.long, device=device)
-            conv_buffer.index_copy_(0, checkpoint_index, conv_state[rows_index].to(conv_buffer.dtype))
-            ssm_buffer.index_copy_(0, checkpoint_index, ssm_state[rows_index].to(ssm_buffer.dtype))
-        return token_index, rows
-
-    def _scan(self, conv_inputs, extras, chunk: _Scan, conv_buffer, ssm_buffer, scan):
-        begin, end = chunk.query_start, chunk.query_end
-        if chunk.fresh:
-            conv_state = conv_buffer.new_zeros(conv_buffer.shape[1:])
-            ssm_state = None
-        else:
-            conv_state, ssm_state = conv_buffer[chunk.slot], ssm_buffer[chunk.slot]
-        conv_out, history = causal_conv1d_scan(conv_inputs[begin:end], conv_state,
-                                               self._conv_weight, self._conv_bias)
-        window = history.shape[-1] - (end - begin)
-        pieces = []
-        split = chunk.checkpoint_offset
-        for piece_start, piece_end in ((0, split), (split, end - begin)):
-            if piece_end <= piece_start:
-                continue
-            rows, ssm_state = scan(conv_out[piece_start:piece_end],
-                                   tuple(x[begin + piece_start:begin + piece_end] for x in extras), ssm_state)
-            pieces.append(rows)
-            if piece_end == split:
-                self._write(conv_buffer, ssm_buffer, chunk.checkpoint_slot,
-                            history[:, split:split + window], ssm_state)
-        self._write(conv_buffer, ssm_buffer, chunk.slot, history[:, history.shape[-1] - window:], ssm_state)
-        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return torch.arange(begin, end, device=conv_inputs.device), rows
-
-    @staticmethod
-    def _write(conv_buffer, ssm_buffer, slot: int, conv_state, ssm_state) -> None:
-        conv_buffer[slot].copy_(conv_state)
-        ssm_buffer[slot].copy_(ssm_state)

@@ -16,9 +16,11 @@ from torch import nn
 
 from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
-from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.linear import StackedLinear
+from tandem.layers.moe import FusedExperts, load_with_experts
 from tandem.layers.norm import RMSNorm
-from tandem.layers.recurrent import RecurrentSlots, mamba2_chunk_scan, mamba2_step
+from tandem.layers.recurrent import mamba2_chunk_scan, mamba2_step
+from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
 
@@ -57,6 +59,8 @@ class FloatRMSNorm(RMSNorm):
 
 
 class NemotronHMamba2Mixer(nn.Module):
+    cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
+
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.mamba_num_heads
@@ -83,9 +87,9 @@ class NemotronHMamba2Mixer(nn.Module):
                              ssm_shape=(self.num_heads, self.head_dim, self.ssm_state_size), ssm_dtype=ssm_dtype)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.mixer", spec, self.conv1d)
 
-
     def state_specs(self) -> dict:
         return {self.slots.layer_name: self.slots.state_spec}
+
     def _split(self, conv_out: torch.Tensor):
         tokens = conv_out.shape[0]
         groups_size = self.n_groups * self.ssm_state_size
@@ -182,39 +186,16 @@ class NemotronHRouter(nn.Module):
         return weights * self.routed_scaling_factor, experts
 
 
-class NemotronHExpert(nn.Module):
-    def __init__(self, config, input_size: int) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(input_size, config.moe_intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.moe_intermediate_size, input_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(relu_squared(self.up_proj(hidden)))
-
-
-class NemotronHExperts(nn.ModuleList):
-    """Routed non-gated experts (checkpoint names ``experts.{e}.up_proj`` ...); the weighted
-    sum accumulates in the routing weights' dtype (float32)."""
-
-    def __init__(self, config, input_size: int) -> None:
-        super().__init__(NemotronHExpert(config, input_size) for _ in range(config.n_routed_experts))
-
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(hidden, dtype=weights.dtype)
-        for expert in torch.unique(experts).tolist():
-            token_index, slot = torch.where(experts == expert)
-            rows = self[expert](hidden[token_index]) * weights[token_index, slot, None]
-            # A token picks an expert at most once: the rows are distinct.
-            output[token_index] += rows.to(output.dtype)
-        return output.to(hidden.dtype)
-
-
 class NemotronHMoE(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         latent = getattr(config, "moe_latent_size", None)
         self.gate = NemotronHRouter(config)
-        self.experts = NemotronHExperts(config, latent or config.hidden_size)
+        # Non-gated squared-ReLU experts whose weighted sum adds in float32 (the routing
+        # weights' dtype); checkpoints name them per expert (``experts.{e}.up_proj`` ...).
+        self.experts = FusedExperts(config.n_routed_experts, latent or config.hidden_size,
+                                    config.moe_intermediate_size, activation="relu2",
+                                    accumulate_dtype=torch.float32)
         self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)
@@ -225,7 +206,7 @@ class NemotronHMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, context: ForwardContext = None) -> torch.Tensor:
         weights, experts = self.gate(hidden)
         routed = hidden if self.fc1_latent_proj is None else self.fc1_latent_proj(hidden)
-        routed = self.experts(routed, weights, experts)
+        routed = self.experts(routed, experts, weights)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(hidden)
@@ -282,5 +263,5 @@ class NemotronHForCausalLM(CausalLM):
         ``model.`` prefix); multi-token-prediction weights are not used."""
         renamed = (("model." + name[len("backbone."):] if name.startswith("backbone.") else name, tensor)
                    for name, tensor in weights)
-        load_by_name(self, renamed, skip=lambda name: name.startswith("mtp.") or
-                     (self.tie_word_embeddings and name == "lm_head.weight"))
+        load_with_experts(self, renamed, skip=lambda name: name.startswith("mtp.") or
+                          (self.tie_word_embeddings and name == "lm_head.weight"))

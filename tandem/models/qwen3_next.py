@@ -16,9 +16,11 @@ from torch import nn
 
 from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
-from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.layers.linear import StackedLinear
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.recurrent import RecurrentSlots, chunk_gated_delta_rule, gated_delta_rule_step
+from tandem.layers.moe import FusedExperts, load_with_experts
+from tandem.layers.recurrent import chunk_gated_delta_rule, gated_delta_rule_step
+from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
 from tandem.models.llama import rope_parameters_of
@@ -94,6 +96,8 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
+    cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
+
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
         super().__init__()
         self.num_v_heads = config.linear_num_value_heads
@@ -117,9 +121,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
                              ssm_dtype=torch.float32)
         self.slots = RecurrentSlots(f"model.layers.{layer_index}.linear_attn", spec, self.conv1d)
 
-
     def state_specs(self) -> dict:
         return {self.slots.layer_name: self.slots.state_spec}
+
     def _split(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor):
         """Per key-head groups [q | k | v.. | z..] and [b.. | a..] → q, k, v, z, b, a."""
         tokens = mixed_qkvz.shape[0]
@@ -176,35 +180,19 @@ class Qwen3NextRouter(nn.Module):
         return weights.to(logits.dtype), experts
 
 
-class Qwen3NextExperts(nn.ModuleList):
-    """Routed experts, one gated MLP each (checkpoint names ``experts.{e}.gate_proj`` ...)."""
-
-    def __init__(self, config) -> None:
-        super().__init__(GatedMLP(config.hidden_size, config.moe_intermediate_size)
-                         for _ in range(config.num_experts))
-
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(hidden)
-        for expert in torch.unique(experts).tolist():
-            token_index, slot = torch.where(experts == expert)
-            rows = self[expert](hidden[token_index]) * weights[token_index, slot, None]
-            # A token picks an expert at most once: the rows are distinct.
-            output[token_index] += rows.to(output.dtype)
-        return output
-
-
 class Qwen3NextSparseMoe(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.gate = Qwen3NextRouter(config)
-        self.experts = Qwen3NextExperts(config)
+        # Checkpoints name them per expert (``experts.{e}.gate_proj`` ...): ``load_with_experts``.
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(hidden)
         shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return self.experts(hidden, weights, experts) + shared
+        return self.experts(hidden, experts, weights) + shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -263,5 +251,5 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; multi-token-prediction weights are not used."""
-        load_by_name(self, weights, skip=lambda name: name.startswith("mtp.") or
-                     (self.tie_word_embeddings and name == "lm_head.weight"))
+        load_with_experts(self, weights, skip=lambda name: name.startswith("mtp.") or
+                          (self.tie_word_embeddings and name == "lm_head.weight"))

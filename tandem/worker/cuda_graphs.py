@@ -2,10 +2,11 @@
 
 Owner of the captured graphs, their shared memory pool and their static buffers. A graph is
 captured over static input tensors (token ids, positions; per state group the slot mapping, the
-page table, the context lengths) and replayed after the step's values are copied into them. A
-step of ``n`` sequences replays the smallest captured size ``>= n``; rows past ``n`` are padding:
-context length 0 (attention reads nothing and returns zeros) and slot -1 (nothing is written),
-so a padding row never touches a page.
+page table, the context lengths) and replayed after the step's values are copied into them
+(page-table columns past the step's width hold the null page, as in an eager step). A step of
+``n`` sequences replays the smallest captured size ``>= n``; rows past ``n`` are padding: context
+length 0 (attention reads nothing and returns zeros; a recurrent layer reads the null page) and
+slot -1 (nothing is written), so a padding row never touches a page.
 
 The forward captured is the model's plus its logits head, so a replay ends with the logits of
 every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
@@ -39,10 +40,13 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def model_is_graph_safe(model: torch.nn.Module) -> bool:
-    """True when every module that keeps state declares its forward capturable."""
+    """True when every module that keeps state declares its forward capturable and no module
+    declares it is not (``cuda_graph_safe = False``: a host synchronisation or data-dependent
+    shapes on the decode path)."""
     stateful = [module for module in model.modules()
                 if module is not model and callable(getattr(module, "state_specs", None))]
-    return bool(stateful) and all(getattr(module, "cuda_graph_safe", False) for module in stateful)
+    return (bool(stateful) and all(getattr(module, "cuda_graph_safe", False) for module in stateful)
+            and all(getattr(module, "cuda_graph_safe", True) for module in model.modules()))
 
 
 class CudaGraphRunner:
@@ -59,19 +63,25 @@ class CudaGraphRunner:
         self.page_tables = [torch.zeros((size, max_width), dtype=torch.int32, device=device)
                             for _ in range(num_groups)]
         self.context_lengths = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(num_groups)]
+        # Per group, the page-table columns the last replay filled: past them every entry is the
+        # null page, as in an eager step's table (a reader may look past the columns it needs:
+        # a recurrent row's checkpoint column).
+        self.written_widths = [0] * num_groups
         self.query_starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _metadata(self, batch_size: int) -> list[AttentionMetadata]:
+        """Static tensors; the per-chunk lists are placeholders saying "decode rows that continue
+        a sequence" (``can_replay`` admits no other), which is all a graph-safe layer reads."""
         rows = list(range(batch_size))
         return [AttentionMetadata(
             page_size=self.runner.page_size, slot_mapping=self.slot_mappings[group][:batch_size],
             page_table=self.page_tables[group][:batch_size],
             context_lengths=self.context_lengths[group][:batch_size],
             query_starts=self.query_starts[:batch_size + 1], num_decode_tokens=batch_size,
-            chunk_query_starts=rows + [batch_size], chunk_start_positions=[0] * batch_size,
+            chunk_query_starts=rows + [batch_size], chunk_start_positions=[1] * batch_size,
             chunk_context_lengths=[1] * batch_size, zero_invalid=True)
             for group in range(len(self.page_tables))]
 
@@ -97,7 +107,10 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_replay(self, step: StepInputs) -> bool:
+        """A pure decode step that fits, whose every row continues a sequence (a first token
+        starts from no state: recurrent layers scan it eagerly)."""
         return (step.is_pure_decode and len(step.chunks) <= self.batch_sizes[-1]
+                and (not step.start_positions or step.start_positions[0] > 0)
                 and all(table.shape[1] <= self.max_width for table in step.page_tables))
 
     def replay(self, step: StepInputs, feed=None) -> torch.Tensor:
@@ -113,10 +126,16 @@ class CudaGraphRunner:
         lengths = np.asarray(step.context_lengths, dtype=np.int32)
         for group, table in enumerate(step.page_tables):
             copy(self.slot_mappings[group][:count], step.slot_mappings[group])
-            copy(self.page_tables[group][:count, :table.shape[1]], table)
+            width = table.shape[1]
+            copy(self.page_tables[group][:count, :width], table)
+            if self.written_widths[group] > width:  # columns a wider step wrote read as the null page again
+                self.page_tables[group][:, width:self.written_widths[group]].zero_()
+            self.written_widths[group] = width
             copy(self.context_lengths[group][:count], lengths)
             if batch_size > count:
                 self.slot_mappings[group][count:batch_size].fill_(-1)
                 self.context_lengths[group][count:batch_size].fill_(0)
+        if not self.graphs:  # never captured (CPU tests): the same forward, eagerly, over the static buffers
+            return self._forward(batch_size)[:count]
         self.graphs[batch_size].replay()
         return self.logits[batch_size][:count]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tandem.engine.protocol import PositionLogprobs
@@ -20,7 +21,7 @@ from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import PendingTokens, StepInputs, build_step_inputs
+from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -54,6 +55,7 @@ class ModelRunner:
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
+        self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
         """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
@@ -78,7 +80,8 @@ class ModelRunner:
             context_lengths=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             query_starts=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             num_decode_tokens=0, chunk_query_starts=[0, num_tokens], chunk_start_positions=[0],
-            chunk_context_lengths=[num_tokens]) for _ in range(self.coordinator.num_groups)]
+            chunk_context_lengths=[num_tokens], host_page_table=np.zeros((1, width), dtype=np.int32))
+            for _ in range(self.coordinator.num_groups)]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         hidden = self.model(ids, positions, self.forward_context(metadata))
@@ -93,10 +96,11 @@ class ModelRunner:
         """One forward pass over ``chunks``. A chunk whose input token is still pending (sampled
         by the step before, which may still be running) reads it from ``pending`` on the device."""
         sanitizer = self.coordinator.sanitizer
-        for chunk in chunks:
-            sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
-                                  chunk.sequence.state.page_tables)
-        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size)
+        if sanitizer.enabled:
+            for chunk in chunks:
+                sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
+                                      chunk.sequence.state.page_tables)
+        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
         if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
             # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
@@ -130,17 +134,20 @@ class ModelRunner:
             context_lengths=as_int32(step.context_lengths), query_starts=as_int32(step.query_starts),
             num_decode_tokens=step.num_decode, chunk_query_starts=step.query_starts,
             chunk_start_positions=step.start_positions, chunk_context_lengths=step.context_lengths,
-            zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket)
+            zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket,
+            host_page_table=step.page_tables[group])
 
     def _outputs(self, step: StepInputs, hidden, logits, check_finite: bool) -> ExecuteResult:
         if check_finite and not torch.isfinite(logits).all():
             from tandem.kv.block_pool import SanitizerError
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
+        prompt_logprobs = {}
         sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
         prompt_logprobs = {}
-        for row, chunk in enumerate(step.chunks):
-            if chunk.prompt_logprobs:
-                prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
+        if step.wants_prompt_logprobs:
+            for row, chunk in enumerate(step.chunks):
+                if chunk.prompt_logprobs:
+                    prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
         return ExecuteResult(sampling_chunks, logits, prompt_logprobs, step, hidden)
 
     def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int):

@@ -73,23 +73,57 @@ class SamplingMetadata:
         output_token_ids: Sequence[Sequence[int]],
         banned_token_ids: Sequence[Sequence[int]],
         device: torch.device | str,
+        table: Optional["ParameterTable"] = None,
     ) -> "SamplingMetadata":
-        """Gather the rows' parameters into batch tensors on ``device``.
+        """Gather the rows' parameters into batch tensors on ``device`` (or take them from
+        ``table``, made for these ``params``: see ``ParameterTables``).
 
-        All sequences must have one entry per row, in the same order as the logits rows.
+        All sequences must have one entry per row, in the same order as the logits rows. The
+        token-id lists are read, not copied: they must not change before the sampler has run.
         """
         lengths = {len(params), len(generators), len(prompt_token_ids),
                    len(output_token_ids), len(banned_token_ids)}
         if len(lengths) != 1:
             raise ValueError(f"sampling metadata: per-row inputs differ in length: {sorted(lengths)}")
+        table = table or ParameterTable.of(params, device)
+        return cls(
+            temperature=table.temperature, top_p=table.top_p, top_k=table.top_k, min_p=table.min_p,
+            presence_penalty=table.presence_penalty, frequency_penalty=table.frequency_penalty,
+            repetition_penalty=table.repetition_penalty,
+            generators=list(generators),
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            banned_token_ids=list(banned_token_ids),
+            num_logprobs=table.num_logprobs, all_greedy=table.all_greedy, no_penalties=table.no_penalties,
+            no_top_k_top_p=table.no_top_k_top_p, no_min_p=table.no_min_p,
+        )
 
+
+@dataclass(frozen=True)
+class ParameterTable:
+    """The per-row parameters of one batch of ``SamplingParams`` as device tensors, and what
+    holds for every row."""
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    repetition_penalty: torch.Tensor
+    num_logprobs: int
+    all_greedy: bool
+    no_penalties: bool
+    no_top_k_top_p: bool
+    no_min_p: bool
+    any_min_tokens: bool  # some row bans ids until it has ``min_tokens`` outputs
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> "ParameterTable":
         # One host-to-device copy for every per-row parameter (float64 holds them all exactly).
         table = to_device(torch.tensor([p.sampling_row for p in params],
                                        dtype=torch.float64).reshape(len(params), len(PARAMETER_COLUMNS)),
                           device)
         column = lambda name, dtype: table[:, PARAMETER_COLUMNS.index(name)].to(dtype)
-
-        temperatures = [p.temperature for p in params]
         return cls(
             temperature=column("temperature", torch.float32),
             top_p=column("top_p", torch.float32),
@@ -98,17 +132,30 @@ class SamplingMetadata:
             presence_penalty=column("presence_penalty", torch.float32),
             frequency_penalty=column("frequency_penalty", torch.float32),
             repetition_penalty=column("repetition_penalty", torch.float32),
-            generators=list(generators),
-            prompt_token_ids=[list(ids) for ids in prompt_token_ids],
-            output_token_ids=[list(ids) for ids in output_token_ids],
-            banned_token_ids=[list(ids) for ids in banned_token_ids],
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=all(t < GREEDY_TEMPERATURE_EPSILON for t in temperatures),
-            no_penalties=all(p.presence_penalty == 0 and p.frequency_penalty == 0
-                             and p.repetition_penalty == 1 for p in params),
+            all_greedy=all(p.temperature < GREEDY_TEMPERATURE_EPSILON for p in params),
+            no_penalties=not any(p.uses_penalties for p in params),
             no_top_k_top_p=all(p.top_k <= 0 and p.top_p >= 1 for p in params),
             no_min_p=all(p.min_p <= 0 for p in params),
+            any_min_tokens=any(p.min_tokens > 0 for p in params),
         )
+
+
+class ParameterTables:
+    """The ``ParameterTable`` of the last batch, reused while the rows' ``SamplingParams`` are
+    the same (a decode batch keeps its rows step after step; the check compares the objects,
+    identity first). Owned by the engine core; the tables it hands out are read-only."""
+
+    def __init__(self) -> None:
+        self._params: tuple[SamplingParams, ...] = ()
+        self._device: Optional[torch.device] = None
+        self._table: Optional[ParameterTable] = None
+
+    def get(self, params: Sequence[SamplingParams], device: torch.device | str) -> ParameterTable:
+        params, device = tuple(params), torch.device(device)
+        if self._table is None or device != self._device or params != self._params:
+            self._params, self._device, self._table = params, device, ParameterTable.of(params, device)
+        return self._table
 
 
 @dataclass

@@ -1,0 +1,215 @@
+"""Fused mixture-of-experts in Triton: every routed (token, expert) pair of a step in two grouped
+matrix-product launches, with its plain-PyTorch reference (the per-expert loop).
+
+Operands: ``hidden [T, H]``; ``w1 [E, N1, H]`` (gated, ``"silu"``: ``N1 = 2I``, the gate rows
+then the up rows as ``gate_up_proj`` stacks them; not gated, ``"relu2"``: ``N1 = I``,
+``up_proj``); ``w2 [E, H, I]`` (``down_proj``); routing ``weights [T, k]`` and ``expert_ids
+[T, k]`` (a token picks an expert at most once)::
+
+    out[t] = sum_j weights[t, j] * w2[e] . act(w1[e] . hidden[t])        e = expert_ids[t, j]
+    act:   silu(gate) * up  ("silu")   |   relu(x)^2  ("relu2")
+
+Assignment ``a = t * k + j`` is one (token, expert) pair. ``align_assignments`` sorts them by
+expert and pads each expert's run to whole blocks of ``BLOCK_M`` rows::
+
+    sorted ids:  | e0: a a a a pad pad | e1: a pad pad pad | e3: a a a a a a a pad | ... | unused
+    blocks:      |      block 0        |      block 1      |      blocks 2, 3       |     | exit
+                 0                                                        num_padded    capacity
+
+``capacity = T*k + min(E, T*k) * (BLOCK_M - 1)``, rounded up to ``BLOCK_M``, depends on shapes
+only: the launch grids are static and the sort runs on the device (no host synchronisation,
+capturable in a CUDA graph). Blocks at or past ``num_padded`` (a device scalar) return at
+once; padding entries (id ``T*k``) are neither read nor written.
+
+Rounding, as the unfused layers do it: ``w1 . hidden`` and ``w2 . act`` are accumulated in
+float32 and rounded to the input dtype; the activation is computed by the gated-activation
+kernel (``"silu"``) or in PyTorch (``"relu2"``); each expert's output times its weight, and the
+sum over a token's experts, are float32, rounded to the input dtype at the end. The reference
+adds in ``accumulate_dtype`` (the input dtype unless given) in expert order, so in float32 the
+two differ only in the order of additions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.paged_attention import MINIMUM_DOT_SIZE, _dot_precision, _upcast_dots
+from tandem.kernels.triton_support import jit, tl, triton
+
+ACTIVATIONS = ("silu", "relu2")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+
+@jit
+def _grouped_matmul_kernel(
+        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
+        num_assignments,
+        stride_a_row, stride_a_col, stride_b_expert, stride_b_row, stride_b_col,
+        stride_c_row, stride_c_col,
+        N: tl.constexpr, K: tl.constexpr, A_ROWS_PER_ROW: tl.constexpr, MULTIPLY_WEIGHTS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """Program ``(block, column block)``: for the block's assignments ``a`` (one expert ``e``),
+    ``c[a, cols] = a_matrix[a // A_ROWS_PER_ROW] . b[e, cols]^T`` rounded to ``a``'s dtype (times
+    ``weights[a]`` in float32 with ``MULTIPLY_WEIGHTS``), stored in ``c``'s dtype."""
+    block = tl.program_id(0)
+    column_block = tl.program_id(1)
+    num_padded = tl.load(num_padded_ptr)
+    if block * BLOCK_M >= num_padded:
+        return
+    assignments = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = assignments < num_assignments
+    a_rows = (assignments // A_ROWS_PER_ROW).to(tl.int64)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = columns < N
+    input_dtype = a_ptr.dtype.element_ty
+    a_block_ptr = a_ptr + a_rows[:, None] * stride_a_row
+    b_block_ptr = b_ptr + expert * stride_b_expert + columns[None, :].to(tl.int64) * stride_b_row
+    accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        depth = start + tl.arange(0, BLOCK_K)
+        depth_mask = depth < K
+        a = tl.load(a_block_ptr + depth[None, :] * stride_a_col, mask=row_mask[:, None] & depth_mask[None, :],
+                    other=0.0)
+        b = tl.load(b_block_ptr + depth[:, None] * stride_b_col, mask=depth_mask[:, None] & column_mask[None, :],
+                    other=0.0)
+        if UPCAST_DOTS:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        accumulator = tl.dot(a, b, accumulator, input_precision=DOT_PRECISION)
+    result = accumulator.to(input_dtype)
+    if MULTIPLY_WEIGHTS:
+        weights = tl.load(weights_ptr + assignments, mask=row_mask, other=0.0)
+        result = result.to(tl.float32) * weights[:, None]
+    c_offsets = assignments.to(tl.int64)[:, None] * stride_c_row + columns[None, :] * stride_c_col
+    tl.store(c_ptr + c_offsets, result.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sorting assignments by expert (plain PyTorch on the device; shapes depend on shapes only)
+
+
+def assignment_capacity(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded, sorted assignment list: each expert hit pads at most ``block_m - 1``."""
+    padded = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
+    return -(-padded // block_m) * block_m
+
+
+def align_assignments(expert_ids: torch.Tensor, num_experts: int,
+                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``expert_ids [T, k]`` → ``(sorted_ids [capacity] int32, block_experts [capacity / block_m]
+    int32, num_padded [1] int32)`` as drawn in the module docstring. Within an expert,
+    assignments keep their order. No host synchronisation."""
+    flat = expert_ids.reshape(-1).long()
+    count, device = flat.numel(), flat.device
+    capacity = assignment_capacity(count, num_experts, block_m)
+    per_expert = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (per_expert + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat.index_select(0, order)
+    first_of_expert = per_expert.cumsum(0) - per_expert
+    destination = ((padded_ends - padded).index_select(0, sorted_experts) + torch.arange(count, device=device)
+                   - first_of_expert.index_select(0, sorted_experts))
+    sorted_ids = torch.full((capacity,), count, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, destination, order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+
+
+def _config(num_assignments: int, num_experts: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile sizes by the mean rows per expert (a decode step: few; a prefill: many). Interpreted
+    (CPU) runs use the smallest row blocks (so tiny test shapes pad and cross blocks) and wide
+    column and depth tiles (the interpreter's cost is per program and per loop step)."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=MINIMUM_DOT_SIZE, BLOCK_N=64, BLOCK_K=64, num_warps=1)
+    rows_per_expert = num_assignments / num_experts
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64 if wide else 128, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32 if wide else 64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32 if wide else 64, num_warps=8, num_stages=3)
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: tuple, config: dict,
+                    a_rows_per_row: int, weights: Optional[torch.Tensor]) -> None:
+    sorted_ids, block_experts, num_padded = alignment
+    n, k = b.shape[1], b.shape[2]
+    grid = (block_experts.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    _grouped_matmul_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_ids, block_experts, num_padded,
+        out.shape[0], a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), N=n, K=k, A_ROWS_PER_ROW=a_rows_per_row, MULTIPLY_WEIGHTS=weights is not None,
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOTS=_upcast_dots(a), **config)
+
+
+def _check(hidden, w1, w2, weights, expert_ids, activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    num_experts, intermediate = w2.shape[0], w2.shape[2]
+    expected_w1 = (num_experts, 2 * intermediate if activation == "silu" else intermediate, hidden.shape[1])
+    if tuple(w1.shape) != expected_w1 or w2.shape[1] != hidden.shape[1]:
+        raise ValueError(f"fused_moe: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} do not fit hidden "
+                         f"{tuple(hidden.shape)} with activation {activation!r}")
+    if weights.shape != expert_ids.shape or expert_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"fused_moe: weights {tuple(weights.shape)} and expert_ids {tuple(expert_ids.shape)} "
+                         f"must both be [tokens={hidden.shape[0]}, top_k]")
+
+
+def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              expert_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The Triton kernels (see the module docstring): ``[T, H]`` in ``hidden``'s dtype."""
+    _check(hidden, w1, w2, weights, expert_ids, activation)
+    tokens, top_k = expert_ids.shape
+    out = torch.empty_like(hidden)
+    if tokens == 0:
+        return out
+    num_assignments = tokens * top_k
+    config = _config(num_assignments, w1.shape[0], hidden.dtype, hidden.device)
+    alignment = align_assignments(expert_ids, w1.shape[0], config["BLOCK_M"])
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    projected = hidden.new_empty((num_assignments, w1.shape[1]))
+    _grouped_matmul(hidden, w1, projected, alignment, config, top_k, None)
+    if activation == "silu":
+        from tandem.kernels.activation import silu_and_mul
+
+        activated = silu_and_mul(projected)
+    else:
+        activated = torch.square(F.relu(projected))
+    weighted = torch.empty((num_assignments, w2.shape[1]), dtype=torch.float32, device=hidden.device)
+    _grouped_matmul(activated, w2, weighted, alignment, config, 1, weights.reshape(-1).float())
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def fused_moe_reference(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                        expert_ids: torch.Tensor, activation: str = "silu",
+                        accumulate_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Plain-PyTorch :func:`fused_moe`, the layers' CPU path: the tokens of each expert hit,
+    gathered, through the expert's matrices, weighted and added in expert order in
+    ``accumulate_dtype`` (``hidden``'s dtype unless given). Synchronises with the host (the
+    experts hit are read back), so it is not capturable."""
+    _check(hidden, w1, w2, weights, expert_ids, activation)
+    output = torch.zeros_like(hidden, dtype=accumulate_dtype or hidden.dtype)
+    for expert in torch.unique(expert_ids).tolist():
+        token_index, slot = torch.where(expert_ids == expert)
+        projected = F.linear(hidden[token_index], w1[expert])
+        if activation == "silu":
+            gate, up = projected.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        else:
+            activated = torch.square(F.relu(projected))
+        expert_out = F.linear(activated, w2[expert]) * weights[token_index, slot, None]
+        output.index_add_(0, token_index, expert_out.to(output.dtype))
+    return output.to(hidden.dtype)
