@@ -37,6 +37,24 @@ SHAPES = {
 }
 
 
+def add_model_arguments(parser) -> None:
+    """``--shape``, ``--model``, ``--dtype``: the model a benchmark runs (see ``resolve_model_arguments``)."""
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="model shape (default: tiny-30m on CPU, llama3-8b on a GPU)")
+    parser.add_argument("--model", help="model directory (default: build the shape)")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on a GPU")
+
+
+def resolve_model_arguments(args) -> bool:
+    """Fill in the model defaults for this machine; True on a GPU (random weights made there:
+    ``load_format`` dummy unless ``--model`` names a directory)."""
+    gpu = torch.cuda.is_available()
+    args.shape = args.shape or ("llama3-8b" if gpu else "tiny-30m")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.load_format = "dummy" if gpu and not args.model else "auto"
+    return gpu
+
+
 def model_dir_for(shape: str, load_format: str) -> str:
     """A model directory of ``shape``: with random float32 weights (``auto``), or config and
     tokenizer only (``dummy``: the engine makes random weights on its device). Built once."""

@@ -21,15 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
+from common import add_model_arguments, resolve_model_arguments, Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                        help="model shape (default: tiny-30m on CPU, llama3-8b on a GPU)")
-    parser.add_argument("--model", help="model directory (default: build the shape)")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on a GPU")
+    add_model_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefill-lengths", default="128,512,2048,8192")
@@ -38,10 +35,7 @@ def parse_args():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
-    gpu = torch.cuda.is_available()
-    args.shape = args.shape or ("llama3-8b" if gpu else "tiny-30m")
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.load_format = "dummy" if gpu and not args.model else "auto"
+    resolve_model_arguments(args)
     return args
 
 

@@ -28,15 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
+from common import add_model_arguments, resolve_model_arguments, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                        help="model shape (default: tiny-30m on CPU, llama3-8b on a GPU)")
-    parser.add_argument("--model", help="model directory (default: build the shape)")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on a GPU")
+    add_model_arguments(parser)
     parser.add_argument("--users", type=int, default=None, help="default: 8 on CPU, 32 on a GPU")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--first-len", type=int, default=None, help="first prompt (default: 256 CPU, 2000 GPU)")
@@ -49,10 +46,7 @@ def parse_args():
     parser.add_argument("--skip-conversations", action="store_true")
     parser.add_argument("--skip-long-prompt", action="store_true")
     args = parser.parse_args()
-    gpu = torch.cuda.is_available()
-    args.shape = args.shape or ("llama3-8b" if gpu else "tiny-30m")
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.load_format = "dummy" if gpu and not args.model else "auto"
+    gpu = resolve_model_arguments(args)
     defaults = dict(users=(32, 8), first_len=(2000, 256), message_len=(500, 64), output_len=(100, 16),
                     host_cache_size=(24.0, 0.5), long_prompt=(10000, 2000))
     for name, (on_gpu, on_cpu) in defaults.items():
