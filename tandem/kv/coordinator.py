@@ -16,7 +16,7 @@ from tandem.kv.block_pool import CACHE_OWNER, INFLIGHT_PREFIX, BlockPool, OutOfP
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
-from tandem.kv.tiers.disk_store import chain_hash
+from tandem.kv.tiers.keys import chain_hash
 from tandem.kv.registry import StateRegistry
 from tandem.kv.sanitizer import Sanitizer
 

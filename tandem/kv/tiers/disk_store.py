@@ -46,9 +46,8 @@ import zlib
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -62,37 +61,6 @@ _PAGE_RE = re.compile(r"^([0-9a-f]{2,128})\.page$")
 STALE_TEMP_AGE_S = 60.0   # a younger temp file may be another process's write in flight
 MAX_CONSECUTIVE_WRITE_FAILURES = 8
 _LOG_EVERY_S = 60.0
-
-
-def layout_fingerprint(parts: Iterable[object]) -> str:
-    """A stable digest (hex) of the parts naming a layout: model name, dtype, page size, the
-    ordered buffer list. Each part is written as its ``repr`` (dicts with sorted keys, sets
-    sorted), which must not depend on the process: a repr with an object address raises."""
-    def canon(obj: object) -> str:
-        if isinstance(obj, (list, tuple)):
-            return type(obj).__name__ + "(" + ",".join(canon(o) for o in obj) + ")"
-        if isinstance(obj, dict):
-            return "dict(" + ",".join(sorted(f"{canon(k)}:{canon(v)}" for k, v in obj.items())) + ")"
-        if isinstance(obj, (set, frozenset)):
-            return "set(" + ",".join(sorted(canon(o) for o in obj)) + ")"
-        text = repr(obj)
-        if " at 0x" in text:
-            raise TypeError(f"layout_fingerprint: {text} has no stable repr across processes")
-        return text
-    text = "tandem-layout-v1\x1f" + "\x1f".join(canon(p) for p in parts)
-    return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
-
-
-def chain_hash(parent: bytes, tokens: Sequence[int], *, extra: bytes = b"") -> bytes:
-    """16-byte blake2b of the parent's hash (``b""`` for the root), the page's token ids as
-    int64 little-endian, and optional ``extra`` bytes (a salt such as an adapter id). Lengths
-    are mixed in, so no two (parent, tokens, extra) triples share an input."""
-    data = np.asarray(tokens, dtype="<i8").tobytes()
-    h = hashlib.blake2b(digest_size=16, person=b"tandem-chain-v1")
-    for part in (bytes(parent), extra, data):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.digest()
 
 
 @dataclass

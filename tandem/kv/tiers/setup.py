@@ -68,7 +68,8 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
                          f"({per_node} bytes per page of every group)")
     disk = None
     if config.disk_cache_dir:
-        from tandem.kv.tiers.disk_store import DiskStore, layout_fingerprint
+        from tandem.kv.tiers.disk_store import DiskStore
+        from tandem.kv.tiers.keys import layout_fingerprint
 
         disk = DiskStore(config.disk_cache_dir, int(config.disk_cache_size * GIB),
                          layout_fingerprint(layout_fingerprint_parts(config, coordinator)))
