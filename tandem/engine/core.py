@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -17,8 +16,9 @@ from tandem.config import EngineConfig
 from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
-from tandem.kv.planner import allocate_buffers, bytes_per_page, plan_pools, sequence_pools
+from tandem.kv.planner import allocate_buffers, plan_pools
 from tandem.kv.registry import StateRegistry
+from tandem.engine.memory import resolve_device, state_memory_budget
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
 from tandem.scheduler.scheduler import Scheduler
@@ -29,19 +29,6 @@ from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def available_host_memory() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 << 30
 
 
 class EngineCore:
@@ -67,8 +54,10 @@ class EngineCore:
             self.config = config = engine_config_for_speculation(config, self.device.type)
             self.speculator = Speculator(self, config)  # registers the draft's state specs
         self.registry.finalize()
+        budget = state_memory_budget(config, self.device, self.registry, self.model_info.max_model_len,
+                                     self.speculator is not None)
         plan = plan_pools(self.registry, config.page_size, max_total_tokens=config.max_total_tokens,
-                          memory_budget_bytes=self._memory_budget(), max_num_seqs=config.max_num_seqs,
+                          memory_budget_bytes=budget, max_num_seqs=config.max_num_seqs,
                           prefix_caching=config.enable_prefix_caching, speculative=self.speculator is not None)
         allocate_buffers(self.registry, plan, self.device)
         self.coordinator = StateCoordinator(self.registry, plan,
@@ -102,21 +91,6 @@ class EngineCore:
         logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
                     plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
-
-    def _memory_budget(self) -> Optional[int]:
-        config = self.config
-        if config.max_total_tokens is not None:
-            return None
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return int(total * config.gpu_memory_utilization) - (total - free)
-        wanted = bytes_per_page(self.registry, config.page_size) * (
-            -(-self.model_info.max_model_len // config.page_size) * config.max_num_seqs + 1)
-        wanted += sequence_pools(self.registry, config.page_size, config.max_num_seqs,
-                                 config.enable_prefix_caching, self.speculator is not None)[1]
-        return min(int(available_host_memory() * config.cpu_kv_cache_fraction), wanted)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
