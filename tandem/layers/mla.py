@@ -124,6 +124,10 @@ class TorchMLABackend:
             rows = slice(bucket.start, bucket.end)
             output[rows] = self._decode(q_nope[rows], q_rope[rows], cache, bucket, metadata.zero_invalid,
                                         kv_b_weight, scale, selection.decode[index] if selection else None)
+        return self._prefills(output, q_nope, q_rope, cache, metadata, kv_b_weight, scale, selection)
+
+    def _prefills(self, output, q_nope, q_rope, cache, metadata, kv_b_weight, scale, selection):
+        """Each prefill chunk's rows of ``output`` (eager on every backend); returns ``output``."""
         for index, chunk in enumerate(metadata.prefills):
             rows = slice(chunk.query_start, chunk.query_end)
             output[rows] = self._prefill(q_nope[rows], q_rope[rows], cache, chunk, kv_b_weight, scale,
@@ -189,11 +193,7 @@ class TritonMLABackend(TorchMLABackend):
         if num_decode:
             output[:num_decode] = self._decode_rows(q_nope[:num_decode], q_rope[:num_decode], cache, metadata,
                                                     kv_b_weight, scale, selection)
-        for index, chunk in enumerate(metadata.prefills):
-            rows = slice(chunk.query_start, chunk.query_end)
-            output[rows] = self._prefill(q_nope[rows], q_rope[rows], cache, chunk, kv_b_weight, scale,
-                                         selection.prefills[index] if selection else None)
-        return output
+        return self._prefills(output, q_nope, q_rope, cache, metadata, kv_b_weight, scale, selection)
 
     @staticmethod
     def _decode_rows(q_nope, q_rope, cache, metadata, kv_b_weight, scale, selection):
