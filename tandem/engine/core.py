@@ -71,8 +71,9 @@ class EngineCore:
                                    preemption_mode=config.resolved_preemption_mode)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if not config.enforce_eager:
-            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
-            self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
+            rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
+            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(rows))
+            self.runner.capture_graphs([size for size in sizes if size <= rows],
                                        self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps

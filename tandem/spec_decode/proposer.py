@@ -170,7 +170,7 @@ class Proposer:
         if not entries:
             return
         output = run_rows(self.core.runner, self.network, [row for _, row in entries],
-                          self.coordinator.sanitizer.enabled)
+                          self.coordinator.sanitizer.enabled, rows_as_decode=not self.chain_on_copies)
         drawing = []
         for (plan, _), hidden, logits in zip(entries, output.last_hidden, output.logits):
             plan.hidden = hidden

@@ -21,7 +21,7 @@ from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
+from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, as_decode_rows, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -31,7 +31,8 @@ class ExecuteResult:
     logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (None: a replayed graph)
+    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
+    # until its next replay)
 
 
 class ModelRunner:
@@ -55,6 +56,10 @@ class ModelRunner:
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
+        # A step whose every token is sampled (speculative verification: a known token and its
+        # drafts per sequence) replays the decode graphs with each token as a row of its own;
+        # set by the speculator when every target group keeps its state per token.
+        self.verify_as_decode_rows = False
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
@@ -102,11 +107,10 @@ class ModelRunner:
                                       chunk.sequence.state.page_tables)
         step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
-        if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
-            # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
-            # with any runs eagerly.
-            logits = self.graphs.replay(step, feed)
-            return self._outputs(step, None, logits, sanitizer.enabled)
+        replayed = self._graph_step(step)
+        if replayed is not None:
+            hidden, logits = self.graphs.replay(replayed, feed)
+            return self._outputs(step, hidden, logits, sanitizer.enabled)
         input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
         if feed is not None:
             feed(input_ids)
@@ -116,6 +120,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float() if step.sampling_rows else \
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return self._outputs(step, hidden, logits, sanitizer.enabled)
+
+    def _graph_step(self, step: StepInputs) -> Optional[StepInputs]:
+        """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
+        step, or a verification step laid out as single-token rows. Pending loads must be waited
+        for layer by layer (I3): a replay cannot, so a step with any runs eagerly."""
+        if self.graphs is None or len(self.pending_loads) or step.wants_prompt_logprobs:
+            return None
+        if len(step.sampling_rows) != step.num_tokens:  # a replay gives the logits of every row
+            return None
+        if step.num_decode != len(step.chunks):
+            if not self.verify_as_decode_rows:
+                return None
+            step = as_decode_rows(step)
+        return step if self.graphs.can_replay(step) else None
 
     def group_metadata(self, step: StepInputs, groups) -> list[Optional[AttentionMetadata]]:
         """Attention metadata of ``groups`` (None for the others) for a step's rows."""
