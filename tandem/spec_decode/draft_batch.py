@@ -30,6 +30,9 @@ class DraftRow:
     page_tables: list[list[int]]  # per state group (only the draft's groups are read)
     hidden: Optional[torch.Tensor] = None  # [len(token_ids), hidden] inputs beside the tokens (MTP)
     wants_logits: bool = False  # the last position's logits are wanted
+    # The last token as drawn by the pass before, still on the device (0-d; ``token_ids[-1]`` is a
+    # placeholder): a chain runs without waiting for its tokens on the host.
+    last_token: Optional[torch.Tensor] = None
 
 
 class DraftNetwork(Protocol):
@@ -72,13 +75,17 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         hidden_in = torch.cat([row.hidden for row in ordered]).to(device)
     last_rows = to_device([end - 1 for end in step.query_starts[1:]], device, torch.long)
     wanted = [slot for slot, row in enumerate(ordered) if row.wants_logits]
-    replayed = _graph_rows(network, step, rows_as_decode)
+    feed = _feed_last_tokens(ordered, step, device)
+    replayed = _graph_rows(runner, network, step, rows_as_decode)
     if replayed is not None:
-        output, all_logits = network.graphs.replay(replayed, hidden_in=hidden_in)
+        output, all_logits = network.graphs.replay(replayed, feed, hidden_in=hidden_in)
         last_hidden = output.index_select(0, last_rows)
         logits = all_logits.index_select(0, last_rows[wanted]) if wanted else None
     else:
-        output = network.forward(to_device(step.input_ids, device), hidden_in, to_device(step.positions, device),
+        input_ids = to_device(step.input_ids, device)
+        if feed is not None:
+            feed(input_ids)
+        output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
                                  network.context(runner.group_metadata(step, network.groups)))
         last_hidden = output.index_select(0, last_rows)
         logits = network.logits(last_hidden[wanted]).float() if wanted else None
@@ -92,13 +99,26 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     return result
 
 
-def _graph_rows(network: DraftNetwork, step, rows_as_decode: bool):
-    """The single-token rows the network's graphs replay for ``step``, or None (eager)."""
+def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):
+    """The single-token rows the network's graphs replay for ``step``, or None (eager: also
+    while state loads are pending, which a replay cannot wait for layer by layer, I3)."""
     graphs = getattr(network, "graphs", None)
-    if graphs is None:
+    if graphs is None or len(runner.pending_loads):
         return None
     if step.num_decode != len(step.query_starts) - 1:
         if not rows_as_decode:
             return None
         step = as_decode_rows(step)
     return step if graphs.can_replay(step) else None
+
+
+def _feed_last_tokens(ordered: list[DraftRow], step, device):
+    """A function writing the rows' device-resident last tokens into the pass's input ids
+    (None when no row has one)."""
+    pending = [(step.query_starts[slot + 1] - 1, row.last_token) for slot, row in enumerate(ordered)
+               if row.last_token is not None]
+    if not pending:
+        return None
+    index = to_device([position for position, _ in pending], device, torch.long)
+    tokens = torch.stack([token for _, token in pending])
+    return lambda input_ids: input_ids.index_copy_(0, index, tokens)
