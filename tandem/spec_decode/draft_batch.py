@@ -80,7 +80,10 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     if replayed is not None:
         output, all_logits = network.graphs.replay(replayed, feed, hidden_in=hidden_in)
         last_hidden = output.index_select(0, last_rows)
-        logits = all_logits.index_select(0, last_rows[wanted]) if wanted else None
+        logits = None
+        if wanted:
+            logits = all_logits.index_select(0, to_device([step.query_starts[slot + 1] - 1 for slot in wanted],
+                                                          device, torch.long))
     else:
         input_ids = to_device(step.input_ids, device)
         if feed is not None:
@@ -88,7 +91,9 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
                                  network.context(runner.group_metadata(step, network.groups)))
         last_hidden = output.index_select(0, last_rows)
-        logits = network.logits(last_hidden[wanted]).float() if wanted else None
+        logits = None
+        if wanted:
+            logits = network.logits(last_hidden.index_select(0, to_device(wanted, device, torch.long))).float()
     if check_finite and logits is not None and not torch.isfinite(logits).all():
         raise SanitizerError("non-finite draft logits: a draft forward pass read poisoned (freed) state")
     result = DraftOutput([None] * len(rows), [None] * len(rows))
