@@ -115,9 +115,10 @@ class Speculator:
         return len(self.network.layer_names)
 
     def graph_rows(self, max_num_seqs: int) -> int:
-        """The most single-token rows a graph replays while speculating: ``k + 1`` per sequence
-        (a verification's known token and drafts; a draft's catch-up)."""
-        return max_num_seqs * (self.num_speculative_tokens + 1)
+        """The most single-token rows a graph replays while speculating: ``k + 2`` per sequence
+        (a verification's known token and ``k`` drafts; a draft's catch-up over them and the
+        target's token)."""
+        return max_num_seqs * (self.num_speculative_tokens + 2)
 
     def attach(self, core) -> None:
         self.network.bind(core.runner, core.registry)
