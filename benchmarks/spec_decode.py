@@ -47,6 +47,8 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="speculation without CUDA graphs (the baseline keeps them)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     args.shape = args.shape or ("llama3-8b" if gpu else "tiny-30m")
@@ -64,7 +66,8 @@ def measure(args, target: str, prompt: list[int], accept_length=None, draft=None
         os.environ.pop(SIMULATE, None)
     else:
         os.environ[SIMULATE] = str(accept_length)
-    speculation = dict(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens) if draft else {}
+    speculation = dict(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
+                       enforce_eager=args.enforce_eager) if draft else {}
     llm = LLM(model=target, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=8, **speculation)
     generate = lambda tokens: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
