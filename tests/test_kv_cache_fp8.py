@@ -9,6 +9,7 @@ oracle the difference must be far larger, so the comparison can fail when FP8 is
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import pytest
@@ -18,6 +19,8 @@ from tandem import LLM, SamplingParams
 from tandem.kernels.kv_write import cast_for_cache
 from tandem.kv.sanitizer import poison_fill
 from tests.oracle import LOGPROB_TOLERANCE, Oracle, assert_matches
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 FP8 = torch.float8_e4m3fn
 GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
@@ -132,7 +135,7 @@ def test_swap_and_host_hits_move_fp8_pages_whole(model_dirs):
     """Swap preemption and a host-tier hit carry FP8 pages whole: the outputs equal those of an
     FP8 engine with room for everything (the movers copy bytes, whatever the dtype)."""
     prompts = prompts_for(9, (60, 50, 40, 30))
-    params = SamplingParams(max_tokens=24, **GREEDY)
+    params = SamplingParams(max_tokens=16, **GREEDY)
     options = dict(kv_cache_dtype="fp8", page_size=16, max_num_batched_tokens=64)
     expected = LLM(model=model_dirs["llama"], max_total_tokens=2048, **options).generate(prompts, params)
     tight = LLM(model=model_dirs["llama"], max_total_tokens=160, host_cache_size=0.01, preemption_mode="swap",
@@ -150,3 +153,61 @@ def test_swap_and_host_hits_move_fp8_pages_whole(model_dirs):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[t].logprob - theirs[t].logprob) <= LOGPROB_TOLERANCE for t in mine)
     tight.engine.check_all_free()
+
+
+# --- GPU (``-m gpu``): the Triton kernels, CUDA graphs on ---------------------------------------
+
+requires_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def gpu(test):
+    for mark in requires_cuda:
+        test = mark(test)
+    return test
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])
+def test_gpu_fp8_matches_the_fp8_rounded_oracle(arch, model_dirs, fp8_oracles, monkeypatch):
+    """float32 model, FP8 pages, decode in CUDA graphs, chunked prefill and a prefix hit: greedy
+    tokens equal and top-5 logprobs within 2e-3 of the FP8-rounded oracle (the GPU's float32
+    keys may round to the neighbouring FP8 value where the CPU's do not)."""
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 2e-3)
+    prompts = prompts_for(5, (40, 3, 70, 1, 200), shared=48)
+    llm = LLM(model=model_dirs[arch], device="cuda", dtype="float32", kv_cache_dtype="fp8", page_size=16,
+              max_total_tokens=2048, max_num_batched_tokens=64, max_num_seqs=8)
+    assert llm.engine.runner.graphs is not None
+    outputs = llm.generate(prompts[:1], SamplingParams(max_tokens=16, **GREEDY))
+    outputs += llm.generate(prompts[1:], SamplingParams(max_tokens=16, **GREEDY))
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        assert_matches(output.outputs[0], fp8_oracles[arch].greedy(prompt, 16), context=f"{arch} prompt {number}")
+    llm.engine.check_all_free()
+
+
+@gpu
+def test_gpu_bf16_model_with_fp8_pages_agrees_with_bf16_pages(model_dirs):
+    """bf16 weights, FP8 pages, CUDA graphs: every logprob finite, and at nine steps in ten or
+    more the token FP8 decoding picked is also bf16 pages' top-1 (scored teacher-forced: the
+    bf16 engine's prompt logprobs over prompt + FP8 output)."""
+    prompts = prompts_for(13, (30, 200, 5, 90, 64, 150, 17, 120))
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1, ignore_eos=True)
+    fp8 = LLM(model=model_dirs["llama"], device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
+              max_total_tokens=4096, max_num_seqs=8)
+    assert fp8.engine.runner.graphs is not None
+    outputs = [output.outputs[0] for output in fp8.generate(prompts, greedy)]
+    values = [entry.logprob for output in outputs for position in output.logprobs for entry in position.values()]
+    assert values and all(math.isfinite(value) for value in values)
+    fp8.engine.check_all_free()
+    del fp8
+    bf16 = LLM(model=model_dirs["llama"], device="cuda", dtype="bfloat16", max_total_tokens=4096, max_num_seqs=8)
+    scored = bf16.generate([prompt + list(output.token_ids) for prompt, output in zip(prompts, outputs)],
+                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True))
+    agree = total = 0
+    for prompt, output, score in zip(prompts, outputs, scored):
+        for offset, token in enumerate(output.token_ids):
+            entry = score.prompt_logprobs[len(prompt) + offset]
+            agree += entry[token].rank == 1
+            total += 1
+    assert agree >= 0.9 * total, f"{agree} of {total} steps agree"
