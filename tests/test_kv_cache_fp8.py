@@ -116,7 +116,11 @@ def test_a_model_without_paged_kv_refuses_fp8(model_dirs):
         LLM(model=model_dirs["deepseek_v3"], kv_cache_dtype="fp8", max_total_tokens=256)
 
 
-def test_bad_kv_cache_dtype_names_the_field(model_dirs):
+def test_flag_and_bad_values_name_the_field(model_dirs):
+    from tandem.entrypoints.cli import build_parser, engine_config
+
+    arguments = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"])
+    assert engine_config(arguments, "/m").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
         LLM(model=model_dirs["llama"], kv_cache_dtype="int8")
 
