@@ -108,8 +108,8 @@ def test_layout_difference_names_the_first_field(model_dirs):
         "page_size: prefill has 4, decode has 8"
     fp8 = LLM(model=model_dirs["llama"], page_size=4, max_total_tokens=64, kv_cache_dtype="fp8").engine
     difference = first_difference(layout(llama), layout(fp8), "prefill", "decode")  # FP8 and wider K/V never pair
-    assert difference.startswith("state buffer 0 (model.layers.0.self_attn/key) item_size: prefill has 4, decode has 1"), \
-        difference
+    assert difference.startswith(
+        "state buffer 0 (model.layers.0.self_attn/key) item_size: prefill has 4, decode has 1"), difference
 
 
 # -- exactness for every family ------------------------------------------------------------------------------

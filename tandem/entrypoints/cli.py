@@ -13,7 +13,8 @@ import sys
 from typing import Optional, Sequence
 
 from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
-                           KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES, SPECULATIVE_METHOD_CHOICES, EngineConfig)
+                           KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
+                           SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"

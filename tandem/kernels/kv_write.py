@@ -135,7 +135,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), limit or 0.0,
         HEADS=heads, BLOCK=block, SATURATE=limit is not None,
-        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda", num_warps=4 if heads * block >= 1024 else 1)
+        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda",
+        num_warps=4 if heads * block >= 1024 else 1)
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

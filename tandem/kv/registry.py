@@ -68,8 +68,8 @@ class StateRegistry:
     def finalize(self) -> list[StateGroup]:
         """Group layers by equal spec, in registration order. With a ``kv_cache_dtype``, some
         layer must store its state in it (else the option would silently do nothing)."""
-        if self.kv_cache_dtype is not None and not any(
-                layout.dtype == self.kv_cache_dtype for spec in self._specs.values() for layout in spec.buffer_layouts()):
+        stored = {layout.dtype for spec in self._specs.values() for layout in spec.buffer_layouts()}
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in stored:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} applies to the paged K/V of attention layers "
                              "(full or sliding window); this model keeps none (MLA latents, indexer keys and "
                              "recurrent state keep their own dtype): use kv_cache_dtype='auto'")
