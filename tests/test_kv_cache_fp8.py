@@ -86,20 +86,27 @@ def test_fp8_engine_matches_the_fp8_rounded_oracle(arch, model_dirs, oracles, fp
 
 
 def test_fp8_pages_hold_more_tokens_in_the_same_memory(model_dirs, caplog):
+    """The pool log line reports the doubled (here: quadrupled) capacity; the disk tier's layout
+    fingerprint differs, so FP8 and wider pages are never shared through a disk directory."""
+    from tandem.kv.tiers.keys import layout_fingerprint
+    from tandem.kv.tiers.setup import layout_fingerprint_parts
+
     budget = 1 << 20
-    pools = {}
+    pools, fingerprints = {}, set()
     for kv_cache_dtype in ("auto", "fp8"):
         with caplog.at_level(logging.INFO, logger="tandem.engine.core"):
             llm = LLM(model=model_dirs["llama"], kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget,
                       page_size=16)
         engine = llm.engine
         pools[kv_cache_dtype] = engine.coordinator.plan.usable_pages
+        fingerprints.add(layout_fingerprint(layout_fingerprint_parts(engine.config, engine.coordinator)))
         dtypes = {descriptor.tensor.dtype for descriptor in engine.registry.buffers()}
         assert dtypes == ({FP8} if kv_cache_dtype == "fp8" else {torch.float32})
         tokens = pools[kv_cache_dtype] * 16
         assert f"({tokens} tokens, KV cache {FP8 if kv_cache_dtype == 'fp8' else torch.float32})" in caplog.text
     # float32 model on CPU: an FP8 page is a quarter of the bytes (on a GPU, bf16: half).
     assert pools["auto"] * 4 <= pools["fp8"] + 4 and pools["fp8"] <= pools["auto"] * 4 + 4, pools
+    assert len(fingerprints) == 2
 
 
 def test_hybrid_keeps_recurrent_state_in_the_model_dtype(model_dirs, fp8_oracles):
