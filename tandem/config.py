@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREEMPTION_MODES = ("swap", "recompute")
 SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
@@ -42,6 +43,9 @@ class EngineConfig:
     # Sparse-attention (DSA) indexer key cache: "fp8" (e4m3 keys + FP32 scales, page-major, as
     # deployed) or "float32" (unquantised; bit-for-bit comparable with the reference).
     indexer_cache_dtype: str = "fp8"
+    # Paged K/V of attention layers (full, sliding window, hybrids' attention): "auto" (the model
+    # dtype) or "fp8"/"fp8_e4m3" (float8 e4m3, scale 1.0, saturated at +-448; see kv/spec.py).
+    kv_cache_dtype: str = "auto"
     # Tiers behind the prefix cache (kv/tiers): host memory in GB (2**30 bytes; 0: off), when
     # device pages are copied there, and a disk directory behind it (shared by engines that name
     # the same one) with its size cap in GB.
@@ -79,6 +83,8 @@ class EngineConfig:
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
         require(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES, "kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
               "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")

@@ -18,6 +18,7 @@ from tandem.kv.block_pool import SanitizerError
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, plan_pools
 from tandem.kv.registry import StateRegistry
+from tandem.kv.spec import KV_CACHE_DTYPES
 from tandem.engine.memory import resolve_device, state_memory_budget
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
@@ -44,7 +45,7 @@ class EngineCore:
             config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
             max_model_len=config.max_model_len, seed=config.seed,
             indexer_cache_dtype=config.indexer_cache_dtype)
-        self.registry = StateRegistry()
+        self.registry = StateRegistry(KV_CACHE_DTYPES[config.kv_cache_dtype])
         for layer_name, spec in self.model.state_specs().items():
             self.registry.register(layer_name, spec)
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
@@ -89,9 +90,11 @@ class EngineCore:
             self.pd = create_pd(self, config.transfer)
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.overlap = overlap and self.pd is None  # PD keeps the one-step-at-a-time loop
-        logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
+        logger.info("engine ready: %s on %s (%s), %d pages of %d tokens (%d tokens, KV cache %s), sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
-                    plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
+                    plan.usable_pages, plan.page_size, plan.usable_pages * plan.page_size,
+                    KV_CACHE_DTYPES[config.kv_cache_dtype] or self.model_info.dtype,
+                    "on" if config.sanitizer_on else "off")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -13,7 +13,8 @@ import sys
 from typing import Optional, Sequence
 
 from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
-                           LOAD_FORMAT_CHOICES, PREEMPTION_MODES, SPECULATIVE_METHOD_CHOICES, EngineConfig)
+                           KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
+                           SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -54,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--indexer-cache-dtype", choices=INDEXER_CACHE_DTYPE_CHOICES, default="fp8",
                        help="sparse-attention (DSA) indexer key cache: fp8 (e4m3 keys + fp32 scales, "
                             "page-major) or float32 (unquantised) (default: %(default)s)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                       help="paged K/V cache of attention layers: auto (the model dtype) or fp8/fp8_e4m3 "
+                            "(float8 e4m3, scale 1.0, saturated at +-448: lossy, twice the tokens per byte; "
+                            "MLA latents, indexer keys and recurrent state keep their dtype) (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: run every step eagerly (CUDA only; default: decode steps "
                             "replay graphs captured at start-up)")
@@ -97,6 +102,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
+        kv_cache_dtype=arguments.kv_cache_dtype,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
