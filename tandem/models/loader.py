@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 
 from tandem.models.registry import model_class_for
+from tandem.parallel.shard import SINGLE, TensorShard
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,13 @@ def initialize_dummy(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
-                max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8"):
+                max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8",
+                tensor_shard: TensorShard = SINGLE):
     """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode.
 
     Engine options a model class names in its ``engine_options`` class attribute are passed to
-    its constructor as keyword arguments (e.g. ``indexer_cache_dtype`` for DSA models)."""
+    its constructor as keyword arguments (e.g. ``indexer_cache_dtype`` for DSA models); a class
+    that shards under tensor parallelism names ``tensor_shard`` (this rank's place in the group)."""
     config = load_config(model_dir)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture is None:
@@ -107,6 +110,9 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     if getattr(config, "use_sliding_window", False):
         raise ValueError("model: sliding-window attention is not supported for this architecture yet")
     model_class = model_class_for(architecture)
+    if tensor_shard.is_parallel and "tensor_shard" not in getattr(model_class, "engine_options", ()):
+        raise ValueError(f"tensor_parallel_size: {tensor_shard.size} is not supported for {architecture} yet "
+                         "(use tensor_parallel_size=1)")
     torch_dtype = resolve_dtype(dtype, config, device)
     configured_len = getattr(config, "max_position_embeddings", None) or 4096
     model_len = max_model_len or configured_len
@@ -117,7 +123,7 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     try:
         torch.set_default_dtype(torch_dtype)
         with torch.device(device):
-            options = {"indexer_cache_dtype": indexer_cache_dtype}
+            options = {"indexer_cache_dtype": indexer_cache_dtype, "tensor_shard": tensor_shard}
             model = model_class(config, torch_dtype, model_len,
                                 **{name: options[name] for name in getattr(model_class, "engine_options", ())})
     finally:
