@@ -15,11 +15,29 @@ from torch import nn
 from tandem.parallel.shard import SINGLE, TensorShard
 
 
-def mark_sharded(param: torch.Tensor, axis: int, shard: TensorShard, full_size: int) -> None:
+def mark_sharded(param: torch.Tensor, axis: int, shard: TensorShard, full_size) -> None:
     """``param`` holds rank ``shard.rank``'s consecutive slice along ``axis`` of a checkpoint
-    tensor whose size there is ``full_size`` (the last rank's slice may be padded)."""
+    tensor whose size there is ``full_size`` (the last rank's slice may be padded). A tuple of
+    sizes names segments laid end to end there (q | k | v channels): the rank's slice of each,
+    concatenated."""
     if shard.is_parallel:
-        param.shard_axis, param.shard_rank, param.shard_full_size = axis, shard.rank, full_size
+        segments = tuple(full_size) if isinstance(full_size, (tuple, list)) else (full_size,)
+        param.tensor_shard = (axis, shard.rank, shard.size, segments)
+
+
+def shard_of(tensor: torch.Tensor, axis: int, rank: int, size: int, segments: tuple[int, ...]) -> torch.Tensor:
+    """Rank ``rank``'s slice (of each segment) of a full checkpoint tensor along ``axis``; one
+    segment that ``size`` does not divide is cut in ceil-sized slices (the last one short)."""
+    if len(segments) == 1:
+        rows = -(-segments[0] // size)
+        start = min(rank * rows, segments[0])
+        return tensor.narrow(axis, start, max(0, min(rows, segments[0] - start)))
+    parts, offset = [], 0
+    for full in segments:
+        rows = full // size
+        parts.append(tensor.narrow(axis, offset + rank * rows, rows))
+        offset += full
+    return torch.cat(parts, dim=axis)
 
 
 class StackedLinear(nn.Linear):
@@ -41,29 +59,25 @@ class StackedLinear(nn.Linear):
 class _Target:
     """Where one checkpoint tensor lands: a parameter, or a row slice of a stacked one."""
 
-    def __init__(self, param: torch.Tensor, offset: int = 0, rows: Optional[int] = None,
-                 shard: Optional[tuple[int, int, int]] = None) -> None:
+    def __init__(self, param: torch.Tensor, offset: int = 0, rows: Optional[int] = None, shard=None) -> None:
         self.tensor = param.data if rows is None else param.data[offset:offset + rows]
-        axis = getattr(param, "shard_axis", None)
-        # (axis, rank, full size) of a sharded target, else None.
-        self.shard = shard if shard is not None else (
-            None if axis is None else (axis, param.shard_rank, param.shard_full_size))
+        # (axis, rank, size, segments) of a sharded target, else None.
+        self.shard = shard if shard is not None else getattr(param, "tensor_shard", None)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         target = self.tensor
         if self.shard is not None:
-            axis, rank, full = self.shard
-            if tensor.dim() == target.dim() and tensor.shape[axis] == full:
-                start = rank * target.shape[axis]
-                length = max(0, min(target.shape[axis], full - start))
-                tensor, target = tensor.narrow(axis, start, length), target.narrow(axis, 0, length)
+            axis, rank, size, segments = self.shard
+            if tensor.dim() == target.dim() and tensor.shape[axis] == sum(segments):
+                tensor = shard_of(tensor, axis, rank, size, segments)
+                target = target.narrow(axis, 0, tensor.shape[axis])  # a padded slice: its rows only
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(target.shape)}")
         target.copy_(tensor)
 
 
-def _stacked_targets(model: nn.Module) -> dict[str, tuple[str, int, int, Optional[tuple[int, int, int]]]]:
+def _stacked_targets(model: nn.Module) -> dict[str, tuple]:
     """Checkpoint name → (parameter name, row offset, rows, shard) for every stacked part."""
     targets = {}
     for module_name, module in model.named_modules():
@@ -71,7 +85,8 @@ def _stacked_targets(model: nn.Module) -> dict[str, tuple[str, int, int, Optiona
             continue
         parent = module_name.rsplit(".", 1)[0]
         for part, (offset, size) in module.parts.items():
-            shard = (0, module.shard.rank, module.full_sizes[part]) if module.shard.is_parallel else None
+            shard = ((0, module.shard.rank, module.shard.size, (module.full_sizes[part],))
+                     if module.shard.is_parallel else None)
             for kind in ("weight", "bias"):
                 if getattr(module, kind, None) is not None:
                     targets[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", offset, size, shard)

@@ -22,6 +22,19 @@ from tandem.layers.linear import mark_sharded
 from tandem.parallel.shard import SINGLE, TensorShard
 
 
+class ColumnParallelLinear(nn.Linear):
+    """Output features split by rank (no collective: the output stays split). ``segments``: the
+    checkpoint's output rows as consecutive segments, each split by rank (default: one)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TensorShard = SINGLE,
+                 what: str = "the output features of a column-parallel projection", segments=None) -> None:
+        segments = tuple(segments or (out_features,))
+        super().__init__(in_features, sum(shard.split(size, what) for size in segments), bias=bias)
+        mark_sharded(self.weight, 0, shard, segments)
+        if bias:
+            mark_sharded(self.bias, 0, shard, segments)
+
+
 class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TensorShard = SINGLE,
                  what: str = "the input features of a row-parallel projection") -> None:
