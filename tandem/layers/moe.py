@@ -151,12 +151,13 @@ class FusedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus shared experts (DeepSeek-V3, DeepSeek-V3.2, GLM-5)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
-        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                    shard=shard)
         num_shared = getattr(config, "n_shared_experts", 0) or 0
-        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * num_shared)
+        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * num_shared, shard=shard)
                                if num_shared else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
