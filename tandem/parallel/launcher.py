@@ -28,6 +28,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.kv.planner import PoolPlan
+from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.group import join, open_store, rank_device
 from tandem.parallel.plan import STOP, PageJournal, PlanChannel, StepPlan
 
@@ -82,6 +83,8 @@ def _wait_any(processes: list[subprocess.Popen]) -> subprocess.Popen:
 class TensorParallel:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         size = config.tensor_parallel_size
+        check_tensor_parallel(config.model, size, max_model_len=config.max_model_len,
+                              indexer_cache_dtype=config.indexer_cache_dtype)
         self.device = rank_device(device, 0)
         if self.device.type == "cuda":
             available = torch.cuda.device_count() - self.device.index
