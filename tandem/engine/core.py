@@ -19,7 +19,7 @@ from tandem.engine.memory import resolve_device
 from tandem.engine.state_setup import build_coordinator, register_state
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
-from tandem.parallel.launcher import start_tensor_parallel
+from tandem.parallel.launcher import RankFailure, start_tensor_parallel
 from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
@@ -254,7 +254,7 @@ class EngineCore:
         pending = previous.pending_tokens() if previous is not None else None
         try:
             result = self.runner.execute(chunks, pending)
-        except SanitizerError:
+        except (SanitizerError, RankFailure):  # (the engine cannot go on: not one step's failure)
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
             logger.exception("forward pass failed")

@@ -54,11 +54,18 @@ def _min_options():
     return options
 
 
+class RankFailure(RuntimeError):
+    """A rank died or rank 0's forward pass failed mid-step: the group cannot run another step
+    (the engine core lets this one end the engine instead of failing only the step's requests)."""
+
+
 def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "TensorParallel":
     return TensorParallel(config, device)
 
 
-def _stop_processes(processes: list[subprocess.Popen]) -> None:
+def _stop_processes(processes: list[subprocess.Popen], closing: Optional[threading.Event] = None) -> None:
+    if closing is not None:  # a deliberate stop: the watcher must not take it for a failure
+        closing.set()
     for process in processes:
         if process.poll() is None:
             process.kill()
@@ -94,10 +101,13 @@ class TensorParallel:
             torch.cuda.set_device(self.device)
         store, port = open_store(size)
         self.workers = [start_worker(config, rank, size, port) for rank in range(1, size)]
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self.workers))
         self.failed: Optional[str] = None
         self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True)
+        # Whoever drops this object without closing it (a failed engine start) still stops the
+        # workers; the watcher holds only a weak reference.
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self.workers), self._closing)
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), list(self.workers), self._closing),
+                                         name="tandem-tp-watch", daemon=True)
         self._watcher.start()
         self.groups = join(0, size, self.device, store=store)
         self.shard = self.groups.shard
@@ -122,19 +132,15 @@ class TensorParallel:
 
     def check(self) -> None:
         if self.failed is not None:
-            raise RuntimeError(self.failed)
+            raise RankFailure(self.failed)
 
-    def _watch(self) -> None:
-        dead = _wait_any(self.workers)
-        if self._closing.is_set():
-            return
-        self.failed = (f"tensor_parallel_size: rank {self.workers.index(dead) + 1} (pid {dead.pid}) exited "
-                       f"with status {dead.wait()}; the engine cannot continue")
-        logger.error("%s", self.failed)
-        _stop_processes(self.workers)
-        if self.device.type == "cuda" and not self._closing.wait(CUDA_HANG_GRACE_SECONDS):
-            logger.error("ending the engine process: a collective may be waiting on the dead rank")
-            os._exit(1)
+    def fail(self, reason: str) -> None:
+        """Rank 0 cannot finish a step the workers started (its forward pass raised): stop them;
+        every later step raises ``RankFailure``."""
+        if self.failed is None:
+            self.failed = f"tensor_parallel_size: {reason}; the engine cannot continue"
+            logger.error("%s", self.failed)
+        _stop_processes(self.workers, self._closing)
 
     def close(self) -> None:
         """Stop the workers (a STOP plan, then kill what is left) and leave the group."""
@@ -152,6 +158,23 @@ class TensorParallel:
             except subprocess.TimeoutExpired:
                 pass
         self._finalizer()
+
+
+def _watch(owner: "weakref.ref[TensorParallel]", workers: list[subprocess.Popen], closing: threading.Event) -> None:
+    """The watcher thread: the first worker to exit, unless asked to, fails the group."""
+    dead = _wait_any(workers)
+    group = owner()
+    if closing.is_set() or group is None:
+        return
+    group.failed = (f"tensor_parallel_size: rank {workers.index(dead) + 1} (pid {dead.pid}) exited "
+                    f"with status {dead.wait()}; the engine cannot continue")
+    logger.error("%s", group.failed)
+    _stop_processes(workers)
+    cuda = group.device.type == "cuda"
+    del group
+    if cuda and not closing.wait(CUDA_HANG_GRACE_SECONDS):
+        logger.error("ending the engine process: a collective may be waiting on the dead rank")
+        os._exit(1)
 
 
 def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:

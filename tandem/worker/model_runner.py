@@ -113,8 +113,13 @@ class ModelRunner:
             # with any runs eagerly.
             logits = self.graphs.replay(step, feed)
             return self._outputs(step, None, logits, prompt_rows, sanitizer.enabled)
-        hidden, logits = self.forward(step, feed, feed is not None and self.plan_sender is not None)
-        return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
+        try:
+            hidden, logits = self.forward(step, feed, feed is not None and self.plan_sender is not None)
+            return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
+        except Exception as error:
+            if self.plan_sender is not None:  # the other ranks are inside this step's collectives
+                self.plan_sender.fail(f"rank 0's forward pass failed ({type(error).__name__}: {error})")
+            raise
 
     def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False):
         """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
