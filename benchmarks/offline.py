@@ -12,6 +12,10 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
+    python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
+
+With ``--tensor-parallel-size N`` the roofline is one rank's: its shard's weights and state
+over one device's bandwidth (the ranks read theirs at once; collectives are not counted).
 
 GPU presets use random bf16 weights made on the device (``--load-format dummy``).
 """
@@ -41,6 +45,8 @@ PRESETS = {
                          output_len=256),
     "llama3-8b-b32": dict(GPU, shape="llama3-8b", num_prompts=32, min_input_len=128, max_input_len=128,
                           output_len=256),
+    "llama3-8b-b64": dict(GPU, shape="llama3-8b", num_prompts=64, min_input_len=128, max_input_len=128,
+                          output_len=256),
     "llama3-8b-b256": dict(GPU, shape="llama3-8b", num_prompts=256, min_input_len=1000, max_input_len=1000,
                            output_len=1000, max_num_batched_tokens=16384),
 }
@@ -66,6 +72,8 @@ def parse_args():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
                              "the state bytes the engine actually stores)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="tandem over this many ranks (GPUs) (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory tandem may use (default: the engine's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
@@ -112,6 +120,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size,
               max_model_len=max(map(len, prompts)) + max(output_lengths),
               **optional_engine_arguments(args))
     pool_tokens = llm.engine.coordinator.plan.usable_pages * llm.engine.coordinator.page_size
@@ -187,7 +196,9 @@ def main() -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ceilings = Ceilings.measure(dtype)
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
-    results = {"tandem" + (" (eager)" if args.enforce_eager else ""): tandem_seconds}
+    name = "tandem" + (" (eager)" if args.enforce_eager else "")
+    name += f" (TP={args.tensor_parallel_size})" if args.tensor_parallel_size > 1 else ""
+    results = {name: tandem_seconds}
     if not args.skip_transformers:
         model, device = load_transformers(model_dir, args)
         results["transformers generate (padded)"] = run_transformers_padded(model, device, prompts, args)

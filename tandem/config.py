@@ -76,6 +76,9 @@ class EngineConfig:
     speculative_model: Optional[str] = None
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
     transfer: Optional["TransferConfig"] = None
+    # Tensor parallelism (tandem/parallel): one engine process per rank (rank i on cuda:i; on a
+    # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
@@ -107,6 +110,7 @@ class EngineConfig:
                 "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
 
         self._validate_speculation()
+        self._validate_tensor_parallel()
 
     @property
     def has_host_tier(self) -> bool:
@@ -135,6 +139,19 @@ class EngineConfig:
                 "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
         require(method != "draft" or tokens is not None, "num_speculative_tokens",
                 "required with speculative_method='draft'")
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        require(isinstance(size, int) and not isinstance(size, bool) and size >= 1, "tensor_parallel_size",
+                f"must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        for field_name, unsupported in (("speculative_method", self.speculative_method is not None),
+                                        ("host_cache_size", self.has_host_tier),
+                                        ("transfer", self.transfer is not None)):
+            require(not unsupported, "tensor_parallel_size",
+                    f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
+                    "speculative decoding, host/disk tiers and PD roles)")
 
     @property
     def sanitizer_on(self) -> bool:

@@ -75,6 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="draft tokens verified per step (default for mtp: the number of next-n layers)")
     group.add_argument("--speculative-model", default=None,
                        help="draft model directory (same vocabulary as --model); implies --speculative-method draft")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard the model over this many ranks, one engine process each (rank i on "
+                            "cuda:i; on a CPU over gloo) (default: %(default)s)")
     tiers = parser.add_argument_group("state tiers (host memory and disk behind the prefix cache)")
     tiers.add_argument("--host-cache-size", type=float, default=0.0, metavar="GB",
                        help="host-memory tier in GB (2^30 bytes; pinned on CUDA); 0: off (default: %(default)s)")
@@ -109,7 +112,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
         preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
-        speculative_model=arguments.speculative_model)
+        speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:
