@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+CACHE_DTYPE = None  # the pages' dtype when it is not the queries' (--kv-cache-dtype fp8)
 NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 DECODE_SHAPES = [(1, 128), (1, 1024), (1, 8192), (32, 1024), (256, 1500)]  # (batch, context length)
 PREFILL_SHAPES = {  # name: chunks of (query length, context length)
@@ -33,6 +34,8 @@ PREFILL_SHAPES = {  # name: chunks of (query length, context length)
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the pages' dtype: auto (as the queries) or fp8 (e4m3)")
     return parser.parse_args()
 
 
@@ -48,8 +51,8 @@ def random_paged_cache(context_lengths, dtype, generator):
         page_table[row, :count] = order[used:used + count]
         used += count
     shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(shape, device="cuda", dtype=dtype)
-    value_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    key_cache = torch.randn(shape, device="cuda").to(CACHE_DTYPE or dtype)
+    value_cache = torch.randn(shape, device="cuda").to(CACHE_DTYPE or dtype)
     return key_cache, value_cache, page_table.cuda()
 
 
@@ -78,7 +81,7 @@ def time_microseconds(function) -> tuple[float, float]:
 
 
 def kv_bytes(num_keys: int, dtype) -> int:
-    return 2 * num_keys * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_keys * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=CACHE_DTYPE or dtype).element_size()
 
 
 def decode_row(batch, context_length, dtype, generator):
@@ -132,7 +135,7 @@ def prefill_row(name, chunks, dtype, generator):
 
 
 def print_table(rows, copy_bytes_per_second, dtype, device_name):
-    print(f"\npaged attention, {dtype}, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
+    print(f"\npaged attention, {dtype}, pages {CACHE_DTYPE or dtype}, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
           f"page={PAGE_SIZE}, {device_name}; device copy {copy_bytes_per_second / 1e9:.0f} GB/s (read+write)")
     header = (f"{'shape':<40} {'rel err':>8} {'median us':>10} {'graph us':>9} {'K+V MB':>8} "
               f"{'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8}")
@@ -151,6 +154,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     dtype = getattr(torch, args.dtype)
+    global CACHE_DTYPE
+    CACHE_DTYPE = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     generator = torch.Generator().manual_seed(0)
     copy_bytes_per_second = copy_bandwidth()
     rows = [decode_row(batch, length, dtype, generator) for batch, length in DECODE_SHAPES]

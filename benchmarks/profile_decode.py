@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="tandem's paged K/V dtype: auto or fp8")
     parser.add_argument("--python-profile", action="store_true",
                         help="also print the host's Python functions by time over a few steps (cProfile)")
     args = parser.parse_args()
@@ -43,7 +44,7 @@ def main() -> None:
     model_dir = model_dir_for(args.shape, "dummy" if gpu else "auto")
     llm = LLM(model=model_dir, dtype="bfloat16" if gpu else "float32", load_format="dummy" if gpu else "auto",
               max_num_seqs=max(args.batch, 1), max_model_len=args.prompt_len + 4 * args.steps + 64,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
               async_scheduling=True)  # the overlapped loop, as on a GPU, on a CPU too
     engine = llm.engine
     rng = random.Random(0)
