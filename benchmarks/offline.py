@@ -80,6 +80,9 @@ def parse_args():
                         help="how tandem preempts when the state pool is full (default: the engine's)")
     parser.add_argument("--host-cache-size", type=float, default=None,
                         help="GiB of pinned host memory for the host tier (swap preemption needs it)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print where tandem's time went: steps while prompts are still being "
+                             "prefilled against steps of decode alone, and preemptions")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -114,6 +117,35 @@ def optional_engine_arguments(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+class StepTimeline:
+    """Wraps the engine's ``step`` to time each call and note whether any prompt was still
+    waiting or being prefilled when it began (a prefill-phase step) and the preemptions so far."""
+
+    def __init__(self, engine) -> None:
+        import time
+
+        self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
+        engine.step = self._timed_step
+
+    def _timed_step(self):
+        scheduler = self.engine.scheduler
+        prefilling = bool(scheduler.waiting) or any(
+            sequence.num_computed_tokens < sequence.num_prompt_tokens for sequence in scheduler.running)
+        preempted, start = scheduler.num_preemptions, self._clock()
+        deltas = self._step()
+        self.steps.append((prefilling, self._clock() - start, scheduler.num_preemptions - preempted))
+        return deltas
+
+    def report(self) -> None:
+        print(f"{'tandem steps (timed runs)':<30}{'steps':>8}{'seconds':>10}{'ms/step':>10}{'preemptions':>13}")
+        for name, phase in (("prompts waiting/prefilling", True), ("decode only", False)):
+            rows = [step for step in self.steps if step[0] == phase]
+            seconds = sum(step[1] for step in rows)
+            print(f"{name:<30}{len(rows):>8}{seconds:>10.2f}{1e3 * seconds / max(len(rows), 1):>10.2f}"
+                  f"{sum(step[2] for step in rows):>13}")
+        self.steps.clear()
+
+
 def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
@@ -129,7 +161,10 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
           + (" (preemption expected)" if peak_tokens > pool_tokens else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    timeline = StepTimeline(llm.engine) if args.timeline else None
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
+    if timeline is not None:
+        timeline.report()
     cost = ModelCost.of_engine(llm.engine)
     preemptions = llm.engine.stats().num_preemptions
     if preemptions:
