@@ -16,7 +16,7 @@ from tandem.engine.protocol import RequestDelta, TransferEndpoint, TransferParam
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig, failure_seed_from_environment
 from tandem.transfer.connector import TransferBackend, create_backend
-from tandem.transfer.control import ControlChannel
+from tandem.transfer.control import ControlChannel, advertised_host
 from tandem.transfer.descriptors import buffer_regions, describe_layout, tensor_region
 from tandem.transfer.metadata import MetadataBuffer
 
@@ -54,7 +54,10 @@ class PDSide:
         self.backend: TransferBackend = create_backend(config.backend, self.engine_id,
                                                        failure_probability=config.injected_failure_probability,
                                                        seed=failure_seed_from_environment(),
-                                                       progress_thread=config.progress_thread)
+                                                       progress_thread=config.progress_thread,
+                                                       host=advertised_host(config.bootstrap_address),
+                                                       connect_timeout=config.connect_timeout,
+                                                       timeout=config.transfer_timeout)
         regions = buffer_regions(self.registry)
         self.device_index = regions[0].device if regions else -1
         self.backend.register(regions + [tensor_region(self.metadata.tensor)])

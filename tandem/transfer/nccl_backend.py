@@ -1,0 +1,360 @@
+"""The NCCL transfer backend: one-sided writes over ``torch.distributed`` point-to-point between
+paired engines of one host (NCCL between GPUs; gloo between host memories, so CI runs the same
+logic on a CPU).
+
+A write is a send on the writer paired with a receive the reader posts: the reader cannot know
+a write is coming, so every write first sends a small header over the pair's control group
+(gloo, CPU tensors) naming the destination runs and the notification; the reader's thread for
+that pair blocks on the next header, receives the data as the header describes, and queues the
+notification once the bytes landed. Per pair and side one thread does all of it, so the engine
+loop only posts and polls (``WriteHandle``), never blocks. Pairs form in those threads too
+(``pair_group.py``); the first write waits for that, and a tiny warm-up write at pairing sets
+up the NCCL connection, so the first real write pays no connection setup.
+
+Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
+``byte_views.plan_segments`` says: runs of at least ``direct_bytes`` in place, shorter ones
+gathered into a staging buffer (``torch._foreach_copy_``: a few kernels for many runs), sent as
+one message, and scattered on the reader. Source pages are read on a side stream after the
+engine's stream reached the point where the write was posted (a CUDA event).
+
+Wire format of one write, in order::
+
+    control  int64[4]          MAGIC, number of runs n, notification length, element size
+    control  int64[2n + k]     destination addresses, lengths, notification (k words)
+    data     one tensor per segment (n = 0: one warm-up element)
+
+Failure: a send or receive that raises fails its write (ERROR) and every later write on the
+pair (the pair is torn down; the reader's thread ends). A peer that is gone makes the blocked
+operation raise (the connection closes), never hang the engine.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+import torch
+
+from tandem.transfer.byte_views import DIRECT_BYTES, STAGING_BYTES, RegionViews, pack, plan_segments, unpack, \
+    widest_element
+from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
+from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
+from tandem.transfer.pair_group import READER_RANK, WRITER_RANK, PairGroups, Rendezvous, file_pair, form_pair, \
+    timedelta
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x74616E64656D  # "tandem"
+IDLE_WAIT_SECONDS = 10 * 365 * 86400.0  # a reader waits this long for the next header
+ACCEPT_INTERVAL_SECONDS = 0.005
+ELEMENT_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class AgentInfo(msgspec.Struct, frozen=True):
+    """What a peer needs to pair with this agent (the backend's opaque metadata)."""
+    name: str
+    host: str
+    port: int
+    token: str
+    device: int
+
+
+@dataclass(eq=False)
+class PendingSend:
+    """One write queued on a writer link; the link's thread sets ``status``."""
+    descriptors: list[tuple[int, int, int]]
+    notification: bytes
+    ready: Optional[object] = None  # a CUDA event: the source pages are final once it completes
+    status: WriteStatus = WriteStatus.PENDING
+    error: str = ""
+    started: bool = False
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _header(count: int, notification: bytes, element_size: int) -> torch.Tensor:
+    return torch.tensor([MAGIC, count, len(notification), element_size], dtype=torch.int64)
+
+
+def _body(destinations: list[int], lengths: list[int], notification: bytes) -> torch.Tensor:
+    padded = notification + bytes(-len(notification) % 8)
+    words = torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.tensor(destinations + lengths, dtype=torch.int64), words])
+
+
+class _Link:
+    """One pair's thread and groups (one direction: writer or reader)."""
+
+    def __init__(self, backend: "NcclBackend", peer: str) -> None:
+        self.backend, self.peer = backend, peer
+        self.groups: Optional[PairGroups] = None
+        self.error = ""
+        self.staging: Optional[torch.Tensor] = None
+        self.stream = None
+        self.thread = threading.Thread(target=self.run, name=f"tandem-nccl-{peer[-8:]}", daemon=True)
+
+    @property
+    def device(self) -> int:
+        return self.backend.views.device
+
+    def stream_context(self):
+        if self.device < 0:
+            return nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        return torch.cuda.stream(self.stream)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def staging_for(self, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.staging is None or self.staging.numel() < num_bytes:
+            device = "cpu" if self.device < 0 else f"cuda:{self.device}"
+            self.staging = torch.empty(max(num_bytes, min(self.backend.staging_bytes, 1 << 20)), dtype=torch.uint8,
+                                       device=device)
+        return self.staging[:num_bytes].view(dtype)
+
+    def fail(self, error: BaseException | str) -> None:
+        if not self.error:
+            self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            logger.warning("transfer (nccl): pair with %s failed: %s", self.peer, self.error)
+        groups, self.groups = self.groups, None
+        if groups is not None:
+            groups.abort()  # and dropped: the connections close, so the peer's blocked operations raise
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.fail("the pair was closed")
+
+
+class _WriterLink(_Link):
+    def __init__(self, backend: "NcclBackend", info: AgentInfo) -> None:
+        super().__init__(backend, info.name)
+        self.info = info
+        self.queue: "queue.Queue[Optional[PendingSend]]" = queue.Queue()
+
+    def run(self) -> None:
+        try:
+            store = file_pair(self.info.host, self.info.port, self.info.token, self.backend.agent_name,
+                              self.backend.connect_timeout)
+            self.groups = form_pair(store, WRITER_RANK, self.backend.host, self.device, self.backend.connect_timeout)
+            self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
+        except Exception as error:  # noqa: BLE001 - the pair never formed: every write fails
+            self.fail(error)
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            with item.lock:
+                if item.cancelled:
+                    continue
+                item.started = True
+            if self.error:
+                item.status, item.error = WriteStatus.ERROR, self.error
+                continue
+            try:
+                self.send(item)
+                item.status = WriteStatus.DONE
+            except Exception as error:  # noqa: BLE001
+                self.fail(error)
+                item.status, item.error = WriteStatus.ERROR, self.error
+
+    def send(self, item: PendingSend) -> None:
+        views, timeout = self.backend.views, timedelta(self.backend.timeout)
+        sources = [source for source, _, _ in item.descriptors]
+        destinations = [destination for _, destination, _ in item.descriptors]
+        lengths = [length for _, _, length in item.descriptors]
+        dtype = widest_element(sources + destinations, lengths)
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        control, data = self.groups.control, self.groups.data
+        control.send([_header(len(lengths), item.notification, element_size)], READER_RANK, 0).wait(timeout)
+        body = _body(destinations, lengths, item.notification)
+        if body.numel():
+            control.send([body], READER_RANK, 1).wait(timeout)
+        with self.stream_context():
+            if item.ready is not None:
+                self.stream.wait_event(item.ready)
+            if not lengths:
+                data.send([self.staging_for(8, torch.int64)[:1]], READER_RANK, 2).wait(timeout)
+            for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
+                parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
+                tensor = parts[0] if segment.direct else pack(parts, self.staging_for(segment.num_bytes, dtype))
+                data.send([tensor], READER_RANK, 2).wait(timeout)
+            self.synchronize()
+
+    def close(self) -> None:
+        super().close()
+        self.queue.put(None)
+
+
+class _ReaderLink(_Link):
+    def __init__(self, backend: "NcclBackend", writer: str, store) -> None:
+        super().__init__(backend, writer)
+        self.store = store
+        self.closed = False
+
+    def run(self) -> None:
+        try:
+            self.groups = form_pair(self.store, READER_RANK, self.backend.host, self.device,
+                                    self.backend.connect_timeout)
+            while not self.closed:
+                self.receive()
+        except Exception as error:  # noqa: BLE001 - the writer is gone or broke the protocol
+            if not self.closed:
+                self.fail(error)
+
+    def receive(self) -> None:
+        views, timeout = self.backend.views, timedelta(self.backend.timeout)
+        control, data = self.groups.control, self.groups.data
+        header = torch.empty(4, dtype=torch.int64)
+        control.recv([header], WRITER_RANK, 0).wait(timedelta(IDLE_WAIT_SECONDS))
+        magic, count, notification_length, element_size = header.tolist()
+        if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES:
+            raise RuntimeError(f"transfer (nccl): malformed write header {header.tolist()}")
+        body = torch.empty(2 * count + (notification_length + 7) // 8, dtype=torch.int64)
+        if body.numel():
+            control.recv([body], WRITER_RANK, 1).wait(timeout)
+        values = body.tolist()
+        destinations, lengths = values[:count], values[count:2 * count]
+        notification = body[2 * count:].numpy().tobytes()[:notification_length]
+        dtype = ELEMENT_TYPES[element_size]
+        targets = [views.view(address, length).view(dtype) for address, length in zip(destinations, lengths)]
+        with self.stream_context():
+            if not count:
+                data.recv([self.staging_for(8, torch.int64)[:1]], WRITER_RANK, 2).wait(timeout)
+            for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
+                if segment.direct:
+                    data.recv([targets[segment.first]], WRITER_RANK, 2).wait(timeout)
+                    continue
+                staging = self.staging_for(segment.num_bytes, dtype)
+                data.recv([staging], WRITER_RANK, 2).wait(timeout)
+                unpack(staging, targets[segment.first:segment.last])
+            self.synchronize()
+        if notification:
+            self.backend.received.append((self.peer, notification))
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+class NcclBackend(TransferBackend):
+    name = "nccl"
+
+    def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
+                 timeout: float = 120.0, direct_bytes: int = DIRECT_BYTES, staging_bytes: int = STAGING_BYTES) -> None:
+        """``connect_timeout``: how long pairing may take; ``timeout``: how long one write's
+        operations may take once its header went out (a write to a pair still forming waits)."""
+        self._name, self.host = agent_name, host
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.direct_bytes, self.staging_bytes = direct_bytes, staging_bytes
+        self.views = RegionViews()
+        self.received: deque[tuple[str, bytes]] = deque()
+        self.writers: dict[str, _WriterLink] = {}
+        self.readers: list[_ReaderLink] = []
+        self.rendezvous = Rendezvous(host, secrets.token_hex(16), connect_timeout)
+        self.closed = threading.Event()
+        self.acceptor = threading.Thread(target=self.accept, name="tandem-nccl-accept", daemon=True)
+        self.acceptor.start()
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        devices = {region.device for region in regions} | ({self.views.device} if self.views.device != -1 else set())
+        if len(devices) > 1:
+            raise ValueError(f"transfer_backend nccl: registered memory spans several devices {sorted(devices)}")
+        for region in regions:
+            self.views.add(region)
+
+    def local_metadata(self) -> bytes:
+        return msgspec.msgpack.encode(AgentInfo(self._name, self.host, self.rendezvous.port, self.rendezvous.token,
+                                                self.views.device))
+
+    def add_peer(self, metadata: bytes) -> str:
+        info = msgspec.msgpack.decode(metadata, type=AgentInfo)
+        if (info.device < 0) != (self.views.device < 0):
+            raise ValueError("transfer_backend nccl: one side's state is in host memory and the other's on a GPU")
+        link = self.writers.get(info.name)
+        if link is None or link.error:
+            link = self.writers[info.name] = _WriterLink(self, info)
+            link.thread.start()
+        return info.name
+
+    def remove_peer(self, peer: str) -> None:
+        link = self.writers.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def _post(self, handle: WriteHandle, peer: str, descriptors, local_device: int, remote_device: int,
+              notification: bytes) -> None:
+        link = self.writers.get(peer)
+        if link is None:
+            raise RuntimeError(f"no pair with {peer}")
+        if link.error:
+            raise RuntimeError(link.error)
+        ready = None
+        if self.views.device >= 0:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.views.device))
+        item = PendingSend(merge_adjacent(descriptors), bytes(notification), ready)
+        handle.native = item
+        link.queue.put(item)
+
+    def _check(self, handle: WriteHandle) -> WriteStatus:
+        item: PendingSend = handle.native
+        if item.status is WriteStatus.ERROR:
+            handle.error = item.error
+        return item.status
+
+    def _release(self, handle: WriteHandle) -> bool:
+        item: PendingSend = handle.native
+        with item.lock:
+            if item.status is not WriteStatus.PENDING:
+                return True
+            if item.started:
+                return False  # being sent: its pages stay held until it resolves
+            item.cancelled = True
+            return True
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        received = []
+        while self.received:
+            received.append(self.received.popleft())
+        return received
+
+    def accept(self) -> None:
+        """Take pairs writers filed in this agent's store; each gets a reader thread."""
+        while not self.closed.wait(ACCEPT_INTERVAL_SECONDS):
+            try:
+                pairs = self.rendezvous.poll()
+            except PermissionError as error:
+                logger.warning("transfer (nccl): %s", error)
+                continue
+            except Exception:  # noqa: BLE001 - the store is gone (closing)
+                if not self.closed.is_set():
+                    logger.warning("transfer (nccl): rendezvous failed", exc_info=True)
+                    time.sleep(0.5)
+                continue
+            for writer, store in pairs:
+                link = _ReaderLink(self, writer, store)
+                self.readers.append(link)
+                link.thread.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        for link in [*self.writers.values(), *self.readers]:
+            link.close()
+        self.writers.clear()
+        self.readers.clear()
