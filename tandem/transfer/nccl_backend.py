@@ -22,6 +22,7 @@ Wire format of one write, in order::
     control  int64[4]          MAGIC, number of runs n, notification length, element size
     control  int64[2n + k]     destination addresses, lengths, notification (k words)
     data     one tensor per segment (n = 0: one warm-up element)
+    control  int64[1]          reader -> writer: landed (the write is DONE only then)
 
 Failure: a send or receive that raises fails its write (ERROR) and every later write on the
 pair (the pair is torn down; the reader's thread ends). A peer that is gone makes the blocked
@@ -191,6 +192,11 @@ class _WriterLink(_Link):
                 tensor = parts[0] if segment.direct else pack(parts, self.staging_for(segment.num_bytes, dtype))
                 data.send([tensor], READER_RANK, 2).wait(timeout)
             self.synchronize()
+        # a send completes once its bytes left; the reader's acknowledgement says they landed
+        acknowledgement = torch.zeros(1, dtype=torch.int64)
+        control.recv([acknowledgement], READER_RANK, 3).wait(timeout)
+        if acknowledgement.item() != MAGIC:
+            raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
 
     def close(self) -> None:
         super().close()
@@ -218,6 +224,8 @@ class _ReaderLink(_Link):
         control, data = self.groups.control, self.groups.data
         header = torch.empty(4, dtype=torch.int64)
         control.recv([header], WRITER_RANK, 0).wait(timedelta(IDLE_WAIT_SECONDS))
+        if self.closed:
+            raise RuntimeError("the pair was closed")
         magic, count, notification_length, element_size = header.tolist()
         if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES:
             raise RuntimeError(f"transfer (nccl): malformed write header {header.tolist()}")
@@ -242,6 +250,7 @@ class _ReaderLink(_Link):
             self.synchronize()
         if notification:
             self.backend.received.append((self.peer, notification))
+        control.send([torch.tensor([MAGIC], dtype=torch.int64)], WRITER_RANK, 3).wait(timeout)
 
     def close(self) -> None:
         self.closed = True
