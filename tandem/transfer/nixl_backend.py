@@ -28,8 +28,9 @@ def load_nixl():
         except ImportError:
             continue
         return api.nixl_agent, api.nixl_agent_config
-    raise RuntimeError("transfer_backend: NIXL is not installed; install the 'pd' extra "
-                       "(pip install nixl-cu12, then pip install --no-deps nixl)")
+    raise RuntimeError("transfer_backend: NIXL is not installed; install the build for this CUDA major "
+                       "(pip install nixl-cu12 or nixl-cu13, then pip install --no-deps nixl; "
+                       "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
 def _as_str(name) -> str:
