@@ -3,13 +3,13 @@ paired engines of one host (NCCL between GPUs; gloo between host memories, so CI
 logic on a CPU).
 
 A write is a send on the writer paired with a receive the reader posts: the reader cannot know
-a write is coming, so every write first sends a small header over the pair's control group
-(gloo, CPU tensors) naming the destination runs and the notification; the reader's thread for
-that pair blocks on the next header, receives the data as the header describes, and queues the
-notification once the bytes landed. Per pair and side one thread does all of it, so the engine
-loop only posts and polls (``WriteHandle``), never blocks. Pairs form in those threads too
-(``pair_group.py``); the first write waits for that, and a tiny warm-up write at pairing sets
-up the NCCL connection, so the first real write pays no connection setup.
+a write is coming, so every write first sends a small header over the pair's control connection
+(a TCP socket, ``pair_group.py``) naming the destination runs and the notification; the
+reader's thread for that pair waits for the next header, receives the data as the header
+describes, queues the notification once the bytes landed and acknowledges. Per pair and side
+one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
+blocks. Pairs form in those threads too; the first write waits for that, and a tiny warm-up
+write at pairing sets up the NCCL connection, so the first real write pays no connection setup.
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
 ``byte_views.plan_segments`` says: runs of at least ``direct_bytes`` in place, shorter ones
@@ -19,20 +19,23 @@ engine's stream reached the point where the write was posted (a CUDA event).
 
 Wire format of one write, in order::
 
-    control  int64[4]          MAGIC, number of runs n, notification length, element size
-    control  int64[2n + k]     destination addresses, lengths, notification (k words)
+    control  frame   MAGIC, number of runs n, notification length k, element size (int64 each);
+                     n destination addresses, n lengths (int64); the notification (k bytes)
     data     one tensor per segment (n = 0: one warm-up element)
-    control  int64[1]          reader -> writer: landed (the write is DONE only then)
+    control  frame   reader -> writer: "landed" (the write is DONE only then)
 
 Failure: a send or receive that raises fails its write (ERROR) and every later write on the
-pair (the pair is torn down; the reader's thread ends). A peer that is gone makes the blocked
-operation raise (the connection closes), never hang the engine.
+pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end of
+the control stream, so the write fails at once instead of hanging; a data operation that never
+completes fails after ``timeout``.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import secrets
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -41,20 +44,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
+import numpy as np
 import torch
 
 from tandem.transfer.byte_views import DIRECT_BYTES, STAGING_BYTES, RegionViews, pack, plan_segments, unpack, \
     widest_element
 from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
 from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
-from tandem.transfer.pair_group import READER_RANK, WRITER_RANK, PairGroups, Rendezvous, file_pair, form_pair, \
-    timedelta
+from tandem.transfer.pair_group import POLL_SECONDS, READER_RANK, WRITER_RANK, PairRequest, Rendezvous, abort_group, \
+    form_group, pair_with, receive_frame, send_frame, timedelta
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x74616E64656D  # "tandem"
-IDLE_WAIT_SECONDS = 10 * 365 * 86400.0  # a reader waits this long for the next header
-ACCEPT_INTERVAL_SECONDS = 0.005
 ELEMENT_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -62,7 +64,8 @@ class AgentInfo(msgspec.Struct, frozen=True):
     """What a peer needs to pair with this agent (the backend's opaque metadata)."""
     name: str
     host: str
-    port: int
+    control_port: int
+    store_port: int
     token: str
     device: int
 
@@ -80,22 +83,31 @@ class PendingSend:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _header(count: int, notification: bytes, element_size: int) -> torch.Tensor:
-    return torch.tensor([MAGIC, count, len(notification), element_size], dtype=torch.int64)
+_HEADER = struct.Struct("<qqqq")
+ACKNOWLEDGEMENT = b"landed"
 
 
-def _body(destinations: list[int], lengths: list[int], notification: bytes) -> torch.Tensor:
-    padded = notification + bytes(-len(notification) % 8)
-    words = torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.empty(0, dtype=torch.int64)
-    return torch.cat([torch.tensor(destinations + lengths, dtype=torch.int64), words])
+def encode_header(destinations: list[int], lengths: list[int], notification: bytes, element_size: int) -> bytes:
+    runs = np.asarray(destinations + lengths, dtype="<i8").tobytes()
+    return _HEADER.pack(MAGIC, len(lengths), len(notification), element_size) + runs + notification
+
+
+def decode_header(frame: bytes) -> tuple[list[int], list[int], bytes, int]:
+    magic, count, notification_length, element_size = _HEADER.unpack_from(frame)
+    if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES \
+            or len(frame) != _HEADER.size + 16 * count + notification_length:
+        raise RuntimeError("transfer (nccl): malformed write header")
+    runs = np.frombuffer(frame, dtype="<i8", count=2 * count, offset=_HEADER.size).tolist()
+    return runs[:count], runs[count:], frame[_HEADER.size + 16 * count:], element_size
 
 
 class _Link:
-    """One pair's thread and groups (one direction: writer or reader)."""
+    """One pair's thread, control connection and data group (one direction: writer or reader)."""
 
     def __init__(self, backend: "NcclBackend", peer: str) -> None:
         self.backend, self.peer = backend, peer
-        self.groups: Optional[PairGroups] = None
+        self.connection: Optional[socket.socket] = None
+        self.group = None
         self.error = ""
         self.staging: Optional[torch.Tensor] = None
         self.stream = None
@@ -124,12 +136,19 @@ class _Link:
         return self.staging[:num_bytes].view(dtype)
 
     def fail(self, error: BaseException | str) -> None:
+        """End the pair: later writes fail; the peer's thread sees the connection close."""
         if not self.error:
             self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
             logger.warning("transfer (nccl): pair with %s failed: %s", self.peer, self.error)
-        groups, self.groups = self.groups, None
-        if groups is not None:
-            groups.abort()  # and dropped: the connections close, so the peer's blocked operations raise
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            connection.close()
+        group, self.group = self.group, None
+        abort_group(group)
 
     def run(self) -> None:
         raise NotImplementedError
@@ -145,10 +164,12 @@ class _WriterLink(_Link):
         self.queue: "queue.Queue[Optional[PendingSend]]" = queue.Queue()
 
     def run(self) -> None:
+        backend = self.backend
         try:
-            store = file_pair(self.info.host, self.info.port, self.info.token, self.backend.agent_name,
-                              self.backend.connect_timeout)
-            self.groups = form_pair(store, WRITER_RANK, self.backend.host, self.device, self.backend.connect_timeout)
+            self.connection, store = pair_with(self.info.host, self.info.control_port, self.info.store_port,
+                                               self.info.token, backend.agent_name, backend.connect_timeout)
+            self.group = form_group(store, WRITER_RANK, backend.host, self.device, backend.connect_timeout)
+            self.connection.settimeout(backend.timeout)
             self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
         except Exception as error:  # noqa: BLE001 - the pair never formed: every write fails
             self.fail(error)
@@ -177,25 +198,20 @@ class _WriterLink(_Link):
         lengths = [length for _, _, length in item.descriptors]
         dtype = widest_element(sources + destinations, lengths)
         element_size = torch.empty(0, dtype=dtype).element_size()
-        control, data = self.groups.control, self.groups.data
-        control.send([_header(len(lengths), item.notification, element_size)], READER_RANK, 0).wait(timeout)
-        body = _body(destinations, lengths, item.notification)
-        if body.numel():
-            control.send([body], READER_RANK, 1).wait(timeout)
+        connection, group = self.connection, self.group
+        send_frame(connection, encode_header(destinations, lengths, item.notification, element_size))
         with self.stream_context():
             if item.ready is not None:
                 self.stream.wait_event(item.ready)
             if not lengths:
-                data.send([self.staging_for(8, torch.int64)[:1]], READER_RANK, 2).wait(timeout)
+                group.send([self.staging_for(8, torch.int64)[:1]], READER_RANK, 0).wait(timeout)
             for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
                 parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
                 tensor = parts[0] if segment.direct else pack(parts, self.staging_for(segment.num_bytes, dtype))
-                data.send([tensor], READER_RANK, 2).wait(timeout)
+                group.send([tensor], READER_RANK, 0).wait(timeout)
             self.synchronize()
         # a send completes once its bytes left; the reader's acknowledgement says they landed
-        acknowledgement = torch.zeros(1, dtype=torch.int64)
-        control.recv([acknowledgement], READER_RANK, 3).wait(timeout)
-        if acknowledgement.item() != MAGIC:
+        if receive_frame(connection) != ACKNOWLEDGEMENT:
             raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
 
     def close(self) -> None:
@@ -204,15 +220,17 @@ class _WriterLink(_Link):
 
 
 class _ReaderLink(_Link):
-    def __init__(self, backend: "NcclBackend", writer: str, store) -> None:
-        super().__init__(backend, writer)
-        self.store = store
+    def __init__(self, backend: "NcclBackend", request: PairRequest) -> None:
+        super().__init__(backend, request.writer)
+        self.request = request
         self.closed = False
 
     def run(self) -> None:
+        backend, request = self.backend, self.request
         try:
-            self.groups = form_pair(self.store, READER_RANK, self.backend.host, self.device,
-                                    self.backend.connect_timeout)
+            self.connection = request.connection
+            self.group = form_group(request.store, READER_RANK, backend.host, self.device, backend.connect_timeout)
+            self.connection.settimeout(POLL_SECONDS)
             while not self.closed:
                 self.receive()
         except Exception as error:  # noqa: BLE001 - the writer is gone or broke the protocol
@@ -221,36 +239,25 @@ class _ReaderLink(_Link):
 
     def receive(self) -> None:
         views, timeout = self.backend.views, timedelta(self.backend.timeout)
-        control, data = self.groups.control, self.groups.data
-        header = torch.empty(4, dtype=torch.int64)
-        control.recv([header], WRITER_RANK, 0).wait(timedelta(IDLE_WAIT_SECONDS))
-        if self.closed:
-            raise RuntimeError("the pair was closed")
-        magic, count, notification_length, element_size = header.tolist()
-        if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES:
-            raise RuntimeError(f"transfer (nccl): malformed write header {header.tolist()}")
-        body = torch.empty(2 * count + (notification_length + 7) // 8, dtype=torch.int64)
-        if body.numel():
-            control.recv([body], WRITER_RANK, 1).wait(timeout)
-        values = body.tolist()
-        destinations, lengths = values[:count], values[count:2 * count]
-        notification = body[2 * count:].numpy().tobytes()[:notification_length]
+        connection, group = self.connection, self.group
+        frame = receive_frame(connection, idle=lambda: self.closed)
+        destinations, lengths, notification, element_size = decode_header(frame)
         dtype = ELEMENT_TYPES[element_size]
         targets = [views.view(address, length).view(dtype) for address, length in zip(destinations, lengths)]
         with self.stream_context():
-            if not count:
-                data.recv([self.staging_for(8, torch.int64)[:1]], WRITER_RANK, 2).wait(timeout)
+            if not lengths:
+                group.recv([self.staging_for(8, torch.int64)[:1]], WRITER_RANK, 0).wait(timeout)
             for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
                 if segment.direct:
-                    data.recv([targets[segment.first]], WRITER_RANK, 2).wait(timeout)
+                    group.recv([targets[segment.first]], WRITER_RANK, 0).wait(timeout)
                     continue
                 staging = self.staging_for(segment.num_bytes, dtype)
-                data.recv([staging], WRITER_RANK, 2).wait(timeout)
+                group.recv([staging], WRITER_RANK, 0).wait(timeout)
                 unpack(staging, targets[segment.first:segment.last])
             self.synchronize()
         if notification:
             self.backend.received.append((self.peer, notification))
-        control.send([torch.tensor([MAGIC], dtype=torch.int64)], WRITER_RANK, 3).wait(timeout)
+        send_frame(connection, ACKNOWLEDGEMENT)
 
     def close(self) -> None:
         self.closed = True
@@ -288,8 +295,9 @@ class NcclBackend(TransferBackend):
             self.views.add(region)
 
     def local_metadata(self) -> bytes:
-        return msgspec.msgpack.encode(AgentInfo(self._name, self.host, self.rendezvous.port, self.rendezvous.token,
-                                                self.views.device))
+        rendezvous = self.rendezvous
+        return msgspec.msgpack.encode(AgentInfo(self._name, self.host, rendezvous.control_port, rendezvous.store_port,
+                                                rendezvous.token, self.views.device))
 
     def add_peer(self, metadata: bytes) -> str:
         info = msgspec.msgpack.decode(metadata, type=AgentInfo)
@@ -344,25 +352,26 @@ class NcclBackend(TransferBackend):
         return received
 
     def accept(self) -> None:
-        """Take pairs writers filed in this agent's store; each gets a reader thread."""
-        while not self.closed.wait(ACCEPT_INTERVAL_SECONDS):
+        """Take writers that pair with this agent; each gets a reader thread."""
+        while not self.closed.is_set():
             try:
-                pairs = self.rendezvous.poll()
+                request = self.rendezvous.accept()
             except PermissionError as error:
                 logger.warning("transfer (nccl): %s", error)
                 continue
-            except Exception:  # noqa: BLE001 - the store is gone (closing)
+            except Exception:  # noqa: BLE001 - the listener is gone (closing)
                 if not self.closed.is_set():
-                    logger.warning("transfer (nccl): rendezvous failed", exc_info=True)
-                    time.sleep(0.5)
+                    logger.warning("transfer (nccl): accepting a pair failed", exc_info=True)
+                    time.sleep(POLL_SECONDS)
                 continue
-            for writer, store in pairs:
-                link = _ReaderLink(self, writer, store)
+            if request is not None:
+                link = _ReaderLink(self, request)
                 self.readers.append(link)
                 link.thread.start()
 
     def close(self) -> None:
         self.closed.set()
+        self.rendezvous.close()
         for link in [*self.writers.values(), *self.readers]:
             link.close()
         self.writers.clear()

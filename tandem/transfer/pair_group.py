@@ -1,51 +1,85 @@
-"""Two-rank ``torch.distributed`` process groups between paired engines, one per (writer,
-reader) pair, built without ``init_process_group`` (no global state: an engine may pair with
-many peers, and tensor parallelism owns the default group).
+"""Pairs of engines for the NCCL backend: a control connection (a TCP socket: write headers,
+acknowledgements) and a two-rank ``torch.distributed`` group for the data, built without
+``init_process_group`` (no global state: an engine may pair with many peers, and tensor
+parallelism owns the default group).
 
-Rendezvous: every agent hosts a ``TCPStore`` on its control host (``Rendezvous``) and names it
-in its backend metadata, which travels in the authenticated handshake. A writer that loads a
-reader's metadata connects to the reader's store, takes the next pair number and files
-``pair/N = token:writer``; the reader's accept loop finds it, checks the token (a random value
-only its metadata carried, so a process that merely reaches the port cannot pair) and both build
-the pair's groups under the prefix ``N/``, the writer as rank 0 and the reader as rank 1::
+Every agent listens (``Rendezvous``: a socket for control connections and a ``TCPStore`` for
+the groups' rendezvous) and names both ports and a random token in its backend metadata, which
+travels in the authenticated PD handshake. A writer that loads a reader's metadata connects,
+says token, its name and a fresh pair id; the reader checks the token (so a process that merely
+reaches the port cannot pair) and both build the data group under the pair id's prefix, the
+writer as rank 0 and the reader as rank 1::
 
-    writer (rank 0)                               reader (rank 1), hosts the store
-    store.add("pairs") -> N; set pair/N ------>   accept loop: check pair/N, token
-    control group  (gloo, CPU: headers)  <----->  control group
-    data group (NCCL on CUDA, gloo on CPU) <--->  data group
+    writer (rank 0)                                  reader (rank 1): listens, hosts the store
+    connect; frame(token, writer, pair id) ------->  accept loop: check the token
+    data group (NCCL on CUDA, gloo on CPU) <------>  data group (store prefix: pair id)
 
-Owner: the backend (``nccl_backend.py``); each group is used by one thread of each side only.
+The control connection is a plain socket so that an idle reader waits for the next header with
+a timeout it can leave (on close) and a peer that is gone shows as end of stream at once; a
+gloo receive cannot be left without breaking its pair.
+
+Owner: the backend (``nccl_backend.py``); each pair is used by one thread of each side only.
 """
 from __future__ import annotations
 
 import datetime
 import hmac
+import socket
+import struct
+import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as distributed
 
 WRITER_RANK, READER_RANK = 0, 1
+MAX_FRAME_BYTES = 64 << 20
+POLL_SECONDS = 0.2  # an idle reader checks this often whether it was closed
+_LENGTH = struct.Struct("<I")
 
 
 def timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-@dataclass
-class PairGroups:
-    control: distributed.ProcessGroup  # gloo: headers (CPU tensors)
-    data: distributed.ProcessGroup  # NCCL between GPUs, gloo between host memories
-    on_device: bool
+# -- control frames -------------------------------------------------------------------------------
 
-    def abort(self) -> None:
-        """Tear the groups down; a thread blocked in one of their operations gets an error."""
-        for group in (self.data, self.control):
-            try:
-                group.abort()
-            except Exception:  # noqa: BLE001 - already torn down
-                pass
+
+def send_frame(connection: socket.socket, payload: bytes) -> None:
+    connection.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def _read_exactly(connection: socket.socket, count: int, idle: Optional[Callable[[], bool]]) -> bytes:
+    """``count`` bytes; while nothing has arrived yet and ``idle`` is given, waits in slices of
+    POLL_SECONDS and gives up (ConnectionAbortedError) once ``idle()`` says so."""
+    chunks, received = [], 0
+    while received < count:
+        try:
+            chunk = connection.recv(count - received)
+        except socket.timeout:
+            if idle is not None and not received:
+                if idle():
+                    raise ConnectionAbortedError("the pair was closed") from None
+                continue
+            raise
+        if not chunk:
+            raise ConnectionResetError("the peer closed the connection")
+        chunks.append(chunk)
+        received += len(chunk)
+    return b"".join(chunks)
+
+
+def receive_frame(connection: socket.socket, idle: Optional[Callable[[], bool]] = None) -> bytes:
+    """The next frame. With ``idle``, waits for it as long as ``idle()`` is false (the socket's
+    timeout must be POLL_SECONDS); without, for the socket's timeout."""
+    (length,) = _LENGTH.unpack(_read_exactly(connection, _LENGTH.size, idle))
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"transfer (nccl): a control frame of {length} bytes")
+    return _read_exactly(connection, length, None)
+
+
+# -- data groups ------------------------------------------------------------------------------------
 
 
 def _gloo(store, rank: int, host: str, timeout: float):
@@ -63,52 +97,76 @@ def _nccl(store, rank: int, timeout: float):
     return distributed.ProcessGroupNCCL(store, rank, 2, options)
 
 
-def form_pair(store, rank: int, host: str, device: int, timeout: float) -> PairGroups:
-    """Build a pair's groups (blocks until the other rank does the same, at most ``timeout``)."""
-    control = _gloo(distributed.PrefixStore("control/", store), rank, host, timeout)
+def form_group(store, rank: int, host: str, device: int, timeout: float) -> distributed.ProcessGroup:
+    """A pair's data group: NCCL between GPUs, gloo between host memories (blocks until the
+    other rank does the same, at most ``timeout``)."""
     if device >= 0:
         torch.cuda.set_device(device)
-        data = _nccl(distributed.PrefixStore("data/", store), rank, timeout)
-    else:
-        data = _gloo(distributed.PrefixStore("data/", store), rank, host, timeout)
-    return PairGroups(control, data, device >= 0)
+        return _nccl(store, rank, timeout)
+    return _gloo(store, rank, host, timeout)
+
+
+def abort_group(group: Optional[distributed.ProcessGroup]) -> None:
+    if group is not None:
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - already torn down
+            pass
+
+
+# -- pairing --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PairRequest:
+    writer: str
+    pair_id: str
+    connection: socket.socket
+    store: distributed.Store
 
 
 class Rendezvous:
-    """This agent's store, where writers file their pairs."""
+    """This agent's listening socket and store, where writers pair with it."""
 
     def __init__(self, host: str, token: str, timeout: float) -> None:
         self.host, self.token, self.timeout = host, token, timeout
         self.store = distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                           timeout=timedelta(timeout), use_libuv=True)
-        self.port = self.store.port
-        self.pending: set[int] = set()  # pair numbers taken whose pair was not filed yet
-        self.next_number = 0
+        self.listener = socket.create_server((host, 0))
+        self.listener.settimeout(POLL_SECONDS)
+        self.store_port, self.control_port = self.store.port, self.listener.getsockname()[1]
 
-    def poll(self) -> list[tuple[str, distributed.Store]]:
-        """Pairs filed since the last call, as (writer name, the pair's store prefix on a store
-        client of its own). A pair filed with a wrong token raises PermissionError once."""
-        taken = self.store.add("pairs", 0)
-        self.pending.update(range(self.next_number, taken))
-        self.next_number = max(self.next_number, taken)
-        found = []
-        for number in sorted(self.pending):
-            key = f"pair/{number}"
-            if not self.store.check([key]):
-                continue
-            self.pending.discard(number)
-            token, _, writer = self.store.get(key).decode(errors="replace").partition(":")
-            if not hmac.compare_digest(token.encode(), self.token.encode()):
-                raise PermissionError(f"a pair was filed with a wrong token (writer {writer!r}); ignored")
-            client = distributed.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(self.timeout),
-                                          use_libuv=True)
-            found.append((writer, distributed.PrefixStore(f"{number}/", client)))
-        return found
+    def accept(self) -> Optional[PairRequest]:
+        """The next writer that paired (None when none came within POLL_SECONDS); a writer with a
+        wrong token is refused (PermissionError)."""
+        try:
+            connection, _ = self.listener.accept()
+        except socket.timeout:
+            return None
+        connection.settimeout(self.timeout)
+        try:
+            token, writer, pair_id = receive_frame(connection).decode(errors="replace").split("\n")
+        except (OSError, ValueError) as error:
+            connection.close()
+            raise PermissionError(f"a pairing attempt failed: {error}") from None
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            connection.close()
+            raise PermissionError(f"a writer ({writer!r}) tried to pair with a wrong token")
+        client = distributed.TCPStore(self.host, self.store_port, is_master=False, timeout=timedelta(self.timeout),
+                                      use_libuv=True)
+        return PairRequest(writer, pair_id, connection, distributed.PrefixStore(f"{pair_id}/", client))
+
+    def close(self) -> None:
+        self.listener.close()
 
 
-def file_pair(host: str, port: int, token: str, writer: str, timeout: float) -> distributed.Store:
-    """Writer side: connect to the reader's store and file a pair; returns the pair's prefix."""
-    store = distributed.TCPStore(host, port, is_master=False, timeout=timedelta(timeout), use_libuv=True)
-    number = store.add("pairs", 1) - 1
-    store.set(f"pair/{number}", f"{token}:{writer}")
-    return distributed.PrefixStore(f"{number}/", store)
+def pair_with(host: str, control_port: int, store_port: int, token: str, writer: str,
+              timeout: float) -> tuple[socket.socket, distributed.Store]:
+    """Writer side: connect to the reader and say who pairs; returns the control connection and
+    the pair's store prefix."""
+    pair_id = uuid.uuid4().hex
+    connection = socket.create_connection((host, control_port), timeout=timeout)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    send_frame(connection, f"{token}\n{writer}\n{pair_id}".encode())
+    store = distributed.TCPStore(host, store_port, is_master=False, timeout=timedelta(timeout), use_libuv=True)
+    return connection, distributed.PrefixStore(f"{pair_id}/", store)
