@@ -127,7 +127,8 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
                     to_prefill, from_prefill) -> dict:
     """The PD write of one prompt (pages, then the metadata row with its notification), from
-    post to the decode process seeing the notification; median of ``rounds`` after a warm one."""
+    planning to both writes done (landed); the decode process must then see the notification.
+    Median of ``rounds`` after a warm one."""
     from tandem.transfer.connector import WriteStatus, create_backend
     from tandem.transfer.descriptors import buffer_regions, plan_page_writes, tensor_region
     from tandem.transfer.messages import done_notification, new_room
@@ -146,6 +147,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             while backend.poll(handle) is WriteStatus.PENDING:
                 if not deadline.left():
                     raise TimeoutError("deadline passed while a write was pending")
+                time.sleep(0)  # let the backend's threads have the interpreter (the NCCL backend's do the work)
             if handle.status is not WriteStatus.DONE:
                 raise RuntimeError(f"write failed: {handle.error}")
             backend.release(handle)
@@ -158,10 +160,11 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             metadata.write(0, MetadataRow(room=room, first_token=1))
             wait(backend.write(peer, [(metadata.address(0), remote_rows, metadata.row_bytes)],
                                notification=done_notification(room)))
+            seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
             from_prefill.put("go")
             if to_prefill.get(timeout=deadline.left(60)) != "seen":
                 raise RuntimeError("the decode process did not see the notification")
-            return time.perf_counter() - started, plan.num_bytes + metadata.row_bytes, len(plan.descriptors) + 1
+            return seconds, plan.num_bytes + metadata.row_bytes, len(plan.descriptors) + 1
 
         pd_write()  # the first write of the pair (connection set up, staging allocated)
         results = [pd_write() for _ in range(rounds)]
@@ -272,7 +275,7 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
     launched: dict[str, tuple] = {}
     try:
         launched["colocated"] = cluster.launch("colocated", server_flags(arguments, arguments.prefill_device))
-        for name in arguments.backends:
+        for name in arguments.backends:  # every server starts at once: their start-ups overlap
             prefill = cluster.launch(f"prefill-{name}", [*server_flags(arguments, arguments.prefill_device),
                                                          "--role", "prefill", "--transfer-backend", name])
             decode = cluster.launch(f"decode-{name}", [*server_flags(arguments, arguments.decode_device),
@@ -299,6 +302,10 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
             print(f"   serving {name}: {results[name].get('error') or 'TTFT %.2f ms' % (results[name]['ttft'] * 1e3)}",
                   flush=True)
+    except Exception as error:  # noqa: BLE001 - a server could not even be launched
+        for name in ("colocated", *arguments.backends):
+            results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
+        traceback.print_exc()
     finally:
         cluster.stop()
     return results
@@ -394,6 +401,7 @@ def main(argv=None) -> int:
 
     arguments.model = arguments.model or model_dir_for(arguments.shape, arguments.load_format)
     arguments.log_directory = arguments.log_directory or tempfile.mkdtemp(prefix="tandem-pd-gpu-")
+    Path(arguments.log_directory).mkdir(parents=True, exist_ok=True)
     print(f"model {arguments.model} ({arguments.shape}, {arguments.dtype}, {arguments.load_format}); "
           f"logs in {arguments.log_directory}", flush=True)
     bandwidth, serving = {}, {}

@@ -85,6 +85,7 @@ class PendingSend:
 
 _HEADER = struct.Struct("<qqqq")
 ACKNOWLEDGEMENT = b"landed"
+CLOSED = "the pair was closed"
 
 
 def encode_header(destinations: list[int], lengths: list[int], notification: bytes, element_size: int) -> bytes:
@@ -139,7 +140,11 @@ class _Link:
         """End the pair: later writes fail; the peer's thread sees the connection close."""
         if not self.error:
             self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-            logger.warning("transfer (nccl): pair with %s failed: %s", self.peer, self.error)
+            # this side closed it, or the writer went away between writes (its engine stopped;
+            # the PD layer's heartbeats judge whether that is a failure)
+            level = logging.DEBUG if error == CLOSED else \
+                logging.INFO if isinstance(error, ConnectionResetError) else logging.WARNING
+            logger.log(level, "transfer (nccl): pair with %s ended: %s", self.peer, self.error)
         connection, self.connection = self.connection, None
         if connection is not None:
             try:
@@ -154,7 +159,7 @@ class _Link:
         raise NotImplementedError
 
     def close(self) -> None:
-        self.fail("the pair was closed")
+        self.fail(CLOSED)
 
 
 class _WriterLink(_Link):
