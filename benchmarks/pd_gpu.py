@@ -125,10 +125,11 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
-                    to_prefill, from_prefill) -> dict:
+                    to_prefill, from_prefill, variants: tuple = ()) -> dict[str, dict]:
     """The PD write of one prompt (pages, then the metadata row with its notification), from
     planning to both writes done (landed); the decode process must then see the notification.
-    Median of ``rounds`` after a warm one."""
+    Median of ``rounds`` after a warm one. ``variants`` (NCCL: (direct MiB, staging MiB) pairs)
+    are measured on the same pair too: the writer's settings travel in each write's header."""
     from tandem.transfer.connector import WriteStatus, create_backend
     from tandem.transfer.descriptors import buffer_regions, plan_page_writes, tensor_region
     from tandem.transfer.messages import done_notification, new_room
@@ -166,10 +167,19 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 raise RuntimeError("the decode process did not see the notification")
             return seconds, plan.num_bytes + metadata.row_bytes, len(plan.descriptors) + 1
 
-        pd_write()  # the first write of the pair (connection set up, staging allocated)
-        results = [pd_write() for _ in range(rounds)]
-        return {"seconds": statistics.median(r[0] for r in results), "bytes": results[0][1],
-                "descriptors": results[0][2]}
+        measured = {}
+        for label, direct, staging in [(name, None, None), *((f"{name} {d:g}/{s:g}", d, s) for d, s in variants)]:
+            if direct is not None:
+                backend.direct_bytes, backend.staging_bytes = int(direct * 2**20), int(staging * 2**20)
+            try:
+                pd_write()  # the first write (connection set up at pairing, staging allocated)
+                results = [pd_write() for _ in range(rounds)]
+                measured[label] = {"seconds": statistics.median(r[0] for r in results), "bytes": results[0][1],
+                                   "descriptors": results[0][2]}
+            except Exception as error:  # noqa: BLE001 - a variant that fails ends the pair
+                measured[label] = {"error": f"{type(error).__name__}: {error}"}
+                break
+        return measured
     finally:
         backend.close()
 
@@ -198,16 +208,21 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
                 message = to_prefill.get(timeout=deadline.left(QUEUE_SECONDS))
                 if message[0] == "error":
                     raise RuntimeError(f"decode process: {message[1].strip().splitlines()[-1]}")
-                results[name] = measure_backend(name, core, sources, metadata, message, arguments.rounds, deadline,
-                                                to_prefill, from_prefill)
-                results[name]["copy_seconds"] = device_copy_seconds(results[name]["bytes"], arguments.prefill_device,
-                                                                    arguments.decode_device, arguments.rounds)
+                variants = arguments.nccl_variants if name == "nccl" else ()
+                measured = measure_backend(name, core, sources, metadata, message, arguments.rounds, deadline,
+                                           to_prefill, from_prefill, variants)
+                for label, result in measured.items():
+                    if "error" not in result:
+                        result["copy_seconds"] = device_copy_seconds(result["bytes"], arguments.prefill_device,
+                                                                     arguments.decode_device, arguments.rounds)
+                    results[label] = result
             except Exception as error:  # noqa: BLE001 - report it, go on with the next backend
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
                 traceback.print_exc()
             finally:
                 from_prefill.put("next")
-            print(f"   bandwidth {name}: {describe_bandwidth(results[name])}", flush=True)
+            for label in [label for label in results if label.split()[0] == name]:
+                print(f"   bandwidth {label}: {describe_bandwidth(results[label])}", flush=True)
     except Exception as error:  # noqa: BLE001
         for name in arguments.backends:
             results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
@@ -320,11 +335,11 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
           f"prefill {arguments.prefill_device} -> decode {arguments.decode_device} ==")
     if "error" in colocated:
         print(f"colocated server failed: {colocated['error']}")
-    header = (f"{'backend':>8} {'MiB':>7} {'writes':>6} {'PD ms':>7} {'PD GB/s':>8} {'copy GB/s':>9} "
+    header = (f"{'backend':>14} {'MiB':>7} {'writes':>6} {'PD ms':>7} {'PD GB/s':>8} {'copy GB/s':>9} "
               f"{'fraction':>8} {'TTFT ms':>8} {'added ms':>8} {'outputs':>8}")
     print(header)
     print("-" * len(header))
-    for name in arguments.backends:
+    for name in [*arguments.backends, *(label for label in bandwidth if label not in arguments.backends)]:
         cells = {"MiB": "-", "writes": "-", "PD ms": "-", "PD GB/s": "-", "copy GB/s": "-", "fraction": "-",
                  "TTFT ms": "-", "added ms": "-", "outputs": "-"}
         measured = bandwidth.get(name, {"error": "not run"})
@@ -340,7 +355,7 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
             if "ttft" in colocated:
                 cells["added ms"] = f"{(served['ttft'] - colocated['ttft']) * 1e3:.2f}"
                 cells["outputs"] = "equal" if served["outputs"] == colocated["outputs"] else "DIFFER"
-        widths = (8, 7, 6, 7, 8, 9, 8, 8, 8, 8)
+        widths = (14, 7, 6, 7, 8, 9, 8, 8, 8, 8)
         print(" ".join(f"{value:>{width}}" for value, width in zip([name, *cells.values()], widths)))
     if "ttft" in colocated:
         print(f"colocated TTFT {colocated['ttft'] * 1e3:.2f} ms (median of {arguments.requests} streamed requests)")
@@ -353,6 +368,11 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
     print("goals: fraction >= 0.85, added TTFT <= 5 ms (Llama-3.1-8B shape, 2,048 tokens, 2 GPUs), outputs equal")
 
 
+def variant(text: str) -> tuple[float, float]:
+    direct, _, staging = text.partition(":")
+    return float(direct), float(staging)
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     from common import add_model_arguments
 
@@ -361,6 +381,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--device", default="auto", help="auto: cuda:0 and cuda:1; cpu: both legs in host memory")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--nccl-variants", nargs="*", default=[(16.0, 16.0), (64.0, 64.0), (1024.0, 256.0)], type=variant,
+                        help="more NCCL segmentings measured in part 1, DIRECT_MIB:STAGING_MIB (runs of at least "
+                             "DIRECT_MIB sent in place, shorter ones packed into staging of STAGING_MIB); the "
+                             "default row uses the backend's own (4:32)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")

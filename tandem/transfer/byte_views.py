@@ -13,9 +13,12 @@ A write's descriptors (already merged, ``descriptors.merge_adjacent``) become a 
 segments, each one tensor send; writer and reader compute the same list from the same lengths::
 
     lengths   8M   64K 64K 64K ... 64K   6M   64K
-    segments [8M]  [64K 64K ... 64K]     [6M] [64K]     >= direct_bytes: sent in place
-                   gathered into staging                 smaller: packed into staging buffers
-                   (<= staging_bytes), one send          of at most staging_bytes
+    segments [8M]  [64K 64K ... 64K]     [6M] [64K]     >= direct_bytes (or > staging_bytes):
+                   gathered into staging                 sent in place; smaller: packed into
+                   (<= staging_bytes), one send          staging buffers of <= staging_bytes
+
+Every segment is posted without waiting for the one before (the sends queue back to back on the
+link); staged ones take turns in a staging area of two segments.
 """
 from __future__ import annotations
 
@@ -91,11 +94,12 @@ def plan_segments(lengths: list[int], direct_bytes: int = DIRECT_BYTES,
     segments: list[Segment] = []
     start, packed = 0, 0
     for index, length in enumerate(lengths):
-        if length >= direct_bytes or packed + length > staging_bytes:
+        direct = length >= direct_bytes or length > staging_bytes
+        if direct or packed + length > staging_bytes:
             if index > start:
                 segments.append(Segment(start, index, packed, False))
             start, packed = index, 0
-        if length >= direct_bytes:
+        if direct:
             segments.append(Segment(index, index + 1, length, True))
             start = index + 1
             continue

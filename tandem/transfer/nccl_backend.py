@@ -19,7 +19,8 @@ engine's stream reached the point where the write was posted (a CUDA event).
 
 Wire format of one write, in order::
 
-    control  frame   MAGIC, number of runs n, notification length k, element size (int64 each);
+    control  frame   MAGIC, number of runs n, notification length k, element size, the writer's
+                     direct_bytes and staging_bytes (int64 each: the reader plans the same segments);
                      n destination addresses, n lengths (int64); the notification (k bytes)
     data     one tensor per segment (n = 0: one warm-up element)
     control  frame   reader -> writer: "landed" (the write is DONE only then)
@@ -32,6 +33,7 @@ completes fails after ``timeout``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -83,23 +85,43 @@ class PendingSend:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_HEADER = struct.Struct("<qqqq")
+_HEADER = struct.Struct("<qqqqqq")
+MAX_STAGING_BYTES = 1 << 30
 ACKNOWLEDGEMENT = b"landed"
 CLOSED = "the pair was closed"
+STAGING_SLOTS = 2  # staged segments in flight at once per pair (the staging area holds this many)
+STAGING_ALIGNMENT = 256
+DRAIN_POLL_SECONDS = 20e-6
+CLOSE_WAIT_SECONDS = 2.0
 
 
-def encode_header(destinations: list[int], lengths: list[int], notification: bytes, element_size: int) -> bytes:
-    runs = np.asarray(destinations + lengths, dtype="<i8").tobytes()
-    return _HEADER.pack(MAGIC, len(lengths), len(notification), element_size) + runs + notification
+@dataclass(frozen=True)
+class Header:
+    """What the reader of a write must know: where the runs go, how the writer splits them into
+    segments (its ``direct_bytes``/``staging_bytes``: the reader plans the same segments), the
+    element type and the notification."""
+    destinations: list[int]
+    lengths: list[int]
+    notification: bytes
+    element_size: int
+    direct_bytes: int
+    staging_bytes: int
 
+    def encode(self) -> bytes:
+        runs = np.asarray(self.destinations + self.lengths, dtype="<i8").tobytes()
+        return _HEADER.pack(MAGIC, len(self.lengths), len(self.notification), self.element_size, self.direct_bytes,
+                            self.staging_bytes) + runs + self.notification
 
-def decode_header(frame: bytes) -> tuple[list[int], list[int], bytes, int]:
-    magic, count, notification_length, element_size = _HEADER.unpack_from(frame)
-    if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES \
-            or len(frame) != _HEADER.size + 16 * count + notification_length:
-        raise RuntimeError("transfer (nccl): malformed write header")
-    runs = np.frombuffer(frame, dtype="<i8", count=2 * count, offset=_HEADER.size).tolist()
-    return runs[:count], runs[count:], frame[_HEADER.size + 16 * count:], element_size
+    @classmethod
+    def decode(cls, frame: bytes) -> "Header":
+        magic, count, notification_length, element_size, direct_bytes, staging_bytes = _HEADER.unpack_from(frame)
+        if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES or direct_bytes < 1 \
+                or not 0 < staging_bytes <= MAX_STAGING_BYTES \
+                or len(frame) != _HEADER.size + 16 * count + notification_length:
+            raise RuntimeError("transfer (nccl): malformed write header")
+        runs = np.frombuffer(frame, dtype="<i8", count=2 * count, offset=_HEADER.size).tolist()
+        return cls(runs[:count], runs[count:], frame[_HEADER.size + 16 * count:], element_size, direct_bytes,
+                   staging_bytes)
 
 
 class _Link:
@@ -129,12 +151,71 @@ class _Link:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def staging_for(self, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    def staging_slice(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bytes ``offset`` .. ``offset + num_bytes`` of this pair's staging area."""
+        return self.staging[offset:offset + num_bytes].view(dtype)
+
+    def ensure_staging(self, num_bytes: int) -> None:
+        """A staging area of at least ``num_bytes`` (grown only between writes, when nothing
+        staged is in flight)."""
         if self.staging is None or self.staging.numel() < num_bytes:
             device = "cpu" if self.device < 0 else f"cuda:{self.device}"
-            self.staging = torch.empty(max(num_bytes, min(self.backend.staging_bytes, 1 << 20)), dtype=torch.uint8,
-                                       device=device)
-        return self.staging[:num_bytes].view(dtype)
+            self.staging = None
+            self.staging = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    def wait(self, work) -> None:
+        """Order what follows after ``work``: on a GPU the side stream waits for it (the host
+        does not); in host memory the thread waits, at most ``timeout``."""
+        if self.device >= 0:
+            work.wait()
+        else:
+            work.wait(timedelta(self.backend.timeout))
+
+    def drain(self, works: list) -> None:
+        """Return once every operation in ``works`` (and everything on the side stream) is
+        done; TimeoutError after ``timeout``."""
+        for work in works:
+            self.wait(work)
+        if self.stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        deadline = time.monotonic() + self.backend.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer (nccl): a write to or from {self.peer} took over "
+                                   f"{self.backend.timeout:g} s")
+            time.sleep(DRAIN_POLL_SECONDS)
+
+    def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
+             tensor_of, after=None) -> None:
+        """Post every segment's send or receive (``operation``) without waiting for the one
+        before, so they queue back to back on the link; staged segments take turns in the
+        staging area (when it is full, what was posted drains first). ``tensor_of(segment,
+        staging)`` gives the tensor to move; ``after(segment, staging)`` runs once a staged
+        segment's receive is done (the scatter)."""
+        works, offset = [], 0
+        capacity = STAGING_SLOTS * -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+        segments = plan_segments(lengths, direct_bytes, staging_bytes)
+        if any(not segment.direct for segment in segments) or not lengths:
+            self.ensure_staging(max(capacity, STAGING_ALIGNMENT))
+        if not lengths:  # the warm-up write: one element
+            works.append(operation([self.staging_slice(0, 8, torch.int64)[:1]]))
+        for segment in segments:
+            staging = None
+            if not segment.direct:
+                if offset + segment.num_bytes > capacity:
+                    self.drain(works)
+                    works, offset = [], 0
+                staging = self.staging_slice(offset, segment.num_bytes, dtype)
+                offset += -(-segment.num_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+            work = operation([tensor_of(segment, staging)])
+            if after is not None and staging is not None:
+                self.wait(work)
+                after(segment, staging)
+            else:
+                works.append(work)
+        self.drain(works)
 
     def fail(self, error: BaseException | str) -> None:
         """End the pair: later writes fail; the peer's thread sees the connection close."""
@@ -197,24 +278,25 @@ class _WriterLink(_Link):
                 item.status, item.error = WriteStatus.ERROR, self.error
 
     def send(self, item: PendingSend) -> None:
-        views, timeout = self.backend.views, timedelta(self.backend.timeout)
+        views = self.backend.views
         sources = [source for source, _, _ in item.descriptors]
         destinations = [destination for _, destination, _ in item.descriptors]
         lengths = [length for _, _, length in item.descriptors]
         dtype = widest_element(sources + destinations, lengths)
         element_size = torch.empty(0, dtype=dtype).element_size()
         connection, group = self.connection, self.group
-        send_frame(connection, encode_header(destinations, lengths, item.notification, element_size))
+        backend = self.backend
+        send_frame(connection, Header(destinations, lengths, item.notification, element_size, backend.direct_bytes,
+                                      backend.staging_bytes).encode())
+        def tensor_of(segment, staging):
+            parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
+            return parts[0] if segment.direct else pack(parts, staging)
+
         with self.stream_context():
             if item.ready is not None:
                 self.stream.wait_event(item.ready)
-            if not lengths:
-                group.send([self.staging_for(8, torch.int64)[:1]], READER_RANK, 0).wait(timeout)
-            for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
-                parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
-                tensor = parts[0] if segment.direct else pack(parts, self.staging_for(segment.num_bytes, dtype))
-                group.send([tensor], READER_RANK, 0).wait(timeout)
-            self.synchronize()
+            self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
+                      lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
         # a send completes once its bytes left; the reader's acknowledgement says they landed
         if receive_frame(connection) != ACKNOWLEDGEMENT:
             raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
@@ -243,23 +325,18 @@ class _ReaderLink(_Link):
                 self.fail(error)
 
     def receive(self) -> None:
-        views, timeout = self.backend.views, timedelta(self.backend.timeout)
+        views = self.backend.views
         connection, group = self.connection, self.group
         frame = receive_frame(connection, idle=lambda: self.closed)
-        destinations, lengths, notification, element_size = decode_header(frame)
-        dtype = ELEMENT_TYPES[element_size]
-        targets = [views.view(address, length).view(dtype) for address, length in zip(destinations, lengths)]
+        header = Header.decode(frame)
+        dtype, notification = ELEMENT_TYPES[header.element_size], header.notification
+        targets = [views.view(address, length).view(dtype)
+                   for address, length in zip(header.destinations, header.lengths)]
         with self.stream_context():
-            if not lengths:
-                group.recv([self.staging_for(8, torch.int64)[:1]], WRITER_RANK, 0).wait(timeout)
-            for segment in plan_segments(lengths, self.backend.direct_bytes, self.backend.staging_bytes):
-                if segment.direct:
-                    group.recv([targets[segment.first]], WRITER_RANK, 0).wait(timeout)
-                    continue
-                staging = self.staging_for(segment.num_bytes, dtype)
-                group.recv([staging], WRITER_RANK, 0).wait(timeout)
-                unpack(staging, targets[segment.first:segment.last])
-            self.synchronize()
+            self.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
+                      lambda tensors: group.recv(tensors, WRITER_RANK, 0),
+                      lambda segment, staging: targets[segment.first] if segment.direct else staging,
+                      lambda segment, staging: unpack(staging, targets[segment.first:segment.last]))
         if notification:
             self.backend.received.append((self.peer, notification))
         send_frame(connection, ACKNOWLEDGEMENT)
@@ -273,9 +350,17 @@ class NcclBackend(TransferBackend):
     name = "nccl"
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
-                 timeout: float = 120.0, direct_bytes: int = DIRECT_BYTES, staging_bytes: int = STAGING_BYTES) -> None:
+                 timeout: float = 120.0, direct_bytes: Optional[int] = None,
+                 staging_bytes: Optional[int] = None) -> None:
         """``connect_timeout``: how long pairing may take; ``timeout``: how long one write's
-        operations may take once its header went out (a write to a pair still forming waits)."""
+        operations may take once its header went out (a write to a pair still forming waits).
+        ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
+        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives)."""
+        direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
+        staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
+        if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):
+            raise ValueError(f"transfer_backend nccl: direct bytes {direct_bytes} and staging bytes {staging_bytes} "
+                             f"must be positive (staging at most {MAX_STAGING_BYTES})")
         self._name, self.host = agent_name, host
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.direct_bytes, self.staging_bytes = direct_bytes, staging_bytes
@@ -375,9 +460,14 @@ class NcclBackend(TransferBackend):
                 link.thread.start()
 
     def close(self) -> None:
+        """End every pair and wait (briefly) for their threads, so no group outlives the backend."""
         self.closed.set()
         self.rendezvous.close()
-        for link in [*self.writers.values(), *self.readers]:
+        links = [*self.writers.values(), *self.readers]
+        for link in links:
             link.close()
+        for thread in [self.acceptor, *(link.thread for link in links)]:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(CLOSE_WAIT_SECONDS)
         self.writers.clear()
         self.readers.clear()
