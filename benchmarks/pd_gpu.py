@@ -198,6 +198,7 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
     worker = context.Process(target=decode_worker, args=(worker_arguments, to_prefill, from_prefill), daemon=True)
     worker.start()
     results: dict[str, dict] = {}
+    core = None
     try:
         core = build_state(arguments.model, arguments.page_size, arguments.input_len, arguments.prefill_device,
                            arguments.dtype)
@@ -231,7 +232,20 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
         worker.join(min(30, deadline.left(30)))
         if worker.is_alive():
             worker.kill()
+        if core is not None:
+            core.shutdown()
     return results
+
+
+def free_device_memory() -> None:
+    """Give part 1's engine memory back before the servers start on the same GPUs."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def describe_bandwidth(result: dict) -> str:
@@ -248,7 +262,7 @@ def describe_bandwidth(result: dict) -> str:
 def server_flags(arguments, device: str) -> list[str]:
     flags = ["serve", "--model", arguments.model, "--served-model-name", "bench", "--device", device,
              "--page-size", str(arguments.page_size), "--max-num-seqs", "4",
-             "--max-num-batched-tokens", str(max(arguments.input_len, 256)), "--no-enable-prefix-caching",
+             "--max-num-batched-tokens", str(arguments.max_num_batched_tokens), "--no-enable-prefix-caching",
              "--max-total-tokens", str(4 * arguments.input_len + 1024), "--dtype", arguments.dtype]
     if arguments.load_format != "auto":
         flags += ["--load-format", arguments.load_format]
@@ -389,6 +403,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="prefill chunk of the servers: pages stream to the decode server as chunks complete, "
+                             "so only the last chunk's transfer adds to TTFT")
     parser.add_argument("--rounds", type=int, default=10, help="timed PD writes per backend (median)")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds for everything")
     parser.add_argument("--skip-bandwidth", action="store_true")
@@ -433,6 +450,7 @@ def main(argv=None) -> int:
         if not arguments.skip_bandwidth:
             print("== part 1: transfer bandwidth ==", flush=True)
             bandwidth = run_bandwidth(arguments, deadline)
+            free_device_memory()
         if not arguments.skip_serving and deadline.left():
             print("== part 2: serving (TTFT, outputs) ==", flush=True)
             serving = run_serving(arguments, deadline)
