@@ -44,14 +44,14 @@ BENCH_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, h
 # -- part 2: bandwidth ----------------------------------------------------------------------------------
 
 
-def build_state(model_dir: str, page_size: int, tokens: int, device: str):
+def build_state(model_dir: str, page_size: int, tokens: int, device: str, dtype: str = "auto"):
     """An engine's registry and pools for ``model_dir`` (dummy weights), with room for ``tokens``."""
     from tandem.config import EngineConfig
     from tandem.engine.core import EngineCore
 
-    config = EngineConfig(model=model_dir, load_format="dummy", page_size=page_size, device=device,
+    config = EngineConfig(model=model_dir, load_format="dummy", page_size=page_size, device=device, dtype=dtype,
                           max_total_tokens=2 * tokens + 4 * page_size, max_num_seqs=4, enable_prefix_caching=False,
-                          sanitize=False)
+                          sanitize=False, enforce_eager=True)  # no forward pass runs: no graphs to capture
     return EngineCore(config)
 
 

@@ -11,12 +11,14 @@ import logging
 import time
 import uuid
 
+import torch
+
 from tandem.disagg.metrics import TransferMetrics
 from tandem.engine.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig, failure_seed_from_environment
 from tandem.transfer.connector import TransferBackend, create_backend
-from tandem.transfer.control import ControlChannel
+from tandem.transfer.control import ControlChannel, advertised_host
 from tandem.transfer.descriptors import buffer_regions, describe_layout, tensor_region
 from tandem.transfer.metadata import MetadataBuffer
 
@@ -25,6 +27,8 @@ logger = logging.getLogger("tandem.pd")
 ACTIVE_POLL_MILLISECONDS = 1  # while writes or notifications are awaited
 IDLE_TICK_MILLISECONDS = 50  # otherwise (heartbeats, timeouts)
 EXTRA_METADATA_ROWS = 16
+WARM_UP_BYTES = 64
+WARM_UP_BYTE = 0x5A  # what the prefill side's scratch holds (the decode side's: zeros)
 
 
 def model_dimensions(core) -> dict[str, int]:
@@ -36,6 +40,16 @@ def model_dimensions(core) -> dict[str, int]:
             "draft_state_layers": speculator.num_state_layers if speculator is not None else 0,
             # each rank's state is its shard: rank i pairs with rank i of an equal group
             "tensor_parallel_size": int(core.config.tensor_parallel_size)}
+
+
+def compute_done_event(device: int):
+    """A CUDA event recorded on ``device``'s current stream (where the forward pass runs), so a
+    transfer of the pages it computes starts only after they are written; None in host memory."""
+    if device < 0:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class PDSide:
@@ -56,10 +70,17 @@ class PDSide:
         self.backend: TransferBackend = create_backend(config.backend, self.engine_id,
                                                        failure_probability=config.injected_failure_probability,
                                                        seed=failure_seed_from_environment(),
-                                                       progress_thread=config.progress_thread)
+                                                       progress_thread=config.progress_thread,
+                                                       host=advertised_host(config.bootstrap_address),
+                                                       connect_timeout=config.connect_timeout,
+                                                       timeout=config.transfer_timeout)
         regions = buffer_regions(self.registry)
         self.device_index = regions[0].device if regions else -1
-        self.backend.register(regions + [tensor_region(self.metadata.tensor)])
+        # where each new pair's first (warm-up) write lands: beside the pages, so the connection
+        # the pages take is the one set up at handshake (see PrefillSide.warm_up)
+        self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if config.role == "prefill" else 0, dtype=torch.uint8,
+                                  device="cpu" if self.device_index < 0 else f"cuda:{self.device_index}")
+        self.backend.register(regions + [tensor_region(self.metadata.tensor), tensor_region(self.scratch)])
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
                                       metadata_row_bytes=self.metadata.row_bytes)

@@ -54,7 +54,7 @@ class DecodeSide(PDSide):
                            backend_metadata=self.backend.local_metadata(),
                            buffer_addresses=[region.address for region in buffer_regions(self.registry)],
                            device=self.device_index, metadata_address=self.metadata.address(0),
-                           num_metadata_rows=self.metadata.num_rows)
+                           num_metadata_rows=self.metadata.num_rows, scratch_address=self.scratch.data_ptr())
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, sequence: Sequence, params: TransferParams) -> None:

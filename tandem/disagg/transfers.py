@@ -7,7 +7,7 @@ in-flight holds (``PendingWrite.owner``, ``DecodeTransfer.hold_owner``) its side
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from tandem.engine.protocol import RequestDelta
 from tandem.scheduler.sequence import Sequence
@@ -21,9 +21,14 @@ from tandem.transfer.state import TransferStatus
 
 @dataclass
 class PendingWrite:
-    """A posted write and the in-flight reference holding its source pages (None for the row)."""
-    handle: WriteHandle
+    """A write and the in-flight reference holding its source pages (None for the row).
+    ``handle`` is None until it is posted: device pages are posted once ``ready`` (a CUDA event
+    recorded after the forward pass that computed them was launched) has completed, as the
+    engine loop does not wait for the device."""
+    handle: Optional[WriteHandle]
     owner: Optional[str]
+    descriptors: list = field(default_factory=list)
+    ready: Optional[Any] = None
 
 
 @dataclass
@@ -38,6 +43,7 @@ class DecodePeer:
     num_rows: int
     last_seen: float
     dead: bool = False
+    warm_up: Optional[WriteHandle] = None  # the handshake's write, until it resolves
 
 
 @dataclass(eq=False)

@@ -26,7 +26,7 @@ from tandem.transfer.secret import explicit_secret_given, is_loopback_address, m
 from tandem.validation import require
 
 ROLE_CHOICES = ("colocated", "prefill", "decode")
-BACKEND_CHOICES = ("nixl",)
+BACKEND_CHOICES = ("nixl", "nccl")
 FAILURE_PROBABILITY_VARIABLE = "TANDEM_TEST_TRANSFER_FAILURE_PROB"
 FAILURE_SEED_VARIABLE = "TANDEM_TEST_TRANSFER_FAILURE_SEED"
 

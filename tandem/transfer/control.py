@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 MAX_LOGGED_PEERS = 1024  # rejections are logged once per peer, for this many peers
 
 
+def advertised_host(address: str) -> str:
+    """The host peers reach a "tcp://HOST:PORT" bind address at (for every interface: this
+    host's address)."""
+    host = urlsplit(address).hostname or "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "*") else host
+
+
 class ControlChannel:
     def __init__(self, identity: str, bind_address: str, secret: bytes,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
@@ -60,17 +67,14 @@ class ControlChannel:
     def _bind(self, address: str) -> str:
         """Bind; return the address peers connect to (on every interface: this host's address)."""
         parts = urlsplit(address)
-        host = parts.hostname or "127.0.0.1"
-        everywhere = host in ("0.0.0.0", "*")
-        bind_host = "*" if everywhere else host
+        everywhere = (parts.hostname or "127.0.0.1") in ("0.0.0.0", "*")
+        bind_host = "*" if everywhere else (parts.hostname or "127.0.0.1")
         if parts.port in (None, 0):
             port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         else:
             port = parts.port
             self.router.bind(f"tcp://{bind_host}:{port}")
-        if everywhere:
-            host = socket.gethostbyname(socket.gethostname())
-        return f"tcp://{host}:{port}"
+        return f"tcp://{advertised_host(address)}:{port}"
 
     # -- links to peers we connect to (decode -> prefill) ----------------------------------------
     def connect(self, address: str) -> None:

@@ -96,3 +96,20 @@ def plan_page_writes(registry: StateRegistry, remote_addresses: list[int],
             plan.num_bytes += count * page_bytes
         plan.touched.add(descriptor.key)
     return plan
+
+
+def merge_adjacent(descriptors: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(source, destination, length) writes, sorted by source, with every run that continues on
+    both sides merged into one: a buffer's page runs are already one write each
+    (``plan_page_writes``), and buffers that lie back to back in memory on both sides (a layer's K
+    and V, consecutive layers of one allocation) become one write too. Backends pay per
+    descriptor, so fewer, larger writes run closer to the link's rate."""
+    merged: list[list[int]] = []
+    for source, destination, length in sorted(descriptors):
+        if length <= 0:
+            continue
+        if merged and merged[-1][0] + merged[-1][2] == source and merged[-1][1] + merged[-1][2] == destination:
+            merged[-1][2] += length
+        else:
+            merged.append([source, destination, length])
+    return [tuple(run) for run in merged]

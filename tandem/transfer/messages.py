@@ -132,6 +132,7 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     device: int  # where the buffers live: -1 host memory, else the CUDA device index
     metadata_address: int  # base address of the metadata rows
     num_metadata_rows: int
+    scratch_address: int = 0  # a few bytes the prefill server writes once, at handshake, to warm the pair
 
 
 class HelloReply(msgspec.Struct, kw_only=True, tag="hello_reply"):

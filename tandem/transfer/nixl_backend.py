@@ -12,7 +12,7 @@ import logging
 import numpy as np
 
 from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
-from tandem.transfer.descriptors import MemoryRegion
+from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,9 @@ def load_nixl():
         except ImportError:
             continue
         return api.nixl_agent, api.nixl_agent_config
-    raise RuntimeError("transfer_backend: NIXL is not installed; install the 'pd' extra "
-                       "(pip install nixl-cu12, then pip install --no-deps nixl)")
+    raise RuntimeError("transfer_backend: NIXL is not installed; install the build for this CUDA major "
+                       "(pip install nixl-cu12 or nixl-cu13, then pip install --no-deps nixl; "
+                       "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
 def _as_str(name) -> str:
@@ -81,7 +82,9 @@ class NixlBackend(TransferBackend):
 
     def _post(self, handle: WriteHandle, peer: str, descriptors, local_device: int, remote_device: int,
               notification: bytes) -> None:
-        array = np.asarray(descriptors, dtype=np.uint64).reshape(-1, 3)
+        # merged runs: NIXL pays per descriptor (one 256 MiB write ran at the link's rate between
+        # two GPUs, the same bytes as 256 writes of 1 MiB at half of it)
+        array = np.asarray(merge_adjacent(descriptors), dtype=np.uint64).reshape(-1, 3)
         local = np.stack([array[:, 0], array[:, 2], np.full(len(array), max(local_device, 0), np.uint64)], axis=1)
         remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), max(remote_device, 0), np.uint64)], axis=1)
         native = self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),

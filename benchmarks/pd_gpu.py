@@ -1,0 +1,463 @@
+"""PD over GPU memory between two GPUs of one host: prefill on cuda:0, decode on cuda:1, for
+each transfer backend (NIXL with VRAM registered; NCCL through torch.distributed).
+
+Part 1, bandwidth: two processes, each with the model's real state registry and pools (dummy
+weights) on its GPU. The prefill process writes one prompt's pages exactly as the PD path does
+(``plan_page_writes``: every registry buffer, page runs coalesced; then the metadata row with
+its completion notification), from post to completion, and compares it with a plain torch
+device-to-device copy of the same bytes between the two GPUs, timed in the same process.
+
+Part 2, serving: a colocated server on cuda:0 and, per backend, ``tandem serve --role prefill``
+on cuda:0 + ``--role decode`` on cuda:1 + ``tandem router``, all started at once. Greedy outputs
+of the prompt through each PD pair must equal the colocated server's; TTFT (streamed, median)
+of PD minus colocated is what disaggregation adds.
+
+Goals (issue 13): bandwidth >= 0.85 of the device-to-device copy; TTFT added <= 5 ms, for a
+2,048-token Llama-3.1-8B-shape prompt (256 MiB of KV in bf16). Everything runs under one
+deadline (``--deadline``, default 420 s); a backend that fails is reported as such and the
+others still run; the table prints whatever was measured.
+
+    python benchmarks/pd_gpu.py                                       # 2 GPUs: llama3-8b, bf16
+    python benchmarks/pd_gpu.py --device cpu --shape micro --input-len 64 --rounds 3   # check on a CPU
+
+On a CPU both "devices" are host memory (NCCL runs over gloo, NIXL over shared memory): the
+figures mean nothing there; the steps are the same. Keep both GPUs visible to every process
+(no CUDA_VISIBLE_DEVICES split): NCCL and UCX use NVLink between processes only when each sees
+both devices.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPOSITORY_ROOT))
+sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
+
+BACKENDS = ("nixl", "nccl")
+QUEUE_SECONDS = 240
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self, cap: float = 1e9) -> float:
+        return max(0.0, min(cap, self.end - time.monotonic()))
+
+
+# -- part 1: bandwidth --------------------------------------------------------------------------------------
+
+
+def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
+    """The decode process: the model's pools on the decode device; for each backend, register
+    them, hand the prefill process what it needs, and answer each completion notification."""
+    from pd import allocate_pages, build_state
+
+    from tandem.transfer.connector import create_backend
+    from tandem.transfer.descriptors import buffer_regions, tensor_region
+    from tandem.transfer.metadata import MetadataBuffer
+
+    try:
+        core = build_state(arguments["model"], arguments["page_size"], arguments["tokens"], arguments["decode_device"],
+                           arguments["dtype"])
+        tables = allocate_pages(core, "bench#d", arguments["tokens"], False, seed=2)
+        regions = buffer_regions(core.registry)
+        metadata = MetadataBuffer(4)
+    except Exception:  # noqa: BLE001
+        to_prefill.put(("error", traceback.format_exc()))
+        return
+    for name in arguments["backends"]:
+        try:
+            backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
+            backend.register(regions + [tensor_region(metadata.tensor)])
+            to_prefill.put(("ready", backend.local_metadata(), [r.address for r in regions], regions[0].device,
+                            metadata.address(0), tables))
+        except Exception:  # noqa: BLE001
+            to_prefill.put(("error", traceback.format_exc()))
+            continue
+        pending, received = 0, 0
+        while True:
+            received += len(backend.notifications())
+            try:
+                command = from_prefill.get_nowait()
+            except queue.Empty:
+                command = None
+            if command == "next":
+                break
+            pending += command == "go"
+            if pending and received:
+                pending, received = pending - 1, received - 1
+                to_prefill.put("seen")
+            time.sleep(0.0001)
+        backend.close()
+
+
+def device_copy_seconds(num_bytes: int, source_device: str, destination_device: str, rounds: int) -> float:
+    """Median seconds of one plain torch copy of ``num_bytes`` between the two devices."""
+    import torch
+
+    source = torch.ones(num_bytes, dtype=torch.uint8, device=source_device)
+    destination = torch.empty(num_bytes, dtype=torch.uint8, device=destination_device)
+
+    def synchronize() -> None:
+        for device in {source.device, destination.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    times = []
+    for _ in range(rounds + 1):
+        synchronize()
+        started = time.perf_counter()
+        destination.copy_(source, non_blocking=True)
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
+                    to_prefill, from_prefill, variants: tuple = ()) -> dict[str, dict]:
+    """The PD write of one prompt (pages, then the metadata row with its notification), from
+    planning to both writes done (landed); the decode process must then see the notification.
+    Median of ``rounds`` after a warm one. ``variants`` (NCCL: (direct MiB, staging MiB) pairs)
+    are measured on the same pair too: the writer's settings travel in each write's header."""
+    from tandem.transfer.connector import WriteStatus, create_backend
+    from tandem.transfer.descriptors import buffer_regions, plan_page_writes, tensor_region
+    from tandem.transfer.messages import done_notification, new_room
+    from tandem.transfer.metadata import MetadataRow
+
+    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables = message
+    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}")
+    try:
+        regions = buffer_regions(core.registry)
+        backend.register(regions + [tensor_region(metadata.tensor)])
+        peer = backend.add_peer(peer_metadata)
+        pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
+        local_device = regions[0].device
+
+        def wait(handle) -> None:
+            while backend.poll(handle) is WriteStatus.PENDING:
+                if not deadline.left():
+                    raise TimeoutError("deadline passed while a write was pending")
+                time.sleep(0)  # let the backend's threads have the interpreter (the NCCL backend's do the work)
+            if handle.status is not WriteStatus.DONE:
+                raise RuntimeError(f"write failed: {handle.error}")
+            backend.release(handle)
+
+        def pd_write() -> tuple[float, int, int]:
+            started = time.perf_counter()
+            plan = plan_page_writes(core.registry, remote_addresses, pairs)
+            wait(backend.write(peer, plan.descriptors, local_device=local_device, remote_device=remote_device))
+            room = new_room()
+            metadata.write(0, MetadataRow(room=room, first_token=1))
+            wait(backend.write(peer, [(metadata.address(0), remote_rows, metadata.row_bytes)],
+                               notification=done_notification(room)))
+            seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+            from_prefill.put("go")
+            if to_prefill.get(timeout=deadline.left(60)) != "seen":
+                raise RuntimeError("the decode process did not see the notification")
+            return seconds, plan.num_bytes + metadata.row_bytes, len(plan.descriptors) + 1
+
+        measured = {}
+        for label, direct, staging in [(name, None, None), *((f"{name} {d:g}/{s:g}", d, s) for d, s in variants)]:
+            if direct is not None:
+                backend.direct_bytes, backend.staging_bytes = int(direct * 2**20), int(staging * 2**20)
+            try:
+                pd_write()  # the first write (connection set up at pairing, staging allocated)
+                results = [pd_write() for _ in range(rounds)]
+                measured[label] = {"seconds": statistics.median(r[0] for r in results), "bytes": results[0][1],
+                                   "descriptors": results[0][2]}
+            except Exception as error:  # noqa: BLE001 - a variant that fails ends the pair
+                measured[label] = {"error": f"{type(error).__name__}: {error}"}
+                break
+        return measured
+    finally:
+        backend.close()
+
+
+def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
+    """backend -> {seconds, bytes, descriptors, copy_seconds} or {error}."""
+    from pd import allocate_pages, build_state
+
+    from tandem.transfer.metadata import MetadataBuffer
+
+    context = multiprocessing.get_context("spawn")
+    to_prefill, from_prefill = context.Queue(), context.Queue()
+    worker_arguments = dict(model=arguments.model, page_size=arguments.page_size, tokens=arguments.input_len,
+                            decode_device=arguments.decode_device, dtype=arguments.dtype,
+                            backends=list(arguments.backends))
+    worker = context.Process(target=decode_worker, args=(worker_arguments, to_prefill, from_prefill), daemon=True)
+    worker.start()
+    results: dict[str, dict] = {}
+    core = None
+    try:
+        core = build_state(arguments.model, arguments.page_size, arguments.input_len, arguments.prefill_device,
+                           arguments.dtype)
+        sources = allocate_pages(core, "bench#p", arguments.input_len, False, seed=1)
+        metadata = MetadataBuffer(4)
+        for name in arguments.backends:
+            try:
+                message = to_prefill.get(timeout=deadline.left(QUEUE_SECONDS))
+                if message[0] == "error":
+                    raise RuntimeError(f"decode process: {message[1].strip().splitlines()[-1]}")
+                variants = arguments.nccl_variants if name == "nccl" else ()
+                measured = measure_backend(name, core, sources, metadata, message, arguments.rounds, deadline,
+                                           to_prefill, from_prefill, variants)
+                for label, result in measured.items():
+                    if "error" not in result:
+                        result["copy_seconds"] = device_copy_seconds(result["bytes"], arguments.prefill_device,
+                                                                     arguments.decode_device, arguments.rounds)
+                    results[label] = result
+            except Exception as error:  # noqa: BLE001 - report it, go on with the next backend
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
+            finally:
+                from_prefill.put("next")
+            for label in [label for label in results if label.split()[0] == name]:
+                print(f"   bandwidth {label}: {describe_bandwidth(results[label])}", flush=True)
+    except Exception as error:  # noqa: BLE001
+        for name in arguments.backends:
+            results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
+        traceback.print_exc()
+    finally:
+        worker.join(min(30, deadline.left(30)))
+        if worker.is_alive():
+            worker.kill()
+        if core is not None:
+            core.shutdown()
+    return results
+
+
+def free_device_memory() -> None:
+    """Give part 1's engine memory back before the servers start on the same GPUs."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe_bandwidth(result: dict) -> str:
+    if "error" in result:
+        return f"failed: {result['error']}"
+    rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
+    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.2f} ms"
+            f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f}")
+
+
+# -- part 2: serving ----------------------------------------------------------------------------------------
+
+
+def server_flags(arguments, device: str) -> list[str]:
+    flags = ["serve", "--model", arguments.model, "--served-model-name", "bench", "--device", device,
+             "--page-size", str(arguments.page_size), "--max-num-seqs", "4",
+             "--max-num-batched-tokens", str(arguments.max_num_batched_tokens), "--no-enable-prefix-caching",
+             "--max-total-tokens", str(4 * arguments.input_len + 1024), "--dtype", arguments.dtype]
+    if arguments.load_format != "auto":
+        flags += ["--load-format", arguments.load_format]
+    if device.startswith("cuda"):
+        flags += ["--cuda-graph-sizes", "1", "2", "4"]
+    return flags
+
+
+def complete(url: str, prompt: list[int], output_len: int) -> list[int]:
+    import httpx
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    return choice.get("token_ids") or choice["text"]
+
+
+def measure_setup(url: str, prompts: list[list[int]], output_len: int) -> dict:
+    import serve
+
+    outputs = complete(url, prompts[0], output_len)
+    level = asyncio.run(serve.run_level(url, "bench", prompts[1:], output_len, 1, None))
+    done = level.completed
+    if not done:
+        failures = [record.error for record in level.records]
+        raise RuntimeError(f"no streamed request finished: {failures[:1]}")
+    return {"outputs": outputs, "ttft": statistics.median(record.ttft for record in done)}
+
+
+def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
+    """setup (colocated, nixl, nccl) -> {outputs, ttft, transfers} or {error}."""
+    import serve
+    from pd import Cluster, pd_metrics
+
+    cluster = Cluster(Path(arguments.log_directory))
+    results: dict[str, dict] = {}
+    launched: dict[str, tuple] = {}
+    try:
+        launched["colocated"] = cluster.launch("colocated", server_flags(arguments, arguments.prefill_device))
+        for name in arguments.backends:  # every server starts at once: their start-ups overlap
+            prefill = cluster.launch(f"prefill-{name}", [*server_flags(arguments, arguments.prefill_device),
+                                                         "--role", "prefill", "--transfer-backend", name])
+            decode = cluster.launch(f"decode-{name}", [*server_flags(arguments, arguments.decode_device),
+                                                       "--role", "decode", "--transfer-backend", name])
+            launched[name] = (prefill, decode)
+        vocab = serve.vocab_size_of(arguments.model)
+        prompts = serve.make_prompts(arguments.requests + 1, arguments.input_len, vocab, arguments.seed)
+        for name, servers in launched.items():
+            try:
+                if name == "colocated":
+                    url, process = servers
+                    cluster.wait(url, process, timeout=deadline.left(600))
+                else:
+                    (prefill_url, prefill), (decode_url, decode) = servers
+                    cluster.wait(prefill_url, prefill, timeout=deadline.left(600))
+                    cluster.wait(decode_url, decode, timeout=deadline.left(600))
+                    url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url,
+                                                                    "--decode", decode_url])
+                    cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
+                results[name] = measure_setup(url, prompts, arguments.output_len)
+                if name != "colocated":
+                    results[name]["transfers"] = pd_metrics(prefill_url)
+            except Exception as error:  # noqa: BLE001
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"   serving {name}: {results[name].get('error') or 'TTFT %.2f ms' % (results[name]['ttft'] * 1e3)}",
+                  flush=True)
+    except Exception as error:  # noqa: BLE001 - a server could not even be launched
+        for name in ("colocated", *arguments.backends):
+            results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
+        traceback.print_exc()
+    finally:
+        cluster.stop()
+    return results
+
+
+# -- report -------------------------------------------------------------------------------------------------------
+
+
+def print_table(arguments, bandwidth: dict, serving: dict) -> None:
+    colocated = serving.get("colocated", {})
+    print(f"\n== PD over GPU memory: {arguments.shape or arguments.model}, {arguments.input_len}-token prompt, "
+          f"prefill {arguments.prefill_device} -> decode {arguments.decode_device} ==")
+    if "error" in colocated:
+        print(f"colocated server failed: {colocated['error']}")
+    header = (f"{'backend':>14} {'MiB':>7} {'writes':>6} {'PD ms':>7} {'PD GB/s':>8} {'copy GB/s':>9} "
+              f"{'fraction':>8} {'TTFT ms':>8} {'added ms':>8} {'outputs':>8}")
+    print(header)
+    print("-" * len(header))
+    for name in [*arguments.backends, *(label for label in bandwidth if label not in arguments.backends)]:
+        cells = {"MiB": "-", "writes": "-", "PD ms": "-", "PD GB/s": "-", "copy GB/s": "-", "fraction": "-",
+                 "TTFT ms": "-", "added ms": "-", "outputs": "-"}
+        measured = bandwidth.get(name, {"error": "not run"})
+        if "error" not in measured:
+            rate = measured["bytes"] / measured["seconds"] / 1e9
+            copy_rate = measured["bytes"] / measured["copy_seconds"] / 1e9
+            cells.update({"MiB": f"{measured['bytes'] / 2**20:.1f}", "writes": str(measured["descriptors"]),
+                          "PD ms": f"{measured['seconds'] * 1e3:.2f}", "PD GB/s": f"{rate:.1f}",
+                          "copy GB/s": f"{copy_rate:.1f}", "fraction": f"{rate / copy_rate:.2f}"})
+        served = serving.get(name, {"error": "not run"})
+        if "error" not in served:
+            cells["TTFT ms"] = f"{served['ttft'] * 1e3:.2f}"
+            if "ttft" in colocated:
+                cells["added ms"] = f"{(served['ttft'] - colocated['ttft']) * 1e3:.2f}"
+                cells["outputs"] = "equal" if served["outputs"] == colocated["outputs"] else "DIFFER"
+        widths = (14, 7, 6, 7, 8, 9, 8, 8, 8, 8)
+        print(" ".join(f"{value:>{width}}" for value, width in zip([name, *cells.values()], widths)))
+    if "ttft" in colocated:
+        print(f"colocated TTFT {colocated['ttft'] * 1e3:.2f} ms (median of {arguments.requests} streamed requests)")
+    for name in arguments.backends:
+        for part, results in (("bandwidth", bandwidth), ("serving", serving)):
+            if "error" in results.get(name, {}):
+                print(f"{name} {part} failed: {results[name]['error']}")
+        if "transfers" in serving.get(name, {}):
+            print(f"{name} prefill server's transfers: {serving[name]['transfers']}")
+    print("goals: fraction >= 0.85, added TTFT <= 5 ms (Llama-3.1-8B shape, 2,048 tokens, 2 GPUs), outputs equal")
+
+
+def variant(text: str) -> tuple[float, float]:
+    direct, _, staging = text.partition(":")
+    return float(direct), float(staging)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    from common import add_model_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--device", default="auto", help="auto: cuda:0 and cuda:1; cpu: both legs in host memory")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--nccl-variants", nargs="*", default=[(16.0, 16.0), (64.0, 64.0), (1024.0, 256.0)], type=variant,
+                        help="more NCCL segmentings measured in part 1, DIRECT_MIB:STAGING_MIB (runs of at least "
+                             "DIRECT_MIB sent in place, shorter ones packed into staging of STAGING_MIB); the "
+                             "default row uses the backend's own (4:32)")
+    parser.add_argument("--input-len", type=int, default=2048)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="prefill chunk of the servers: pages stream to the decode server as chunks complete, "
+                             "so only the last chunk's transfer adds to TTFT")
+    parser.add_argument("--rounds", type=int, default=10, help="timed PD writes per backend (median)")
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds for everything")
+    parser.add_argument("--skip-bandwidth", action="store_true")
+    parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--log-directory", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def resolve_devices(arguments) -> None:
+    import torch
+
+    if arguments.device == "cpu":
+        arguments.prefill_device = arguments.decode_device = "cpu"
+        arguments.shape = arguments.shape or "micro"
+        arguments.dtype = arguments.dtype or "float32"
+        arguments.load_format = "auto"
+        return
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("pd_gpu.py: needs two visible GPUs (or --device cpu to check the steps on a CPU)")
+    arguments.prefill_device, arguments.decode_device = "cuda:0", "cuda:1"
+    arguments.shape = arguments.shape or "llama3-8b"
+    arguments.dtype = arguments.dtype or "bfloat16"
+    arguments.load_format = "dummy" if not arguments.model else "auto"
+
+
+def main(argv=None) -> int:
+    arguments = parse_arguments(argv)
+    deadline = Deadline(arguments.deadline)
+    os.environ.pop("TANDEM_SANITIZE", None)  # measure the engine as deployed
+    os.environ["PYTHONPATH"] = str(REPOSITORY_ROOT)
+    resolve_devices(arguments)
+    from common import model_dir_for
+
+    arguments.model = arguments.model or model_dir_for(arguments.shape, arguments.load_format)
+    arguments.log_directory = arguments.log_directory or tempfile.mkdtemp(prefix="tandem-pd-gpu-")
+    Path(arguments.log_directory).mkdir(parents=True, exist_ok=True)
+    print(f"model {arguments.model} ({arguments.shape}, {arguments.dtype}, {arguments.load_format}); "
+          f"logs in {arguments.log_directory}", flush=True)
+    bandwidth, serving = {}, {}
+    try:
+        if not arguments.skip_bandwidth:
+            print("== part 1: transfer bandwidth ==", flush=True)
+            bandwidth = run_bandwidth(arguments, deadline)
+            free_device_memory()
+        if not arguments.skip_serving and deadline.left():
+            print("== part 2: serving (TTFT, outputs) ==", flush=True)
+            serving = run_serving(arguments, deadline)
+    finally:
+        print_table(arguments, bandwidth, serving)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

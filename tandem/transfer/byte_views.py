@@ -1,0 +1,138 @@
+"""Registered memory as byte tensors, and how a write's descriptors become tensor sends.
+
+The connector API speaks of addresses; a backend that moves tensors (NCCL, gloo through
+``torch.distributed``) needs tensors. ``RegionViews`` keeps one byte view per registered region
+(no copy: host memory through ctypes, device memory through ``__cuda_array_interface__``) and
+answers any (address, length) inside one of them with a view, refusing anything outside: a
+peer can only ever write into memory this side registered.
+
+Owner: the backend that registered the regions; the views alias the engine's state tensors and
+stay valid while those do (for the engine's lifetime).
+
+A write's descriptors (already merged, ``descriptors.merge_adjacent``) become a list of
+segments, each one tensor send; writer and reader compute the same list from the same lengths::
+
+    lengths   8M   64K 64K 64K ... 64K   6M   64K
+    segments [8M]  [64K 64K ... 64K]     [6M] [64K]     >= direct_bytes (or > staging_bytes):
+                   gathered into staging                 sent in place; smaller: packed into
+                   (<= staging_bytes), one send          staging buffers of <= staging_bytes
+
+Every segment is posted without waiting for the one before (the sends queue back to back on the
+link); staged ones take turns in a staging area of two segments.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tandem.transfer.descriptors import MemoryRegion
+
+DIRECT_BYTES = 4 << 20  # a run this long is sent from (received into) the pages themselves
+STAGING_BYTES = 32 << 20  # shorter runs are packed into a staging buffer of at most this size
+
+
+class _DeviceBytes:
+    """A device allocation described to ``torch.as_tensor`` (CUDA array interface, version 3)."""
+
+    def __init__(self, address: int, length: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def region_view(region: MemoryRegion) -> torch.Tensor:
+    """A uint8 tensor over a registered region (no copy)."""
+    if region.length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if region.device < 0:
+        return torch.frombuffer((ctypes.c_uint8 * region.length).from_address(region.address), dtype=torch.uint8)
+    with torch.cuda.device(region.device):
+        return torch.as_tensor(_DeviceBytes(region.address, region.length), device=f"cuda:{region.device}")
+
+
+class RegionViews:
+    """Byte views of registered regions, looked up by address."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._regions: list[tuple[MemoryRegion, torch.Tensor]] = []
+
+    def add(self, region: MemoryRegion) -> None:
+        index = bisect.bisect(self._starts, region.address)
+        self._starts.insert(index, region.address)
+        self._regions.insert(index, (region, region_view(region)))
+
+    @property
+    def device(self) -> int:
+        """Where the regions live: -1 host memory, else the CUDA device (the first region's)."""
+        return self._regions[0][0].device if self._regions else -1
+
+    def view(self, address: int, length: int) -> torch.Tensor:
+        index = bisect.bisect(self._starts, address) - 1
+        if index >= 0:
+            region, view = self._regions[index]
+            offset = address - region.address
+            if offset + length <= region.length:
+                return view[offset:offset + length]
+        raise ValueError(f"transfer: {length} bytes at {address:#x} lie outside the registered memory")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor send: descriptors ``first`` .. ``last - 1``; ``direct`` when it is a single
+    run sent in place, else packed into a staging buffer of ``num_bytes``."""
+    first: int
+    last: int
+    num_bytes: int
+    direct: bool
+
+
+def plan_segments(lengths: list[int], direct_bytes: int = DIRECT_BYTES,
+                  staging_bytes: int = STAGING_BYTES) -> list[Segment]:
+    segments: list[Segment] = []
+    start, packed = 0, 0
+    for index, length in enumerate(lengths):
+        direct = length >= direct_bytes or length > staging_bytes
+        if direct or packed + length > staging_bytes:
+            if index > start:
+                segments.append(Segment(start, index, packed, False))
+            start, packed = index, 0
+        if direct:
+            segments.append(Segment(index, index + 1, length, True))
+            start = index + 1
+            continue
+        packed += length
+    if len(lengths) > start:
+        segments.append(Segment(start, len(lengths), packed, False))
+    return segments
+
+
+def widest_element(addresses: list[int], lengths: list[int]) -> torch.dtype:
+    """The widest integer type every address and length is a multiple of (copies of wide
+    elements run faster than byte copies)."""
+    combined = 0
+    for value in (*addresses, *lengths):
+        combined |= value
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if combined % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def pack(views: list[torch.Tensor], staging: torch.Tensor) -> torch.Tensor:
+    """Gather ``views`` back to back into ``staging``; returns the filled part."""
+    parts = split_like(views, staging)
+    torch._foreach_copy_(parts, views)
+    return staging[:sum(view.numel() for view in views)]
+
+
+def unpack(staging: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Scatter ``staging`` (packed as ``pack`` did) into ``views``."""
+    torch._foreach_copy_(views, split_like(views, staging))
+
+
+def split_like(views: list[torch.Tensor], staging: torch.Tensor) -> list[torch.Tensor]:
+    sizes = [view.numel() for view in views]
+    return list(torch.split(staging[:sum(sizes)], sizes))

@@ -1,0 +1,180 @@
+"""The NCCL transfer backend: one-sided writes over ``torch.distributed`` point-to-point between
+paired engines of one host (NCCL between GPUs; gloo between host memories, so CI runs the same
+logic on a CPU).
+
+A write is a send on the writer paired with a receive the reader posts: the reader cannot know
+a write is coming, so every write first sends a small header over the pair's control connection
+(a TCP socket, ``pair_group.py``) naming the destination runs and the notification; the
+reader's thread for that pair waits for the next header, receives the data as the header
+describes, queues the notification once the bytes landed and acknowledges. Per pair and side
+one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
+blocks. Pairs form in those threads too; the first write waits for that, and a tiny warm-up
+write at pairing sets up the NCCL connection, so the first real write pays no connection setup.
+
+Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
+``byte_views.plan_segments`` says: runs of at least ``direct_bytes`` in place, shorter ones
+gathered into a staging buffer (``torch._foreach_copy_``: a few kernels for many runs), sent as
+one message, and scattered on the reader. Source pages are read on a side stream after the
+engine's stream reached the point where the write was posted (a CUDA event).
+
+Wire format of one write, in order::
+
+    control  frame   MAGIC, number of runs n, notification length k, element size, the writer's
+                     direct_bytes and staging_bytes (int64 each: the reader plans the same segments);
+                     n destination addresses, n lengths (int64); the notification (k bytes)
+    data     one tensor per segment (n = 0: one warm-up element)
+    control  frame   reader -> writer: "landed" (the write is DONE only then)
+
+Failure: a send or receive that raises fails its write (ERROR) and every later write on the
+pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end of
+the control stream, so the write fails at once instead of hanging; a data operation that never
+completes fails after ``timeout``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+import msgspec
+import torch
+
+from tandem.transfer.byte_views import DIRECT_BYTES, STAGING_BYTES, RegionViews
+from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
+from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
+from tandem.transfer.nccl_links import CLOSE_WAIT_SECONDS, MAX_STAGING_BYTES, AgentInfo, PendingSend, ReaderLink, \
+    WriterLink
+from tandem.transfer.pair_group import POLL_SECONDS, Rendezvous
+
+logger = logging.getLogger(__name__)
+
+
+class NcclBackend(TransferBackend):
+    name = "nccl"
+
+    def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
+                 timeout: float = 120.0, direct_bytes: Optional[int] = None,
+                 staging_bytes: Optional[int] = None) -> None:
+        """``connect_timeout``: how long pairing may take; ``timeout``: how long one write's
+        operations may take once its header went out (a write to a pair still forming waits).
+        ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
+        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives)."""
+        direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
+        staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
+        if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):
+            raise ValueError(f"transfer_backend nccl: direct bytes {direct_bytes} and staging bytes {staging_bytes} "
+                             f"must be positive (staging at most {MAX_STAGING_BYTES})")
+        self._name, self.host = agent_name, host
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.direct_bytes, self.staging_bytes = direct_bytes, staging_bytes
+        self.views = RegionViews()
+        self.received: deque[tuple[str, bytes]] = deque()
+        self.writers: dict[str, WriterLink] = {}
+        self.readers: list[ReaderLink] = []
+        self.rendezvous = Rendezvous(host, secrets.token_hex(16), connect_timeout)
+        self.closed = threading.Event()
+        self.acceptor = threading.Thread(target=self.accept, name="tandem-nccl-accept", daemon=True)
+        self.acceptor.start()
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        devices = {region.device for region in regions} | ({self.views.device} if self.views.device != -1 else set())
+        if len(devices) > 1:
+            raise ValueError(f"transfer_backend nccl: registered memory spans several devices {sorted(devices)}")
+        for region in regions:
+            self.views.add(region)
+
+    def local_metadata(self) -> bytes:
+        rendezvous = self.rendezvous
+        return msgspec.msgpack.encode(AgentInfo(self._name, self.host, rendezvous.control_port, rendezvous.store_port,
+                                                rendezvous.token, self.views.device))
+
+    def add_peer(self, metadata: bytes) -> str:
+        info = msgspec.msgpack.decode(metadata, type=AgentInfo)
+        if (info.device < 0) != (self.views.device < 0):
+            raise ValueError("transfer_backend nccl: one side's state is in host memory and the other's on a GPU")
+        link = self.writers.get(info.name)
+        if link is None or link.error:
+            link = self.writers[info.name] = WriterLink(self, info)
+            link.thread.start()
+        return info.name
+
+    def remove_peer(self, peer: str) -> None:
+        link = self.writers.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def _post(self, handle: WriteHandle, peer: str, descriptors, local_device: int, remote_device: int,
+              notification: bytes) -> None:
+        link = self.writers.get(peer)
+        if link is None:
+            raise RuntimeError(f"no pair with {peer}")
+        if link.error:
+            raise RuntimeError(link.error)
+        ready = None
+        if self.views.device >= 0:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.views.device))
+        item = PendingSend(merge_adjacent(descriptors), bytes(notification), ready)
+        handle.native = item
+        link.queue.put(item)
+
+    def _check(self, handle: WriteHandle) -> WriteStatus:
+        item: PendingSend = handle.native
+        if item.status is WriteStatus.ERROR:
+            handle.error = item.error
+        return item.status
+
+    def _release(self, handle: WriteHandle) -> bool:
+        item: PendingSend = handle.native
+        with item.lock:
+            if item.status is not WriteStatus.PENDING:
+                return True
+            if item.started:
+                return False  # being sent: its pages stay held until it resolves
+            item.cancelled = True
+            return True
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        received = []
+        while self.received:
+            received.append(self.received.popleft())
+        return received
+
+    def accept(self) -> None:
+        """Take writers that pair with this agent; each gets a reader thread."""
+        while not self.closed.is_set():
+            try:
+                request = self.rendezvous.accept()
+            except PermissionError as error:
+                logger.warning("transfer (nccl): %s", error)
+                continue
+            except Exception:  # noqa: BLE001 - the listener is gone (closing)
+                if not self.closed.is_set():
+                    logger.warning("transfer (nccl): accepting a pair failed", exc_info=True)
+                    time.sleep(POLL_SECONDS)
+                continue
+            if request is not None:
+                link = ReaderLink(self, request)
+                self.readers.append(link)
+                link.thread.start()
+
+    def close(self) -> None:
+        """End every pair and wait (briefly) for their threads, so no group outlives the backend."""
+        self.closed.set()
+        self.rendezvous.close()
+        links = [*self.writers.values(), *self.readers]
+        for link in links:
+            link.close()
+        for thread in [self.acceptor, *(link.thread for link in links)]:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(CLOSE_WAIT_SECONDS)
+        self.writers.clear()
+        self.readers.clear()

@@ -1,0 +1,317 @@
+"""The NCCL backend's pairs at work: one thread per pair and side (``WriterLink`` sends the
+writes queued on it, ``ReaderLink`` receives them), the write header they exchange over the
+pair's control connection, and the acknowledgement that makes a write DONE. See
+``nccl_backend.py`` for the protocol; owner: the ``NcclBackend`` that made the link.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import msgspec
+import numpy as np
+import torch
+
+from tandem.transfer.byte_views import pack, plan_segments, unpack, widest_element
+from tandem.transfer.connector import WriteStatus
+from tandem.transfer.pair_group import POLL_SECONDS, READER_RANK, WRITER_RANK, PairRequest, abort_group, \
+    form_group, pair_with, receive_frame, send_frame, timedelta
+
+if TYPE_CHECKING:
+    from tandem.transfer.nccl_backend import NcclBackend
+
+logger = logging.getLogger("tandem.transfer.nccl_backend")
+
+MAGIC = 0x74616E64656D  # "tandem"
+ELEMENT_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class AgentInfo(msgspec.Struct, frozen=True):
+    """What a peer needs to pair with this agent (the backend's opaque metadata)."""
+    name: str
+    host: str
+    control_port: int
+    store_port: int
+    token: str
+    device: int
+
+
+@dataclass(eq=False)
+class PendingSend:
+    """One write queued on a writer link; the link's thread sets ``status``."""
+    descriptors: list[tuple[int, int, int]]
+    notification: bytes
+    ready: Optional[object] = None  # a CUDA event: the source pages are final once it completes
+    status: WriteStatus = WriteStatus.PENDING
+    error: str = ""
+    started: bool = False
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_HEADER = struct.Struct("<qqqqqq")
+MAX_STAGING_BYTES = 1 << 30
+ACKNOWLEDGEMENT = b"landed"
+CLOSED = "the pair was closed"
+STAGING_SLOTS = 2  # staged segments in flight at once per pair (the staging area holds this many)
+STAGING_ALIGNMENT = 256
+DRAIN_POLL_SECONDS = 20e-6
+CLOSE_WAIT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the reader of a write must know: where the runs go, how the writer splits them into
+    segments (its ``direct_bytes``/``staging_bytes``: the reader plans the same segments), the
+    element type and the notification."""
+    destinations: list[int]
+    lengths: list[int]
+    notification: bytes
+    element_size: int
+    direct_bytes: int
+    staging_bytes: int
+
+    def encode(self) -> bytes:
+        runs = np.asarray(self.destinations + self.lengths, dtype="<i8").tobytes()
+        return _HEADER.pack(MAGIC, len(self.lengths), len(self.notification), self.element_size, self.direct_bytes,
+                            self.staging_bytes) + runs + self.notification
+
+    @classmethod
+    def decode(cls, frame: bytes) -> "Header":
+        magic, count, notification_length, element_size, direct_bytes, staging_bytes = _HEADER.unpack_from(frame)
+        if magic != MAGIC or count < 0 or element_size not in ELEMENT_TYPES or direct_bytes < 1 \
+                or not 0 < staging_bytes <= MAX_STAGING_BYTES \
+                or len(frame) != _HEADER.size + 16 * count + notification_length:
+            raise RuntimeError("transfer (nccl): malformed write header")
+        runs = np.frombuffer(frame, dtype="<i8", count=2 * count, offset=_HEADER.size).tolist()
+        return cls(runs[:count], runs[count:], frame[_HEADER.size + 16 * count:], element_size, direct_bytes,
+                   staging_bytes)
+
+
+class Link:
+    """One pair's thread, control connection and data group (one direction: writer or reader)."""
+
+    def __init__(self, backend: "NcclBackend", peer: str) -> None:
+        self.backend, self.peer = backend, peer
+        self.connection: Optional[socket.socket] = None
+        self.group = None
+        self.error = ""
+        self.staging: Optional[torch.Tensor] = None
+        self.stream = None
+        self.thread = threading.Thread(target=self.run, name=f"tandem-nccl-{peer[-8:]}", daemon=True)
+
+    @property
+    def device(self) -> int:
+        return self.backend.views.device
+
+    def stream_context(self):
+        if self.device < 0:
+            return nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        return torch.cuda.stream(self.stream)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def staging_slice(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bytes ``offset`` .. ``offset + num_bytes`` of this pair's staging area."""
+        return self.staging[offset:offset + num_bytes].view(dtype)
+
+    def ensure_staging(self, num_bytes: int) -> None:
+        """A staging area of at least ``num_bytes`` (grown only between writes, when nothing
+        staged is in flight)."""
+        if self.staging is None or self.staging.numel() < num_bytes:
+            device = "cpu" if self.device < 0 else f"cuda:{self.device}"
+            self.staging = None
+            self.staging = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    def wait(self, work) -> None:
+        """Order what follows after ``work``: on a GPU the side stream waits for it (the host
+        does not); in host memory the thread waits, at most ``timeout``."""
+        if self.device >= 0:
+            work.wait()
+        else:
+            work.wait(timedelta(self.backend.timeout))
+
+    def drain(self, works: list) -> None:
+        """Return once every operation in ``works`` (and everything on the side stream) is
+        done; TimeoutError after ``timeout``."""
+        for work in works:
+            self.wait(work)
+        if self.stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        deadline = time.monotonic() + self.backend.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer (nccl): a write to or from {self.peer} took over "
+                                   f"{self.backend.timeout:g} s")
+            time.sleep(DRAIN_POLL_SECONDS)
+
+    def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
+             tensor_of, after=None) -> None:
+        """Post every segment's send or receive (``operation``) without waiting for the one
+        before, so they queue back to back on the link; staged segments take turns in the
+        staging area (when it is full, what was posted drains first). ``tensor_of(segment,
+        staging)`` gives the tensor to move; ``after(segment, staging)`` runs once a staged
+        segment's receive is done (the scatter)."""
+        works, offset = [], 0
+        capacity = STAGING_SLOTS * -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+        segments = plan_segments(lengths, direct_bytes, staging_bytes)
+        if any(not segment.direct for segment in segments) or not lengths:
+            self.ensure_staging(max(capacity, STAGING_ALIGNMENT))
+        if not lengths:  # the warm-up write: one element
+            works.append(operation([self.staging_slice(0, 8, torch.int64)[:1]]))
+        for segment in segments:
+            staging = None
+            if not segment.direct:
+                if offset + segment.num_bytes > capacity:
+                    self.drain(works)
+                    works, offset = [], 0
+                staging = self.staging_slice(offset, segment.num_bytes, dtype)
+                offset += -(-segment.num_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+            work = operation([tensor_of(segment, staging)])
+            if after is not None and staging is not None:
+                self.wait(work)
+                after(segment, staging)
+            else:
+                works.append(work)
+        self.drain(works)
+
+    def fail(self, error: BaseException | str) -> None:
+        """End the pair: later writes fail; the peer's thread sees the connection close."""
+        if not self.error:
+            self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            # this side closed it, or the writer went away between writes (its engine stopped;
+            # the PD layer's heartbeats judge whether that is a failure)
+            level = logging.DEBUG if error == CLOSED else \
+                logging.INFO if isinstance(error, ConnectionResetError) else logging.WARNING
+            logger.log(level, "transfer (nccl): pair with %s ended: %s", self.peer, self.error)
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            connection.close()
+        group, self.group = self.group, None
+        abort_group(group)
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.fail(CLOSED)
+
+
+class WriterLink(Link):
+    def __init__(self, backend: "NcclBackend", info: AgentInfo) -> None:
+        super().__init__(backend, info.name)
+        self.info = info
+        self.queue: "queue.Queue[Optional[PendingSend]]" = queue.Queue()
+
+    def run(self) -> None:
+        backend = self.backend
+        try:
+            self.connection, store = pair_with(self.info.host, self.info.control_port, self.info.store_port,
+                                               self.info.token, backend.agent_name, backend.connect_timeout)
+            self.group = form_group(store, WRITER_RANK, backend.host, self.device, backend.connect_timeout)
+            self.connection.settimeout(backend.timeout)
+            self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
+        except Exception as error:  # noqa: BLE001 - the pair never formed: every write fails
+            self.fail(error)
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            with item.lock:
+                if item.cancelled:
+                    continue
+                item.started = True
+            if self.error:
+                item.status, item.error = WriteStatus.ERROR, self.error
+                continue
+            try:
+                self.send(item)
+                item.status = WriteStatus.DONE
+            except Exception as error:  # noqa: BLE001
+                self.fail(error)
+                item.status, item.error = WriteStatus.ERROR, self.error
+
+    def send(self, item: PendingSend) -> None:
+        views = self.backend.views
+        sources = [source for source, _, _ in item.descriptors]
+        destinations = [destination for _, destination, _ in item.descriptors]
+        lengths = [length for _, _, length in item.descriptors]
+        dtype = widest_element(sources + destinations, lengths)
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        connection, group = self.connection, self.group
+        backend = self.backend
+        send_frame(connection, Header(destinations, lengths, item.notification, element_size, backend.direct_bytes,
+                                      backend.staging_bytes).encode())
+        def tensor_of(segment, staging):
+            parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
+            return parts[0] if segment.direct else pack(parts, staging)
+
+        with self.stream_context():
+            if item.ready is not None:
+                self.stream.wait_event(item.ready)
+            self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
+                      lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
+        # a send completes once its bytes left; the reader's acknowledgement says they landed
+        if receive_frame(connection) != ACKNOWLEDGEMENT:
+            raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
+
+    def close(self) -> None:
+        super().close()
+        self.queue.put(None)
+
+
+class ReaderLink(Link):
+    def __init__(self, backend: "NcclBackend", request: PairRequest) -> None:
+        super().__init__(backend, request.writer)
+        self.request = request
+        self.closed = False
+
+    def run(self) -> None:
+        backend, request = self.backend, self.request
+        try:
+            self.connection = request.connection
+            self.group = form_group(request.store, READER_RANK, backend.host, self.device, backend.connect_timeout)
+            self.connection.settimeout(POLL_SECONDS)
+            while not self.closed:
+                self.receive()
+        except Exception as error:  # noqa: BLE001 - the writer is gone or broke the protocol
+            if not self.closed:
+                self.fail(error)
+
+    def receive(self) -> None:
+        views = self.backend.views
+        connection, group = self.connection, self.group
+        frame = receive_frame(connection, idle=lambda: self.closed)
+        header = Header.decode(frame)
+        dtype, notification = ELEMENT_TYPES[header.element_size], header.notification
+        targets = [views.view(address, length).view(dtype)
+                   for address, length in zip(header.destinations, header.lengths)]
+        with self.stream_context():
+            self.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
+                      lambda tensors: group.recv(tensors, WRITER_RANK, 0),
+                      lambda segment, staging: targets[segment.first] if segment.direct else staging,
+                      lambda segment, staging: unpack(staging, targets[segment.first:segment.last]))
+        if notification:
+            self.backend.received.append((self.peer, notification))
+        send_frame(connection, ACKNOWLEDGEMENT)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
