@@ -68,11 +68,12 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
                          f"({per_node} bytes per page of every group)")
     disk = None
     if config.disk_cache_dir:
-        from tandem.kv.tiers.disk_store import DiskStore
         from tandem.kv.tiers.keys import layout_fingerprint
+        from tandem.kv.tiers.store import open_store
 
-        disk = DiskStore(config.disk_cache_dir, int(config.disk_cache_size * GIB),
-                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)))
+        disk = open_store(config.disk_cache_dir, int(config.disk_cache_size * GIB),
+                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)),
+                         origin=config.transfer.role if config.transfer is not None else "colocated")
         if not disk.available:
             logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
     tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
