@@ -76,6 +76,11 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
                          origin=config.transfer.role if config.transfer is not None else "colocated")
         if not disk.available:
             logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
+        elif config.transfer is not None and config.transfer.role == "decode" and not config.decode_offload:
+            # A decode server reads the shared store (prefix hits at binding) but writes to it
+            # only with decode offload.
+            disk.writes_enabled = False
+            disk.write_disabled_reason = "a decode server writes to the shared store only with --decode-offload"
     tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
                         device=device, disk=disk)
     logger.info("host tier: %d pages (%.2f GB, %s)%s", host_pages, host_pages * per_node / GIB,
