@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -74,6 +75,9 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
         disk = open_store(config.disk_cache_dir, int(config.disk_cache_size * GIB),
                          layout_fingerprint(layout_fingerprint_parts(config, coordinator)),
                          origin=config.transfer.role if config.transfer is not None else "colocated")
+        # Test hook (zero in production): each store write waits this long first, so a test can
+        # kill a server while its writes are in flight.
+        disk.write_delay_s = float(os.environ.get("TANDEM_TEST_STORE_WRITE_DELAY", "0") or 0)
         if not disk.available:
             logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
         elif config.transfer is not None and config.transfer.role == "decode" and not config.decode_offload:
