@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key
 from tandem.kv.tiers.store import open_store
 from tandem.sampling_params import SamplingParams
 from tests.pd_helpers import PDPair
@@ -214,3 +215,18 @@ def test_store_shared_by_two_processes_sees_each_others_pages(tmp_path):
     assert payload is not None and bytes(payload) == bytes(range(64))
     assert reader.stats.hits_by_origin == {"decode": 1}
     reader.close()
+
+
+def test_prefill_affinity_keys_a_conversation_by_its_start():
+    turn1 = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    turn2 = {"model": "m", "messages": [*turn1["messages"], {"role": "assistant", "content": "hi"},
+                                        {"role": "user", "content": "more"}]}
+    other = {"model": "m", "messages": [{"role": "user", "content": "bye"}]}
+    assert conversation_key(turn1) == conversation_key(turn2) != conversation_key(other)
+    tokens = list(range(40))
+    assert conversation_key({"prompt": tokens[:20]}) == conversation_key({"prompt": [tokens]})
+    assert conversation_key({"prompt": ["a", "b"]}) is None  # several prompts: no single conversation
+    affinity = PrefillAffinity(max_keys=2)
+    for number, url in enumerate(("a", "b", "c")):
+        affinity.remember(bytes([number]), url)
+    assert affinity.remembered(bytes([0])) is None and affinity.remembered(bytes([2])) == "c"

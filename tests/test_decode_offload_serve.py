@@ -49,7 +49,7 @@ def deployment(model_dirs, tmp_path_factory):
     routers = {"one": RouterProcess([url["prefill_a"]], [url["decode"]], logs / "router_one.log",
                                     extra=("--health-interval", "0.5")),
                "two": RouterProcess([url["prefill_a"], url["prefill_b"]], [url["decode"]], logs / "router_two.log",
-                                    extra=("--policy", "round-robin"))}
+                                    extra=("--policy", "round-robin", "--prefill-affinity"))}
     try:
         start_all(list(servers.values()))
         for router in routers.values():
@@ -109,9 +109,15 @@ def test_1p1d_turns_hit_what_the_decode_server_offloaded(deployment, oracles):
 
 
 def test_2p1d_turns_hit_on_either_prefill_server(deployment, oracles):
+    """Round robin spreads the conversations over both prefill servers; prefill affinity sends
+    each later turn to the server that served the conversation's start."""
     servers, routers, _ = deployment
     conversations(routers["two"], servers["decode"], [servers["prefill_a"], servers["prefill_b"]],
                   oracles["llama"], count=4, turns=3, seed=2)
+    assert routers["two"].metric("router_prefill_affinity_hits_total") == 4 * 2
+    for name in ("prefill_a", "prefill_b"):
+        url = servers[name].base_url
+        assert routers["two"].metric("router_backend_dispatched", f'role="prefill",url="{url}"') == 2 * 3
 
 
 def verify_page_file(path) -> None:
