@@ -229,4 +229,6 @@ def test_prefill_affinity_keys_a_conversation_by_its_start():
     affinity = PrefillAffinity(max_keys=2)
     for number, url in enumerate(("a", "b", "c")):
         affinity.remember(bytes([number]), url)
-    assert affinity.remembered(bytes([0])) is None and affinity.remembered(bytes([2])) == "c"
+    assert affinity.remembered([bytes([0])]) is None and affinity.remembered([bytes([0]), bytes([2])]) == "c"
+    affinity.remember(conversation_key({"prompt": tokens[:9]}), "short")  # a first turn shorter than the window
+    assert affinity.remembered(conversation_keys({"prompt": tokens[:30]})) == "short"

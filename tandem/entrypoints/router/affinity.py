@@ -5,7 +5,8 @@ anywhere, but more slowly.
 The router does not tokenize, so a conversation is known by the start of its request: the
 first ``PROMPT_CHARS`` characters of a text prompt, the first ``PROMPT_TOKENS`` ids of a
 token-id prompt, or the chat messages up to the first user message (a system prompt and it).
-The map keeps the last prefill server per key, least recently used keys dropped past
+A first turn shorter than that window is remembered under all of itself, so a later turn's
+lookup also tries its start cut shorter. The map keeps the last prefill server per key, least recently used keys dropped past
 ``MAX_KEYS``. A remembered server that is unhealthy or gone is passed over.
 """
 from __future__ import annotations
@@ -20,24 +21,42 @@ PROMPT_TOKENS = 16
 MAX_KEYS = 100_000
 
 
+def conversation_keys(body: dict) -> list[bytes]:
+    """Digests naming the conversation a request continues, most specific first (none: no single
+    prompt). A prompt's start is also tried cut shorter: a first turn shorter than the window
+    was remembered under all of itself."""
+    if "messages" in body:
+        key = conversation_key(body)
+        return [key] if key is not None else []
+    start = _prompt_start(body)
+    if not start:
+        return []
+    return [_digest(body, start[:length]) for length in range(len(start), 0, -1)]
+
+
 def conversation_key(body: dict) -> Optional[bytes]:
-    """A digest naming the conversation a request continues, or None (no single prompt)."""
+    """The digest a request's conversation is remembered under, or None (no single prompt)."""
     if "messages" in body:
         start = _first_user_turn(body["messages"]) if isinstance(body["messages"], list) else None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list
-        if isinstance(prompt, str):
-            start = prompt[:PROMPT_CHARS]
-        elif isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
-            start = prompt[:PROMPT_TOKENS]
-        else:
-            start = None
-    if not start:
-        return None
+        start = _prompt_start(body)
+    return _digest(body, start) if start else None
+
+
+def _digest(body: dict, start) -> bytes:
     text = json.dumps([body.get("model"), start], sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _prompt_start(body: dict):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list
+    if isinstance(prompt, str):
+        return prompt[:PROMPT_CHARS]
+    if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
+        return prompt[:PROMPT_TOKENS]
+    return None
 
 
 def _first_user_turn(messages: list) -> list:
@@ -55,11 +74,13 @@ class PrefillAffinity:
         self.max_keys = max_keys
         self._last: OrderedDict[bytes, str] = OrderedDict()
 
-    def remembered(self, key: Optional[bytes]) -> Optional[str]:
-        if key is None or key not in self._last:
-            return None
-        self._last.move_to_end(key)
-        return self._last[key]
+    def remembered(self, keys: list[bytes]) -> Optional[str]:
+        """The server remembered under the first of ``keys`` that is known."""
+        for key in keys:
+            if key in self._last:
+                self._last.move_to_end(key)
+                return self._last[key]
+        return None
 
     def remember(self, key: Optional[bytes], url: str) -> None:
         if key is None:

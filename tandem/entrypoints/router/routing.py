@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
-from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key
+from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
 from tandem.entrypoints.router.legs import LegFailed, Legs
 from tandem.transfer.messages import new_room
@@ -106,14 +106,13 @@ class Router:
         else (or when it is not healthy) the policy's pick, remembered for the next turn."""
         if self.affinity is None:
             return self.pick(pool, "prefill")
-        key = conversation_key(body)
-        url = self.affinity.remembered(key)
+        url = self.affinity.remembered(conversation_keys(body))
         backend = next((b for b in pool.prefills if b.url == url and b.healthy), None) if url else None
         if backend is not None:
             self.affinity_hits.inc()
         else:
             backend = self.pick(pool, "prefill")
-        self.affinity.remember(key, backend.url)
+        self.affinity.remember(conversation_key(body), backend.url)
         return backend
 
     # -- dispatching -----------------------------------------------------------------------------------
