@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key
+from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.kv.tiers.store import open_store
 from tandem.sampling_params import SamplingParams
 from tests.pd_helpers import PDPair
