@@ -63,6 +63,10 @@ def parse_args():
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory tandem may use (default: the engine's)")
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
+                        help="how tandem preempts when the state pool is full (default: the engine's)")
+    parser.add_argument("--host-cache-size", type=float, default=None,
+                        help="GiB of pinned host memory for the host tier (swap preemption needs it)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -91,6 +95,12 @@ def timed(function, repeat: int) -> float:
     return best_seconds(function, repeat, warm_up=False)
 
 
+def optional_engine_arguments(args) -> dict:
+    """The engine options this run sets only when asked, so the engine's defaults stay its own."""
+    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
@@ -98,8 +108,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
               max_model_len=max(map(len, prompts)) + max(output_lengths),
-              **({} if args.gpu_memory_utilization is None else
-                 {"gpu_memory_utilization": args.gpu_memory_utilization}))
+              **optional_engine_arguments(args))
     pool_tokens = llm.engine.coordinator.plan.usable_pages * llm.engine.coordinator.page_size
     peak_tokens = sum(len(prompt) + output for prompt, output in zip(prompts, output_lengths))
     print(f"state pool: {pool_tokens} tokens; every request at full length: {peak_tokens}"
