@@ -27,7 +27,7 @@ ENGINE = dict(page_size=4, max_total_tokens=1024, max_num_seqs=8, max_num_batche
 PD_FLAGS = ["--pd-heartbeat-interval", "0.25", "--pd-peer-timeout", "3", "--pd-drain-timeout", "2"]
 TOKENS = 6
 PAGE = ENGINE["page_size"]
-WRITE_DELAY = 0.1
+WRITE_DELAY = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def conversations(router, decode, prefills, oracle, *, count: int, turns: int, s
         for turn in range(turns):
             before = decode_hits(*prefills)
             choices = list(pool.map(lambda prompt: complete(router, prompt), history))
-            wait_for(lambda: decode.metric("offloads_in_flight") == 0, 10, "the offload did not land")
+            wait_for(lambda: decode.metric("offloads_in_flight") == 0, 30, "the offload did not land")
             if turn:
                 previous = [len(prompt) - TOKENS - 5 for prompt in history]
                 expected = sum(((length + TOKENS - 1) // PAGE - length // PAGE) * PAGE for length in previous)
@@ -141,10 +141,11 @@ def test_a_decode_server_killed_mid_offload_leaves_only_whole_pages(deployment, 
     written = victim.metric("offloaded_pages_total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: httpx.post(routers["one"].base_url + "/v1/completions", timeout=60, json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True}))
-        # kill once some of this request's pages landed and more are in flight
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": True}))
+        # kill once some of this request's pages landed and more are in flight (writes take
+        # WRITE_DELAY each: they fall behind the decoding)
         wait_for(lambda: victim.metric("offloaded_pages_total") >= written + 2
-                 and victim.metric("offloads_in_flight") > 0, 30, "no store write landed")
+                 and victim.metric("offloads_in_flight") > 0, 60, "no store write landed")
         victim.kill()
         pending.result()  # an error or a cut-off answer: the request died with its server
     pages = list(store.rglob("*.page"))
@@ -155,6 +156,6 @@ def test_a_decode_server_killed_mid_offload_leaves_only_whole_pages(deployment, 
     wait_for(lambda: routers["one"].metric("router_backend_healthy", f'role="decode",url="{victim.base_url}"')
              == 1, 20, "the router did not take the restarted decode server back")
     before = decode_hits(servers["prefill_a"])
-    second = prompt + oracle.greedy(prompt, 60).token_ids + [7, 8, 9, 10, 11]
+    second = prompt + oracle.greedy(prompt, 100).token_ids + [7, 8, 9, 10, 11]
     assert_exact(complete(routers["one"], second), oracle.greedy(second, TOKENS))
     assert decode_hits(servers["prefill_a"]) - before >= 2 * PAGE
