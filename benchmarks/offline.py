@@ -10,7 +10,12 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b1            # Llama-3.1-8B shape, batch 1, 32, 256
     python benchmarks/offline.py --preset llama3-8b-b32
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
+    python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
+    python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
+
+With ``--tensor-parallel-size N`` the roofline is one rank's: its shard's weights and state
+over one device's bandwidth (the ranks read theirs at once; collectives are not counted).
 
 GPU presets use random bf16 weights made on the device (``--load-format dummy``).
 """
@@ -26,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
 from common import Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
@@ -38,6 +44,8 @@ PRESETS = {
     "llama3-8b-b1": dict(GPU, shape="llama3-8b", num_prompts=1, min_input_len=128, max_input_len=128,
                          output_len=256),
     "llama3-8b-b32": dict(GPU, shape="llama3-8b", num_prompts=32, min_input_len=128, max_input_len=128,
+                          output_len=256),
+    "llama3-8b-b64": dict(GPU, shape="llama3-8b", num_prompts=64, min_input_len=128, max_input_len=128,
                           output_len=256),
     "llama3-8b-b256": dict(GPU, shape="llama3-8b", num_prompts=256, min_input_len=1000, max_input_len=1000,
                            output_len=1000, max_num_batched_tokens=16384),
@@ -61,6 +69,11 @@ def parse_args():
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
+                             "the state bytes the engine actually stores)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="tandem over this many ranks (GPUs) (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory tandem may use (default: the engine's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
@@ -106,7 +119,8 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size,
               max_model_len=max(map(len, prompts)) + max(output_lengths),
               **optional_engine_arguments(args))
     pool_tokens = llm.engine.coordinator.plan.usable_pages * llm.engine.coordinator.page_size
@@ -182,14 +196,17 @@ def main() -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ceilings = Ceilings.measure(dtype)
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
-    results = {"tandem" + (" (eager)" if args.enforce_eager else ""): tandem_seconds}
+    name = "tandem" + (" (eager)" if args.enforce_eager else "")
+    name += f" (TP={args.tensor_parallel_size})" if args.tensor_parallel_size > 1 else ""
+    results = {name: tandem_seconds}
     if not args.skip_transformers:
         model, device = load_transformers(model_dir, args)
         results["transformers generate (padded)"] = run_transformers_padded(model, device, prompts, args)
         if not args.skip_transformers_batch:
             results["transformers generate_batch"] = run_transformers_continuous(model, prompts, args)
     roofline = cost.roofline_seconds(ceilings, list(map(len, prompts)), output_lengths)
-    print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}")
+    print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, "
+          f"KV cache {args.kv_cache_dtype} ({cost.state_bytes_per_token / 1024:.0f} KiB per token)")
     print(ceilings.describe())
     lengths = (f"{args.output_len}" if args.min_output_len is None
                else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")

@@ -10,8 +10,9 @@ acceptance length (accepted drafts plus the target's own token) were ``L``, what
 That is a performance-only switch: the tokens it produces are not the target's. Everything else
 runs as in production: the draft's catch-up and its chain of ``k`` proposals, one target
 forward pass over the last token and the drafts, rollback of the rejected ones. The baseline
-runs with speculation off (CUDA graphs and the overlapped loop on, as deployed); this version of
-speculative decoding runs eagerly with the overlapped loop off.
+runs with speculation off (CUDA graphs and the overlapped loop on, as deployed); speculation
+runs with CUDA graphs (verification and the draft's passes) and the overlapped loop off.
+``speedup`` is the baseline's TPOT over the row's.
 
 TPOT: one request of ``--prompt-len`` tokens generating ``--output-len`` tokens, minus the time
 to its first token, over the remaining tokens (best of three).
@@ -46,6 +47,8 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="speculation without CUDA graphs (the baseline keeps them)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     args.shape = args.shape or ("llama3-8b" if gpu else "tiny-30m")
@@ -63,7 +66,8 @@ def measure(args, target: str, prompt: list[int], accept_length=None, draft=None
         os.environ.pop(SIMULATE, None)
     else:
         os.environ[SIMULATE] = str(accept_length)
-    speculation = dict(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens) if draft else {}
+    speculation = dict(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens,
+                       enforce_eager=args.enforce_eager) if draft else {}
     llm = LLM(model=target, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=8, **speculation)
     generate = lambda tokens: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
@@ -71,10 +75,22 @@ def measure(args, target: str, prompt: list[int], accept_length=None, draft=None
     first = best_seconds(lambda: generate(1), args.repeat)
     whole = best_seconds(lambda: generate(args.output_len), args.repeat)
     speculation_stats = llm.engine.stats().speculation
+    graphs = graphs_in_use(llm.engine)
     release(llm)
     os.environ.pop(SIMULATE, None)
     length = speculation_stats.mean_acceptance_length if speculation_stats is not None else None
-    return (whole - first) / (args.output_len - 1), length
+    return (whole - first) / (args.output_len - 1), length, graphs
+
+
+def graphs_in_use(engine) -> str:
+    """Which passes replay CUDA graphs: the target's decode steps, its verification, the draft's."""
+    runner, speculator = engine.runner, engine.speculator
+    if runner.graphs is None:
+        return "none"
+    if speculator is None:
+        return "decode"
+    used = ["decode"] + (["verify"] if runner.verify_as_decode_rows else [])
+    return "+".join(used + (["draft"] if speculator.network.graphs is not None else []))
 
 
 def main() -> None:
@@ -91,11 +107,11 @@ def main() -> None:
     print(f"\ntarget {args.shape}, draft {args.draft_shape}, {args.dtype}, {args.load_format} weights, {device}")
     print(f"batch 1, {args.prompt_len}-token prompt, {args.output_len} output tokens "
           f"({SIMULATE}: simulated acceptance, outputs are not the target's)")
-    print(f"{'':<42}{'TPOT (ms)':>11}{'tokens/verification':>21}{'speedup':>9}")
+    print(f"{'':<42}{'TPOT (ms)':>11}{'tokens/verification':>21}{'speedup':>9}  CUDA graphs")
     baseline = rows[0][1]
-    for label, tpot, length in rows:
+    for label, tpot, length, graphs in rows:
         measured = f"{length:.2f}" if length is not None else "-"
-        print(f"{label:<42}{tpot * 1e3:>11.2f}{measured:>21}{baseline / tpot:>9.2f}")
+        print(f"{label:<42}{tpot * 1e3:>11.2f}{measured:>21}{baseline / tpot:>9.2f}  {graphs}")
 
 
 if __name__ == "__main__":

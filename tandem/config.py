@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREEMPTION_MODES = ("swap", "recompute")
 SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
@@ -42,6 +43,9 @@ class EngineConfig:
     # Sparse-attention (DSA) indexer key cache: "fp8" (e4m3 keys + FP32 scales, page-major, as
     # deployed) or "float32" (unquantised; bit-for-bit comparable with the reference).
     indexer_cache_dtype: str = "fp8"
+    # Paged K/V of attention layers (full, sliding window, hybrids' attention): "auto" (the model
+    # dtype) or "fp8"/"fp8_e4m3" (float8 e4m3, scale 1.0, saturated at +-448; see kv/spec.py).
+    kv_cache_dtype: str = "auto"
     # Tiers behind the prefix cache (kv/tiers): host memory in GB (2**30 bytes; 0: off), when
     # device pages are copied there, and a disk directory behind it (shared by engines that name
     # the same one) with its size cap in GB.
@@ -76,6 +80,9 @@ class EngineConfig:
     speculative_model: Optional[str] = None
     # Prefill/decode disaggregation: None for a colocated engine (see tandem/transfer/config.py).
     transfer: Optional["TransferConfig"] = None
+    # Tensor parallelism (tandem/parallel): one engine process per rank (rank i on cuda:i; on a
+    # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
@@ -83,6 +90,8 @@ class EngineConfig:
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
         require(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES, "kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
               "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")
@@ -115,6 +124,7 @@ class EngineConfig:
                 "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
 
         self._validate_speculation()
+        self._validate_tensor_parallel()
 
     @property
     def has_host_tier(self) -> bool:
@@ -143,6 +153,19 @@ class EngineConfig:
                 "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
         require(method != "draft" or tokens is not None, "num_speculative_tokens",
                 "required with speculative_method='draft'")
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        require(isinstance(size, int) and not isinstance(size, bool) and size >= 1, "tensor_parallel_size",
+                f"must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        for field_name, unsupported in (("speculative_method", self.speculative_method is not None),
+                                        ("host_cache_size", self.has_host_tier),
+                                        ("transfer", self.transfer is not None)):
+            require(not unsupported, "tensor_parallel_size",
+                    f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
+                    "speculative decoding, host/disk tiers and PD roles)")
 
     @property
     def sanitizer_on(self) -> bool:

@@ -23,6 +23,7 @@ from tandem.layers.mla import MLAAttention, TritonMLABackend
 from tandem.layers.moe import FusedExperts
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tests.oracle import assert_matches
+from tests.spec_helpers import differing_proposals, record_proposals
 from tests.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 
 GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
@@ -83,10 +84,11 @@ def test_guard_catches_host_synchronisation():
 
 
 @contextlib.contextmanager
-def kernel_paths(runner):
-    """Every layer on its CUDA path (kernels interpreted on the CPU) for the duration."""
+def kernel_paths(runner, *extra_models):
+    """Every layer (of the runner's model and of ``extra_models``) on its CUDA path (kernels
+    interpreted on the CPU) for the duration."""
     switches = [(runner, "backend", TritonAttentionBackend())]
-    for module in runner.model.modules():
+    for module in [module for model in (runner.model, *extra_models) for module in model.modules()]:
         if isinstance(module, MLAAttention):
             switches.append((module, "backend", TritonMLABackend()))
         if isinstance(module, FusedExperts):
@@ -134,3 +136,59 @@ def test_graph_decode_is_capturable_and_exact(arch, model_dirs, oracles, monkeyp
     for output, prompt, length in zip(outputs, prompts, lengths):
         assert_matches(output.outputs[0], oracles[arch].greedy(prompt, length), context=arch)
     llm.engine.check_all_free()
+
+
+# A draft model (llama, an identical draft: drafts are accepted, so catch-ups span several
+# tokens) and an MTP layer (deepseek_v32: MLA latents and DSA indexer keys in the draft's state).
+SPECULATION = {"llama": dict(num_speculative_tokens=3), "deepseek_v32": dict(speculative_method="mtp",
+                                                                             num_speculative_tokens=2)}
+
+
+@pytest.mark.parametrize("arch", sorted(SPECULATION))
+def test_speculation_graphs_are_capturable_and_exact(arch, model_dirs, oracles, monkeypatch):
+    """Speculative decoding's graph replays — verification (a known token and its drafts per
+    sequence as single-token rows of the target's graphs) and the draft's passes (chain steps
+    and catch-ups, in the draft's own graphs) — under the guard, on the kernel paths, exact."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (13, 6, 9)]
+    lengths = [4, 8, 5]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in lengths]
+    speculation = dict(SPECULATION[arch])
+    mtp = "speculative_method" in speculation
+    if not mtp:
+        speculation["speculative_model"] = model_dirs[arch]
+    options = dict(model=model_dirs[arch], page_size=8, max_total_tokens=512, max_num_seqs=4,
+                   indexer_cache_dtype="float32", enable_prefix_caching=True, **speculation)
+    if mtp:  # a random MTP layer's drafts are rejected: they must be those of an eager run
+        eager = LLM(**options)
+        expected = record_proposals(eager.engine)
+        eager.generate(prompts, params, use_tqdm=False)
+    llm = LLM(**options)
+    engine = llm.engine
+    proposals = record_proposals(engine)
+    runner, speculator = engine.runner, engine.speculator
+    runner.graphs = CudaGraphRunner(runner, [2, 4, 8, 16], max_width=8)
+    speculator.capture_graphs(engine, speculator.target_groups)
+    network = speculator.network
+    assert runner.verify_as_decode_rows and network.graphs is not None
+    replays = {"target": [], "draft": []}
+    forward = CudaGraphRunner._forward
+
+    def guarded_forward(self, batch_size):
+        replays["draft" if self.network is network else "target"].append(batch_size)
+        with kernel_paths(runner, network.module), no_host_sync():
+            return forward(self, batch_size)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", guarded_forward)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = engine.stats().speculation
+    # Verifications of three sequences with drafts: more rows than sequences.
+    assert max(replays["target"]) > 4 and replays["draft"], replays
+    if mtp:
+        assert len(proposals) > 10 and not differing_proposals(proposals, expected)
+    else:  # an identical draft's are accepted: its catch-ups span several tokens
+        assert stats.num_accepted_tokens >= stats.num_draft_tokens - 1, stats
+        assert max(replays["draft"]) > 4, replays
+    for output, prompt, length in zip(outputs, prompts, lengths):
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, length), context=f"{arch} speculating")
+    engine.check_all_free()

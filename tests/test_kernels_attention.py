@@ -89,25 +89,26 @@ def assert_close(actual, expected, dtype, **tolerance):
 
 
 def decode_inputs(page_size, group_size, head_dim, lengths, window, dtype, seed, device="cpu",
-                  num_kv_heads=NUM_KV_HEADS):
-    """``(query, key_cache, value_cache, page_table, context_lengths)`` for one decode step."""
+                  num_kv_heads=NUM_KV_HEADS, cache_dtype=None):
+    """``(query, key_cache, value_cache, page_table, context_lengths)`` for one decode step;
+    the caches in ``cache_dtype`` (default: the query's)."""
     generator = torch.Generator().manual_seed(seed)
     spans = [(0 if window is None else max(0, length - window), length) for length in lengths]
-    key_cache, value_cache, page_table = poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim, dtype,
-                                                              generator, device)
+    key_cache, value_cache, page_table = poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim,
+                                                              cache_dtype or dtype, generator, device)
     query = random_query((len(lengths), num_kv_heads * group_size, head_dim), dtype, generator, device)
     context_lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
     return query, key_cache, value_cache, page_table, context_lengths
 
 
 def prefill_inputs(page_size, group_size, head_dim, chunks, window, dtype, seed, device="cpu",
-                   num_kv_heads=NUM_KV_HEADS):
+                   num_kv_heads=NUM_KV_HEADS, cache_dtype=None):
     """``(query, key_cache, value_cache, page_table, query_starts, context_lengths)`` for chunks
-    of ``(query_length, context_length)``."""
+    of ``(query_length, context_length)``; the caches in ``cache_dtype`` (default: the query's)."""
     generator = torch.Generator().manual_seed(seed)
     spans = [(0 if window is None else max(0, length - queries - window + 1), length) for queries, length in chunks]
-    key_cache, value_cache, page_table = poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim, dtype,
-                                                              generator, device)
+    key_cache, value_cache, page_table = poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim,
+                                                              cache_dtype or dtype, generator, device)
     query_lengths = [queries for queries, _ in chunks]
     query = random_query((sum(query_lengths), num_kv_heads * group_size, head_dim), dtype, generator, device)
     query_starts = torch.tensor([0] + query_lengths, device=device).cumsum(0).to(torch.int32)
@@ -178,6 +179,41 @@ def test_prefill_matches_reference(case):
     assert_close(out, expected, dtype)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits, window, softcap", [(1, None, None), (3, 20, 30.0)])
+def test_decode_fp8_cache_matches_reference(dtype, num_splits, window, softcap):
+    """FP8 pages are upcast exactly in the kernel: the same result as the reference's float32
+    reading of the same pages."""
+    query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
+        16, 4, 32, [33, 1, 0, 80], window, dtype, seed=11, cache_dtype=FP8)
+    options = dict(window=window, softcap=softcap, num_splits=num_splits)
+    out = torch.full_like(query, float("nan"))
+    paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 32 ** -0.5, out=out,
+                           **options)
+    expected = paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths,
+                                                32 ** -0.5, **options)
+    assert_close(out, expected, dtype)
+    assert (out[context_lengths == 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, 10.0)])
+def test_prefill_fp8_cache_matches_reference(dtype, window, softcap):
+    chunks = [(5, 5), (1, 20), (40, 70)]
+    query, key_cache, value_cache, page_table, query_starts, context_lengths = prefill_inputs(
+        16, 2, 32, chunks, window, dtype, seed=12, cache_dtype=FP8)
+    options = dict(max_query_len=40, window=window, softcap=softcap)
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths,
+                            32 ** -0.5, out=out, **options)
+    expected = paged_prefill_attention_reference(query, key_cache, value_cache, page_table, query_starts,
+                                                 context_lengths, 32 ** -0.5, **options)
+    assert_close(out, expected, dtype)
+
+
 def test_outputs_are_allocated_in_the_query_dtype():
     query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
         16, 2, 16, [3, 0], None, torch.bfloat16, seed=3)
@@ -236,12 +272,13 @@ GPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: BF16
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch", [1, 32, 256])
 @pytest.mark.parametrize("window, softcap", [(None, None), (1000, 30.0)])
-def test_gpu_decode_matches_reference(batch, dtype, window, softcap):
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-as-query", "cache-fp8"])
+def test_gpu_decode_matches_reference(batch, dtype, window, softcap, cache_dtype):
     generator = torch.Generator().manual_seed(batch)
     lengths = torch.randint(1, 4097, (batch,), generator=generator).tolist()
     lengths[-1] = 0 if batch > 1 else 4096  # a padding row (or the longest context)
     query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
-        16, 4, 128, lengths, window, dtype, seed=batch, device="cuda", num_kv_heads=8)
+        16, 4, 128, lengths, window, dtype, seed=batch, device="cuda", num_kv_heads=8, cache_dtype=cache_dtype)
     options = dict(window=window, softcap=softcap)
     out = torch.full_like(query, float("nan"))
     paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 128 ** -0.5, out=out,
@@ -255,10 +292,11 @@ def test_gpu_decode_matches_reference(batch, dtype, window, softcap):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window, softcap", [(None, None), (700, 30.0)])
-def test_gpu_prefill_matches_reference(dtype, window, softcap):
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-as-query", "cache-fp8"])
+def test_gpu_prefill_matches_reference(dtype, window, softcap, cache_dtype):
     chunks = [(512, 512), (1, 3000), (300, 4096), (77, 77), (1000, 1500)]
     query, key_cache, value_cache, page_table, query_starts, context_lengths = prefill_inputs(
-        16, 4, 128, chunks, window, dtype, seed=7, device="cuda", num_kv_heads=8)
+        16, 4, 128, chunks, window, dtype, seed=7, device="cuda", num_kv_heads=8, cache_dtype=cache_dtype)
     options = dict(max_query_len=1000, window=window, softcap=softcap)
     out = torch.full_like(query, float("nan"))
     paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths,
@@ -297,3 +335,16 @@ def test_gpu_decode_replays_in_a_cuda_graph():
         expected = paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths,
                                                     128 ** -0.5)
         assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fp8_stale_read_propagates():
+    """FP8 poison (0x7F, NaN in e4m3) in a visible slot reaches that row's output on the GPU
+    (Triton's interpreter reads 0x7F as 480, so this runs on CUDA only)."""
+    query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
+        16, 4, 128, [20, 40, 9], None, torch.bfloat16, seed=5, device="cuda", num_kv_heads=8, cache_dtype=FP8)
+    value_cache[page_table[1, 33 // 16], 33 % 16].view(torch.uint8).fill_(0x7F)
+    out = paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 0.1, num_splits=2)
+    assert out[1].isnan().all()
+    assert not out[[0, 2]].isnan().any()

@@ -204,17 +204,39 @@ def check_write_kv(tokens, heads, head_dim, num_pages, page_size, dtype, cache_d
     untouched = (num_pages * page_size - int((slots >= 0).sum())) * heads * head_dim
     assert int(kernel_caches[0].isnan().sum()) == untouched
     for actual, expected in zip(kernel_caches, reference_caches):
-        if cache_dtype.is_floating_point and cache_dtype.itemsize == 1:
-            torch.testing.assert_close(actual.float(), expected.float(), rtol=0.07, atol=2 ** -9, equal_nan=True)
+        if cache_dtype.itemsize == 1:  # FP8: the same rounding (-0 and +0 alike), poison where it was
+            assert torch.equal(actual.float().isnan(), expected.float().isnan())
+            assert torch.equal(actual.float().nan_to_num(0.0), expected.float().nan_to_num(0.0))
         else:
             same_with_poison(actual, expected)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])
+                                               (torch.float32, torch.bfloat16),
+                                               (torch.float32, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_write_kv_matches_reference_and_skips_padding(dtype, cache_dtype, slot_dtype):
     check_write_kv(7, 3, 80, 3, 5, dtype, cache_dtype, slot_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_saturates_fp8(dtype):
+    """FP8 caches store values beyond +-448 as +-448 (never NaN); in range they round to the
+    nearest e4m3 value (within half a step: 2**-4 relative)."""
+    fp8 = torch.float8_e4m3fn
+    key = torch.tensor([[[1000.0, -1000.0, 448.0, 3.3, -0.02, 500.0, -449.0, 7.0]]], device=DEVICE).to(dtype)
+    value = -key
+    slots = torch.tensor([1], device=DEVICE, dtype=torch.int32)
+    for write in (write_kv, write_kv_reference):
+        caches = poisoned_caches(1, 2, 1, 8, fp8)[0]
+        write(key, value, *caches, slots)
+        stored = caches[0][0, 1, 0].float()
+        expected = key[0, 0].float().clamp(-448, 448)
+        assert not stored.isnan().any(), write.__name__
+        torch.testing.assert_close(stored, expected, rtol=2 ** -4, atol=0.0)
+        torch.testing.assert_close(caches[1][0, 1, 0].float(), -stored, rtol=0.0, atol=0.0)
+        assert caches[0][0, 0].float().isnan().all()  # the other slot stays poisoned
 
 
 def test_write_kv_honours_cache_strides():

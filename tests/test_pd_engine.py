@@ -106,6 +106,10 @@ def test_layout_difference_names_the_first_field(model_dirs):
     assert first_difference(layout(llama), layout(qwen)).startswith("architecture: local has 'LlamaForCausalLM'")
     assert first_difference(layout(llama), layout(llama, 8), "prefill", "decode") == \
         "page_size: prefill has 4, decode has 8"
+    fp8 = LLM(model=model_dirs["llama"], page_size=4, max_total_tokens=64, kv_cache_dtype="fp8").engine
+    difference = first_difference(layout(llama), layout(fp8), "prefill", "decode")  # FP8 and wider K/V never pair
+    assert difference.startswith(
+        "state buffer 0 (model.layers.0.self_attn/key) item_size: prefill has 4, decode has 1"), difference
 
 
 # -- exactness for every family ------------------------------------------------------------------------------
@@ -148,6 +152,42 @@ def test_fp8_indexer_pages_arrive_whole(arch, model_dirs):
         colocated = LLM(model=model_dirs[arch], **SMALL).generate([{"prompt_token_ids": LONG_PROMPT}], GREEDY,
                                                                   use_tqdm=False)[0]
         assert pair.tokens("long") == colocated.outputs[0].token_ids
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
+
+
+def test_fp8_kv_pages_arrive_whole(model_dirs):
+    """FP8 K/V pages (``kv_cache_dtype="fp8"``) move as bytes: the decode engine's tokens and
+    logprobs equal a colocated FP8 engine's, and the transfer wrote every registry buffer."""
+    pair = PDPair(model_dirs["llama"], kv_cache_dtype="fp8", **SMALL)
+    try:
+        pair.submit("long", LONG_PROMPT)
+        pair.run_until(lambda: pair.finished("long"))
+        assert pair.prefill.pd.touched == {d.key for d in pair.prefill.registry.buffers()}
+        assert {d.tensor.dtype for d in pair.decode.registry.buffers()} == {torch.float8_e4m3fn}
+        colocated = LLM(model=model_dirs["llama"], kv_cache_dtype="fp8", **SMALL).generate(
+            [{"prompt_token_ids": LONG_PROMPT}], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert pair.tokens("long") == colocated.token_ids
+        entries = [entry for delta in pair.outputs["long"] for entry in delta.new_logprobs or []]
+        assert len(entries) == len(colocated.logprobs)
+        for entry, expected in zip(entries, colocated.logprobs):
+            assert abs(entry.logprobs[0] - expected[entry.token_ids[0]].logprob) <= 1e-4
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
+
+
+def test_fp8_and_wider_kv_servers_never_pair(model_dirs):
+    pair = PDPair(model_dirs["llama"], prefill_options=dict(kv_cache_dtype="fp8"), **SMALL)
+    try:
+        pair.submit("r", SHORT_PROMPT)
+        pair.run_until(lambda: pair.finished("r"))
+        assert "PD handshake failed: state buffer 0 (model.layers.0.self_attn/key) item_size: the prefill " \
+               "server has 1, the decode server has 4" in pair.error("r"), pair.error("r")
+        pair.prefill.abort_requests(["r"])
         pair.settle()
         pair.assert_all_free()
     finally:

@@ -51,9 +51,12 @@ def test_read_of_a_freed_page_is_caught_by_owner_tags(llm):
         engine.step()
 
 
-def test_read_of_poisoned_state_fails_loudly_without_owner_tags(llm, monkeypatch):
-    """Even past the owner-tag check, a freed page holds NaN poison that reaches the logits."""
-    engine = llm.engine
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_read_of_poisoned_state_fails_loudly_without_owner_tags(model_dirs, monkeypatch, kv_cache_dtype):
+    """Even past the owner-tag check, a freed page holds NaN poison that reaches the logits (FP8
+    pages too: their poison byte is e4m3's NaN)."""
+    engine = LLM(model=model_dirs["llama"], page_size=4, max_total_tokens=256, max_num_batched_tokens=64,
+                 kv_cache_dtype=kv_cache_dtype).engine
     sequence, freed_page = running_sequence_and_a_freed_page(engine)
     for descriptor in engine.registry.buffers(0):
         assert torch.isnan(descriptor.tensor[freed_page]).all(), "freed page not poisoned"

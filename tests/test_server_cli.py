@@ -17,7 +17,7 @@ from tests.server_helpers import FAKE_CORE_CLASS, ServerProcess, make_fake_model
 SERVE_FLAGS = ["--model", "--host", "--port", "--api-key", "--page-size", "--max-total-tokens", "--max-num-seqs",
                "--max-num-batched-tokens", "--max-model-len", "--dtype", "--load-format", "--enable-prefix-caching",
                "--no-enable-prefix-caching", "--served-model-name", "--log-level", "--max-queued-requests",
-               "--shutdown-timeout", "--tokenizer", "--seed", "--device"]
+               "--shutdown-timeout", "--tokenizer", "--seed", "--device", "--kv-cache-dtype"]
 
 
 def help_text(capsys, *command) -> str:

@@ -361,22 +361,39 @@ def test_rollback_in_every_group():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32", "glm_moe_dsa"])
-def test_cuda_speculation_matches_oracle(arch, model_dirs, oracles, monkeypatch):
-    """On CUDA (Triton kernels, eager; bfloat16 only runs): greedy speculation equals the oracle
-    (logprobs within 1e-3) with an identical draft (every draft accepted) and with MTP."""
+def test_cuda_speculation_matches_oracle(arch, enforce_eager, model_dirs, oracles, monkeypatch):
+    """On CUDA (Triton kernels; CUDA graphs for verification and the draft's passes unless
+    ``enforce_eager``; bfloat16 only runs): greedy speculation equals the oracle (logprobs
+    within 1e-3) with an identical draft (every draft accepted) and with MTP."""
     import tests.oracle as oracle_module
+    from tandem.worker.cuda_graphs import CudaGraphRunner
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    replays = {"target": 0, "verify": 0, "draft": 0}
+    replay = CudaGraphRunner.replay
+
+    def counted_replay(self, step, *args, **kwargs):
+        kind = "draft" if self is not self.runner.graphs else "verify" if len(step.chunks) < step.num_tokens \
+            else "target"
+        replays[kind] += 1
+        return replay(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counted_replay)
     speculation = dict(speculative_method="mtp", num_speculative_tokens=2) if arch in MTP_ARCHS else \
         dict(speculative_model=model_dirs[arch], num_speculative_tokens=3)
     llm, outputs, _ = run_workload(model_dirs[arch], **options_for(arch, device="cuda", dtype="float32",
-                                                                   **speculation))
+                                                                   enforce_eager=enforce_eager, **speculation))
     check_against_oracle(llm, outputs, oracles[arch], f"{arch} cuda")
+    if enforce_eager:
+        assert not any(replays.values()), replays
+    else:  # recurrent targets verify eagerly (a row's state would be read by the next row)
+        assert replays["draft"] > 0 and (replays["verify"] > 0) == (arch != "qwen3_next"), replays
     stats = llm.engine.stats().speculation
     assert arch in MTP_ARCHS or stats.num_accepted_tokens >= stats.num_draft_tokens - 2, stats
     llm, outputs, _ = run_workload(model_dirs[arch], **options_for(arch, device="cuda", dtype="bfloat16",
-                                                                   **speculation))
+                                                                   enforce_eager=enforce_eager, **speculation))
     assert all(len(output.outputs[0].token_ids) == GREEDY.max_tokens for output in outputs)
     llm.engine.check_all_free()
 

@@ -33,7 +33,9 @@ def model_dimensions(core) -> dict[str, int]:
     return {"vocab_size": int(info.vocab_size), "hidden_size": int(info.hidden_size),
             "num_state_layers": sum(len(group.layer_names) for group in core.registry.groups),
             # a draft's state crosses like the target's: both sides must hold the same draft
-            "draft_state_layers": speculator.num_state_layers if speculator is not None else 0}
+            "draft_state_layers": speculator.num_state_layers if speculator is not None else 0,
+            # each rank's state is its shard: rank i pairs with rank i of an equal group
+            "tensor_parallel_size": int(core.config.tensor_parallel_size)}
 
 
 class PDSide:

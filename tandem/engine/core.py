@@ -15,12 +15,13 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
-from tandem.kv.coordinator import StateCoordinator
-from tandem.kv.planner import allocate_buffers, plan_pools
-from tandem.kv.registry import StateRegistry
-from tandem.engine.memory import resolve_device, state_memory_budget
+from tandem.kv.spec import KV_CACHE_DTYPES
+from tandem.engine.memory import resolve_device
+from tandem.engine.state_setup import build_coordinator, register_state
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
+from tandem.parallel.launcher import RankFailure, start_tensor_parallel
+from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.launched_step import LaunchedStep
@@ -36,13 +37,15 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
+        # Tensor parallelism: this process is rank 0; the workers hold the other shards.
+        self.parallel = start_tensor_parallel(config, self.device) if config.tensor_parallel_size > 1 else None
+        if self.parallel is not None:
+            self.device = self.parallel.device
         self.model, self.hf_config, self.model_info = build_model(
             config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
-            max_model_len=config.max_model_len, seed=config.seed,
-            indexer_cache_dtype=config.indexer_cache_dtype)
-        self.registry = StateRegistry()
-        for layer_name, spec in self.model.state_specs().items():
-            self.registry.register(layer_name, spec)
+            max_model_len=config.max_model_len, seed=config.seed, indexer_cache_dtype=config.indexer_cache_dtype,
+            tensor_shard=self.parallel.shard if self.parallel is not None else SINGLE)
+        self.registry = register_state(self.model, config.kv_cache_dtype)
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
         if config.speculative_method is not None:
             from tandem.spec_decode import Speculator, engine_config_for_speculation
@@ -50,15 +53,9 @@ class EngineCore:
             self.config = config = engine_config_for_speculation(config, self.device.type)
             self.speculator = Speculator(self, config)  # registers the draft's state specs
         self.registry.finalize()
-        budget = state_memory_budget(config, self.device, self.registry, self.model_info.max_model_len,
-                                     self.speculator is not None)
-        plan = plan_pools(self.registry, config.page_size, max_total_tokens=config.max_total_tokens,
-                          memory_budget_bytes=budget, max_num_seqs=config.max_num_seqs,
-                          prefix_caching=config.enable_prefix_caching, speculative=self.speculator is not None)
-        allocate_buffers(self.registry, plan, self.device)
-        self.coordinator = StateCoordinator(self.registry, plan,
-                                            enable_prefix_caching=config.enable_prefix_caching,
-                                            sanitize=config.sanitizer_on)
+        plan, self.coordinator = build_coordinator(
+            config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
+            agree=self.parallel.agree_on_pages if self.parallel is not None else None)
         tiers = build_tiers(config, self.coordinator, self.device)
         if tiers is not None:
             self.coordinator.attach_tiers(tiers)
@@ -66,9 +63,12 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
-        if not config.enforce_eager:
-            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(config.max_num_seqs))
-            self.runner.capture_graphs([size for size in sizes if size <= config.max_num_seqs],
+        if self.parallel is not None:
+            self.parallel.attach(self.coordinator, self.runner)
+        elif not config.enforce_eager:  # (not yet with tensor parallelism: every step runs eagerly)
+            rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
+            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(rows))
+            self.runner.capture_graphs([size for size in sizes if size <= rows],
                                        self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
@@ -84,9 +84,11 @@ class EngineCore:
             self.pd = create_pd(self, config.transfer)
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.overlap = overlap and self.pd is None  # PD keeps the one-step-at-a-time loop
-        logger.info("engine ready: %s on %s (%s), %d pages of %d tokens, sanitizer %s",
+        logger.info("engine ready: %s on %s (%s), %d pages of %d tokens (%d tokens, KV cache %s), sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
-                    plan.usable_pages, plan.page_size, "on" if config.sanitizer_on else "off")
+                    plan.usable_pages, plan.page_size, plan.usable_pages * plan.page_size,
+                    KV_CACHE_DTYPES[config.kv_cache_dtype] or self.model_info.dtype,
+                    "on" if config.sanitizer_on else "off")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -252,7 +254,7 @@ class EngineCore:
         pending = previous.pending_tokens() if previous is not None else None
         try:
             result = self.runner.execute(chunks, pending)
-        except SanitizerError:
+        except (SanitizerError, RankFailure):  # (the engine cannot go on: not one step's failure)
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
             logger.exception("forward pass failed")
@@ -488,3 +490,10 @@ class EngineCore:
             self.pd.close()
         if self.coordinator.tiers is not None:
             self.coordinator.tiers.close()  # queued disk writes finish first
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def check_health(self) -> None:
+        """Raises when a tensor-parallel rank has died (the engine cannot step any more)."""
+        if self.parallel is not None:
+            self.parallel.check()

@@ -155,6 +155,9 @@ class EngineLoop:
                 if self.parent_gone():
                     self.stopping = True
                     return
+                check_health = getattr(self.core, "check_health", None)
+                if check_health is not None:
+                    check_health()  # a dead tensor-parallel rank ends an idle engine too
         elif self.waits_between_steps():
             self.wait_for_messages()
         while True:

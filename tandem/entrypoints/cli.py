@@ -13,7 +13,8 @@ import sys
 from typing import Optional, Sequence
 
 from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
-                           LOAD_FORMAT_CHOICES, PREEMPTION_MODES, SPECULATIVE_METHOD_CHOICES, EngineConfig)
+                           KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
+                           SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
@@ -54,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--indexer-cache-dtype", choices=INDEXER_CACHE_DTYPE_CHOICES, default="fp8",
                        help="sparse-attention (DSA) indexer key cache: fp8 (e4m3 keys + fp32 scales, "
                             "page-major) or float32 (unquantised) (default: %(default)s)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                       help="paged K/V cache of attention layers: auto (the model dtype) or fp8/fp8_e4m3 "
+                            "(float8 e4m3, scale 1.0, saturated at +-448: lossy, twice the tokens per byte; "
+                            "MLA latents, indexer keys and recurrent state keep their dtype) (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: run every step eagerly (CUDA only; default: decode steps "
                             "replay graphs captured at start-up)")
@@ -70,6 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="draft tokens verified per step (default for mtp: the number of next-n layers)")
     group.add_argument("--speculative-model", default=None,
                        help="draft model directory (same vocabulary as --model); implies --speculative-method draft")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard the model over this many ranks, one engine process each (rank i on "
+                            "cuda:i; on a CPU over gloo) (default: %(default)s)")
     tiers = parser.add_argument_group("state tiers (host memory and disk behind the prefix cache)")
     tiers.add_argument("--host-cache-size", type=float, default=0.0, metavar="GB",
                        help="host-memory tier in GB (2^30 bytes; pinned on CUDA); 0: off (default: %(default)s)")
@@ -101,13 +109,14 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
+        kv_cache_dtype=arguments.kv_cache_dtype,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
         decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
-        speculative_model=arguments.speculative_model)
+        speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

@@ -210,7 +210,10 @@ class EngineClient:
             return
         self._fail_all(EngineDeadError("server is shutting down"))
         if self.process is not None and self.process.is_alive():
-            self._send(ShutdownMessage())
+            try:  # an engine that already failed may have closed its end: never block on it
+                self.input_socket.send(self.encoder.encode(ShutdownMessage()), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             await asyncio.to_thread(self.process.join, timeout)
             if self.process.is_alive():
                 logger.warning("engine process did not exit in %.0f s; killing it", timeout)

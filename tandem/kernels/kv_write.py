@@ -4,7 +4,11 @@
 ``-1`` skips the token (the padding rows of a CUDA graph batch). Values are cast to the
 cache's dtype. Slots must be distinct (two tokens writing one slot leave either value).
 
-    key_cache[page, offset, :, :] = key[t].to(key_cache.dtype)      (likewise value)
+    key_cache[page, offset, :, :] = cast_for_cache(key[t], key_cache.dtype)      (likewise value)
+
+An FP8 cache (float8 e4m3) stores values at scale 1.0, saturated: a value beyond the format's
+largest finite value (448) is stored as +-448, never as NaN, so an outlier costs precision, not
+the sequence. Reads upcast the stored value exactly (e4m3 is a subset of bf16, fp16 and fp32).
 """
 from __future__ import annotations
 
@@ -16,14 +20,57 @@ from tandem.kernels.triton_support import jit, tl, triton
 ELEMENTS_PER_PROGRAM = 4096
 
 
+FP8_CACHE_DTYPE = torch.float8_e4m3fn  # the one 8-bit cache format
+
+
+def saturation_limit(cache_dtype: torch.dtype) -> float | None:
+    """The largest finite value of an FP8 cache (values are clamped to it: 448), or None for
+    caches of 16 or 32 bits (plain casts)."""
+    if cache_dtype == FP8_CACHE_DTYPE:
+        return float(torch.finfo(cache_dtype).max)
+    if cache_dtype.itemsize == 1:
+        raise ValueError(f"KV cache dtype {cache_dtype} is not supported (8-bit caches are {FP8_CACHE_DTYPE})")
+    return None
+
+
+def cast_for_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as the cache stores them: a plain cast, saturated to +-limit for FP8 (NaN
+    stays NaN)."""
+    limit = saturation_limit(cache_dtype)
+    if limit is not None:
+        values = values.float().clamp(-limit, limit)
+    return values.to(cache_dtype)
+
+
+@jit
+def _round_to_e4m3(values):
+    """``values`` (float32, within +-448) rounded to the nearest e4m3 value, ties to even, in
+    float32 arithmetic: the step is 2**(exponent - 3) for normal e4m3 values and 2**-9 below
+    2**-6 (subnormals); ``magnitude / step`` is exact and ``+ 1.5 * 2**23 - 1.5 * 2**23`` rounds
+    it to an integer by the float32 rounding rule. Interpreted runs use it before the cast,
+    which is then exact: the interpreter's own float32 -> e4m3 conversion mis-rounds values that
+    round up into the next binade (1.97 becomes 1.0)."""
+    bits = values.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    step = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    rounded = ((tl.abs(values) / step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -rounded, rounded)
+
+
 @jit
 def _write_heads(source_ptr, cache_ptr, token, slot, valid, heads, columns, num_heads, head_dim,
-                 token_stride, head_stride, page_size, page_stride, offset_stride, cache_head_stride):
+                 token_stride, head_stride, page_size, page_stride, offset_stride, cache_head_stride,
+                 limit, SATURATE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
     mask = valid & (heads < num_heads)[:, None] & (columns < head_dim)[None, :]
     source = source_ptr + token * token_stride + (heads * head_stride)[:, None] + columns[None, :]
     target = (cache_ptr + (slot // page_size) * page_stride + (slot % page_size) * offset_stride
               + (heads * cache_head_stride)[:, None] + columns[None, :])
-    tl.store(target, tl.load(source, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
+    values = tl.load(source, mask=mask)
+    if SATURATE:
+        values = tl.clamp(values.to(tl.float32), -limit, limit)
+        if ROUND_IN_SOFTWARE:
+            values = _round_to_e4m3(values)
+    tl.store(target, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -31,8 +78,9 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
                      num_heads, head_dim, page_size,
                      key_token_stride, key_head_stride, value_token_stride, value_head_stride,
                      key_page_stride, key_offset_stride, key_cache_head_stride,
-                     value_page_stride, value_offset_stride, value_cache_head_stride,
-                     HEADS: tl.constexpr, BLOCK: tl.constexpr):
+                     value_page_stride, value_offset_stride, value_cache_head_stride, limit,
+                     HEADS: tl.constexpr, BLOCK: tl.constexpr, SATURATE: tl.constexpr,
+                     ROUND_IN_SOFTWARE: tl.constexpr):
     """Program ``(token, block)`` writes heads ``block * HEADS ..`` of one token's key and value."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -41,10 +89,12 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
     columns = tl.arange(0, BLOCK)
     _write_heads(key_ptr, key_cache_ptr, token, slot, valid, heads, columns, num_heads, head_dim,
                  key_token_stride, key_head_stride, page_size,
-                 key_page_stride, key_offset_stride, key_cache_head_stride)
+                 key_page_stride, key_offset_stride, key_cache_head_stride, limit, SATURATE,
+                 ROUND_IN_SOFTWARE)
     _write_heads(value_ptr, value_cache_ptr, token, slot, valid, heads, columns, num_heads, head_dim,
                  value_token_stride, value_head_stride, page_size,
-                 value_page_stride, value_offset_stride, value_cache_head_stride)
+                 value_page_stride, value_offset_stride, value_cache_head_stride, limit, SATURATE,
+                 ROUND_IN_SOFTWARE)
 
 
 def _check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -55,6 +105,8 @@ def _check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, valu
         raise ValueError(f"write_kv: key/value {tuple(key.shape)}/{tuple(value.shape)} must be [T, Hkv, D], "
                          f"caches {tuple(key_cache.shape)}/{tuple(value_cache.shape)} [pages, page_size, Hkv, D], "
                          f"slot_mapping {tuple(slot_mapping.shape)} [T]")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"write_kv: key cache {key_cache.dtype} and value cache {value_cache.dtype} differ")
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +128,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     key, value = _last_contiguous(key), _last_contiguous(value)
     block = triton.next_power_of_2(head_dim)
     heads = min(triton.next_power_of_2(num_heads), max(1, ELEMENTS_PER_PROGRAM // block))
+    limit = saturation_limit(key_cache.dtype)
     _write_kv_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         key, value, key_cache, value_cache, slot_mapping, num_heads, head_dim, key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HEADS=heads, BLOCK=block, num_warps=4 if heads * block >= 1024 else 1)
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), limit or 0.0,
+        HEADS=heads, BLOCK=block, SATURATE=limit is not None,
+        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda",
+        num_warps=4 if heads * block >= 1024 else 1)
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -92,5 +147,5 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     kept = slots >= 0
     page_size = key_cache.shape[1]
     pages, offsets = slots[kept] // page_size, slots[kept] % page_size
-    key_cache[pages, offsets] = key[kept].to(key_cache.dtype)
-    value_cache[pages, offsets] = value[kept].to(value_cache.dtype)
+    key_cache[pages, offsets] = cast_for_cache(key[kept], key_cache.dtype)
+    value_cache[pages, offsets] = cast_for_cache(value[kept], value_cache.dtype)

@@ -3,7 +3,9 @@
 Cache layout (one attention layer): ``key_cache`` and ``value_cache`` are
 ``[num_pages, page_size, num_kv_heads, head_dim]``; page 0 is the null page. Token position
 ``p`` of a sequence lives at page ``page_table[row, p // page_size]``, slot ``p % page_size``.
-The step's new keys and values are already in the cache when these functions run.
+The step's new keys and values are already in the cache when these functions run. The caches
+are in the query's dtype or FP8 (float8 e4m3, ``kv_cache_dtype="fp8"``): FP8 values are upcast
+exactly to the query's dtype for the dot products, which accumulate in fp32 either way.
 
 Visibility: a query at position ``q`` sees key positions ``k <= q`` and, with a ``window``,
 only ``k > q - window`` (transformers' sliding-window mask). ``softcap`` turns a scaled score

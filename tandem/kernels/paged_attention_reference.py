@@ -1,5 +1,6 @@
 """Plain-PyTorch references of the paged attention kernels in ``paged_attention.py`` (float32
-math, same signatures): the oracle of the kernel tests and the semantics the CPU path follows."""
+math, same signatures): the oracle of the kernel tests and the semantics the CPU path follows.
+Caches of any dtype, FP8 included, are read as float32."""
 from __future__ import annotations
 
 from typing import Optional

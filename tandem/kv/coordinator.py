@@ -7,7 +7,7 @@ methods fan out over the groups; none knows what kind of state a group holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -22,6 +22,15 @@ from tandem.kv.sanitizer import Sanitizer
 
 if TYPE_CHECKING:
     from tandem.kv.tiers.hierarchy import SwappedState, TieredState
+
+
+class PageOperationSink(Protocol):
+    """Receives every page operation the coordinator applies to its buffers outside the forward
+    pass, in order (tensor parallelism replays them on the other ranks' shards)."""
+
+    def copy_page(self, group_id: int, source: int, destination: int) -> None: ...
+
+    def poison(self, group_id: int, pages: list[int]) -> None: ...
 
 
 @dataclass
@@ -47,7 +56,10 @@ class StateCoordinator:
         self.plan = plan
         self.page_size = plan.page_size
         self.sanitizer = Sanitizer(registry, sanitize)
-        self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self.sanitizer.poison)
+        # Tensor parallelism: rank 0's page operations outside the forward pass (copies, poison)
+        # are recorded here and replayed by the other ranks on their shards (tandem/parallel).
+        self.mirror: Optional[PageOperationSink] = None
+        self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self._poison_freed)
                       for group in registry.groups]
         for pool in self.pools:  # a page never written reads as poison too (I6)
             self.sanitizer.poison(pool.group_id, [page for page in range(pool.num_pages) if page != NULL_PAGE])
@@ -333,6 +345,13 @@ class StateCoordinator:
             self.pending_loads.wait(layer_name)
         for descriptor in self.registry.buffers(group_id):
             descriptor.tensor[destination].copy_(descriptor.tensor[source])
+        if self.mirror is not None:
+            self.mirror.copy_page(group_id, source, destination)
+
+    def _poison_freed(self, group_id: int, pages: list[int]) -> None:
+        self.sanitizer.poison(group_id, pages)
+        if self.mirror is not None and self.sanitizer.enabled:
+            self.mirror.poison(group_id, pages)
 
     # -- PD transfer ------------------------------------------------------------------------------
     def destination_tables(self, state: RequestState) -> list[list[int]]:

@@ -44,7 +44,11 @@ class StateGroup:
 
 
 class StateRegistry:
-    def __init__(self) -> None:
+    """``kv_cache_dtype``: the dtype every registered spec's paged K/V is stored in (see
+    ``StateSpec.with_kv_cache_dtype``); None keeps the dtypes the layers declare."""
+
+    def __init__(self, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+        self.kv_cache_dtype = kv_cache_dtype
         self._specs: dict[str, StateSpec] = {}
         self._groups: list[StateGroup] = []
         self._layer_group: dict[str, int] = {}
@@ -57,10 +61,18 @@ class StateRegistry:
             raise RuntimeError(f"registry is finalized; cannot register {layer_name!r}")
         if layer_name in self._specs:
             raise ValueError(f"layer {layer_name!r} registered twice")
+        if self.kv_cache_dtype is not None:
+            spec = spec.with_kv_cache_dtype(self.kv_cache_dtype)
         self._specs[layer_name] = spec
 
     def finalize(self) -> list[StateGroup]:
-        """Group layers by equal spec, in registration order."""
+        """Group layers by equal spec, in registration order. With a ``kv_cache_dtype``, some
+        layer must store its state in it (else the option would silently do nothing)."""
+        stored = {layout.dtype for spec in self._specs.values() for layout in spec.buffer_layouts()}
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in stored:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} applies to the paged K/V of attention layers "
+                             "(full or sliding window); this model keeps none (MLA latents, indexer keys and "
+                             "recurrent state keep their own dtype): use kv_cache_dtype='auto'")
         by_spec: dict[StateSpec, StateGroup] = {}
         for layer_name, spec in self._specs.items():
             group = by_spec.get(spec)

@@ -17,15 +17,22 @@ from tandem.kv.registry import StateRegistry
 if TYPE_CHECKING:
     from tandem.kv.coordinator import StateCoordinator
 
-POISON_BYTE = 0xA5  # integer and FP8 buffers: a fixed byte pattern
+POISON_BYTE = 0xA5  # integer and byte-packed buffers (the indexer's FP8 keys + scales): a fixed pattern
+FP8_NAN_BYTE = 0x7F  # NaN in float8 e4m3fn (and e5m2): FP8 K/V pages poison to NaN like wider floats
+
+
+def poison_byte(dtype: torch.dtype) -> int:
+    """The byte a poisoned one-byte element holds: NaN for FP8 dtypes, else ``POISON_BYTE``."""
+    return FP8_NAN_BYTE if dtype.is_floating_point and dtype.itemsize == 1 else POISON_BYTE
 
 
 def poison_fill(tensor: torch.Tensor, index: torch.Tensor) -> None:
-    """Fill ``tensor[index]`` with the poison value: NaN for float buffers, else 0xA5 bytes."""
+    """Fill ``tensor[index]`` with the poison value: NaN for float buffers (FP8 included, as
+    the byte 0x7F), else 0xA5 bytes."""
     if tensor.dtype.is_floating_point and tensor.element_size() > 1:
         tensor.index_fill_(0, index, float("nan"))
     else:
-        tensor.view(torch.uint8).index_fill_(0, index, POISON_BYTE)
+        tensor.view(torch.uint8).index_fill_(0, index, poison_byte(tensor.dtype))
 
 
 class Sanitizer:

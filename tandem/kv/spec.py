@@ -7,10 +7,17 @@ spec's type.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional
 
 import torch
+
+# ``kv_cache_dtype`` names -> the dtype of paged K/V (None: the model dtype). FP8 pages hold
+# float8 e4m3 at a fixed scale of 1.0: writes saturate at +-448 (tandem/kernels/kv_write.py),
+# reads upcast exactly. Keys and values of real models sit far inside that range; the cost is
+# e4m3's 3-bit mantissa (about 2**-4 relative error per element).
+KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,12 @@ class StateSpec:
         """Bytes one page of one layer takes across all its buffers."""
         return sum(layout.page_bytes(page_size) for layout in self.buffer_layouts())
 
+    def with_kv_cache_dtype(self, dtype: torch.dtype) -> "StateSpec":
+        """This spec with its paged K/V stored in ``dtype`` (``kv_cache_dtype``). Specs that hold
+        no K/V read by the paged attention kernels (MLA latents, indexer keys, recurrent state)
+        keep their own dtype: they return themselves."""
+        return self
+
     def pages_per_sequence(self, prefix_caching: bool, speculative: bool = False) -> int | None:
         """How the group's pool is sized: None when its pages hold tokens (the pool is sized in
         pages of ``page_size`` tokens, from the token count or the memory budget); otherwise
@@ -64,6 +77,9 @@ class FullAttentionSpec(StateSpec):
     dtype: torch.dtype
     manager_kind: ClassVar[str] = "full_attention"
 
+    def with_kv_cache_dtype(self, dtype: torch.dtype) -> StateSpec:
+        return replace(self, dtype=dtype)
+
     def buffer_layouts(self) -> tuple[BufferLayout, ...]:
         shape = (self.num_kv_heads, self.head_dim)
         return (BufferLayout("key", shape, self.dtype), BufferLayout("value", shape, self.dtype))
@@ -79,6 +95,9 @@ class SlidingWindowSpec(StateSpec):
     dtype: torch.dtype
     window: int
     manager_kind: ClassVar[str] = "sliding_window"
+
+    def with_kv_cache_dtype(self, dtype: torch.dtype) -> StateSpec:
+        return replace(self, dtype=dtype)
 
     def buffer_layouts(self) -> tuple[BufferLayout, ...]:
         shape = (self.num_kv_heads, self.head_dim)

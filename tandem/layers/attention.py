@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.kv_write import cast_for_cache
 from tandem.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from tandem.layers.attention_metadata import AttentionMetadata
 
@@ -27,6 +28,15 @@ def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     (about twice as fast as advanced indexing on CPU)."""
     flat = buffer.view(buffer.shape[0], -1).index_select(0, pages.reshape(-1))
     return flat.view(*pages.shape, *buffer.shape[1:])
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows [T, Hkv, D]`` (in the cache's dtype) into the token slots ``slots`` of the
+    contiguous ``cache [pages, page_size, Hkv, D]``, copied as bytes: CPU ``index_copy_`` has
+    no FP8 kernel, and bytes are bytes for every dtype."""
+    row_bytes = cache.shape[2] * cache.shape[3] * cache.element_size()
+    cache.view(torch.uint8).view(-1, row_bytes).index_copy_(
+        0, slots, rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes))
 
 
 class AttentionBackend:
@@ -46,10 +56,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, buffers, metadata, scale, window=None):
         key_cache, value_cache = buffers["key"], buffers["value"]
-        num_kv_heads, head_dim = key_cache.shape[-2:]
         slots = metadata.slot_mapping
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+        write_slots(key_cache, slots, cast_for_cache(key, key_cache.dtype))
+        write_slots(value_cache, slots, cast_for_cache(value, value_cache.dtype))
         output = torch.empty_like(query)
         for bucket in metadata.decode_buckets:
             output[bucket.start:bucket.end] = self._decode(

@@ -1,43 +1,102 @@
 """Linear layers and checkpoint loading by name.
 
 ``StackedLinear`` computes several checkpoint projections (q/k/v, gate/up) as one matrix
-product; each checkpoint tensor is copied into its row slice when loading.
+product; each checkpoint tensor is copied into its row slice when loading. Under tensor
+parallelism (``tandem/parallel``) each part keeps this rank's rows only (column parallel), and a
+parameter marked with ``mark_sharded`` loads its rank's slice of the checkpoint tensor.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
+from tandem.parallel.shard import SINGLE, TensorShard
+
+
+def mark_sharded(param: torch.Tensor, axis: int, shard: TensorShard, full_size) -> None:
+    """``param`` holds rank ``shard.rank``'s consecutive slice along ``axis`` of a checkpoint
+    tensor whose size there is ``full_size`` (the last rank's slice may be padded). A tuple of
+    sizes names segments laid end to end there (q | k | v channels): the rank's slice of each,
+    concatenated."""
+    if shard.is_parallel:
+        segments = tuple(full_size) if isinstance(full_size, (tuple, list)) else (full_size,)
+        param.tensor_shard = (axis, shard.rank, shard.size, segments)
+
+
+def shard_of(tensor: torch.Tensor, axis: int, rank: int, size: int, segments: tuple[int, ...]) -> torch.Tensor:
+    """Rank ``rank``'s slice (of each segment) of a full checkpoint tensor along ``axis``; one
+    segment that ``size`` does not divide is cut in ceil-sized slices (the last one short)."""
+    if len(segments) == 1:
+        rows = -(-segments[0] // size)
+        start = min(rank * rows, segments[0])
+        return tensor.narrow(axis, start, max(0, min(rows, segments[0] - start)))
+    parts, offset = [], 0
+    for full in segments:
+        rows = full // size
+        parts.append(tensor.narrow(axis, offset + rank * rows, rows))
+        offset += full
+    return torch.cat(parts, dim=axis)
+
 
 class StackedLinear(nn.Linear):
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
+    """``parts`` are the checkpoint's full row counts; a rank of ``shard`` keeps its share of
+    each part (column parallel: no collective, the output stays split by rank)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, shard: TensorShard = SINGLE) -> None:
+        local = {name: shard.split(size, f"the rows of {name}") for name, size in parts.items()}
+        super().__init__(in_features, sum(local.values()), bias=bias)
         self.parts: dict[str, tuple[int, int]] = {}
+        self.full_sizes = dict(parts)
+        self.shard = shard
         offset = 0
-        for name, size in parts.items():
+        for name, size in local.items():
             self.parts[name] = (offset, size)
             offset += size
 
 
-def _stacked_targets(model: nn.Module) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint name → (parameter name, row offset, rows) for every stacked part."""
+class _Target:
+    """Where one checkpoint tensor lands: a parameter, or a row slice of a stacked one."""
+
+    def __init__(self, param: torch.Tensor, offset: int = 0, rows: Optional[int] = None, shard=None) -> None:
+        self.tensor = param.data if rows is None else param.data[offset:offset + rows]
+        # (axis, rank, size, segments) of a sharded target, else None.
+        self.shard = shard if shard is not None else getattr(param, "tensor_shard", None)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.tensor
+        if self.shard is not None:
+            axis, rank, size, segments = self.shard
+            if tensor.dim() == target.dim() and tensor.shape[axis] == sum(segments):
+                tensor = shard_of(tensor, axis, rank, size, segments)
+                target = target.narrow(axis, 0, tensor.shape[axis])  # a padded slice: its rows only
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+
+def _stacked_targets(model: nn.Module) -> dict[str, tuple]:
+    """Checkpoint name → (parameter name, row offset, rows, shard) for every stacked part."""
     targets = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, StackedLinear):
             continue
         parent = module_name.rsplit(".", 1)[0]
         for part, (offset, size) in module.parts.items():
+            shard = ((0, module.shard.rank, module.shard.size, (module.full_sizes[part],))
+                     if module.shard.is_parallel else None)
             for kind in ("weight", "bias"):
                 if getattr(module, kind, None) is not None:
-                    targets[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", offset, size)
+                    targets[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", offset, size, shard)
     return targets
 
 
 def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  skip: Callable[[str], bool] = lambda name: False) -> None:
-    """Copy each checkpoint tensor into the parameter (or stacked slice) of the same name.
+    """Copy each checkpoint tensor into the parameter (or stacked slice) of the same name; a
+    sharded parameter takes its rank's slice.
 
     Raises ValueError naming the tensor on an unknown name or a shape mismatch, and when any
     parameter (or slice) is left unloaded."""
@@ -48,18 +107,15 @@ def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     loaded = set()
     for name, tensor in weights:
         if name in stacked:
-            param_name, offset, size = stacked[name]
-            target = params[param_name].data[offset:offset + size]
+            param_name, offset, size, shard = stacked[name]
+            target = _Target(params[param_name], offset, size, shard)
         elif name in params:
-            target = params[name].data
+            target = _Target(params[name])
         elif skip(name):
             continue
         else:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.load(name, tensor)
         loaded.add(name)
     missing = sorted(expected - loaded - {n for n in expected if skip(n)})
     if missing:

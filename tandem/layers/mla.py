@@ -31,6 +31,8 @@ from tandem.kv.spec import MLASpec
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.norm import RMSNorm
 from tandem.layers.sparse_indexer import LightningIndexer, TopKSelection
+from tandem.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tandem.parallel.shard import SINGLE, TensorShard
 
 if TYPE_CHECKING:
     from tandem.worker.forward_context import ForwardContext
@@ -222,6 +224,10 @@ class MLAAttention(nn.Module):
     ``indexer`` is ``"full"`` (this layer runs a lightning indexer), ``"shared"`` (it reuses the
     selection of the previous full layer, GLM-5) or None (dense attention). Parameter names
     follow the Hugging Face checkpoints (``self_attn.q_a_proj``, ``self_attn.indexer.wk``, ...).
+
+    Under tensor parallelism each rank computes its share of the heads (q / q_b, kv_b and o
+    projections split by head); the latent cache, the low-rank down projections and the indexer
+    (its key cache included) are replicated: every rank writes and reads the same latents.
     """
 
     # On CUDA the decode rows run through the kernels (latent writes, absorbed decode, the
@@ -230,10 +236,11 @@ class MLAAttention(nn.Module):
 
     def __init__(self, config, layer_name: str, state_dtype: torch.dtype, rotary: LatentRotary, *,
                  indexer: Optional[str] = None, indexer_rope_interleaved: bool = False,
-                 indexer_quantized: bool = True) -> None:
+                 indexer_quantized: bool = True, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.layer_name = layer_name
-        self.num_heads = config.num_attention_heads
+        self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
+        full_heads = config.num_attention_heads
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.value_dim = config.v_head_dim
@@ -241,16 +248,17 @@ class MLAAttention(nn.Module):
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         head_size = self.nope_dim + self.rope_dim
+        by_head = dict(shard=shard, what="num_attention_heads")
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * head_size, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, full_heads * head_size, **by_head)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * head_size, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, full_heads * head_size, **by_head)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
-        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope_dim + self.value_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.value_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, full_heads * (self.nope_dim + self.value_dim), **by_head)
+        self.o_proj = RowParallelLinear(full_heads * self.value_dim, hidden, bias=bias, **by_head)
         self.rope_interleave = bool(getattr(config, "rope_interleave", True))
         self.scale = softmax_scale(config)
         self.rotary = rotary  # shared by every layer (one table per model)

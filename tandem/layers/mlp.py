@@ -7,15 +7,22 @@ from torch import nn
 
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tandem.layers.linear import StackedLinear
+from tandem.parallel.layers import RowParallelLinear
+from tandem.parallel.shard import SINGLE, TensorShard
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """Under tensor parallelism each rank computes its share of the intermediate size (gate/up
+    column parallel, down row parallel)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = shard.split(intermediate_size, "intermediate_size")
         self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size,
-                                                        "up_proj": intermediate_size}, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+                                                        "up_proj": intermediate_size}, bias=bias, shard=shard)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, shard=shard,
+                                           what="intermediate_size")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)

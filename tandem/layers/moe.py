@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.fused_moe import ACTIVATIONS, fused_moe, fused_moe_reference
-from tandem.layers.linear import load_by_name
+from tandem.layers.linear import load_by_name, mark_sharded, shard_of
 from tandem.layers.mlp import GatedMLP  # noqa: F401  (re-exported for the MoE families)
+from tandem.parallel.shard import SINGLE, TensorShard
 
 
 class TopKRouter(nn.Module):
@@ -74,14 +75,20 @@ class FusedExperts(nn.Module):
     On CUDA (``use_kernel`` None) every expert runs in the fused kernel
     (``kernels/fused_moe.py``: no host synchronisation, capturable in a CUDA graph); elsewhere
     the per-expert loop, the kernel's reference, adding in ``accumulate_dtype`` (the input's
-    dtype unless given). ``use_kernel`` True or False forces one of the two."""
+    dtype unless given). ``use_kernel`` True or False forces one of the two.
+
+    Under tensor parallelism each rank holds every expert's share of the intermediate size
+    (gate/up rows, down columns) and the partial outputs are summed over the ranks."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
-                 accumulate_dtype: Optional[torch.dtype] = None) -> None:
+                 accumulate_dtype: Optional[torch.dtype] = None, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"experts: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts = num_experts
+        self.shard = shard
+        full_intermediate = intermediate_size
+        intermediate_size = shard.split(intermediate_size, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.accumulate_dtype = accumulate_dtype
@@ -91,6 +98,9 @@ class FusedExperts(nn.Module):
         else:
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        w1 = self.gate_up_proj if activation == "silu" else self.up_proj
+        mark_sharded(w1, 1, shard, (full_intermediate,) * (2 if activation == "silu" else 1))
+        mark_sharded(self.down_proj, 2, shard, full_intermediate)
 
     @property
     def gated(self) -> bool:
@@ -104,9 +114,19 @@ class FusedExperts(nn.Module):
         w1 = self.gate_up_proj if self.gated else self.up_proj
         use_kernel = hidden.is_cuda if self.use_kernel is None else self.use_kernel
         if use_kernel:
-            return fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation)
-        return fused_moe_reference(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
-                                   accumulate_dtype=self.accumulate_dtype)
+            output = fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation)
+        else:
+            output = fused_moe_reference(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
+                                         accumulate_dtype=self.accumulate_dtype)
+        return self.shard.all_reduce(output)
+
+    def expert_shard(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``experts.{e}.{part}.weight`` (gate/up rows,
+        down columns)."""
+        if not self.shard.is_parallel:
+            return tensor
+        axis = 1 if part == "down_proj" else 0
+        return shard_of(tensor, axis, self.shard.rank, self.shard.size, (tensor.shape[axis],))
 
     def expert_slice(self, expert: int, part: str) -> torch.Tensor:
         """The fused-parameter slice that checkpoint tensor ``experts.{expert}.{part}.weight`` fills."""
@@ -131,12 +151,13 @@ class FusedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus shared experts (DeepSeek-V3, DeepSeek-V3.2, GLM-5)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
-        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                    shard=shard)
         num_shared = getattr(config, "n_shared_experts", 0) or 0
-        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * num_shared)
+        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * num_shared, shard=shard)
                                if num_shared else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,6 +190,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             if match and match.group("module") in experts:
                 module_name, expert, part = match.group("module"), int(match.group("expert")), match.group("part")
                 target = experts[module_name].expert_slice(expert, part)
+                tensor = experts[module_name].expert_shard(part, tensor)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(target.shape)}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.parallel.shard import SINGLE, TensorShard
+
 
 def collect_state_specs(root: nn.Module) -> dict:
     """``{layer_name: spec}`` of every submodule of ``root`` that keeps state."""
@@ -24,6 +26,7 @@ class CausalLM(nn.Module):
     final norm named by ``final_norm_name``) and ``self.lm_head``."""
 
     final_norm_name = "norm"
+    tensor_shard: TensorShard = SINGLE  # this rank's place under tensor parallelism (set by sharded models)
 
     def state_specs(self) -> dict:
         return collect_state_specs(self)

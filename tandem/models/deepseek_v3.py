@@ -26,6 +26,8 @@ from tandem.layers.moe import GatedMLP, MoE, load_with_experts
 from tandem.layers.norm import RMSNorm
 from tandem.layers.sparse_indexer import TopKSelection
 from tandem.models.base import CausalLM
+from tandem.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.worker.forward_context import ForwardContext
 
 
@@ -56,12 +58,13 @@ def indexer_kind(config, options: DeepseekOptions, layer_index: int) -> Optional
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, options: DeepseekOptions, state_dtype: torch.dtype,
-                 rotary: LatentRotary, indexer_quantized: bool, *, moe: bool, indexer: Optional[str]) -> None:
+                 rotary: LatentRotary, indexer_quantized: bool, *, moe: bool, indexer: Optional[str],
+                 shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.self_attn = MLAAttention(config, f"model.layers.{layer_index}.self_attn", state_dtype, rotary,
                                       indexer=indexer, indexer_rope_interleaved=options.indexer_rope_interleaved,
-                                      indexer_quantized=indexer_quantized)
-        self.mlp = MoE(config) if moe else GatedMLP(config.hidden_size, config.intermediate_size)
+                                      indexer_quantized=indexer_quantized, shard=shard)
+        self.mlp = MoE(config, shard) if moe else GatedMLP(config.hidden_size, config.intermediate_size, shard=shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -110,19 +113,22 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 
 class DeepseekModel(nn.Module):
     def __init__(self, config, options: DeepseekOptions, state_dtype: torch.dtype, max_positions: int,
-                 indexer_quantized: bool) -> None:
+                 indexer_quantized: bool, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         self.rotary_emb = LatentRotary(config, max_positions)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, index, options, state_dtype, self.rotary_emb, indexer_quantized,
-                                 moe=is_moe_layer(config, index), indexer=indexer_kind(config, options, index))
+                                 moe=is_moe_layer(config, index), indexer=indexer_kind(config, options, index),
+                                 shard=shard)
             for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # MTP modules serve speculative decoding only, which tensor parallelism does not run yet:
+        # with a shard they are not built (their checkpoint tensors are skipped).
         self.mtp_layers = nn.ModuleList(
             DeepseekMTPLayer(config, config.num_hidden_layers + index, options, state_dtype, self.rotary_emb,
                              indexer_quantized)
-            for index in range(num_mtp_modules(config)))
+            for index in range(0 if shard.is_parallel else num_mtp_modules(config)))
 
     def forward(self, input_ids, positions, context):
         hidden = self.embed_tokens(input_ids)
@@ -134,17 +140,18 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV3ForCausalLM(CausalLM):
     options = DeepseekOptions()
-    engine_options = ("indexer_cache_dtype",)
+    engine_options = ("indexer_cache_dtype", "tensor_shard")
 
     def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
-                 indexer_cache_dtype: str = "fp8") -> None:
+                 indexer_cache_dtype: str = "fp8", tensor_shard: TensorShard = SINGLE) -> None:
         super().__init__()
         if indexer_cache_dtype not in ("fp8", "float32"):
             raise ValueError(f"indexer_cache_dtype: must be 'fp8' or 'float32', got {indexer_cache_dtype!r}")
         self.config = config
+        self.tensor_shard = tensor_shard
         self.model = DeepseekModel(config, self.options, state_dtype, max_positions,
-                                   indexer_quantized=indexer_cache_dtype == "fp8")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                                   indexer_quantized=indexer_cache_dtype == "fp8", shard=tensor_shard)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

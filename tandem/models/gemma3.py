@@ -26,6 +26,8 @@ from tandem.kernels.activation import (gelu_and_mul, gelu_and_mul_reference, gel
 from tandem.kernels.norm import rms_norm, rms_norm_reference
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
+from tandem.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
 from tandem.worker.forward_context import ForwardContext
@@ -80,18 +82,20 @@ def layer_types_of(config) -> list[str]:
 
 class Gemma3AttentionBlock(nn.Module):
     def __init__(self, config, layer_index: int, layer_type: str, state_dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        # Tensor parallelism: each rank computes its share of the query and key/value heads.
+        self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = shard.split(config.num_key_value_heads, "num_key_value_heads")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = StackedLinear(hidden, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                               "v_proj": self.kv_size}, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        full_q, full_kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = StackedLinear(hidden, {"q_proj": full_q, "k_proj": full_kv, "v_proj": full_kv},
+                                      bias=bias, shard=shard)
+        self.o_proj = RowParallelLinear(full_q, hidden, bias=bias, shard=shard)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary  # shared by every layer of this kind
@@ -113,17 +117,19 @@ class Gemma3AttentionBlock(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if activation not in ACTIVATIONS:
             raise ValueError(f"hidden_activation: {activation!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
         self.activation, self.activation_reference = ACTIVATIONS[activation]
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = shard.split(config.intermediate_size, "intermediate_size")
         self.gate_up_proj = StackedLinear(config.hidden_size, {"gate_proj": config.intermediate_size,
-                                                               "up_proj": config.intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+                                                               "up_proj": config.intermediate_size}, bias=False,
+                                          shard=shard)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, shard=shard,
+                                           what="intermediate_size")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
@@ -133,11 +139,11 @@ class Gemma3MLP(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, layer_type: str, state_dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3AttentionBlock(config, layer_index, layer_type, state_dtype, rotary)
-        self.mlp = Gemma3MLP(config)
+        self.self_attn = Gemma3AttentionBlock(config, layer_index, layer_type, state_dtype, rotary, shard)
+        self.mlp = Gemma3MLP(config, shard)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -156,9 +162,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         # Kept in float32 and rounded to the weight dtype at use, as transformers does
         # (bf16: sqrt(3072) -> 55.5).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32),
@@ -170,7 +176,7 @@ class Gemma3TextModel(nn.Module):
             layer_type: RotaryEmbedding(head_dim, layer_rope_parameters(config, layer_type), max_positions)
             for layer_type in sorted(set(layer_types))})
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, index, layer_type, state_dtype, self.rotary_emb[layer_type])
+            Gemma3DecoderLayer(config, index, layer_type, state_dtype, self.rotary_emb[layer_type], shard)
             for index, layer_type in enumerate(layer_types))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -187,17 +193,20 @@ class Gemma3TextModel(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     # Gemma norms scale by (1 + weight): random ("dummy") weights keep them near zero.
     dummy_norm_weight = 0.0
+    engine_options = ("tensor_shard",)
 
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
+                 tensor_shard: TensorShard = SINGLE) -> None:
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("model: Gemma 3 with use_bidirectional_attention is not supported")
         if getattr(config, "sliding_window", None) is None and SLIDING in layer_types_of(config):
             raise ValueError("model: sliding_attention layers need config.sliding_window")
         self.config = config
-        self.model = Gemma3TextModel(config, state_dtype, max_positions)
+        self.tensor_shard = tensor_shard
+        self.model = Gemma3TextModel(config, state_dtype, max_positions, tensor_shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)

@@ -15,6 +15,8 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
+from tandem.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.worker.forward_context import ForwardContext
 
 
@@ -35,19 +37,24 @@ def rope_parameters_of(config) -> dict:
 
 class LlamaAttentionBlock(nn.Module):
     def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        # Tensor parallelism: each rank computes its share of the query and key/value heads.
+        self.num_heads = shard.split(num_heads, "num_attention_heads")
+        self.num_kv_heads = shard.split(num_kv_heads, "num_key_value_heads")
         bias = options.qkv_bias or getattr(config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(hidden, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                               "v_proj": self.kv_size}, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
-                                bias=options.output_bias or getattr(config, "attention_bias", False))
+        self.qkv_proj = StackedLinear(hidden, {"q_proj": num_heads * self.head_dim,
+                                               "k_proj": num_kv_heads * self.head_dim,
+                                               "v_proj": num_kv_heads * self.head_dim}, bias=bias, shard=shard)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
+                                        bias=options.output_bias or getattr(config, "attention_bias", False),
+                                        shard=shard)
         self.qk_norm = options.qk_norm
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -72,11 +79,11 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttentionBlock(config, layer_index, options, state_dtype, rotary)
+        self.self_attn = LlamaAttentionBlock(config, layer_index, options, state_dtype, rotary, shard)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            bias=options.mlp_bias or getattr(config, "mlp_bias", False))
+                            bias=options.mlp_bias or getattr(config, "mlp_bias", False), shard=shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,13 +100,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, options: LlamaOptions, state_dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config, options: LlamaOptions, state_dtype: torch.dtype, max_positions: int,
+                 shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters_of(config), max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, index, options, state_dtype, self.rotary_emb)
+            LlamaDecoderLayer(config, index, options, state_dtype, self.rotary_emb, shard)
             for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,13 +122,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     options = LlamaOptions()
+    engine_options = ("tensor_shard",)
 
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
+                 tensor_shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.options, state_dtype, max_positions)
+        self.tensor_shard = tensor_shard
+        self.model = LlamaModel(config, self.options, state_dtype, max_positions, tensor_shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

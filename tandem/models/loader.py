@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 
 from tandem.models.registry import model_class_for
+from tandem.parallel.shard import SINGLE, TensorShard
 
 logger = logging.getLogger(__name__)
 
@@ -94,34 +95,71 @@ def initialize_dummy(model: torch.nn.Module, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
-def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
-                max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8"):
-    """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode.
-
-    Engine options a model class names in its ``engine_options`` class attribute are passed to
-    its constructor as keyword arguments (e.g. ``indexer_cache_dtype`` for DSA models)."""
-    config = load_config(model_dir)
+def _model_class(config, model_dir: str, tensor_shard: TensorShard):
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture is None:
         raise ValueError(f"model: config.json in {model_dir!r} names no architectures")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("model: sliding-window attention is not supported for this architecture yet")
     model_class = model_class_for(architecture)
-    torch_dtype = resolve_dtype(dtype, config, device)
+    if tensor_shard.is_parallel and "tensor_shard" not in getattr(model_class, "engine_options", ()):
+        raise ValueError(f"tensor_parallel_size: {tensor_shard.size} is not supported for {architecture} yet "
+                         "(use tensor_parallel_size=1)")
+    return architecture, model_class
+
+
+def _model_len(config, max_model_len: Optional[int]) -> int:
     configured_len = getattr(config, "max_position_embeddings", None) or 4096
-    model_len = max_model_len or configured_len
     if max_model_len is not None and max_model_len > configured_len:
         raise ValueError(f"max_model_len: {max_model_len} exceeds the model's "
                          f"max_position_embeddings ({configured_len})")
+    return max_model_len or configured_len
+
+
+def _construct(model_class, config, torch_dtype: torch.dtype, model_len: int, device: torch.device, **options):
+    """The model's modules on ``device``, parameters uninitialised. Engine options a class names
+    in ``engine_options`` are passed to its constructor."""
     previous_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch_dtype)
         with torch.device(device):
-            options = {"indexer_cache_dtype": indexer_cache_dtype}
-            model = model_class(config, torch_dtype, model_len,
-                                **{name: options[name] for name in getattr(model_class, "engine_options", ())})
+            return model_class(config, torch_dtype, model_len,
+                               **{name: options[name] for name in getattr(model_class, "engine_options", ())})
     finally:
         torch.set_default_dtype(previous_dtype)
+
+
+def check_tensor_parallel(model_dir: str, size: int, *, max_model_len: Optional[int],
+                          indexer_cache_dtype: str = "fp8") -> None:
+    """Raise the error a rank would raise building its shard (an unsupported family, a size
+    that does not divide the heads) before any rank process starts: the model is built on the
+    meta device (no memory, no weights)."""
+    config = load_config(model_dir)
+    shard = TensorShard(0, size, None)
+    _, model_class = _model_class(config, model_dir, shard)
+    try:
+        _construct(model_class, config, torch.float32, _model_len(config, max_model_len), torch.device("meta"),
+                   indexer_cache_dtype=indexer_cache_dtype, tensor_shard=shard)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - a constructor that cannot run on meta: the ranks will tell
+        pass
+
+
+def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
+                max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8",
+                tensor_shard: TensorShard = SINGLE):
+    """Returns ``(model, config, ModelInfo)``; the model is on ``device`` in eval mode.
+
+    Engine options a model class names in its ``engine_options`` class attribute are passed to
+    its constructor as keyword arguments (e.g. ``indexer_cache_dtype`` for DSA models); a class
+    that shards under tensor parallelism names ``tensor_shard`` (this rank's place in the group)."""
+    config = load_config(model_dir)
+    architecture, model_class = _model_class(config, model_dir, tensor_shard)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    model_len = _model_len(config, max_model_len)
+    model = _construct(model_class, config, torch_dtype, model_len, device,
+                       indexer_cache_dtype=indexer_cache_dtype, tensor_shard=tensor_shard)
     if load_format == "dummy":
         initialize_dummy(model, seed)
     else:

@@ -16,7 +16,7 @@ from torch import nn
 
 from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
-from tandem.layers.linear import StackedLinear
+from tandem.layers.linear import StackedLinear, mark_sharded
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import FusedExperts, load_with_experts
 from tandem.layers.recurrent import chunk_gated_delta_rule, gated_delta_rule_step
@@ -24,6 +24,8 @@ from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
 from tandem.models.llama import rope_parameters_of
+from tandem.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.worker.forward_context import ForwardContext
 
 
@@ -61,18 +63,23 @@ class Qwen3NextAttention(nn.Module):
     """Full attention with q/k head norms, partial rope and a sigmoid output gate per head."""
 
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype, rotary: RotaryEmbedding,
-                 rotary_dim: int) -> None:
+                 rotary_dim: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # Tensor parallelism: each rank computes its share of the heads (a query head's gate rows
+        # sit beside it in q_proj, so a rank's consecutive rows hold both).
+        self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = shard.split(config.num_key_value_heads, "num_key_value_heads")
         self.head_dim = config.head_dim
         self.rotary_dim = rotary_dim
         bias = config.attention_bias
         self.q_size = self.num_heads * self.head_dim * 2  # query and gate, interleaved per head
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                           "v_proj": self.kv_size}, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        full_kv = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": config.num_attention_heads * self.head_dim * 2,
+                                                           "k_proj": full_kv, "v_proj": full_kv},
+                                      bias=bias, shard=shard)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        shard=shard)
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
@@ -98,10 +105,14 @@ class Qwen3NextAttention(nn.Module):
 class Qwen3NextGatedDeltaNet(nn.Module):
     cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
 
-    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.num_v_heads = config.linear_num_value_heads
-        self.num_k_heads = config.linear_num_key_heads
+        # Tensor parallelism: each rank keeps its share of the key heads and of the value heads
+        # (and their recurrent state: conv channels and delta-rule state of those heads only).
+        # in_proj_qkvz/ba are laid out per key-head group, so a rank's rows are consecutive; the
+        # conv channels are [q | k | v] of all heads, so a rank takes its slice of each.
+        self.num_v_heads = shard.split(config.linear_num_value_heads, "linear_num_value_heads")
+        self.num_k_heads = shard.split(config.linear_num_key_heads, "linear_num_key_heads")
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.head_k_dim * self.num_k_heads
@@ -110,12 +121,20 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.conv_dim = self.key_dim * 2 + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, bias=False,
                                 groups=self.conv_dim, padding=self.kernel_size - 1)
-        self.in_proj_qkvz = nn.Linear(config.hidden_size, self.key_dim * 2 + self.value_dim * 2, bias=False)
-        self.in_proj_ba = nn.Linear(config.hidden_size, self.num_v_heads * 2, bias=False)
+        full_key = self.head_k_dim * config.linear_num_key_heads
+        full_value = self.head_v_dim * config.linear_num_value_heads
+        mark_sharded(self.conv1d.weight, 0, shard, (full_key, full_key, full_value))
+        self.in_proj_qkvz = ColumnParallelLinear(config.hidden_size, full_key * 2 + full_value * 2, shard=shard,
+                                                 what="linear_num_key_heads")
+        self.in_proj_ba = ColumnParallelLinear(config.hidden_size, config.linear_num_value_heads * 2, shard=shard,
+                                               what="linear_num_key_heads")
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        mark_sharded(self.dt_bias, 0, shard, config.linear_num_value_heads)
+        mark_sharded(self.A_log, 0, shard, config.linear_num_value_heads)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(full_value, config.hidden_size, shard=shard,
+                                          what="linear_num_value_heads")
         spec = RecurrentSpec(conv_shape=(self.conv_dim, self.kernel_size - 1), conv_dtype=state_dtype,
                              ssm_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
                              ssm_dtype=torch.float32)
@@ -181,12 +200,13 @@ class Qwen3NextRouter(nn.Module):
 
 
 class Qwen3NextSparseMoe(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.gate = Qwen3NextRouter(config)
         # Checkpoints name them per expert (``experts.{e}.gate_proj`` ...): ``load_with_experts``.
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                    shard=shard)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, shard=shard)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -197,17 +217,17 @@ class Qwen3NextSparseMoe(nn.Module):
 
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, state_dtype: torch.dtype, rotary: RotaryEmbedding,
-                 rotary_dim: int) -> None:
+                 rotary_dim: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.is_linear = config.layer_types[layer_index] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_index, state_dtype)
+            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_index, state_dtype, shard)
         else:
-            self.self_attn = Qwen3NextAttention(config, layer_index, state_dtype, rotary, rotary_dim)
+            self.self_attn = Qwen3NextAttention(config, layer_index, state_dtype, rotary, rotary_dim, shard)
         sparse = (layer_index not in config.mlp_only_layers and config.num_experts > 0
                   and (layer_index + 1) % config.decoder_sparse_step == 0)
-        self.mlp = Qwen3NextSparseMoe(config) if sparse else GatedMLP(config.hidden_size,
-                                                                          config.intermediate_size)
+        self.mlp = Qwen3NextSparseMoe(config, shard) if sparse else GatedMLP(
+            config.hidden_size, config.intermediate_size, shard=shard)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -221,14 +241,14 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         rope = rope_parameters_of(config)
         rotary_dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(rotary_dim, rope, max_positions)
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, index, state_dtype, self.rotary_emb, rotary_dim)
+            Qwen3NextDecoderLayer(config, index, state_dtype, self.rotary_emb, rotary_dim, shard)
             for index in range(config.num_hidden_layers))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -240,12 +260,16 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    engine_options = ("tensor_shard",)
+
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
+                 tensor_shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3NextModel(config, state_dtype, max_positions)
+        self.tensor_shard = tensor_shard
+        self.model = Qwen3NextModel(config, state_dtype, max_positions, tensor_shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

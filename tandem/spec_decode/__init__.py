@@ -52,16 +52,17 @@ def simulated_accept_length() -> Optional[float]:
 
 
 def engine_config_for_speculation(config: EngineConfig, device_type: str) -> EngineConfig:
-    """This version speculates with the overlapped loop off and the target eager (no CUDA
-    graphs): each verification's outcome decides the next step's inputs on the host."""
+    """Speculation runs with the overlapped loop off: a step's inputs (which drafts, how many
+    tokens each sequence has) depend on the previous verification's outcome, known on the host
+    only once that step has finished, so the host cannot prepare step N+1 while step N runs.
+    CUDA graphs stay on (unless ``enforce_eager``): verification and the draft's passes replay
+    them (see ``Speculator.capture_graphs``)."""
     if config.async_scheduling:
-        logger.warning("speculative decoding: --async-scheduling is not supported yet; the engine loop runs "
+        logger.warning("speculative decoding: --async-scheduling is not supported; the engine loop runs "
                        "one step at a time")
     elif device_type == "cuda":
         logger.info("speculative decoding: the overlapped engine loop is off")
-    if not config.enforce_eager and device_type == "cuda":
-        logger.info("speculative decoding: steps run eagerly (no CUDA graphs) in this version")
-    return config.with_changes(async_scheduling=False, enforce_eager=True)
+    return config.with_changes(async_scheduling=False)
 
 
 class Speculator:
@@ -113,6 +114,12 @@ class Speculator:
     def num_state_layers(self) -> int:
         return len(self.network.layer_names)
 
+    def graph_rows(self, max_num_seqs: int) -> int:
+        """The most single-token rows a graph replays while speculating: ``k + 2`` per sequence
+        (a verification's known token and ``k`` drafts; a draft's catch-up over them and the
+        target's token)."""
+        return max_num_seqs * (self.num_speculative_tokens + 2)
+
     def attach(self, core) -> None:
         self.network.bind(core.runner, core.registry)
         core.coordinator.state_reads_next_token = self.network.reads_next_token
@@ -121,9 +128,26 @@ class Speculator:
                                         int(core.model_info.hidden_size))
         else:
             self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
-        target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
+        self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
+        self.capture_graphs(core, self.target_groups)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
-                                    target_groups, self.metrics)
+                                    self.target_groups, self.metrics)
+
+    def capture_graphs(self, core, target_groups: list[int]) -> None:
+        """Where the target replays CUDA graphs, verification steps replay them too (as single-
+        token rows) when every target group keeps its state per token, and the draft gets graphs
+        of its own at the same sizes when its layers are graph-safe."""
+        from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
+
+        target_graphs = core.runner.graphs
+        if target_graphs is None:
+            return
+        core.runner.verify_as_decode_rows = not core.coordinator.speculation_copies(target_groups)
+        if model_is_graph_safe(self.network.module):
+            self.network.graphs = CudaGraphRunner(core.runner, target_graphs.batch_sizes, target_graphs.max_width,
+                                                  network=self.network)
+            if core.device.type == "cuda":  # (a CPU test replays the forward eagerly over the static buffers)
+                self.network.graphs.capture()
 
     # -- what the engine core and the PD sides call ------------------------------------------------
     def run_step(self) -> list[RequestDelta]:

@@ -5,6 +5,10 @@ computed this step, a chain step of one draft token, or both at once. Rows are l
 target step (``worker/step_inputs.layout_rows``: single-token rows first, by length) and read
 and write only the draft's state groups, through the accessor (I3), with the page tables the
 row names (a sequence's own, or the copies a speculative chain runs on).
+
+With CUDA graphs captured for the draft (``network.graphs``), a pass whose rows are single
+tokens — or, where the draft keeps its state per token, whose rows are laid out as single-token
+rows (``step_inputs.as_decode_rows``) — replays them; any other pass runs eagerly.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 from tandem.kv.block_pool import SanitizerError
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import layout_rows
+from tandem.worker.step_inputs import as_decode_rows, layout_rows
 
 
 @dataclass
@@ -26,12 +30,16 @@ class DraftRow:
     page_tables: list[list[int]]  # per state group (only the draft's groups are read)
     hidden: Optional[torch.Tensor] = None  # [len(token_ids), hidden] inputs beside the tokens (MTP)
     wants_logits: bool = False  # the last position's logits are wanted
+    # The last token as drawn by the pass before, still on the device (0-d; ``token_ids[-1]`` is a
+    # placeholder): a chain runs without waiting for its tokens on the host.
+    last_token: Optional[torch.Tensor] = None
 
 
 class DraftNetwork(Protocol):
     """What a proposer runs: ``forward`` gives the output hidden state of every row token,
     ``logits`` the vocabulary logits of some of them."""
     groups: list[int]
+    graphs: Optional[object]  # worker/cuda_graphs.CudaGraphRunner over the network, or None
 
     def forward(self, input_ids: torch.Tensor, hidden: Optional[torch.Tensor], positions: torch.Tensor,
                 context: ForwardContext) -> torch.Tensor: ...
@@ -48,8 +56,11 @@ class DraftOutput:
 
 
 @torch.inference_mode()
-def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: bool) -> DraftOutput:
-    """One forward pass of ``network`` over ``rows`` (see the module docstring)."""
+def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: bool,
+             rows_as_decode: bool = False) -> DraftOutput:
+    """One forward pass of ``network`` over ``rows`` (see the module docstring).
+    ``rows_as_decode``: the draft keeps its state per token (rows of several tokens may replay
+    the graphs as single-token rows)."""
     order = sorted(range(len(rows)), key=lambda index: (len(rows[index].token_ids) > 1,
                                                         rows[index].start + len(rows[index].token_ids)))
     ordered = [rows[index] for index in order]
@@ -62,12 +73,27 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     hidden_in = None
     if ordered and ordered[0].hidden is not None:
         hidden_in = torch.cat([row.hidden for row in ordered]).to(device)
-    output = network.forward(to_device(step.input_ids, device), hidden_in, to_device(step.positions, device),
-                             network.context(runner.group_metadata(step, network.groups)))
     last_rows = to_device([end - 1 for end in step.query_starts[1:]], device, torch.long)
-    last_hidden = output.index_select(0, last_rows)
     wanted = [slot for slot, row in enumerate(ordered) if row.wants_logits]
-    logits = network.logits(last_hidden[wanted]).float() if wanted else None
+    feed = _feed_last_tokens(ordered, step, device)
+    replayed = _graph_rows(runner, network, step, rows_as_decode)
+    if replayed is not None:
+        output, all_logits = network.graphs.replay(replayed, feed, hidden_in=hidden_in)
+        last_hidden = output.index_select(0, last_rows)
+        logits = None
+        if wanted:
+            logits = all_logits.index_select(0, to_device([step.query_starts[slot + 1] - 1 for slot in wanted],
+                                                          device, torch.long))
+    else:
+        input_ids = to_device(step.input_ids, device)
+        if feed is not None:
+            feed(input_ids)
+        output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
+                                 network.context(runner.group_metadata(step, network.groups)))
+        last_hidden = output.index_select(0, last_rows)
+        logits = None
+        if wanted:
+            logits = network.logits(last_hidden.index_select(0, to_device(wanted, device, torch.long))).float()
     if check_finite and logits is not None and not torch.isfinite(logits).all():
         raise SanitizerError("non-finite draft logits: a draft forward pass read poisoned (freed) state")
     result = DraftOutput([None] * len(rows), [None] * len(rows))
@@ -76,3 +102,28 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     for position, slot in enumerate(wanted):
         result.logits[order[slot]] = logits[position]
     return result
+
+
+def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):
+    """The single-token rows the network's graphs replay for ``step``, or None (eager: also
+    while state loads are pending, which a replay cannot wait for layer by layer, I3)."""
+    graphs = getattr(network, "graphs", None)
+    if graphs is None or len(runner.pending_loads):
+        return None
+    if step.num_decode != len(step.query_starts) - 1:
+        if not rows_as_decode:
+            return None
+        step = as_decode_rows(step)
+    return step if graphs.can_replay(step) else None
+
+
+def _feed_last_tokens(ordered: list[DraftRow], step, device):
+    """A function writing the rows' device-resident last tokens into the pass's input ids
+    (None when no row has one)."""
+    pending = [(step.query_starts[slot + 1] - 1, row.last_token) for slot, row in enumerate(ordered)
+               if row.last_token is not None]
+    if not pending:
+        return None
+    index = to_device([position for position, _ in pending], device, torch.long)
+    tokens = torch.stack([token for _, token in pending])
+    return lambda input_ids: input_ids.index_copy_(0, index, tokens)

@@ -35,12 +35,15 @@ class _Network:
     """What both networks share: their registered layer names, groups and forward context."""
 
     reads_next_token = False  # its state at a position depends on the token after it
+    hidden_input = None  # (size, dtype) of the hidden state read beside each token, or None
 
-    def __init__(self, specs: dict) -> None:
+    def __init__(self, specs: dict, module: torch.nn.Module) -> None:
         self._specs = specs
+        self.module = module  # what runs: its layers say whether it is graph-safe
         self.groups: list[int] = []
         self._accessor = None
-        self._backend = None
+        self._runner = None
+        self.graphs = None  # its CUDA graphs (worker/cuda_graphs.CudaGraphRunner), when captured
 
     def state_specs(self) -> dict:
         """``{registry layer name: spec}`` of the draft's state."""
@@ -54,20 +57,20 @@ class _Network:
         """After the registry is final and the model runner built."""
         self.groups = sorted({registry.group_of(name) for name in self._specs})
         self._accessor = self.accessor_for(runner.accessor)
-        self._backend = runner.backend
+        self._runner = runner
 
     def accessor_for(self, accessor: StateAccessor):
         return accessor
 
     def context(self, metadata: list) -> ForwardContext:
-        return ForwardContext(self._accessor, metadata, self._backend)
+        return ForwardContext(self._accessor, metadata, self._runner.backend)
 
 
 class DraftModelNetwork(_Network):
     PREFIX = "draft."
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__({self.PREFIX + name: spec for name, spec in model.state_specs().items()})
+        super().__init__({self.PREFIX + name: spec for name, spec in model.state_specs().items()}, model)
         self.model = model
 
     def accessor_for(self, accessor: StateAccessor):
@@ -92,7 +95,8 @@ class MTPNetwork(_Network):
                              f"(num_nextn_predict_layers); {type(target).__name__} has none here")
         self.layer = layers[0]
         self.target = target
-        super().__init__(collect_state_specs(self.layer))
+        super().__init__(collect_state_specs(self.layer), self.layer)
+        self.hidden_input = (self.layer.eh_proj.in_features // 2, self.layer.eh_proj.weight.dtype)
 
     def forward(self, input_ids, hidden: Optional[torch.Tensor], positions, context) -> torch.Tensor:
         return self.layer.draft_forward(input_ids, hidden, positions, context)

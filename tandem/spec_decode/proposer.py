@@ -65,7 +65,7 @@ class _Plan:
     drafts: int  # how many to propose (0: catch-up only)
     tables: list[list[int]] = field(default_factory=list)  # where the chain runs
     owner: Optional[str] = None  # copies set aside for the chain
-    tokens: list[int] = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # drafts: 0-d device tensors while chaining, then ints
     probs: list[torch.Tensor] = field(default_factory=list)
     hidden: Optional[torch.Tensor] = None  # the last draft row's output (an MTP chain's input)
 
@@ -87,8 +87,8 @@ class Proposer:
                         wants_logits=wants_logits)
 
     def chain_row(self, plan: _Plan) -> DraftRow:
-        return DraftRow([plan.tokens[-1]], plan.known - self.shift + len(plan.tokens) - 1, plan.tables,
-                        wants_logits=True)
+        return DraftRow([0], plan.known - self.shift + len(plan.tokens) - 1, plan.tables, wants_logits=True,
+                        last_token=plan.tokens[-1])
 
     def can_propose(self, plan: _Plan) -> bool:
         return True
@@ -141,7 +141,10 @@ class Proposer:
             for plan in proposing:
                 if plan.owner is not None:
                     self.coordinator.release_inflight(plan.owner)
+        drawn = [token for plan in plans for token in plan.tokens]
+        host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
         for plan in plans:
+            plan.tokens, host = host[:len(plan.tokens)], host[len(plan.tokens):]
             plan.work.sequence.draft_token_ids = plan.tokens
             plan.state.draft_probs = torch.stack(plan.probs) if plan.probs else None
 
@@ -170,7 +173,7 @@ class Proposer:
         if not entries:
             return
         output = run_rows(self.core.runner, self.network, [row for _, row in entries],
-                          self.coordinator.sanitizer.enabled)
+                          self.coordinator.sanitizer.enabled, rows_as_decode=not self.chain_on_copies)
         drawing = []
         for (plan, _), hidden, logits in zip(entries, output.last_hidden, output.logits):
             plan.hidden = hidden
@@ -193,8 +196,8 @@ class Proposer:
             probs = Sampler.probabilities(logits.clone(), metadata)
             drawn = self.core.sampler.draw(probs, metadata.generators)
             tokens = torch.where(greedy_mask(metadata.temperature.to(logits.device)), tokens, drawn)
-        for index, (plan, token) in enumerate(zip(plans, tokens.tolist())):
-            plan.tokens.append(token)
+        for index, (plan, token) in enumerate(zip(plans, tokens.unbind(0))):
+            plan.tokens.append(token)  # on the device until the chain ends
             if probs is not None and plan.work.sequence.params.temperature >= GREEDY_TEMPERATURE_EPSILON:
                 plan.probs.append(probs[index])
 

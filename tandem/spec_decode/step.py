@@ -13,8 +13,11 @@
       state is written; PD prefill sends the pages they completed (target and draft alike)
     deltas, one per token (a finishing token ends the sequence and frees its pages)
 
-The overlapped loop is off while speculating (each step's tokens are known on the host before
-the next is scheduled), and the target runs eagerly.
+The overlapped loop is off while speculating: the next step's rows (how many tokens each
+sequence kept, which drafts it carries) are only known once verification has finished. On CUDA
+the target's pass replays a graph when it is a pure decode or a verification whose every token
+is sampled (one known token and its drafts per sequence, laid out as single-token rows), and the
+draft's passes replay the draft's own graphs; other steps (prefill chunks) run eagerly.
 """
 from __future__ import annotations
 

@@ -59,26 +59,43 @@ class Verifier:
         self.simulate_accept_length = simulate_accept_length
 
     def __call__(self, logits: torch.Tensor, items: list[VerifyItem]) -> list[Verdict]:
-        rows, row_items, ahead = [], [], []
-        for item in items:
-            for offset in range(len(item.draft_token_ids) + 1):
-                rows.append(item.row + offset)
-                row_items.append(item)
-                ahead.append(offset)
-        raw = logits.index_select(0, to_device(rows, logits.device, torch.long))
-        metadata = self._metadata(row_items, ahead)
+        """Acceptance, the target's token and the logprobs are computed on the device; the host
+        waits once, for one copy of them all."""
+        rows = _Rows(items)
+        device = self.device
+        raw = logits.index_select(0, to_device(rows.logits_rows, logits.device, torch.long))
+        metadata = self._metadata(rows.row_items, rows.offsets)
         processed = Sampler.process_logits(raw.clone(), metadata)
         greedy_tokens = processed.argmax(dim=-1)
         probs = None if metadata.all_greedy else Sampler.probabilities(processed, metadata)
-        first_rows = [0]
-        for item in items:
-            first_rows.append(first_rows[-1] + len(item.draft_token_ids) + 1)
-        accepted = self._accepted_counts(items, first_rows, greedy_tokens, probs, metadata)
-        final_rows = [first + count for first, count in zip(first_rows, accepted)]
-        finals = self._final_tokens(items, accepted, final_rows, greedy_tokens, probs, metadata)
-        tokens = [item.draft_token_ids[:count] + [final] for item, count, final in zip(items, accepted, finals)]
-        logprobs = self._logprobs(items, tokens, first_rows, raw)
-        return [Verdict(token_ids, count, entries) for token_ids, count, entries in zip(tokens, accepted, logprobs)]
+        item_of_row = to_device(rows.item_of_row, device, torch.long)
+        offset_of_row = to_device(rows.offsets, device, torch.long)
+        draft_of_row = to_device(rows.draft_of_row, device, torch.long)
+        greedy = greedy_mask(metadata.temperature.to(device))
+        accepted = self._accepted_counts(items, rows, greedy_tokens, probs, greedy, item_of_row, offset_of_row,
+                                         draft_of_row)
+        final_rows = to_device(rows.first_rows, device, torch.long) + accepted
+        finals = self._final_tokens(items, rows, accepted, final_rows, greedy_tokens, probs, greedy)
+        # Per row, the token it emits: its draft while accepted, the target's token right after.
+        chosen = torch.where(offset_of_row < accepted.index_select(0, item_of_row), draft_of_row,
+                             finals.index_select(0, item_of_row))
+        columns = [chosen, accepted]
+        num_top = max((item.sequence.params.logprobs or 0 for item in items), default=0)
+        wants_logprobs = any(item.sequence.params.logprobs is not None for item in items)
+        if wants_logprobs:
+            values, ranks, top_ids, top_values = compute_logprobs(raw, chosen, num_top)
+            columns += [values, ranks] + ([top_ids, top_values] if top_ids is not None else [])
+        host = _one_copy_to_host(columns)  # the step's one wait for the device
+        chosen_host, counts = host[0].long(), host[1].long().tolist()
+        verdicts = []
+        for index, (item, count) in enumerate(zip(items, counts)):
+            first = rows.first_rows[index]
+            token_ids = chosen_host[first:first + count + 1].tolist()
+            logprobs = [None] * len(token_ids)
+            if wants_logprobs:
+                logprobs = self._logprobs(item, host, first, count + 1, num_top)
+            verdicts.append(Verdict(token_ids, count, logprobs))
+        return verdicts
 
     def _metadata(self, row_items: list[VerifyItem], ahead: list[int]) -> SamplingMetadata:
         penalised = any(item.sequence.params.uses_penalties for item in row_items)
@@ -90,34 +107,28 @@ class Verifier:
              for item, offset in zip(row_items, ahead)],
             [core._banned_tokens(item.sequence, offset) for item, offset in zip(row_items, ahead)], self.device)
 
-    def _accepted_counts(self, items, first_rows, greedy_tokens, probs, metadata) -> list[int]:
-        """Per item, how many drafts are accepted (one device-to-host copy for all)."""
-        draft_rows = [first + offset for item, first in zip(items, first_rows)
-                      for offset in range(len(item.draft_token_ids))]
-        if not draft_rows:
-            return [0] * len(items)
+    def _accepted_counts(self, items, rows: "_Rows", greedy_tokens, probs, greedy, item_of_row, offset_of_row,
+                         draft_of_row) -> torch.Tensor:
+        """``[items]`` how many drafts each item accepts: the offset of its first rejected row
+        (the row after its last draft always counts as rejected)."""
         if self.simulate_accept_length is not None:
-            return [self._simulated(item) for item in items]
-        index = to_device(draft_rows, self.device, torch.long)
-        drafts = to_device([token for item in items for token in item.draft_token_ids], self.device, torch.long)
-        accept = greedy_tokens.index_select(0, index) == drafts
+            return to_device([self._simulated(item) for item in items], self.device, torch.long)
+        is_draft = to_device(rows.is_draft, self.device, torch.bool)
+        accept = greedy_tokens == draft_of_row
         if probs is not None:
-            target = probs.index_select(0, index).gather(1, drafts[:, None]).squeeze(1)
-            draft = torch.cat([self._draft_probability(item) for item in items])
-            uniform = self._uniforms([item.sequence.generator for item in items
-                                      for _ in item.draft_token_ids])
-            sampled = uniform * draft <= target
-            greedy = greedy_mask(metadata.temperature.to(self.device)).index_select(0, index)
+            draft_rows = to_device(rows.draft_rows, self.device, torch.long)
+            target = torch.zeros(len(rows.offsets), device=self.device)
+            sampled = torch.zeros(len(rows.offsets), dtype=torch.bool, device=self.device)
+            if rows.draft_rows:
+                drafts = draft_of_row.index_select(0, draft_rows)
+                target = probs.index_select(0, draft_rows).gather(1, drafts[:, None]).squeeze(1)
+                draft = torch.cat([self._draft_probability(item) for item in items])
+                uniform = self._uniforms([item.sequence.generator for item in items for _ in item.draft_token_ids])
+                sampled = sampled.index_copy(0, draft_rows, uniform * draft <= target)
             accept = torch.where(greedy, accept, sampled)
-        flags = accept.tolist()
-        counts, position = [], 0
-        for item in items:
-            count = 0
-            while count < len(item.draft_token_ids) and flags[position + count]:
-                count += 1
-            counts.append(count)
-            position += len(item.draft_token_ids)
-        return counts
+        rejected_at = torch.where(accept & is_draft, len(rows.offsets), offset_of_row)
+        first_rejected = torch.full((len(items),), len(rows.offsets), dtype=torch.long, device=self.device)
+        return first_rejected.scatter_reduce_(0, item_of_row, rejected_at, "amin")
 
     def _draft_probability(self, item: VerifyItem) -> torch.Tensor:
         """q(d_i) of each draft (1 for greedy requests, whose drafts are not drawn)."""
@@ -149,41 +160,81 @@ class Verifier:
         state.simulated_credit -= accepted
         return accepted
 
-    def _final_tokens(self, items, accepted, final_rows, greedy_tokens, probs, metadata) -> list[int]:
-        """The target's token after the accepted drafts: the argmax for greedy rows; else a draw
-        from the residual ``max(0, p - q)`` after a rejection, or from ``p``."""
-        tokens = greedy_tokens.index_select(0, to_device(final_rows, self.device, torch.long))
-        if probs is not None:
-            greedy = greedy_mask(metadata.temperature.to(self.device))
-            distributions = []
-            for item, count, row in zip(items, accepted, final_rows):
-                distribution = probs[row]
-                rejected = count < len(item.draft_token_ids) and self.simulate_accept_length is None
-                if rejected and item.draft_probs is not None:
-                    residual = (distribution - item.draft_probs[count].to(self.device)).clamp_(min=0)
-                    total = residual.sum()
-                    distribution = torch.where(total > 0, residual / total.clamp(min=1e-30), distribution)
-                distributions.append(distribution)
-            index = to_device(final_rows, self.device, torch.long)
-            drawn = self.sampler.draw(torch.stack(distributions), [item.sequence.generator for item in items])
-            tokens = torch.where(greedy.index_select(0, index), tokens, drawn)
-        return tokens.tolist()
+    def _final_tokens(self, items, rows: "_Rows", accepted, final_rows, greedy_tokens, probs, greedy) -> torch.Tensor:
+        """``[items]`` the target's token after the accepted drafts: the argmax for greedy rows;
+        else a draw from the residual ``max(0, p - q)`` after a rejection, or from ``p``."""
+        tokens = greedy_tokens.index_select(0, final_rows)
+        if probs is None:
+            return tokens
+        distributions = probs.index_select(0, final_rows)
+        with_probs = [index for index, item in enumerate(items) if item.draft_probs is not None
+                      and item.draft_token_ids]
+        if with_probs and self.simulate_accept_length is None:
+            # q at each item's final row: its draft distribution there (a row of zeros where none).
+            vocab = distributions.shape[1]
+            stacked, starts, total = [], [], 0
+            for index in with_probs:
+                count = len(items[index].draft_token_ids)
+                stacked.append(items[index].draft_probs[:count].to(self.device))
+                starts.append(total)
+                total += count
+            flat_q = torch.cat(stacked + [distributions.new_zeros((1, vocab))])
+            base = [total] * len(items)
+            last = [0] * len(items)
+            for index, start in zip(with_probs, starts):
+                base[index], last[index] = start, len(items[index].draft_token_ids) - 1
+            counts = to_device([len(item.draft_token_ids) for item in items], self.device, torch.long)
+            last_row = to_device(last, self.device, torch.long)
+            q_rows = to_device(base, self.device, torch.long) + torch.minimum(accepted, last_row)
+            rejected = (accepted < counts) & (to_device(base, self.device, torch.long) < total)
+            residual = (distributions - flat_q.index_select(0, q_rows)).clamp_(min=0)
+            mass = residual.sum(dim=-1, keepdim=True)
+            use = rejected[:, None] & (mass > 0)
+            distributions = torch.where(use, residual / mass.clamp(min=1e-30), distributions)
+        drawn = self.sampler.draw(distributions, [item.sequence.generator for item in items])
+        return torch.where(greedy.index_select(0, final_rows), tokens, drawn)
 
-    def _logprobs(self, items, tokens, first_rows, raw) -> list[list[Optional[PositionLogprobs]]]:
-        """Each emitted token's logprobs under the target's raw distribution at its row."""
-        if all(item.sequence.params.logprobs is None for item in items):
-            return [[None] * len(token_ids) for token_ids in tokens]
-        rows = [first + offset for first, token_ids in zip(first_rows, tokens) for offset in range(len(token_ids))]
-        flat = [token for token_ids in tokens for token in token_ids]
-        sequences = [item.sequence for item, token_ids in zip(items, tokens) for _ in token_ids]
-        num_top = max((s.params.logprobs or 0 for s in sequences), default=0)
-        chosen_rows = raw.index_select(0, to_device(rows, raw.device, torch.long))
-        chosen = to_device(flat, raw.device, torch.long)
-        values, ranks, top_ids, top_values = compute_logprobs(chosen_rows, chosen, num_top)
-        entries = self.core._sampled_logprobs(sequences, SamplerOutput(chosen, values, ranks, top_ids,
-                                                                       top_values).to_host())
-        result, position = [], 0
-        for token_ids in tokens:
-            result.append(entries[position:position + len(token_ids)])
-            position += len(token_ids)
-        return result
+    def _logprobs(self, item: VerifyItem, host: list[torch.Tensor], first: int, count: int,
+                  num_top: int) -> list[Optional[PositionLogprobs]]:
+        """The logprobs of an item's ``count`` emitted tokens (rows ``first...``) under the
+        target's raw distribution, from the host copy."""
+        if item.sequence.params.logprobs is None:
+            return [None] * count
+        rows = slice(first, first + count)
+        top_ids = host[4][rows].long() if num_top > 0 else None
+        top_values = host[5][rows].float() if num_top > 0 else None
+        output = SamplerOutput(host[0][rows].long(), host[2][rows].float(), host[3][rows].long(), top_ids, top_values)
+        return self.core._sampled_logprobs([item.sequence] * count, output)
+
+
+class _Rows:
+    """The verification's logits rows, item by item: item ``i`` has ``drafts_i + 1`` rows,
+    offset ``j`` of them after its ``j`` first drafts (host lists, built once)."""
+
+    def __init__(self, items: list[VerifyItem]) -> None:
+        self.logits_rows, self.row_items, self.offsets, self.item_of_row = [], [], [], []
+        self.draft_of_row, self.is_draft, self.draft_rows, self.first_rows = [], [], [], []
+        for index, item in enumerate(items):
+            self.first_rows.append(len(self.offsets))
+            drafts = item.draft_token_ids
+            for offset in range(len(drafts) + 1):
+                if offset < len(drafts):
+                    self.draft_rows.append(len(self.offsets))
+                self.logits_rows.append(item.row + offset)
+                self.row_items.append(item)
+                self.offsets.append(offset)
+                self.item_of_row.append(index)
+                self.draft_of_row.append(drafts[offset] if offset < len(drafts) else 0)
+                self.is_draft.append(offset < len(drafts))
+
+
+def _one_copy_to_host(columns: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host after one copy (as float64, which holds token ids, counts and
+    float32 values exactly); each comes back flattened to ``[rows, ...]`` as it went."""
+    flat = torch.cat([column.double().reshape(-1) for column in columns]).cpu()
+    result, position = [], 0
+    for column in columns:
+        size = column.numel()
+        result.append(flat[position:position + size].view(column.shape))
+        position += size
+    return result

@@ -1,6 +1,11 @@
 """CUDA graphs for pure decode steps, captured at start-up per batch-size bucket.
 
-Owner of the captured graphs, their shared memory pool and their static buffers. A graph is
+Owner of the captured graphs, their shared memory pool and their static buffers. One runner
+serves one network: the target model, or a speculative draft (a draft model or an MTP layer,
+over its own state groups, with the hidden state it reads beside the tokens as one more static
+input). A step whose every row is one token is a decode step; speculative decoding lays a
+row of ``q`` tokens out as ``q`` single-token rows (``step_inputs.as_decode_rows``) when its
+state is kept per token, so verification and a draft's catch-up replay these graphs too. A graph is
 captured over static input tensors (token ids, positions; per state group the slot mapping, the
 page table, the context lengths) and replayed after the step's values are copied into them
 (page-table columns past the step's width hold the null page, as in an eager step). A step of
@@ -8,15 +13,15 @@ page table, the context lengths) and replayed after the step's values are copied
 length 0 (attention reads nothing and returns zeros; a recurrent layer reads the null page) and
 slot -1 (nothing is written), so a padding row never touches a page.
 
-The forward captured is the model's plus its logits head, so a replay ends with the logits of
-every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
+The forward captured is the network's plus its logits head, so a replay ends with the output
+hidden state and the logits of every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
 (their reads and writes are tensor operations with no host synchronisation and no
 data-dependent shapes); the others run eagerly.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -26,6 +31,7 @@ from tandem.worker.host_staging import copy_to_device
 from tandem.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
+    from tandem.worker.forward_context import ForwardContext
     from tandem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,30 +55,58 @@ def model_is_graph_safe(model: torch.nn.Module) -> bool:
             and all(getattr(module, "cuda_graph_safe", True) for module in model.modules()))
 
 
-class CudaGraphRunner:
-    def __init__(self, runner: "ModelRunner", batch_sizes: list[int], max_width: int) -> None:
+class TargetNetwork:
+    """The target model as a graph runner runs it: every state group, no hidden input."""
+
+    hidden_input = None  # (size, dtype) of a hidden state read beside each token, or None
+
+    def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
+        self.groups = list(range(runner.coordinator.num_groups))
+
+    def forward(self, input_ids, hidden, positions, context) -> torch.Tensor:
+        return self.runner.model(input_ids, positions, context)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner.model.compute_logits(hidden)
+
+    def context(self, metadata: list) -> "ForwardContext":
+        return self.runner.forward_context(metadata)
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: "ModelRunner", batch_sizes: list[int], max_width: int, network=None) -> None:
+        self.runner = runner
+        self.network = network or TargetNetwork(runner)
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_width = max_width
         device = runner.device
         size = self.batch_sizes[-1]
         num_groups = runner.coordinator.num_groups
+        groups = set(self.network.groups)
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mappings = [torch.full((size,), -1, dtype=torch.long, device=device) for _ in range(num_groups)]
-        self.page_tables = [torch.zeros((size, max_width), dtype=torch.int32, device=device)
-                            for _ in range(num_groups)]
-        self.context_lengths = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(num_groups)]
+        self.hidden_in = None
+        if self.network.hidden_input is not None:
+            width, dtype = self.network.hidden_input
+            self.hidden_in = torch.zeros((size, width), dtype=dtype, device=device)
+        # Per state group the network reads (None for the others: its forward reads none).
+        self.slot_mappings = [torch.full((size,), -1, dtype=torch.long, device=device) if group in groups else None
+                              for group in range(num_groups)]
+        self.page_tables = [torch.zeros((size, max_width), dtype=torch.int32, device=device) if group in groups
+                            else None for group in range(num_groups)]
+        self.context_lengths = [torch.zeros(size, dtype=torch.int32, device=device) if group in groups else None
+                                for group in range(num_groups)]
         # Per group, the page-table columns the last replay filled: past them every entry is the
         # null page, as in an eager step's table (a reader may look past the columns it needs:
         # a recurrent row's checkpoint column).
         self.written_widths = [0] * num_groups
         self.query_starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (hidden, logits)
         self.pool = None
 
-    def _metadata(self, batch_size: int) -> list[AttentionMetadata]:
+    def _metadata(self, batch_size: int) -> list[Optional[AttentionMetadata]]:
         """Static tensors; the per-chunk lists are placeholders saying "decode rows that continue
         a sequence" (``can_replay`` admits no other), which is all a graph-safe layer reads."""
         rows = list(range(batch_size))
@@ -82,14 +116,15 @@ class CudaGraphRunner:
             context_lengths=self.context_lengths[group][:batch_size],
             query_starts=self.query_starts[:batch_size + 1], num_decode_tokens=batch_size,
             chunk_query_starts=rows + [batch_size], chunk_start_positions=[1] * batch_size,
-            chunk_context_lengths=[1] * batch_size, zero_invalid=True)
+            chunk_context_lengths=[1] * batch_size, zero_invalid=True) if self.page_tables[group] is not None else None
             for group in range(len(self.page_tables))]
 
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        model = self.runner.model
-        context = self.runner.forward_context(self._metadata(batch_size))
-        hidden = model(self.input_ids[:batch_size], self.positions[:batch_size], context)
-        return model.compute_logits(hidden).float()
+    def _forward(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        network = self.network
+        context = network.context(self._metadata(batch_size))
+        hidden_in = self.hidden_in[:batch_size] if self.hidden_in is not None else None
+        hidden = network.forward(self.input_ids[:batch_size], hidden_in, self.positions[:batch_size], context)
+        return hidden, network.logits(hidden).float()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -99,7 +134,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[batch_size] = self._forward(batch_size)
+                self.outputs[batch_size] = self._forward(batch_size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph
@@ -107,24 +142,32 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_replay(self, step: StepInputs) -> bool:
-        """A pure decode step that fits, whose every row continues a sequence (a first token
-        starts from no state: recurrent layers scan it eagerly)."""
-        return (step.is_pure_decode and len(step.chunks) <= self.batch_sizes[-1]
-                and (not step.start_positions or step.start_positions[0] > 0)
-                and all(table.shape[1] <= self.max_width for table in step.page_tables))
+        """A step of single-token rows that fits, whose every row continues a sequence (a first
+        token starts from no state: recurrent layers scan it eagerly), with no prompt logprobs."""
+        return (step.num_decode == len(step.query_starts) - 1 == step.num_tokens
+                and step.num_tokens <= self.batch_sizes[-1] and not step.wants_prompt_logprobs
+                and min(step.start_positions, default=0) > 0
+                and all(table.shape[1] <= self.max_width for table in step.page_tables if table is not None))
 
-    def replay(self, step: StepInputs, feed=None) -> torch.Tensor:
-        """Copy the step into the static buffers, replay, and return ``[n, vocab]`` logits.
-        ``feed`` writes pending input tokens (still on the device) into the static ids."""
-        count = len(step.chunks)
+    def replay(self, step: StepInputs, feed=None, hidden_in: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step into the static buffers, replay, and return the ``[n, hidden]`` output
+        and ``[n, vocab]`` logits of its ``n`` rows (views of static buffers: valid until the
+        next replay of this runner). ``feed`` writes pending input tokens (still on the device)
+        into the static ids; ``hidden_in`` is the hidden input of a network that reads one."""
+        count = step.num_tokens
         batch_size = next(size for size in self.batch_sizes if size >= count)
         copy = copy_to_device
         copy(self.input_ids[:count], step.input_ids)
         copy(self.positions[:count], step.positions)
         if feed is not None:
             feed(self.input_ids[:count])
+        if self.hidden_in is not None:
+            self.hidden_in[:count].copy_(hidden_in)
         lengths = np.asarray(step.context_lengths, dtype=np.int32)
         for group, table in enumerate(step.page_tables):
+            if self.page_tables[group] is None:
+                continue
             copy(self.slot_mappings[group][:count], step.slot_mappings[group])
             width = table.shape[1]
             copy(self.page_tables[group][:count, :width], table)
@@ -136,6 +179,8 @@ class CudaGraphRunner:
                 self.slot_mappings[group][count:batch_size].fill_(-1)
                 self.context_lengths[group][count:batch_size].fill_(0)
         if not self.graphs:  # never captured (CPU tests): the same forward, eagerly, over the static buffers
-            return self._forward(batch_size)[:count]
-        self.graphs[batch_size].replay()
-        return self.logits[batch_size][:count]
+            hidden, logits = self._forward(batch_size)
+        else:
+            self.graphs[batch_size].replay()
+            hidden, logits = self.outputs[batch_size]
+        return hidden[:count], logits[:count]

@@ -21,7 +21,7 @@ from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
+from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, as_decode_rows, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
 
 
@@ -31,7 +31,8 @@ class ExecuteResult:
     logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (None: a replayed graph)
+    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
+    # until its next replay)
 
 
 class ModelRunner:
@@ -55,7 +56,14 @@ class ModelRunner:
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
+        # A step whose every token is sampled (speculative verification: a known token and its
+        # drafts per sequence) replays the decode graphs with each token as a row of its own;
+        # set by the speculator when every target group keeps its state per token.
+        self.verify_as_decode_rows = False
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
+        # Tensor parallelism, rank 0: sends each step's plan to the other ranks before the
+        # forward pass (tandem/parallel/launcher.py); None with one rank.
+        self.plan_sender = None
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
         """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
@@ -102,20 +110,59 @@ class ModelRunner:
                                       chunk.sequence.state.page_tables)
         step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
-        if self.graphs is not None and not len(self.pending_loads) and self.graphs.can_replay(step):
-            # Pending loads must be waited for layer by layer (I3): a replay cannot, so a step
-            # with any runs eagerly.
-            logits = self.graphs.replay(step, feed)
-            return self._outputs(step, None, logits, sanitizer.enabled)
+        prompt_rows = prompt_logit_rows(step)
+        if self.plan_sender is not None:
+            self.plan_sender.send_step(step, [(start, count) for _, start, count in prompt_rows], feed is not None)
+        replayed = self._graph_step(step)
+        if replayed is not None:
+            hidden, logits = self.graphs.replay(replayed, feed)
+            return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
+        try:
+            hidden, logits = self.forward(step, feed, feed is not None and self.plan_sender is not None)
+            return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
+        except Exception as error:
+            if self.plan_sender is not None:  # the other ranks are inside this step's collectives
+                self.plan_sender.fail(f"rank 0's forward pass failed ({type(error).__name__}: {error})")
+            raise
+
+    def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False):
+        """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
+        logits)``. Under tensor parallelism every rank runs this with the same step; with
+        ``broadcast_inputs`` rank 0's device input ids (pending tokens filled in) go to all."""
         input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
         if feed is not None:
             feed(input_ids)
+        if broadcast_inputs:
+            self.model.tensor_shard.broadcast(input_ids)
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         hidden = self.model(input_ids, positions, self.forward_context(metadata))
         rows = to_device(step.sampling_rows, self.device, torch.long)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float() if step.sampling_rows else \
             hidden.new_zeros((0, 0), dtype=torch.float32)
-        return self._outputs(step, hidden, logits, sanitizer.enabled)
+        return hidden, logits
+
+    @torch.inference_mode()
+    def execute_plan(self, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
+                     inputs_from_root: bool) -> None:
+        """A worker rank's share of a step rank 0 planned: the same forward pass and LM-head
+        calls (each holds collectives), nothing sampled."""
+        hidden, _ = self.forward(step, broadcast_inputs=inputs_from_root)
+        for start, count in prompt_logit_ranges:
+            self.model.compute_logits(hidden[start:start + count])
+
+    def _graph_step(self, step: StepInputs) -> Optional[StepInputs]:
+        """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
+        step, or a verification step laid out as single-token rows. Pending loads must be waited
+        for layer by layer (I3): a replay cannot, so a step with any runs eagerly."""
+        if self.graphs is None or len(self.pending_loads) or step.wants_prompt_logprobs:
+            return None
+        if len(step.sampling_rows) != step.num_tokens:  # a replay gives the logits of every row
+            return None
+        if step.num_decode != len(step.chunks):
+            if not self.verify_as_decode_rows:
+                return None
+            step = as_decode_rows(step)
+        return step if self.graphs.can_replay(step) else None
 
     def group_metadata(self, step: StepInputs, groups) -> list[Optional[AttentionMetadata]]:
         """Attention metadata of ``groups`` (None for the others) for a step's rows."""
@@ -137,31 +184,39 @@ class ModelRunner:
             zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket,
             host_page_table=step.page_tables[group])
 
-    def _outputs(self, step: StepInputs, hidden, logits, check_finite: bool) -> ExecuteResult:
+    def _outputs(self, step: StepInputs, hidden, logits, prompt_rows, check_finite: bool) -> ExecuteResult:
         if check_finite and not torch.isfinite(logits).all():
             from tandem.kv.block_pool import SanitizerError
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
-        prompt_logprobs = {}
         sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
-        prompt_logprobs = {}
-        if step.wants_prompt_logprobs:
-            for row, chunk in enumerate(step.chunks):
-                if chunk.prompt_logprobs:
-                    prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, step.query_starts[row])
+        prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
+        for chunk, row_start, count in prompt_rows:
+            prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, row_start, count)
         return ExecuteResult(sampling_chunks, logits, prompt_logprobs, step, hidden)
 
-    def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int):
-        """Logprobs of prompt tokens ``start+1 .. min(end, prompt_len)-1`` from this chunk's rows."""
+    def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int, count: int):
+        """Logprobs of prompt tokens ``start+1 .. start+count`` from this chunk's rows."""
         sequence = chunk.sequence
-        last_position = min(chunk.start + chunk.num_new_tokens, sequence.num_prompt_tokens - 1)
-        count = last_position - chunk.start
-        if count <= 0:
-            return []
         logits = self.model.compute_logits(hidden[row_start:row_start + count]).float()
         targets = torch.tensor(sequence.token_ids[chunk.start + 1:chunk.start + 1 + count],
                                dtype=torch.long, device=logits.device)
         chosen, ranks, top_ids, top_logprobs = compute_logprobs(logits, targets, sequence.params.prompt_logprobs)
         return to_position_logprobs(targets, chosen, ranks, top_ids, top_logprobs)
+
+
+def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:
+    """(chunk, first row, rows) of each chunk whose prompt logprobs this step computes: the
+    rows of prompt tokens ``start .. min(end, prompt_len - 1) - 1`` (each predicts the next)."""
+    rows = []
+    if not step.wants_prompt_logprobs:
+        return rows
+    for row, chunk in enumerate(step.chunks):
+        if not chunk.prompt_logprobs:
+            continue
+        last_position = min(chunk.start + chunk.num_new_tokens, chunk.sequence.num_prompt_tokens - 1)
+        if last_position - chunk.start > 0:
+            rows.append((chunk, step.query_starts[row], last_position - chunk.start))
+    return rows
 
 
 def default_backend(device: torch.device) -> AttentionBackend:

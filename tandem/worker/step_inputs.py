@@ -38,12 +38,6 @@ class StepInputs:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        """One sampled token per chunk, no prompt logprobs: the shape a CUDA graph replays."""
-        return (self.num_decode == len(self.chunks) and len(self.sampling_rows) == len(self.chunks)
-                and not self.wants_prompt_logprobs)
-
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """Single-token chunks first (the batched decode path) by context length, then the rest."""
@@ -186,3 +180,21 @@ class PendingTokens:
         sources = [row_of[id(chunks[row].sequence)] for row in targets]
         indices = to_device([targets, sources], device, torch.long)
         return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))
+
+
+def as_decode_rows(step: StepInputs) -> StepInputs:
+    """The step with each token as a row of its own (the rows the CUDA graphs replay): token
+    ``t`` of a row starting at position ``s`` reads its row's page table up to position ``t``
+    (context ``t + 1``) after the step has written every token's state, which is causal
+    attention over the row. Valid only where state is kept per token (attention, MLA, indexer
+    keys): a recurrent state advanced by one row would be read by the next."""
+    if step.num_decode == step.num_tokens:
+        return step
+    lengths = np.diff(np.asarray(step.query_starts, dtype=np.int64))
+    row_of_token = np.repeat(np.arange(len(lengths)), lengths)
+    count = step.num_tokens
+    positions = step.positions.tolist()
+    return StepInputs(step.chunks, count, step.input_ids, step.positions, list(range(count + 1)), positions,
+                      [position + 1 for position in positions],
+                      [table[row_of_token] if table is not None else None for table in step.page_tables],
+                      step.slot_mappings, step.sampling_rows, step.wants_prompt_logprobs)

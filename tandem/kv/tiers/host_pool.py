@@ -20,7 +20,7 @@ import torch
 
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.registry import BufferDescriptor, StateRegistry
-from tandem.kv.sanitizer import POISON_BYTE
+from tandem.kv.sanitizer import poison_byte
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class HostPool:
                     and array.stride(0) % dtype.itemsize == 0):
                 columns.view(dtype).index_fill_(0, index, float("nan"))
             else:
-                columns.index_fill_(0, index, POISON_BYTE)
+                columns.index_fill_(0, index, poison_byte(dtype))
 
     def payload(self, group: int, page: int) -> torch.Tensor:
         """One page block (a view of the pool)."""

@@ -1,0 +1,83 @@
+"""Process-group setup for tensor parallelism.
+
+Rank 0 opens a TCP store on a loopback port (``open_store``) before it starts the workers; every
+rank then joins the same groups (``join``):
+
+- the control group (gloo, loopback): rank 0's step plans; it waits without a deadline, since
+  a server may sit idle for hours between steps (a dead peer still fails it at once: its
+  sockets close);
+- the tensor group: the layers' collectives (NCCL on CUDA; on CPU the control group itself).
+
+Groups are backend objects held by whoever joined them (no ``torch.distributed`` default
+group, no global state), so several engines may live in one process.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.parallel.shard import TensorShard
+
+LOOPBACK = "127.0.0.1"
+STORE_TIMEOUT = datetime.timedelta(seconds=300)  # how long ranks may take to join
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # an idle server waits on the control group
+TENSOR_TIMEOUT = datetime.timedelta(minutes=10)  # one collective of a forward pass
+
+
+@dataclass
+class ParallelGroups:
+    """One rank's membership. Owner: the rank that joined; ``store`` must outlive the groups."""
+    rank: int
+    size: int
+    store: Any
+    control: Any
+    tensor: Any
+
+    @property
+    def shard(self) -> TensorShard:
+        return TensorShard(self.rank, self.size, self.tensor)
+
+
+def open_store(size: int):
+    """Rank 0's store on a free loopback port: ``(store, port)``."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(LOOPBACK, port, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), use_libuv=False)
+    return store, port
+
+
+def _gloo(store, prefix: str, rank: int, size: int, timeout: datetime.timedelta):
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+
+def join(rank: int, size: int, device: torch.device, store=None, port: int = 0) -> ParallelGroups:
+    """Join rank ``rank`` of ``size`` (workers pass rank 0's ``port``; rank 0 its ``store``).
+    On CUDA the caller has made ``device`` current."""
+    if store is None:
+        store = dist.TCPStore(LOOPBACK, port, size, False, timeout=STORE_TIMEOUT)
+    control = _gloo(store, "control", rank, size, CONTROL_TIMEOUT)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TENSOR_TIMEOUT
+        tensor = dist.ProcessGroupNCCL(dist.PrefixStore("tensor", store), rank, size, options)
+    else:
+        tensor = control
+    return ParallelGroups(rank, size, store, control, tensor)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:(base + rank)`` on CUDA, the CPU otherwise."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)

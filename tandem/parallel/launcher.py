@@ -1,0 +1,200 @@
+"""Rank 0's side of tensor parallelism: start the workers, join the group, hand the model
+runner a plan sender, watch the workers, stop them.
+
+Owner: the engine core (rank 0) creates one ``TensorParallel`` before it builds its model and
+closes it at shutdown. The workers are child processes (``python -m tandem.parallel.worker``); each
+dies with its parent (``PR_SET_PDEATHSIG``) and is killed at close. Lifecycle when a worker dies: a watcher thread notices
+at once, kills the other workers and marks the group failed; rank 0's next (or pending)
+collective then fails (gloo: the peer's sockets are closed), the engine's step raises, and an
+engine process exits non-zero (``check`` also raises while the engine is idle). On CUDA, where an
+NCCL collective may wait on a dead peer instead of failing, the watcher ends the process
+(exit status 1) if it is still running a few seconds later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import weakref
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.kv.planner import PoolPlan
+from tandem.models.loader import check_tensor_parallel
+from tandem.parallel.group import join, open_store, rank_device
+from tandem.parallel.plan import STOP, PageJournal, PlanChannel, StepPlan
+
+logger = logging.getLogger("tandem.parallel")
+
+STOP_TIMEOUT_SECONDS = 10.0  # how long workers may take to exit after a STOP plan
+CUDA_HANG_GRACE_SECONDS = 5.0  # after a worker died: how long a stuck NCCL collective may wait
+
+
+def agree_on_pages(plan: PoolPlan, control) -> PoolPlan:
+    """Every rank's token-paged pools get the fewest pages any rank can hold (per-sequence pools
+    are sized from ``max_num_seqs``: equal already)."""
+    count = torch.tensor([plan.num_pages], dtype=torch.int64)
+    control.allreduce([count], _min_options()).wait()
+    return replace(plan, num_pages=int(count.item()))
+
+
+def _min_options():
+    import torch.distributed as dist
+
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options
+
+
+class RankFailure(RuntimeError):
+    """A rank died or rank 0's forward pass failed mid-step: the group cannot run another step
+    (the engine core lets this one end the engine instead of failing only the step's requests)."""
+
+
+def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "TensorParallel":
+    return TensorParallel(config, device)
+
+
+def _stop_processes(processes: list[subprocess.Popen], closing: Optional[threading.Event] = None) -> None:
+    if closing is not None:  # a deliberate stop: the watcher must not take it for a failure
+        closing.set()
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        try:
+            process.wait(timeout=STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            logger.error("tensor-parallel worker pid %d did not exit", process.pid)
+
+
+def _wait_any(processes: list[subprocess.Popen]) -> subprocess.Popen:
+    """Block until one of ``processes`` has exited; returns it."""
+    descriptors = {os.pidfd_open(process.pid): process for process in processes}
+    try:
+        ready, _, _ = select.select(list(descriptors), [], [])
+        return descriptors[ready[0]]
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+
+
+class TensorParallel:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        size = config.tensor_parallel_size
+        check_tensor_parallel(config.model, size, max_model_len=config.max_model_len,
+                              indexer_cache_dtype=config.indexer_cache_dtype)
+        self.device = rank_device(device, 0)
+        if self.device.type == "cuda":
+            available = torch.cuda.device_count() - self.device.index
+            if available < size:
+                raise ValueError(f"tensor_parallel_size: {size} needs {size} GPUs from {self.device} on, "
+                                 f"{available} available")
+            torch.cuda.set_device(self.device)
+        store, port = open_store(size)
+        self.workers = [start_worker(config, rank, size, port) for rank in range(1, size)]
+        self.failed: Optional[str] = None
+        self._closing = threading.Event()
+        # Whoever drops this object without closing it (a failed engine start) still stops the
+        # workers; the watcher holds only a weak reference.
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self.workers), self._closing)
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), list(self.workers), self._closing),
+                                         name="tandem-tp-watch", daemon=True)
+        self._watcher.start()
+        self.groups = join(0, size, self.device, store=store)
+        self.shard = self.groups.shard
+        self.channel = PlanChannel(self.groups.control, 0)
+        self.journal = PageJournal()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self.workers]
+
+    def agree_on_pages(self, plan: PoolPlan) -> PoolPlan:
+        return agree_on_pages(plan, self.groups.control)
+
+    def attach(self, coordinator, runner) -> None:
+        """Record the coordinator's page operations and send a plan before each forward pass."""
+        coordinator.mirror = self.journal
+        runner.plan_sender = self
+
+    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool) -> None:
+        self.check()
+        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.journal.take(), inputs_from_root))
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise RankFailure(self.failed)
+
+    def fail(self, reason: str) -> None:
+        """Rank 0 cannot finish a step the workers started (its forward pass raised): stop them;
+        every later step raises ``RankFailure``."""
+        if self.failed is None:
+            self.failed = f"tensor_parallel_size: {reason}; the engine cannot continue"
+            logger.error("%s", self.failed)
+        _stop_processes(self.workers, self._closing)
+
+    def close(self) -> None:
+        """Stop the workers (a STOP plan, then kill what is left) and leave the group."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self.failed is None:
+            try:
+                self.channel.send(StepPlan(STOP))
+            except RuntimeError:  # a worker died meanwhile: it is killed below
+                logger.warning("tensor-parallel workers did not take the stop plan")
+        for process in self.workers:
+            try:
+                process.wait(timeout=STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+        self._finalizer()
+
+
+def _watch(owner: "weakref.ref[TensorParallel]", workers: list[subprocess.Popen], closing: threading.Event) -> None:
+    """The watcher thread: the first worker to exit, unless asked to, fails the group."""
+    dead = _wait_any(workers)
+    group = owner()
+    if closing.is_set() or group is None:
+        return
+    group.failed = (f"tensor_parallel_size: rank {workers.index(dead) + 1} (pid {dead.pid}) exited "
+                    f"with status {dead.wait()}; the engine cannot continue")
+    logger.error("%s", group.failed)
+    _stop_processes(workers)
+    cuda = group.device.type == "cuda"
+    del group
+    if cuda and not closing.wait(CUDA_HANG_GRACE_SECONDS):
+        logger.error("ending the engine process: a collective may be waiting on the dead rank")
+        os._exit(1)
+
+
+def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
+    """``python -m tandem.parallel.worker``, the config on its standard input (JSON)."""
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    process = subprocess.Popen([sys.executable, "-m", "tandem.parallel.worker", str(rank), str(size), str(port),
+                                log_level], stdin=subprocess.PIPE)
+    process.stdin.write(config_to_json(config))
+    process.stdin.close()
+    return process
+
+
+def config_to_json(config: EngineConfig) -> bytes:
+    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    fields.pop("transfer")  # never set with tensor parallelism (the config refuses it)
+    return json.dumps(fields).encode()
+
+
+def config_from_json(data: bytes) -> EngineConfig:
+    fields = json.loads(data)
+    if fields.get("cuda_graph_sizes") is not None:
+        fields["cuda_graph_sizes"] = tuple(fields["cuda_graph_sizes"])
+    return EngineConfig(**fields)

@@ -1,0 +1,94 @@
+"""Sharded layers for tensor parallelism (Megatron-style).
+
+- ``RowParallelLinear``: input features split by rank; the partial products are summed over
+  the ranks (all-reduce), then the bias is added once.
+- ``VocabParallelEmbedding``: each rank holds a consecutive slice of the vocabulary's rows; ids
+  outside it embed to zeros, and the sum over ranks is the full embedding.
+- ``ParallelLMHead``: the same row slice as logits columns; the ranks' columns are gathered
+  into full logits on every rank.
+
+Column-parallel projections are ``StackedLinear`` with a shard (``layers/linear.py``). With the
+one-rank shard every layer here computes exactly what its plain ``torch.nn`` counterpart does.
+The vocabulary is padded up to a multiple of the group size; the padding rows are zero and
+their logit columns are cut off after the gather.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.linear import mark_sharded
+from tandem.parallel.shard import SINGLE, TensorShard
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split by rank (no collective: the output stays split). ``segments``: the
+    checkpoint's output rows as consecutive segments, each split by rank (default: one)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TensorShard = SINGLE,
+                 what: str = "the output features of a column-parallel projection", segments=None) -> None:
+        segments = tuple(segments or (out_features,))
+        super().__init__(in_features, sum(shard.split(size, what) for size in segments), bias=bias)
+        mark_sharded(self.weight, 0, shard, segments)
+        if bias:
+            mark_sharded(self.bias, 0, shard, segments)
+
+
+class RowParallelLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TensorShard = SINGLE,
+                 what: str = "the input features of a row-parallel projection") -> None:
+        super().__init__(shard.split(in_features, what), out_features, bias=bias)
+        self.shard = shard
+        mark_sharded(self.weight, 1, shard, in_features)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.shard.is_parallel:
+            return F.linear(hidden, self.weight, self.bias)
+        output = self.shard.all_reduce(F.linear(hidden, self.weight))
+        return output if self.bias is None else output + self.bias
+
+
+def vocabulary_slice(vocab_size: int, shard: TensorShard) -> tuple[int, int]:
+    """(first id, rows per rank) of this rank's slice of a vocabulary padded to the group."""
+    rows = -(-vocab_size // shard.size)
+    return shard.rank * rows, rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, shard: TensorShard = SINGLE) -> None:
+        super().__init__()
+        self.shard = shard
+        self.first, rows = vocabulary_slice(vocab_size, shard)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        nn.init.normal_(self.weight)
+        mark_sharded(self.weight, 0, shard, vocab_size)
+        if shard.is_parallel:  # padding rows past the vocabulary stay zero
+            self.weight.data[max(0, vocab_size - self.first):].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.shard.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        embedded = F.embedding(torch.where(inside, local, 0), self.weight)
+        return self.shard.all_reduce(embedded * inside.unsqueeze(-1).to(embedded.dtype))
+
+
+class ParallelLMHead(nn.Module):
+    """Logits ``hidden @ weight.T`` over the whole vocabulary, on every rank. ``weight`` may be
+    the embedding's (tied): both use the same slice."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, shard: TensorShard = SINGLE) -> None:
+        super().__init__()
+        self.shard = shard
+        self.vocab_size = vocab_size
+        _, rows = vocabulary_slice(vocab_size, shard)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        mark_sharded(self.weight, 0, shard, vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if not self.shard.is_parallel:
+            return logits
+        return self.shard.all_gather(logits)[..., :self.vocab_size]

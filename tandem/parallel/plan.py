@@ -1,0 +1,125 @@
+"""The step plan: what rank 0 sends the other ranks before each forward pass.
+
+A plan is the model runner's host-side inputs of one step (``StepInputs`` without the
+scheduler's objects), the logits rows it computes (sampled rows, then each chunk's prompt
+logprob rows: every rank must run the LM head's gather in the same order), and the page
+operations rank 0's coordinator applied since the last plan (copies and sanitizer poison), which
+each rank replays on its own shard before the forward pass. Plans travel as msgpack over the
+control group: a length, then the bytes (nothing is unpickled).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+import numpy as np
+import torch
+
+from tandem.worker.step_inputs import StepInputs
+
+STEP, STOP = "step", "stop"
+
+
+class Array(msgspec.Struct, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, array: Optional[np.ndarray]) -> Optional["Array"]:
+        if array is None:
+            return None
+        array = np.ascontiguousarray(array)
+        return cls(array.dtype.str, tuple(array.shape), array.tobytes())
+
+    def value(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape).copy()
+
+
+class PageOperation(msgspec.Struct, array_like=True):
+    kind: str  # "copy": pages == [source, destination]; "poison": the pages poisoned
+    group_id: int
+    pages: list[int]
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    kind: str  # STEP or STOP
+    page_operations: list[PageOperation] = []
+    num_decode: int = 0
+    input_ids: Optional[Array] = None
+    positions: Optional[Array] = None
+    query_starts: list[int] = []
+    start_positions: list[int] = []
+    context_lengths: list[int] = []
+    page_tables: list[Optional[Array]] = []
+    slot_mappings: list[Optional[Array]] = []
+    sampling_rows: list[int] = []
+    prompt_logit_ranges: list[tuple[int, int]] = []  # (first row, rows) per prompt-logprob chunk
+    inputs_from_root: bool = False  # rank 0 broadcasts the input ids (tokens pending on its device)
+
+    @classmethod
+    def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
+                page_operations: list[PageOperation], inputs_from_root: bool) -> "StepPlan":
+        return cls(STEP, page_operations, step.num_decode, Array.of(step.input_ids), Array.of(step.positions),
+                   list(step.query_starts), list(step.start_positions), list(step.context_lengths),
+                   [Array.of(table) for table in step.page_tables],
+                   [Array.of(slots) for slots in step.slot_mappings], list(step.sampling_rows),
+                   prompt_logit_ranges, inputs_from_root)
+
+    def step_inputs(self) -> StepInputs:
+        """The plan as the runner's inputs (no scheduled chunks: a worker samples nothing)."""
+        value = lambda array: None if array is None else array.value()
+        return StepInputs([], self.num_decode, value(self.input_ids), value(self.positions),
+                          self.query_starts, self.start_positions, self.context_lengths,
+                          [value(table) for table in self.page_tables],
+                          [value(slots) for slots in self.slot_mappings], self.sampling_rows,
+                          bool(self.prompt_logit_ranges))
+
+
+class PageJournal:
+    """Rank 0's record of its coordinator's page operations since the last plan (installed as
+    the coordinator's ``mirror``); ``take`` hands them to the next plan."""
+
+    def __init__(self) -> None:
+        self._operations: list[PageOperation] = []
+
+    def copy_page(self, group_id: int, source: int, destination: int) -> None:
+        self._operations.append(PageOperation("copy", group_id, [source, destination]))
+
+    def poison(self, group_id: int, pages: list[int]) -> None:
+        self._operations.append(PageOperation("poison", group_id, list(pages)))
+
+    def take(self) -> list[PageOperation]:
+        operations, self._operations = self._operations, []
+        return operations
+
+
+def replay(operations: list[PageOperation], coordinator) -> None:
+    """Apply rank 0's page operations to this rank's shard, through the same movers."""
+    for operation in operations:
+        if operation.kind == "copy":
+            coordinator.copy_page(operation.group_id, *operation.pages)
+        else:
+            coordinator.sanitizer.poison(operation.group_id, operation.pages)
+
+
+class PlanChannel:
+    """Rank 0 ``send``s plans; the others ``receive`` them, over the control group."""
+
+    def __init__(self, control, rank: int) -> None:
+        self.control = control
+        self.rank = rank
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(StepPlan)
+
+    def send(self, plan: StepPlan) -> None:
+        payload = self.encoder.encode(plan)
+        self.control.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0).wait()
+        self.control.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0).wait()
+
+    def receive(self) -> StepPlan:
+        length = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(length, 0).wait()
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.control.broadcast(payload, 0).wait()
+        return self.decoder.decode(payload.numpy().tobytes())

@@ -1,0 +1,54 @@
+"""A rank's place in a tensor-parallel group and the collectives sharded layers call.
+
+Owner: the engine (rank 0) or the worker builds one per process and hands it to the model's
+constructor; layers keep a reference and never change it. ``SINGLE`` is the one-rank shard
+(no collectives run; every layer computes as if unsharded).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    rank: int = 0
+    size: int = 1
+    group: Optional[Any] = None  # a torch.distributed backend (ProcessGroupGloo / ProcessGroupNCCL)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (heads, rows, ...); raises naming tensor_parallel_size
+        when it does not divide evenly."""
+        if total % self.size:
+            raise ValueError(f"tensor_parallel_size: {self.size} does not divide {what} ({total})")
+        return total // self.size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (returned for chaining)."""
+        if self.is_parallel:
+            self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (equal shapes), concatenated along the last dimension in rank
+        order."""
+        if not self.is_parallel:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.is_parallel:
+            self.group.broadcast(tensor, root).wait()
+        return tensor
+
+
+SINGLE = TensorShard()

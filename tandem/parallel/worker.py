@@ -1,0 +1,77 @@
+"""A worker rank (1 .. N-1): its shard of the model and of the state, driven by rank 0's plans.
+
+The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
+reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
+(same config, its own rank), agrees on the page counts, then loops: receive a plan, replay its
+page operations on this rank's buffers, run the forward pass. It samples nothing and keeps no
+scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
+kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from tandem.config import EngineConfig
+
+logger = logging.getLogger("tandem.parallel")
+
+
+def main() -> None:
+    """``python -m tandem.parallel.worker RANK SIZE PORT LOG_LEVEL``, the config (JSON) on stdin."""
+    from tandem.parallel.launcher import config_from_json
+
+    rank, size, port = (int(value) for value in sys.argv[1:4])
+    run_worker(config_from_json(sys.stdin.buffer.read()), rank, size, port, sys.argv[4])
+
+
+def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level: str = "info") -> None:
+    from tandem.engine.memory import resolve_device
+    from tandem.engine.process import die_with_parent, wait_passively_between_parallel_regions
+    from tandem.parallel.group import join, rank_device
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop (a STOP plan)
+    die_with_parent()
+    wait_passively_between_parallel_regions()
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    device = rank_device(resolve_device(config.device), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    groups = join(rank, size, device, port=port)
+    serve_plans(config, groups, device)
+
+
+def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
+    from tandem.engine.state_setup import build_coordinator, register_state
+    from tandem.models.loader import build_model
+    from tandem.parallel.launcher import agree_on_pages
+    from tandem.parallel.plan import STOP, PlanChannel, replay
+    from tandem.worker.model_runner import ModelRunner
+
+    torch.manual_seed(config.seed)
+    model, _, info = build_model(config.model, dtype=config.dtype, load_format=config.load_format, device=device,
+                                 max_model_len=config.max_model_len, seed=config.seed,
+                                 indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard)
+    registry = register_state(model, config.kv_cache_dtype)
+    registry.finalize()
+    _, coordinator = build_coordinator(config, device, registry, info.max_model_len, False,
+                                       agree=lambda plan: agree_on_pages(plan, groups.control))
+    runner = ModelRunner(model, coordinator, device)
+    channel = PlanChannel(groups.control, groups.rank)
+    logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
+    while True:
+        plan = channel.receive()
+        if plan.kind == STOP:
+            return
+        replay(plan.page_operations, coordinator)
+        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
+
+
+if __name__ == "__main__":
+    main()

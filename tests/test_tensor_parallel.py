@@ -1,0 +1,156 @@
+"""Tensor parallelism on CPU (gloo over 127.0.0.1): TP=2 equals TP=1 and transformers for each
+family it shards, bad sizes fail with an error naming tensor_parallel_size, and a dead rank
+takes the server down (non-zero exit, no process left behind).
+
+Each TP=2 engine runs one worker process; every scenario exercises the plan's parts: a mixed
+batch with chunked prefill, prompt logprobs (their LM-head gathers), a fork (n=2: rank 0's page
+copies replayed on the worker) and a prefix hit.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tests.oracle import assert_matches, assert_position
+from tests.server_helpers import ServerProcess, process_alive
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
+MAX_TOKENS = 5
+ENGINE = dict(page_size=16, max_total_tokens=512, max_num_batched_tokens=32, max_num_seqs=8)
+
+
+def run_scenario(llm: LLM):
+    """(outputs, prompts, n): a mixed batch (one prompt with prompt logprobs, one forked), then
+    a prompt extending the first (a prefix hit)."""
+    rng = random.Random(13)
+    first, second = [rng.randrange(3, 500) for _ in range(40)], [rng.randrange(3, 500) for _ in range(11)]
+    outputs = llm.generate([first, second], [SamplingParams(max_tokens=MAX_TOKENS, n=2, **GREEDY),
+                                             SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=3, **GREEDY)],
+                           use_tqdm=False)
+    third = first + [rng.randrange(3, 500) for _ in range(7)]
+    outputs += llm.generate([third], SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
+    return outputs, [first, second, third]
+
+
+def check_shard_registry(single, sharded, replicated: bool) -> None:
+    """Rank 0's registry lists the same buffers as one rank's, each holding its shard: fewer
+    heads per page (KV heads, recurrent heads), or the same bytes where the state is replicated
+    (MLA latents and the indexer)."""
+    whole = {d.key: d.page_bytes for d in single.buffers()}
+    shard = {d.key: d.page_bytes for d in sharded.buffers()}
+    assert shard.keys() == whole.keys()
+    if replicated:
+        assert shard == whole
+    else:
+        assert all(shard[key] * 2 == whole[key] for key in whole), (shard, whole)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "deepseek_v32"])
+def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
+    options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
+    if arch == "llama":  # the overlapped loop: rank 0 broadcasts tokens still pending on its device
+        options = dict(options, async_scheduling=True)
+    single_llm = LLM(model=model_dirs[arch], **options)
+    single, _ = run_scenario(single_llm)
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **options)
+    try:
+        assert llm.engine.overlap == (arch == "llama")
+        check_shard_registry(single_llm.engine.registry, llm.engine.registry, replicated=arch == "deepseek_v32")
+        outputs, prompts = run_scenario(llm)
+        llm.engine.check_all_free()
+    finally:
+        llm.engine.shutdown()
+    oracle = oracles[arch]
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        reference = oracle.greedy(prompt, MAX_TOKENS)
+        assert len(output.outputs) == (2 if number == 0 else 1)
+        for index, sequence in enumerate(output.outputs):
+            context = f"{arch} TP=2 prompt {number} sequence {index}"
+            assert_matches(sequence, reference, context=context)
+            single_sequence = single[number].outputs[index]
+            assert list(sequence.token_ids) == list(single_sequence.token_ids), f"{context}: TP=1 differs"
+            for entry, single_entry in zip(sequence.logprobs, single_sequence.logprobs):
+                for token, logprob in entry.items():
+                    assert abs(logprob.logprob - single_entry[token].logprob) <= 1e-4, context
+    prompt_logprobs = oracle.prompt_logprobs(prompts[1])
+    assert outputs[1].prompt_logprobs[0] is None
+    for position in range(1, len(prompts[1])):
+        assert_position(outputs[1].prompt_logprobs[position], prompt_logprobs[position - 1], 3,
+                        f"{arch} TP=2 prompt position {position}")
+
+
+def test_bad_tensor_parallel_size_is_named(model_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
+        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method"):
+        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is not supported for NemotronHForCausalLM"):
+        LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=2, **ENGINE)
+    # The tiny llama has 4 query heads and 2 key/value heads.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide num_key_value_heads \(2\)"):
+        LLM(model=model_dirs["llama"], tensor_parallel_size=4, **ENGINE)
+
+
+def test_pd_handshake_compares_tensor_parallel_size():
+    from tandem.disagg.common import model_dimensions
+    from tandem.transfer.messages import StateLayout, first_difference
+
+    def layout(size: int) -> StateLayout:
+        core = SimpleNamespace(model_info=SimpleNamespace(vocab_size=512, hidden_size=64), speculator=None,
+                               registry=SimpleNamespace(groups=[]), config=SimpleNamespace(tensor_parallel_size=size))
+        return StateLayout(architecture="LlamaForCausalLM", model=model_dimensions(core), page_size=16,
+                           num_groups=0, buffers=[], metadata_row_bytes=0)
+
+    assert first_difference(layout(2), layout(2)) is None
+    assert first_difference(layout(1), layout(2), "the prefill server", "the decode server") == \
+        "model.tensor_parallel_size: the prefill server has 1, the decode server has 2"
+
+
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        result = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True)
+        children = [int(child) for child in result.stdout.split()]
+        found += children
+        frontier += children
+    return found
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        return b"tandem.parallel.worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_rank_ends_the_server(model_dirs, tmp_path):
+    server = ServerProcess(["--model", model_dirs["llama"], "--tensor-parallel-size", "2", "--max-total-tokens", "512",
+                            "--max-num-seqs", "4"], tmp_path / "server.log").start()
+    try:
+        processes = descendants(server.process.pid)
+        workers = [pid for pid in processes if is_worker(pid)]
+        assert len(workers) == 1, f"one worker rank, got {workers} among {processes}"
+        started = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        status = server.process.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        server.kill()
+    assert status != 0, server.log()
+    assert "tensor_parallel_size: rank 1" in server.log()
+    assert took < 10, f"the server took {took:.1f} s to go down"
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in processes if process_alive(pid)], "processes left behind"
