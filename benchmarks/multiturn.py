@@ -2,6 +2,7 @@
 
     python benchmarks/multiturn.py                                # tiny model on CPU
     python benchmarks/multiturn.py --shape llama3-8b              # Llama-3.1-8B shape, bf16 (GPU)
+    python benchmarks/multiturn.py --pd                           # over PD: decode offload off vs on
 
 Conversations: ``--users`` users × ``--rounds`` rounds. Each round's prompt is the user's whole
 conversation so far (previous prompts and answers) plus a new message of ``--message-len``
@@ -45,10 +46,15 @@ def parse_args():
     parser.add_argument("--long-prompt", type=int, default=None, help="tokens (default: 2000 CPU, 10000 GPU)")
     parser.add_argument("--skip-conversations", action="store_true")
     parser.add_argument("--skip-long-prompt", action="store_true")
+    parser.add_argument("--pd", action="store_true",
+                        help="conversations over PD instead (multiturn_pd.py): TTFT of rounds 2..R with decode "
+                             "offload off and on (defaults: answers longer than messages, as in chat)")
     args = parser.parse_args()
     gpu = resolve_model_arguments(args)
     defaults = dict(users=(32, 8), first_len=(2000, 256), message_len=(500, 64), output_len=(100, 16),
                     host_cache_size=(24.0, 0.5), long_prompt=(10000, 2000))
+    if args.pd:
+        defaults.update(users=(32, 4), message_len=(100, 16), output_len=(500, 128))
     for name, (on_gpu, on_cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, on_gpu if gpu else on_cpu)
@@ -183,6 +189,11 @@ def main() -> None:
     model_dir = args.model or model_dir_for(args.shape, args.load_format)
     vocab_size = vocab_size_of(model_dir)
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}")
+    if args.pd:
+        from multiturn_pd import report_pd
+
+        report_pd(model_dir, args, vocab_size, percentile)
+        return
     if not args.skip_conversations:
         off = conversations(model_dir, args, vocab_size, 0.0)
         on = conversations(model_dir, args, vocab_size, args.host_cache_size)

@@ -53,6 +53,10 @@ class EngineConfig:
     host_cache_write_policy: str = "write_through"
     disk_cache_dir: Optional[str] = None
     disk_cache_size: float = 16.0
+    # Decode offload: every page that fills while a request decodes is copied device → host →
+    # the disk tier (the store shared with the prefill servers) as it fills, so the next turn
+    # of a conversation hits it on any prefill server. Needs disk_cache_dir and write_through.
+    decode_offload: bool = False
     # Scheduler. Preemption by "swap" (to the host tier; the default when one exists) or
     # "recompute" (the default without one, and the fallback when the host tier is full).
     preemption_mode: Optional[str] = None
@@ -104,6 +108,16 @@ class EngineConfig:
         require(self.disk_cache_size > 0, "disk_cache_size", f"must be > 0 GB, got {self.disk_cache_size}")
         require(self.host_cache_write_policy in HOST_CACHE_WRITE_POLICIES, "host_cache_write_policy",
                 f"must be one of {HOST_CACHE_WRITE_POLICIES}, got {self.host_cache_write_policy!r}")
+        require(not self.decode_offload or bool(self.disk_cache_dir), "decode_offload",
+                "needs the shared store: set disk_cache_dir (the directory the prefill servers name too)")
+        require(not self.decode_offload or self.host_cache_write_policy == "write_through", "decode_offload",
+                f"writes pages as they fill: needs host_cache_write_policy 'write_through', "
+                f"got {self.host_cache_write_policy!r}")
+        require(not self.decode_offload or self.enable_prefix_caching, "decode_offload",
+                "pages reach the store through the prefix cache: needs enable_prefix_caching")
+        require(not self.decode_offload or self.transfer is None or self.transfer.role == "decode",
+                "decode_offload", "applies to decode servers (--role decode) and colocated engines, "
+                                  "not to a prefill server")
         require(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                 f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         require(self.preemption_mode != "swap" or self.has_host_tier, "preemption_mode",

@@ -2,6 +2,10 @@
 pages for every group and a metadata row, sends their ids to the prefill engine, and on the
 completion notification copies the row out (I4), checks the room (I7), commits and decodes.
 
+Prefix cache: a prompt prefix this server's cache (or its tiers) holds is taken at binding and
+sent as null destination entries, so the prefill server writes only the rest (a conversation
+returning here moves only its new pages). Cached pages are never transfer destinations.
+
 Lifetimes: destination pages stay with the request until committed. A failed or aborted
 transfer moves them to an in-flight hold released only on ``Drained``/``TransferFailed(drained)``,
 or once the prefill engine is declared dead (no heartbeat for ``peer_timeout``). Freed pages are
@@ -169,25 +173,39 @@ class DecodeSide(PDSide):
             return False
         sequence = transfer.sequence
         needed = self.coordinator.pages_needed(sequence.state, sequence.num_prompt_tokens + sequence.max_tokens)
-        return all(pool.num_free - held >= count
-                   for pool, held, count in zip(self.coordinator.pools, reserved, needed))
+        evictable = self.coordinator.evictable_pages()  # the prefix cache gives way
+        return all(pool.num_free + spare - held >= count
+                   for pool, spare, held, count in zip(self.coordinator.pools, evictable, reserved, needed))
 
     def bind(self, transfer: DecodeTransfer, now: float) -> None:
+        """Allocate the prompt's pages (a prefix this server's cache holds is taken from it, not
+        transferred) and send the prefill server their ids, null where the cache holds them."""
         sequence = transfer.sequence
         transfer.row = self.metadata.allocate()
+        self.match_prefix(sequence)
         self.coordinator.allocate(sequence.state, sequence.num_prompt_tokens)
         self.coordinator.drop_unneeded_pages(sequence.state, sequence.num_prompt_tokens)
+        sequence.state.remote_tokens = sequence.num_prompt_tokens
         self.queue.remove(transfer)
         transfer.status.advance(TransferState.BOUND)
         transfer.bound_at = now
-        transfer.num_bytes = self.destination_bytes(sequence) + self.metadata.row_bytes
+        tables = self.coordinator.destination_tables(sequence.state)
+        transfer.num_bytes = self.destination_bytes(tables) + self.metadata.row_bytes
         self.channel.send_to_address(transfer.address, Destination(
-            room=transfer.room, page_tables=[list(table) for table in sequence.state.page_tables],
-            metadata_row=transfer.row, num_prompt_tokens=sequence.num_prompt_tokens))
+            room=transfer.room, page_tables=tables, metadata_row=transfer.row,
+            num_prompt_tokens=sequence.num_prompt_tokens))
 
-    def destination_bytes(self, sequence: Sequence) -> int:
+    def match_prefix(self, sequence: Sequence) -> None:
+        """Take the longest prefix this server's cache (and its tiers) holds for the prompt."""
+        scheduler = self.scheduler
+        hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
+        scheduler.prefix_hit_tokens += hit
+        scheduler.prefix_query_tokens += sequence.num_prompt_tokens
+        if hit and self.coordinator.tiers is not None:
+            self.coordinator.tiers.count_hit(sequence.state.cache_path)
+
+    def destination_bytes(self, tables: list[list[int]]) -> int:
         """Bytes the prefill side writes at most: every live destination page of every buffer."""
-        tables = sequence.state.page_tables
         return sum(descriptor.page_bytes * sum(page != NULL_PAGE for page in tables[descriptor.group_id])
                    for descriptor in self.registry.buffers())
 

@@ -34,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        if config.transfer is not None and config.transfer.role == "decode" and config.enable_prefix_caching:
-            # A decode server receives every prompt's state whole (a recurrent group gets its
-            # working slot, not the prefill server's cache checkpoints): it keeps no prefix cache.
-            config = config.with_changes(enable_prefix_caching=False)
         self.config = config
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)

@@ -201,6 +201,13 @@ class TierStats(msgspec.Struct, kw_only=True):
     disk_bytes: int = 0
     disk_rejected: dict[str, int] = {}  # files rejected by reason (truncated, checksum, foreign, ...)
     disk_write_failures: int = 0
+    # The shared store: disk hit tokens by who wrote the pages (prefill, decode, colocated,
+    # unknown), pages and bytes this server wrote to it (decode offload on a decode server), and
+    # device→host copies plus store writes in flight.
+    disk_hit_tokens_by_origin: dict[str, int] = {}
+    offloaded_pages: int = 0
+    offloaded_bytes: int = 0
+    offloads_in_flight: int = 0
 
 
 def tier_stats(tiers) -> TierStats:
@@ -221,7 +228,10 @@ def tier_stats(tiers) -> TierStats:
         host_pages_used=used, host_pages_total=total, disk_enabled=disk is not None,
         disk_files=_stat(disk_stats, "files"), disk_bytes=_stat(disk_stats, "bytes"),
         disk_rejected=dict(_stat(disk_stats, "rejected", {})),
-        disk_write_failures=_stat(disk_stats, "write_failures"))
+        disk_write_failures=_stat(disk_stats, "write_failures"),
+        disk_hit_tokens_by_origin=dict(stats.disk_hit_tokens_by_origin),
+        offloaded_pages=_stat(disk_stats, "writes"), offloaded_bytes=_stat(disk_stats, "bytes_written"),
+        offloads_in_flight=tiers.offloads_in_flight)
 
 
 def _stat(stats, name: str, default=0):

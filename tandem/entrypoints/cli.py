@@ -91,6 +91,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "the device pool (default: off)")
     tiers.add_argument("--disk-cache-size", type=float, default=16.0, metavar="GB",
                        help="disk tier size cap in GB, least recently used pages go first (default: %(default)s)")
+    tiers.add_argument("--decode-offload", action="store_true", default=False,
+                       help="on a decode server: copy each page that fills while decoding to the host tier and "
+                            "on to --disk-cache-dir (the store the prefill servers share), so the next turn of "
+                            "a conversation hits it on any prefill server (needs --disk-cache-dir)")
     tiers.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
                        help="swap: a preempted request's state goes to the host tier and comes back; "
                             "recompute: it is recomputed (default: swap with a host tier, else recompute; "
@@ -110,7 +114,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
-        preemption_mode=arguments.preemption_mode,
+        decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
         speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size)
 

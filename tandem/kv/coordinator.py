@@ -40,6 +40,9 @@ class RequestState:
     page_tables: list[list[int]]
     cache_path: list[CacheNode] = field(default_factory=list)  # locked prefix-cache nodes
     swapped: Optional["SwappedState"] = None  # preempted by swap: the state is in the host tier
+    # PD decode: the leading tokens whose state a transfer wrote (the prompt). Entries of sparse
+    # groups (recurrent checkpoints) at pages inside it were never written here: not cached.
+    remote_tokens: int = 0
 
     @classmethod
     def empty(cls, owner: str, num_groups: int) -> "RequestState":
@@ -194,6 +197,7 @@ class StateCoordinator:
         if self.prefix_cache is not None and state.cache_path:
             self.prefix_cache.unlock(state.cache_path)
         state.cache_path = []
+        state.remote_tokens = 0
 
     def drop_unneeded_pages(self, state: RequestState, num_computed_tokens: int) -> None:
         """Release pages the managers say no future step reads (e.g. outside a window)."""
@@ -267,6 +271,10 @@ class StateCoordinator:
             return
         entries = [manager.cache_entries(table, num_full)
                    for manager, table in zip(self.managers, state.page_tables)]
+        remote_pages = state.remote_tokens // self.page_size
+        for entry, manager in zip(entries, self.managers):
+            if manager.sparse_prefix_entries:  # a transfer brought the state, not these entries
+                entry[:remote_pages] = [NULL_PAGE] * len(entry[:remote_pages])
         # Insert only pages the sequence still holds in every group: a node never holds null,
         # except in groups whose entries are sparse by design (recurrent checkpoints).
         for index in range(start, num_full):
@@ -346,6 +354,13 @@ class StateCoordinator:
             self.mirror.poison(group_id, pages)
 
     # -- PD transfer ------------------------------------------------------------------------------
+    def destination_tables(self, state: RequestState) -> list[list[int]]:
+        """PD decode: the page tables a prefill server writes into, the sequence's own with null
+        in place of every page the prefix cache holds (a hit here: shared, already final, never
+        written by a transfer)."""
+        return [[NULL_PAGE if page != NULL_PAGE and pool.holders(page)[CACHE_OWNER] > 0 else page
+                 for page in table] for pool, table in zip(self.pools, state.page_tables)]
+
     def final_page_indices(self, state: RequestState, num_computed_tokens: int,
                            prompt_done: bool) -> list[list[int]]:
         """Per group: the page-table entries whose contents a PD receiver can take as final

@@ -86,7 +86,19 @@ def tier_metric_families(stats: EngineStats):
     for reason, value in sorted(tiers.disk_rejected.items()):
         rejected.add_metric([reason], value)
     yield rejected
+    store_hits = CounterMetricFamily(PREFIX + "store_hit_tokens",
+                                     "Prompt tokens served from the shared store (disk tier), by the role of the "
+                                     "server that wrote them.", labels=["origin"])
+    for origin, value in sorted(tiers.disk_hit_tokens_by_origin.items()):
+        store_hits.add_metric([origin], value)
+    yield store_hits
+    yield CounterMetricFamily(PREFIX + "offloaded_pages", "Pages this server wrote to the shared store.",
+                              value=tiers.offloaded_pages)
+    yield CounterMetricFamily(PREFIX + "offloaded_bytes", "Bytes this server wrote to the shared store.",
+                              value=tiers.offloaded_bytes)
     gauges = {
+        "offloads_in_flight": ("Device-to-host copies and store writes issued and not yet complete.",
+                               tiers.offloads_in_flight),
         "tier_copies_in_flight": ("Tier copies issued and not yet observed complete.", tiers.copies_in_flight),
         "host_cache_pages_used": ("Host-tier pages held (all groups).", tiers.host_pages_used),
         "host_cache_pages_total": ("Host-tier pages (all groups).", tiers.host_pages_total),

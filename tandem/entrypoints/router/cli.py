@@ -23,6 +23,9 @@ def add_router_parser(subparsers) -> None:
                         help="base URLs of decode servers (tandem serve --role decode)")
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded",
                         help="how a server is chosen for each leg (default: %(default)s)")
+    parser.add_argument("--prefill-affinity", action="store_true", default=False,
+                        help="send a conversation's next turn to the prefill server that served its start (its "
+                             "prefix cache still holds it), when that server is healthy (default: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
@@ -53,7 +56,8 @@ def run_router(arguments: argparse.Namespace) -> int:
 
     async def serve() -> int:
         router = Router(arguments.prefill, arguments.decode, arguments.policy, api_key=api_key,
-                        server_api_key=arguments.server_api_key or api_key, health_interval=arguments.health_interval)
+                        server_api_key=arguments.server_api_key or api_key, health_interval=arguments.health_interval,
+                        prefill_affinity=arguments.prefill_affinity)
         try:
             try:
                 await router.discover(arguments.startup_timeout)

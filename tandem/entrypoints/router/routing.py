@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
+from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
 from tandem.entrypoints.router.legs import LegFailed, Legs
 from tandem.transfer.messages import new_room
@@ -41,10 +42,12 @@ class Router:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
                  client: Optional[httpx.AsyncClient] = None, *, api_key: Optional[str] = None,
-                 server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL):
+                 server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL,
+                 prefill_affinity: bool = False):
         self.backends = [Backend(url.rstrip("/"), "prefill") for url in prefill_urls] + \
                         [Backend(url.rstrip("/"), "decode") for url in decode_urls]
         self.policy = policy
+        self.affinity = PrefillAffinity() if prefill_affinity else None
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), headers=headers,
@@ -58,6 +61,9 @@ class Router:
             self.requests.labels(outcome=outcome)
         self.retries = Counter("tandem:router_retries", "Requests sent again because a server could not be reached.",
                                ["role"], registry=self.registry)
+        self.affinity_hits = Counter("tandem:router_prefill_affinity_hits",
+                                     "Requests sent to the prefill server that served their conversation's start "
+                                     "(--prefill-affinity).", registry=self.registry)
         self.registry.register(BackendCollector(self))
         self.background: set[asyncio.Task] = set()
 
@@ -95,11 +101,25 @@ class Router:
             return candidates[next(turn) % len(candidates)]
         return min(candidates, key=lambda backend: (backend.in_flight, backend.dispatched))
 
+    def pick_prefill(self, pool: ModelPool, body: dict) -> Backend:
+        """With prefill affinity, the healthy prefill server that served this conversation last;
+        else (or when it is not healthy) the policy's pick, remembered for the next turn."""
+        if self.affinity is None:
+            return self.pick(pool, "prefill")
+        url = self.affinity.remembered(conversation_keys(body))
+        backend = next((b for b in pool.prefills if b.url == url and b.healthy), None) if url else None
+        if backend is not None:
+            self.affinity_hits.inc()
+        else:
+            backend = self.pick(pool, "prefill")
+        self.affinity.remember(conversation_key(body), backend.url)
+        return backend
+
     # -- dispatching -----------------------------------------------------------------------------------
     async def dispatch(self, path: str, body: dict, request: Request) -> Response:
         pool = self.pool_for(body.get("model"))
         for attempt in range(MAX_ATTEMPTS):
-            prefill, decode = self.pick(pool, "prefill"), self.pick(pool, "decode")
+            prefill, decode = self.pick_prefill(pool, body), self.pick(pool, "decode")
             room = new_room()
             prefill_body = {**body, "stream": False, "kv_transfer_params": {"room": room, "role": "prefill"}}
             prefill_body.pop("stream_options", None)

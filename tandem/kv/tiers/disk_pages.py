@@ -64,5 +64,5 @@ class DiskPages:
             host_pages.append(host[group][0])
         node.host_pages = tuple(host_pages)
         self._host_resident(node)
-        self._read_from_disk_now.add(id(node))
+        self._read_from_disk_now[id(node)] = self.disk.last_read_origin
         return True

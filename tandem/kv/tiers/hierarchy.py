@@ -57,6 +57,7 @@ SELECTIVE_HITS = 2  # write_through_selective: a node is saved on its second hit
 class TierStats:
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    disk_hit_tokens_by_origin: dict[str, int] = field(default_factory=dict)  # who wrote them: prefill, decode, ...
     saved_pages: int = 0
     loaded_pages: int = 0
     d2h_bytes: int = 0
@@ -129,8 +130,9 @@ class TieredState(DiskPages, Swap):
         self._op_ids = itertools.count()
         self._swapped: dict[str, SwappedState] = {}
         self._host_lru: "OrderedDict[CacheNode, None]" = OrderedDict()  # host-resident nodes, LRU first
-        self._read_from_disk_now: set[int] = set()
+        self._read_from_disk_now: dict[int, str] = {}  # node -> the origin of its stored page
         self.restored_now: dict[int, str] = {}  # the latest match's restored nodes -> "host"/"disk"
+        self.restored_origin: dict[int, str] = {}  # the latest match's disk nodes -> who wrote them
         self.stats = TierStats()
 
     @property
@@ -184,6 +186,11 @@ class TieredState(DiskPages, Swap):
     @property
     def copies_in_flight(self) -> int:
         return len(self._ops)
+
+    @property
+    def offloads_in_flight(self) -> int:
+        """Device→host copies and store writes issued and not yet complete."""
+        return len(self._ops) + (self.disk.writes_in_flight if self.disk is not None else 0)
 
     def drain(self) -> None:
         """Wait for every copy and disk write; release what they held."""
@@ -270,6 +277,9 @@ class TieredState(DiskPages, Swap):
                 self.stats.host_hit_tokens += self.page_size
             elif tier == "disk":
                 self.stats.disk_hit_tokens += self.page_size
+                origin = self.restored_origin.get(id(node), "unknown")
+                by_origin = self.stats.disk_hit_tokens_by_origin
+                by_origin[origin] = by_origin.get(origin, 0) + self.page_size
 
     def on_hit(self, nodes: list[CacheNode]) -> None:
         for node in nodes:
@@ -352,7 +362,7 @@ class TieredState(DiskPages, Swap):
     def restore(self, path: list[CacheNode]) -> int:
         """Make the path's nodes device-resident, as many as the device pool allows; returns how
         many leading nodes are on the device. Loads are issued per layer (I3)."""
-        self.restored_now = {}
+        self.restored_now, self.restored_origin = {}, {}
         first = next((index for index, node in enumerate(path) if node.pages is None), len(path))
         todo = path[first:]
         self.on_hit(path[:first])
@@ -374,7 +384,10 @@ class TieredState(DiskPages, Swap):
         placed, moves = pair_pages([node.host_pages for node in todo], device, to_host=False)
         for node, pages in zip(todo, placed):
             self._cache.set_device_pages(node, pages)
-            self.restored_now[id(node)] = "disk" if id(node) in self._read_from_disk_now else "host"
+            origin = self._read_from_disk_now.get(id(node))
+            self.restored_now[id(node)] = "host" if origin is None else "disk"
+            if origin is not None:
+                self.restored_origin[id(node)] = origin
         self._read_from_disk_now.clear()
         self.stats.loaded_pages += len(todo)
         self._start(moves, True, [move.device_pages for move in moves], [move.host_pages for move in moves])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -68,13 +69,22 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
                          f"({per_node} bytes per page of every group)")
     disk = None
     if config.disk_cache_dir:
-        from tandem.kv.tiers.disk_store import DiskStore
         from tandem.kv.tiers.keys import layout_fingerprint
+        from tandem.kv.tiers.store import open_store
 
-        disk = DiskStore(config.disk_cache_dir, int(config.disk_cache_size * GIB),
-                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)))
+        disk = open_store(config.disk_cache_dir, int(config.disk_cache_size * GIB),
+                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)),
+                         origin=config.transfer.role if config.transfer is not None else "colocated")
+        # Test hook (zero in production): each store write waits this long first, so a test can
+        # kill a server while its writes are in flight.
+        disk.write_delay_s = float(os.environ.get("TANDEM_TEST_STORE_WRITE_DELAY", "0") or 0)
         if not disk.available:
             logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
+        elif config.transfer is not None and config.transfer.role == "decode" and not config.decode_offload:
+            # A decode server reads the shared store (prefix hits at binding) but writes to it
+            # only with decode offload.
+            disk.writes_enabled = False
+            disk.write_disabled_reason = "a decode server writes to the shared store only with --decode-offload"
     tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
                         device=device, disk=disk)
     logger.info("host tier: %d pages (%.2f GB, %s)%s", host_pages, host_pages * per_node / GIB,

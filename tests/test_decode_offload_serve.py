@@ -1,0 +1,161 @@
+"""Decode offload with real processes (tiny llama): two prefill servers and a decode server with
+``--decode-offload`` name one ``--disk-cache-dir``; routers for 1P1D and 2P1D. Concurrent
+multi-turn conversations through the routers: every turn equals ``transformers`` on the whole
+conversation, and from turn 2 on the prefill servers report store hits written by the decode
+server covering the pages the previous turn completed while decoding. Then a decode server is
+killed while its store writes are in flight: every page file in the store is complete and
+verifies, and the next turn (on a restarted decode server) is exact and hits what it wrote.
+Servers start once for the module."""
+import os
+
+os.environ["TANDEM_SANITIZE"] = "1"
+
+import concurrent.futures  # noqa: E402
+import random  # noqa: E402
+import struct  # noqa: E402
+import zlib  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from tandem.kv.tiers import disk_store  # noqa: E402
+from tests.oracle import LOGPROB_TOLERANCE  # noqa: E402
+from tests.pd_helpers import RouterProcess, ServerProcess, serve_flags, start_all, wait_for  # noqa: E402
+
+MODEL_NAME = "tiny"
+ENGINE = dict(page_size=4, max_total_tokens=1024, max_num_seqs=8, max_num_batched_tokens=16)
+PD_FLAGS = ["--pd-heartbeat-interval", "0.25", "--pd-peer-timeout", "3", "--pd-drain-timeout", "2"]
+TOKENS = 6
+PAGE = ENGINE["page_size"]
+WRITE_DELAY = 0.3
+
+
+@pytest.fixture(scope="module")
+def deployment(model_dirs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("offload_logs")
+    store = logs / "store"
+
+    def server(name, role, *extra, environment=None):
+        return ServerProcess(["--model", model_dirs["llama"], "--served-model-name", MODEL_NAME, "--role", role,
+                              *PD_FLAGS, "--disk-cache-dir", str(store), *extra, *serve_flags(ENGINE)],
+                             logs / f"{name}.log", environment)
+
+    # Store writes wait WRITE_DELAY each on the decode server, so the last test can kill it with
+    # writes in flight.
+    servers = {"prefill_a": server("prefill_a", "prefill"), "prefill_b": server("prefill_b", "prefill"),
+               "decode": server("decode", "decode", "--decode-offload",
+                                environment={"TANDEM_TEST_STORE_WRITE_DELAY": str(WRITE_DELAY)})}
+    url = {name: process.base_url for name, process in servers.items()}
+    routers = {"one": RouterProcess([url["prefill_a"]], [url["decode"]], logs / "router_one.log",
+                                    extra=("--health-interval", "0.5")),
+               "two": RouterProcess([url["prefill_a"], url["prefill_b"]], [url["decode"]], logs / "router_two.log",
+                                    extra=("--policy", "round-robin", "--prefill-affinity"))}
+    try:
+        start_all(list(servers.values()))
+        for router in routers.values():
+            router.start()
+        yield servers, routers, store
+    finally:
+        for process in [*routers.values(), *servers.values()]:
+            process.kill()
+
+
+def complete(router, prompt: list[int], max_tokens: int = TOKENS) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "logprobs": 1}
+    response = httpx.post(router.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def assert_exact(choice: dict, reference) -> None:
+    assert choice["token_ids"] == reference.token_ids
+    for position, (token, logprob) in enumerate(zip(choice["token_ids"], choice["logprobs"]["token_logprobs"])):
+        assert abs(logprob - reference.logprobs[position][token].item()) <= LOGPROB_TOLERANCE, position
+
+
+def decode_hits(*prefills) -> float:
+    total = 0.0
+    for server in prefills:
+        try:
+            total += server.metric("store_hit_tokens_total", 'origin="decode"')
+        except KeyError:
+            pass
+    return total
+
+
+def conversations(router, decode, prefills, oracle, *, count: int, turns: int, seed: int) -> None:
+    rng = random.Random(seed)
+    history = [[rng.randrange(3, 500) for _ in range(9)] for _ in range(count)]
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        for turn in range(turns):
+            before = decode_hits(*prefills)
+            choices = list(pool.map(lambda prompt: complete(router, prompt), history))
+            wait_for(lambda: decode.metric("offloads_in_flight") == 0, 30, "the offload did not land")
+            if turn:
+                previous = [len(prompt) - TOKENS - 5 for prompt in history]
+                expected = sum(((length + TOKENS - 1) // PAGE - length // PAGE) * PAGE for length in previous)
+                assert decode_hits(*prefills) - before >= expected, (turn, decode_hits(*prefills) - before, expected)
+            for number, choice in enumerate(choices):
+                assert_exact(choice, oracle.greedy(history[number], TOKENS))
+                history[number] = history[number] + choice["token_ids"] + [rng.randrange(3, 500) for _ in range(5)]
+
+
+def test_1p1d_turns_hit_what_the_decode_server_offloaded(deployment, oracles):
+    servers, routers, _ = deployment
+    conversations(routers["one"], servers["decode"], [servers["prefill_a"]], oracles["llama"],
+                  count=3, turns=3, seed=1)
+    assert servers["decode"].metric("offloaded_pages_total") > 0
+
+
+def test_2p1d_turns_hit_on_either_prefill_server(deployment, oracles):
+    """Round robin spreads the conversations over both prefill servers; prefill affinity sends
+    each later turn to the server that served the conversation's start."""
+    servers, routers, _ = deployment
+    conversations(routers["two"], servers["decode"], [servers["prefill_a"], servers["prefill_b"]],
+                  oracles["llama"], count=4, turns=3, seed=2)
+    assert routers["two"].metric("router_prefill_affinity_hits_total") == 4 * 2
+    for name in ("prefill_a", "prefill_b"):
+        url = servers[name].base_url
+        assert routers["two"].metric("router_backend_dispatched", f'role="prefill",url="{url}"') == 2 * 3
+
+
+def verify_page_file(path) -> None:
+    """A page file as a reader checks it: header, key, lengths, both checksums."""
+    data = path.read_bytes()
+    fixed = disk_store._FIXED
+    magic, version, key_length, _, payload_length, _, payload_crc = fixed.unpack_from(data)
+    assert magic == disk_store.MAGIC and version == disk_store.FORMAT_VERSION, path
+    key = data[disk_store.HEADER_SIZE:disk_store.HEADER_SIZE + key_length]
+    (header_crc,) = struct.unpack_from("<I", data, fixed.size)
+    assert zlib.crc32(key, zlib.crc32(data[:fixed.size])) == header_crc, path
+    assert len(data) == disk_store.HEADER_SIZE + key_length + payload_length, path
+    assert zlib.crc32(data[disk_store.HEADER_SIZE + key_length:]) == payload_crc, path
+    assert path.name == key.hex() + ".page"
+
+
+def test_a_decode_server_killed_mid_offload_leaves_only_whole_pages(deployment, oracles):
+    servers, routers, store = deployment
+    victim, oracle = servers["decode"], oracles["llama"]
+    prompt = [random.Random(3).randrange(3, 500) for _ in range(10)]
+    written = victim.metric("offloaded_pages_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: httpx.post(routers["one"].base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": True}))
+        # kill once some of this request's pages landed and more are in flight (writes take
+        # WRITE_DELAY each: they fall behind the decoding)
+        wait_for(lambda: victim.metric("offloaded_pages_total") >= written + 2
+                 and victim.metric("offloads_in_flight") > 0, 60, "no store write landed")
+        victim.kill()
+        pending.result()  # an error or a cut-off answer: the request died with its server
+    pages = list(store.rglob("*.page"))
+    assert pages
+    for path in pages:
+        verify_page_file(path)
+    victim.start()
+    wait_for(lambda: routers["one"].metric("router_backend_healthy", f'role="decode",url="{victim.base_url}"')
+             == 1, 20, "the router did not take the restarted decode server back")
+    before = decode_hits(servers["prefill_a"])
+    second = prompt + oracle.greedy(prompt, 100).token_ids + [7, 8, 9, 10, 11]
+    assert_exact(complete(routers["one"], second), oracle.greedy(second, TOKENS))
+    assert decode_hits(servers["prefill_a"]) - before >= 2 * PAGE
