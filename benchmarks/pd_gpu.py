@@ -58,6 +58,12 @@ class Deadline:
 # -- part 1: bandwidth --------------------------------------------------------------------------------------
 
 
+def metadata_beside_pages(buffer_class, backend: str, device: str):
+    """Metadata rows where PD keeps them: beside the pages for NCCL (device memory only), in
+    host memory for NIXL."""
+    return buffer_class(4, device=device if backend == "nccl" else "cpu")
+
+
 def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     """The decode process: the model's pools on the decode device; for each backend, register
     them, hand the prefill process what it needs, and answer each completion notification."""
@@ -72,13 +78,15 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
                            arguments["dtype"])
         tables = allocate_pages(core, "bench#d", arguments["tokens"], False, seed=2)
         regions = buffer_regions(core.registry)
-        metadata = MetadataBuffer(4)
+        metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments["decode_device"])
+                       for name in arguments["backends"]}
     except Exception:  # noqa: BLE001
         to_prefill.put(("error", traceback.format_exc()))
         return
     for name in arguments["backends"]:
         try:
             backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
+            metadata = metadata_of[name]
             backend.register(regions + [tensor_region(metadata.tensor)])
             to_prefill.put(("ready", backend.local_metadata(), [r.address for r in regions], regions[0].device,
                             metadata.address(0), tables))
@@ -203,8 +211,10 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
         core = build_state(arguments.model, arguments.page_size, arguments.input_len, arguments.prefill_device,
                            arguments.dtype)
         sources = allocate_pages(core, "bench#p", arguments.input_len, False, seed=1)
-        metadata = MetadataBuffer(4)
+        metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments.prefill_device)
+                       for name in arguments.backends}
         for name in arguments.backends:
+            metadata = metadata_of[name]
             try:
                 message = to_prefill.get(timeout=deadline.left(QUEUE_SECONDS))
                 if message[0] == "error":
@@ -436,7 +446,8 @@ def main(argv=None) -> int:
     arguments = parse_arguments(argv)
     deadline = Deadline(arguments.deadline)
     os.environ.pop("TANDEM_SANITIZE", None)  # measure the engine as deployed
-    os.environ["PYTHONPATH"] = str(REPOSITORY_ROOT)
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # the servers import this checkout (and what the caller added)
+        [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
     resolve_devices(arguments)
     from common import model_dir_for
 

@@ -164,21 +164,3 @@ def test_pd_pair_decodes_exactly_after_a_warm_up(backend, model_dirs, oracles):
         pair.assert_all_free()
     finally:
         pair.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_moves_gpu_memory_between_two_gpus():
-    pair = Pair("cuda:0", "cuda:1", num_bytes=1024 * PAGE, direct_bytes=64 * PAGE, staging_bytes=256 * PAGE)
-    try:
-        pairs = [(i, 1023 - i) for i in range(0, 1000, 3)]
-        descriptors = pair.pages(pairs) + pair.pages([(1001, 100)], pages=20)  # staged and direct
-        handle = pair.writer.write(pair.peer, descriptors, notification=b"gpu")
-        assert finish(pair.writer, handle) is WriteStatus.DONE, handle.error
-        notes = []
-        wait_until(lambda: notes.extend(pair.reader.notifications()) or notes)
-        source, target = pair.source.cpu(), pair.target.cpu()
-        for s, d in pairs + [(1001 + i, 100 + i) for i in range(20)]:
-            assert torch.equal(target[d * PAGE:(d + 1) * PAGE], source[s * PAGE:(s + 1) * PAGE])
-    finally:
-        pair.close()

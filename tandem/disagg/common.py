@@ -64,9 +64,6 @@ class PDSide:
         self.scheduler = core.scheduler
         self.registry = core.registry
         self.engine_id = f"tandem-{config.role}-{uuid.uuid4().hex[:16]}"
-        self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,
-                                       hidden_size=int(core.model_info.hidden_size),
-                                       sanitize=core.config.sanitizer_on)
         self.backend: TransferBackend = create_backend(config.backend, self.engine_id,
                                                        failure_probability=config.injected_failure_probability,
                                                        seed=failure_seed_from_environment(),
@@ -78,8 +75,14 @@ class PDSide:
         self.device_index = regions[0].device if regions else -1
         # where each new pair's first (warm-up) write lands: beside the pages, so the connection
         # the pages take is the one set up at handshake (see PrefillSide.warm_up)
+        memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
         self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if config.role == "prefill" else 0, dtype=torch.uint8,
-                                  device="cpu" if self.device_index < 0 else f"cuda:{self.device_index}")
+                                  device=memory)
+        # NCCL moves device memory only: its metadata rows sit beside the pages (NIXL's in host memory)
+        self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,
+                                       hidden_size=int(core.model_info.hidden_size),
+                                       device=memory if config.backend == "nccl" else "cpu",
+                                       sanitize=core.config.sanitizer_on)
         self.backend.register(regions + [tensor_region(self.metadata.tensor), tensor_region(self.scratch)])
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,

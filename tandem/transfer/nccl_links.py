@@ -6,6 +6,7 @@ pair's control connection, and the acknowledgement that makes a write DONE. See
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import struct
@@ -140,7 +141,7 @@ class Link:
         if self.device >= 0:
             work.wait()
         else:
-            work.wait(timedelta(self.backend.timeout))
+            work.wait(timedelta(seconds=self.backend.timeout))
 
     def drain(self, works: list) -> None:
         """Return once every operation in ``works`` (and everything on the side stream) is
@@ -172,6 +173,12 @@ class Link:
             self.ensure_staging(max(capacity, STAGING_ALIGNMENT))
         if not lengths:  # the warm-up write: one element
             works.append(operation([self.staging_slice(0, 8, torch.int64)[:1]]))
+        if self.coalesces(segments):  # one NCCL group: the runs share the link's channels at once
+            self.group._start_coalescing()
+            for segment in segments:
+                operation([tensor_of(segment, None)])
+            self.drain([self.group._end_coalescing()])
+            return
         for segment in segments:
             staging = None
             if not segment.direct:
@@ -187,6 +194,14 @@ class Link:
             else:
                 works.append(work)
         self.drain(works)
+
+    def coalesces(self, segments) -> bool:
+        """Whether a write's segments go as one group of point-to-point operations: between
+        GPUs, when every segment is a run sent in place (staged ones need their scatter after
+        each receive). ``TANDEM_NCCL_COALESCE=0`` posts them one by one instead."""
+        return (self.device >= 0 and len(segments) > 1 and all(segment.direct for segment in segments)
+                and os.environ.get("TANDEM_NCCL_COALESCE", "1") != "0"
+                and hasattr(self.group, "_start_coalescing"))
 
     def fail(self, error: BaseException | str) -> None:
         """End the pair: later writes fail; the peer's thread sees the connection close."""

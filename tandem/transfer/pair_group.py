@@ -84,7 +84,7 @@ def receive_frame(connection: socket.socket, idle: Optional[Callable[[], bool]] 
 
 def _gloo(store, rank: int, host: str, timeout: float):
     options = distributed.ProcessGroupGloo._Options()
-    options._timeout = timedelta(timeout)
+    options._timeout = timedelta(seconds=timeout)
     options._devices = [distributed.ProcessGroupGloo.create_device(hostname=host)]
     return distributed.ProcessGroupGloo(store, rank, 2, options)
 
@@ -93,7 +93,7 @@ def _nccl(store, rank: int, timeout: float):
     if not hasattr(distributed, "ProcessGroupNCCL"):
         raise RuntimeError("transfer_backend nccl: this torch build has no NCCL")
     options = distributed.ProcessGroupNCCL.Options()
-    options._timeout = timedelta(timeout)
+    options._timeout = timedelta(seconds=timeout)
     return distributed.ProcessGroupNCCL(store, rank, 2, options)
 
 
@@ -131,7 +131,7 @@ class Rendezvous:
     def __init__(self, host: str, token: str, timeout: float) -> None:
         self.host, self.token, self.timeout = host, token, timeout
         self.store = distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                          timeout=timedelta(timeout), use_libuv=True)
+                                          timeout=timedelta(seconds=timeout), use_libuv=True)
         self.listener = socket.create_server((host, 0))
         self.listener.settimeout(POLL_SECONDS)
         self.store_port, self.control_port = self.store.port, self.listener.getsockname()[1]
@@ -168,5 +168,5 @@ def pair_with(host: str, control_port: int, store_port: int, token: str, writer:
     connection = socket.create_connection((host, control_port), timeout=timeout)
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     send_frame(connection, f"{token}\n{writer}\n{pair_id}".encode())
-    store = distributed.TCPStore(host, store_port, is_master=False, timeout=timedelta(timeout), use_libuv=True)
+    store = distributed.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
     return connection, distributed.PrefixStore(f"{pair_id}/", store)
