@@ -12,9 +12,12 @@ from tandem.kv.registry import StateRegistry
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """The engine's device; a CUDA device is made the current one, so that kernels, CUDA graphs
+    and side streams land on it (``--device cuda:1``) rather than on device 0."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 def available_host_memory() -> int:
