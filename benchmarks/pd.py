@@ -87,26 +87,30 @@ def decode_process(model_dir: str, page_size: int, tokens: int, device: str, sca
     tables = allocate_pages(core, "bench#d", tokens, scattered, seed=2)
     to_prefill.put((backend.local_metadata(), [r.address for r in regions], regions[0].device,
                     metadata.address(0), plain.data_ptr(), tables))
-    # Keep polling the agent, as a decode engine does while it expects writes (it progresses the
-    # connection's set-up and receives the notifications); answer each "go" once one arrived.
+    answer_notifications(backend, from_prefill, to_prefill, "stop")
+    backend.close()
+
+
+def answer_notifications(backend, commands, answers, stop: str) -> None:
+    """Keep polling the agent, as a decode engine does while it expects writes (it progresses
+    the connection's set-up and receives the notifications); answer each "go" with "seen" once
+    a notification arrived, until the ``stop`` command."""
     import queue
 
     pending, received = 0, 0
     while True:
         received += len(backend.notifications())
         try:
-            command = from_prefill.get_nowait()
+            command = commands.get_nowait()
         except queue.Empty:
             command = None
-        if command == "stop":
-            break
-        if command == "go":
-            pending += 1
+        if command == stop:
+            return
+        pending += command == "go"
         if pending and received:
             pending, received = pending - 1, received - 1
-            to_prefill.put("seen")
+            answers.put("seen")
         time.sleep(0.0002)
-    backend.close()
 
 
 def measure_bandwidth(model_dir: str, page_size: int, tokens: int, rounds: int, device: str,

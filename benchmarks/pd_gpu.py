@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -67,7 +66,7 @@ def metadata_beside_pages(buffer_class, backend: str, device: str):
 def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     """The decode process: the model's pools on the decode device; for each backend, register
     them, hand the prefill process what it needs, and answer each completion notification."""
-    from pd import allocate_pages, build_state
+    from pd import allocate_pages, answer_notifications, build_state
 
     from tandem.transfer.connector import create_backend
     from tandem.transfer.descriptors import buffer_regions, tensor_region
@@ -93,20 +92,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
             continue
-        pending, received = 0, 0
-        while True:
-            received += len(backend.notifications())
-            try:
-                command = from_prefill.get_nowait()
-            except queue.Empty:
-                command = None
-            if command == "next":
-                break
-            pending += command == "go"
-            if pending and received:
-                pending, received = pending - 1, received - 1
-                to_prefill.put("seen")
-            time.sleep(0.0001)
+        answer_notifications(backend, from_prefill, to_prefill, "next")
         backend.close()
 
 
