@@ -101,10 +101,6 @@ class StateRegistry:
     def group_of(self, layer_name: str) -> int:
         return self._layer_group[layer_name]
 
-    def layer_names(self) -> list[str]:
-        """Every registered layer, in registration order."""
-        return list(self._specs)
-
     def spec_of(self, layer_name: str) -> StateSpec:
         return self._specs[layer_name]
 
