@@ -2,10 +2,12 @@
 ``--decode-offload`` name one ``--disk-cache-dir``; routers for 1P1D and 2P1D. Concurrent
 multi-turn conversations through the routers: every turn equals ``transformers`` on the whole
 conversation, and from turn 2 on the prefill servers report store hits written by the decode
-server covering the pages the previous turn completed while decoding (gemma3's sliding window:
-see ``DECODE_HITS``). Then a decode server is killed while its store writes are in flight: every
-page file in the store is complete and verifies, and the next turn (on a restarted decode server)
-is exact and hits what it wrote. Servers start once per family.
+server covering the pages the previous turn completed while decoding — gemma3 included: its
+decode server's own prefix cache keeps nothing once a prompt outgrows the window (README), but the
+pages it completes while decoding lie inside the window and are offloaded all the same. Then a
+decode server is killed while its store writes are in flight: every page file in the store is
+complete and verifies, and the next turn (on a restarted decode server) is exact and hits what it
+wrote. Servers start once per family.
 
 By default (CI) llama only, a few conversations of 3 turns. ``TANDEM_TEST_MULTITURN_FULL=1`` runs
 the issue's scale: 32 concurrent conversations of 4 turns, for llama, gemma3, deepseek_v32 (float32
@@ -26,7 +28,7 @@ import pytest  # noqa: E402
 from tandem.kv.tiers import disk_store  # noqa: E402
 from tests.oracle import LOGPROB_TOLERANCE  # noqa: E402
 from tests.pd_helpers import RouterProcess, ServerProcess, serve_flags, start_all, wait_for  # noqa: E402
-from tests.test_decode_offload import DECODE_HITS, EXACT  # noqa: E402
+from tests.test_decode_offload import EXACT  # noqa: E402
 
 MODEL_NAME = "tiny"
 ENGINE = dict(page_size=4, max_total_tokens=1024, max_num_seqs=8, max_num_batched_tokens=16)
@@ -98,8 +100,7 @@ def decode_hits(*prefills) -> float:
     return total
 
 
-def conversations(router, decode, prefills, oracle, *, count: int, turns: int, seed: int,
-                  expect_decode_hits: bool = True) -> None:
+def conversations(router, decode, prefills, oracle, *, count: int, turns: int, seed: int) -> None:
     rng = random.Random(seed)
     history = [[rng.randrange(3, 500) for _ in range(9)] for _ in range(count)]
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
@@ -115,8 +116,7 @@ def conversations(router, decode, prefills, oracle, *, count: int, turns: int, s
                   f"{max(map(len, history))} tokens, {time.monotonic() - started:.1f} s, prefill store hits "
                   f"written by the decode server {hits:.0f} tokens (previous turn's decoded pages: {expected} "
                   f"tokens), offloaded pages so far {decode.metric('offloaded_pages_total'):.0f}")
-            if expect_decode_hits:
-                assert hits >= expected, (turn, hits, expected)
+            assert hits >= expected, (turn, hits, expected)
             for number, choice in enumerate(choices):
                 assert_exact(choice, oracle.greedy(history[number], TOKENS))
                 history[number] = history[number] + choice["token_ids"] + [rng.randrange(3, 500) for _ in range(5)]
@@ -126,9 +126,10 @@ def conversations(router, decode, prefills, oracle, *, count: int, turns: int, s
 def test_1p1d_turns_hit_what_the_decode_server_offloaded(deployment, oracles):
     arch, servers, routers, _ = deployment
     count, turns = SCALE["one"]
+    print(f"\n{arch} 1P1D")
     conversations(routers["one"], servers["decode"], [servers["prefill_a"]], oracles[arch],
-                  count=count, turns=turns, seed=1, expect_decode_hits=arch in DECODE_HITS)
-    assert servers["decode"].metric("offloaded_pages_total") > 0 or arch not in DECODE_HITS
+                  count=count, turns=turns, seed=1)
+    assert servers["decode"].metric("offloaded_pages_total") > 0
 
 
 @pytest.mark.parametrize("deployment", FAMILIES, indirect=True)
@@ -137,8 +138,9 @@ def test_2p1d_turns_hit_on_either_prefill_server(deployment, oracles):
     each later turn to the server that served the conversation's start."""
     arch, servers, routers, _ = deployment
     count, turns = SCALE["two"]
+    print(f"\n{arch} 2P1D")
     conversations(routers["two"], servers["decode"], [servers["prefill_a"], servers["prefill_b"]],
-                  oracles[arch], count=count, turns=turns, seed=2, expect_decode_hits=arch in DECODE_HITS)
+                  oracles[arch], count=count, turns=turns, seed=2)
     assert routers["two"].metric("router_prefill_affinity_hits_total") == count * (turns - 1)
     for name in ("prefill_a", "prefill_b"):
         url = servers[name].base_url
