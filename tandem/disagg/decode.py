@@ -22,6 +22,7 @@ import torch
 from tandem.disagg.common import PDSide
 from tandem.disagg.transfers import DecodeTransfer, PrefillLink
 from tandem.engine.protocol import PositionLogprobs, TransferParams
+from tandem.kv.block_pool import OutOfPagesError
 from tandem.kv.planner import NULL_PAGE
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
@@ -150,7 +151,11 @@ class DecodeSide(PDSide):
                     transfer.held_back = True
                     self.metrics.record_held_back()
                 return
-            self.bind(transfer, now)
+            if not self.bind(transfer, now):
+                if not transfer.held_back:
+                    transfer.held_back = True
+                    self.metrics.record_held_back()
+                return
             reserved = None
 
     def reserved_pages(self) -> list[int]:
@@ -177,13 +182,22 @@ class DecodeSide(PDSide):
         return all(pool.num_free + spare - held >= count
                    for pool, spare, held, count in zip(self.coordinator.pools, evictable, reserved, needed))
 
-    def bind(self, transfer: DecodeTransfer, now: float) -> None:
+    def bind(self, transfer: DecodeTransfer, now: float) -> bool:
         """Allocate the prompt's pages (a prefix this server's cache holds is taken from it, not
-        transferred) and send the prefill server their ids, null where the cache holds them."""
+        transferred) and send the prefill server their ids, null where the cache holds them.
+        False (nothing held) when the pages cannot be had yet."""
         sequence = transfer.sequence
         transfer.row = self.metadata.allocate()
         self.match_prefix(sequence)
-        self.coordinator.allocate(sequence.state, sequence.num_prompt_tokens)
+        try:
+            self.coordinator.allocate(sequence.state, sequence.num_prompt_tokens)
+        except OutOfPagesError:
+            # Admission counts cached pages as evictable that cannot go yet (the prefix just
+            # matched is locked; pages under in-flight offload copies are held): wait for pages.
+            self.coordinator.free(sequence.state)
+            self.metadata.release(transfer.row)
+            transfer.row = None
+            return False
         self.coordinator.drop_unneeded_pages(sequence.state, sequence.num_prompt_tokens)
         sequence.state.remote_tokens = sequence.num_prompt_tokens
         self.queue.remove(transfer)
@@ -194,6 +208,7 @@ class DecodeSide(PDSide):
         self.channel.send_to_address(transfer.address, Destination(
             room=transfer.room, page_tables=tables, metadata_row=transfer.row,
             num_prompt_tokens=sequence.num_prompt_tokens))
+        return True
 
     def match_prefix(self, sequence: Sequence) -> None:
         """Take the longest prefix this server's cache (and its tiers) holds for the prompt."""
