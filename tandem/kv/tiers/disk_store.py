@@ -58,6 +58,10 @@ from typing import Callable, Optional
 
 import torch
 
+from tandem.kv.tiers.page_io import (Rejected as _Rejected, check_payload_tensor as _check_payload_tensor,
+                                     read_exact as _read_exact, readinto_exact as _readinto_exact,
+                                     write_all as _write_all)
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TNDMPAGE"
@@ -493,43 +497,3 @@ class DiskStore:
         """Writes handed in and not yet completed."""
         with self._lock:
             return self._outstanding
-
-
-@dataclass
-class _Rejected:
-    reason: str
-    detail: str
-
-
-def _check_payload_tensor(t: torch.Tensor, name: str) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.device.type != "cpu" \
-            or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous uint8 CPU tensor")
-
-
-def _read_exact(f, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = f.read(n - got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _readinto_exact(f, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _write_all(f, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = f.write(view)
-        view = view[n:]
