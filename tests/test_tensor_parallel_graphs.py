@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem import LLM
+from tandem import LLM, SamplingParams
 from tandem.parallel.graphs import same_on_every_rank
 from tandem.parallel.group import join, open_store
 from tandem.parallel.plan import StepPlan
@@ -24,7 +24,7 @@ from tandem.worker.step_inputs import StepInputs
 from tests.oracle import assert_matches
 from tests.test_graph_safety import kernel_paths, no_host_sync
 from tests.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
-from tests.test_tensor_parallel import ENGINE, MAX_TOKENS, run_scenario
+from tests.test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, run_scenario
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -74,6 +74,23 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
         reference = oracles["llama"].greedy(prompt, MAX_TOKENS)
         for index, sequence in enumerate(output.outputs):
             assert_matches(sequence, reference, context=f"TP=2 graph path prompt {number} sequence {index}")
+
+
+def test_enforce_eager_keeps_every_rank_eager(model_dirs, oracles, monkeypatch):
+    monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, enforce_eager=True, **ENGINE)
+    sent = []
+    send_step = llm.engine.parallel.send_step
+    monkeypatch.setattr(llm.engine.parallel, "send_step",
+                        lambda step, *args: (sent.append(args[-1]), send_step(step, *args)))
+    prompt = list(range(3, 20))
+    try:
+        assert llm.engine.parallel.graph_sizes == [] and llm.engine.runner.graphs is None
+        output = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
+    assert sent and set(sent) == {0}, sent
+    assert_matches(output.outputs[0], oracles["llama"].greedy(prompt, 3), context="TP=2 enforce_eager")
 
 
 def decode_step(runner, rows: int) -> StepInputs:

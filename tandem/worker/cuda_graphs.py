@@ -17,6 +17,10 @@ The forward captured is the network's plus its logits head, so a replay ends wit
 hidden state and the logits of every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
 (their reads and writes are tensor operations with no host synchronisation and no
 data-dependent shapes); the others run eagerly.
+
+Under tensor parallelism every rank holds a runner of the same sizes, captured in step (the
+graphs contain the layers' collectives), and replays the size rank 0's plan names for the step
+(``tandem/parallel/graphs.py``).
 """
 from __future__ import annotations
 
