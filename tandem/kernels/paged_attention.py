@@ -5,7 +5,11 @@ Cache layout (one attention layer): ``key_cache`` and ``value_cache`` are
 ``p`` of a sequence lives at page ``page_table[row, p // page_size]``, slot ``p % page_size``.
 The step's new keys and values are already in the cache when these functions run. The caches
 are in the query's dtype or FP8 (float8 e4m3, ``kv_cache_dtype="fp8"``): FP8 values are upcast
-exactly to the query's dtype for the dot products, which accumulate in fp32 either way.
+exactly for the dot products, which accumulate in fp32 either way. With FP8 pages and a 16-bit
+query the products are taken in float16 (``FP16_DOTS``): e4m3 converts to float16 in one
+instruction per pair of values (to bfloat16 it takes three), float16 holds every e4m3 value
+exactly and keeps more of the query's and the probabilities' mantissa than bfloat16 does; the
+query is clamped to float16's range (±65504) first.
 
 Visibility: a query at position ``q`` sees key positions ``k <= q`` and, with a ``window``,
 only ``k > q - window`` (transformers' sliding-window mask). ``softcap`` turns a scaled score
@@ -69,6 +73,15 @@ def _dot_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @jit
+def _dot_inputs(query, query_dtype: tl.constexpr, FP16_DOTS: tl.constexpr):
+    """``(dtype of the dot products' inputs, query)``: the query's own dtype, or float16 with
+    the query clamped to its range (``FP16_DOTS``: FP8 pages, 16-bit query)."""
+    if FP16_DOTS:
+        return tl.float16, tl.minimum(tl.maximum(query.to(tl.float32), -65504.0), 65504.0)
+    return query_dtype, query
+
+
+@jit
 def _scores_log2(query, keys_transposed, scale, softcap,
                  HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scaled (and soft-capped) scores ``query @ keys``, in log2 units for exp2."""
@@ -115,7 +128,7 @@ def _decode_split_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_FINAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
     """One (row, kv head, split): attention of the group's query heads over the split's keys.
 
     With ``WRITE_FINAL`` (one split) the normalised output goes straight to ``out``; otherwise
@@ -134,7 +147,7 @@ def _decode_split_kernel(
     query = tl.load(query_ptr + row * stride_query_row + query_heads[:, None] * stride_query_head
                     + dims[None, :] * stride_query_dim,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    input_dtype = query_ptr.dtype.element_ty
+    input_dtype, query = _dot_inputs(query, query_ptr.dtype.element_ty, FP16_DOTS)
     query = _dot_operand(query, input_dtype, UPCAST_DOTS)
 
     # The visible keys [first_key, context_length) in whole key blocks, dealt out to the splits.
@@ -236,7 +249,7 @@ def _prefill_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST_DOTS: tl.constexpr):
+        UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
     """One (chunk, query block, kv head): tile row ``r`` is query token ``r // BLOCK_G`` of the
     block and query head ``r % BLOCK_G`` of the kv head's group."""
     chunk = tl.program_id(0)
@@ -259,7 +272,7 @@ def _prefill_kernel(
     query = tl.load(query_ptr + (query_start + tokens)[:, None] * stride_query_token
                     + query_heads[:, None] * stride_query_head + dims[None, :] * stride_query_dim,
                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    input_dtype = query_ptr.dtype.element_ty
+    input_dtype, query = _dot_inputs(query, query_ptr.dtype.element_ty, FP16_DOTS)
     query = _dot_operand(query, input_dtype, UPCAST_DOTS)
     query_positions = context_length - query_length + tokens
 
@@ -311,6 +324,11 @@ def _prefill_kernel(
 def _dot_precision(dtype: torch.dtype) -> str:
     """Exact fp32 products for fp32 inputs; tensor cores (the default) for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fp16_dots(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """FP8 pages under a 16-bit query: dot products in float16 (see the module's docstring)."""
+    return key_cache.element_size() == 1 and query.dtype in (torch.bfloat16, torch.float16)
 
 
 def _upcast_dots(query: torch.Tensor) -> bool:
@@ -432,7 +450,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(MINIMUM_DOT_SIZE, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_FINAL=write_final,
-        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
+        FP16_DOTS=_fp16_dots(query, key_cache), **config)
     if not write_final:
         _decode_combine_kernel[(batch, num_query_heads)](
             partial_out, partial_lse, out, num_splits, *partial_lse.stride(), *out.stride(),
@@ -469,7 +488,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         *out.stride(),
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=_block_d(head_dim),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
+        FP16_DOTS=_fp16_dots(query, key_cache), **config)
     return out
 
 
