@@ -158,8 +158,8 @@ class StepTimeline:
             from torch.profiler import ProfilerActivity, profile
 
             # (on a CPU the operators stand in for kernels: nested, so their sum overstates the busy time)
-            activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-            self._profiler, self._profiler_phase, self._profiled = profile(activities=[activity]), prefilling, 0
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler, self._profiler_phase, self._profiled = profile(activities=activities), prefilling, 0
             self._profiler.__enter__()
             self._profile_start = self._clock()
 
@@ -173,7 +173,8 @@ class StepTimeline:
                 kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 1e3
             elif not torch.cuda.is_available():
                 kernels[event.name] = kernels.get(event.name, 0.0) + event.self_cpu_time_total / 1e3
-        self.profiles[self._profiler_phase] = (self._profiled, seconds, kernels)
+        host = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        self.profiles[self._profiler_phase] = (self._profiled, seconds, kernels, host)
         self._profiler = None
 
     def report(self) -> None:
@@ -183,13 +184,18 @@ class StepTimeline:
             seconds = sum(step[1] for step in rows)
             print(f"{name:<30}{len(rows):>8}{seconds:>10.2f}{1e3 * seconds / max(len(rows), 1):>10.2f}"
                   f"{sum(step[2] for step in rows):>13}")
-        for phase, (count, seconds, kernels) in self.profiles.items():
+        for phase, (count, seconds, kernels, host) in self.profiles.items():
             busy = sum(kernels.values())
             print(f"profiled {'prefill-phase' if phase else 'decode-only'} steps: {count}, wall "
                   f"{1e3 * seconds / count:.2f} ms/step, GPU kernels {busy / count:.2f} ms/step "
                   f"(busy {busy / 1e3 / seconds:.2f})")
             for name, milliseconds in sorted(kernels.items(), key=lambda item: -item[1])[:10]:
                 print(f"   {milliseconds / count:>8.3f} ms/step  {name[:100]}")
+            print(f"host operators (all {count} steps):\n{host}")
+        if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            print("device allocator: " + ", ".join(f"{key} {stats.get(key, 0)}" for key in (
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
         self.steps.clear()
 
 

@@ -73,12 +73,22 @@ def _dot_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @jit
-def _dot_inputs(query, query_dtype: tl.constexpr, FP16_DOTS: tl.constexpr):
-    """``(dtype of the dot products' inputs, query)``: the query's own dtype, or float16 with
-    the query clamped to its range (``FP16_DOTS``: FP8 pages, 16-bit query)."""
+def _attention_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
+    """``values`` as a dot product's input: float16 with ``FP16_DOTS`` (FP8 pages, 16-bit
+    query), else as :func:`_dot_operand` makes them."""
     if FP16_DOTS:
-        return tl.float16, tl.minimum(tl.maximum(query.to(tl.float32), -65504.0), 65504.0)
-    return query_dtype, query
+        values = _dot_operand(values, tl.float16, UPCAST_DOTS)
+    else:
+        values = _dot_operand(values, input_dtype, UPCAST_DOTS)
+    return values
+
+
+@jit
+def _fp16_range(query, FP16_DOTS: tl.constexpr):
+    """The query clamped to float16's range (±65504) when the dots run in float16."""
+    if FP16_DOTS:
+        query = tl.minimum(tl.maximum(query.to(tl.float32), -65504.0), 65504.0)
+    return query
 
 
 @jit
@@ -147,8 +157,8 @@ def _decode_split_kernel(
     query = tl.load(query_ptr + row * stride_query_row + query_heads[:, None] * stride_query_head
                     + dims[None, :] * stride_query_dim,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    input_dtype, query = _dot_inputs(query, query_ptr.dtype.element_ty, FP16_DOTS)
-    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+    input_dtype = query_ptr.dtype.element_ty
+    query = _attention_operand(_fp16_range(query, FP16_DOTS), input_dtype, UPCAST_DOTS, FP16_DOTS)
 
     # The visible keys [first_key, context_length) in whole key blocks, dealt out to the splits.
     first_key = 0
@@ -171,8 +181,8 @@ def _decode_split_kernel(
             key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
             dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
             stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
-        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
-                              HAS_SOFTCAP, DOT_PRECISION)
+        keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
+        scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every block holds at least one visible key, so the new maximum is finite.
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -180,8 +190,8 @@ def _decode_split_kernel(
         correction = tl.exp2(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probabilities, 1)
         accumulator = accumulator * correction[:, None] + tl.dot(
-            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
-            input_precision=DOT_PRECISION)
+            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
         running_max = new_max
 
     _store_split_output(accumulator, running_max, running_sum, row, split, query_heads, head_mask, dims, dim_mask,
@@ -272,8 +282,8 @@ def _prefill_kernel(
     query = tl.load(query_ptr + (query_start + tokens)[:, None] * stride_query_token
                     + query_heads[:, None] * stride_query_head + dims[None, :] * stride_query_dim,
                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    input_dtype, query = _dot_inputs(query, query_ptr.dtype.element_ty, FP16_DOTS)
-    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+    input_dtype = query_ptr.dtype.element_ty
+    query = _attention_operand(_fp16_range(query, FP16_DOTS), input_dtype, UPCAST_DOTS, FP16_DOTS)
     query_positions = context_length - query_length + tokens
 
     # Keys any query of the tile sees: [key_begin, key_end).
@@ -294,8 +304,8 @@ def _prefill_kernel(
             key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
             dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
             stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
-        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
-                              HAS_SOFTCAP, DOT_PRECISION)
+        keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
+        scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         visible = key_mask[None, :] & (positions[None, :] <= query_positions[:, None])
         if HAS_WINDOW:
             visible = visible & (positions[None, :] > query_positions[:, None] - window)
@@ -307,8 +317,8 @@ def _prefill_kernel(
         correction = tl.exp2(running_max - safe_max)
         running_sum = running_sum * correction + tl.sum(probabilities, 1)
         accumulator = accumulator * correction[:, None] + tl.dot(
-            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
-            input_precision=DOT_PRECISION)
+            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
         running_max = new_max
 
     output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
