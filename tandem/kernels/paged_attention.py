@@ -124,7 +124,10 @@ def _load_keys_values(key_cache_ptr, value_cache_ptr, page_table_row_ptr, positi
     return keys_transposed, values
 
 
-@jit
+# Values that change from eager step to eager step are not specialised on (triton_support.jit).
+@jit(do_not_specialize=["num_splits", "stride_table_row", "stride_partial_row", "stride_partial_head",
+                        "stride_partial_split"],
+     do_not_specialize_on_alignment=["page_table_ptr", "context_lengths_ptr"])
 def _decode_split_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, page_table_ptr, context_lengths_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -220,7 +223,7 @@ def _store_split_output(accumulator, running_max, running_sum, row, split, heads
         tl.store(partial_lse_ptr + partial_offsets, log_sum, mask=head_mask)
 
 
-@jit
+@jit(do_not_specialize=["num_splits", "stride_partial_row", "stride_partial_head", "stride_partial_split"])
 def _decode_combine_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
         stride_partial_row, stride_partial_head, stride_partial_split,
@@ -246,7 +249,10 @@ def _decode_combine_kernel(
              output.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@jit
+# The page table, starts and lengths are views from row ``num_decode_tokens`` on: their alignment
+# changes from step to step, as does the page table's width.
+@jit(do_not_specialize=["stride_table_row"],
+     do_not_specialize_on_alignment=["page_table_ptr", "query_starts_ptr", "context_lengths_ptr"])
 def _prefill_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, page_table_ptr, query_starts_ptr,
         context_lengths_ptr, out_ptr,
