@@ -89,7 +89,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-@dataclass(frozen=True)
 def compiled_kernel_variants() -> dict[str, int]:
     """Triton kernel name -> how many specialisations this process compiled (CUDA only). More
     than one or two for a kernel means some per-step value (a size, a stride, a pointer's
@@ -111,6 +110,7 @@ def compiled_kernel_variants() -> dict[str, int]:
     return counts
 
 
+@dataclass(frozen=True)
 class Ceilings:
     """Measured on this machine: memory bandwidth (bytes read + written per second by a large
     copy) and matrix rate (FLOP/s of a large matrix product in the benchmark's dtype)."""
