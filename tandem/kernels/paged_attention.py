@@ -364,6 +364,8 @@ def _decode_config(head_dim: int, device: torch.device) -> dict:
     # Measured on an H100 (benchmarks/kernels_attention.py, head_dim 128, GQA 32/8): 128-key
     # blocks read bf16 pages at 0.96-0.99 of the copy bandwidth and FP8 pages 15% faster than
     # 64-key blocks (an FP8 block holds half the bytes, so it needs twice the keys in flight).
+    # FP8 pages at batch 256 x 1,500 keys: 404 us with bfloat16 products, 332 us (0.81 of the
+    # copy bandwidth) with float16 ones; 8 warps or 256-key blocks are slower.
     return dict(BLOCK_N=128 if _block_d(head_dim) <= 128 else 32, num_warps=4, num_stages=3)
 
 
