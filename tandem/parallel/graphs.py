@@ -14,9 +14,14 @@ replay on one rank must meet the same replay on the others, so:
   and would choose the same (``ModelRunner.planned_graph_step``) and raises otherwise, instead
   of waiting forever on a collective no other rank runs.
 
-The collectives stay those of ``torch.distributed``'s NCCL group: capturing them needs no
-communicator of our own (a separate NCCL communicator, as some engines keep for graphs, would
-only matter where ``ProcessGroupNCCL`` refuses capture, which it does not).
+The collectives stay those of ``torch.distributed``'s NCCL group: ``ProcessGroupNCCL`` captures
+them once its communicator exists (one eager all-reduce before the first capture makes it) and
+when it does not ``recordStream`` its tensors inside the capture (``TORCH_NCCL_AVOID_RECORD_STREAMS``,
+set where the group is made); the logits gather uses one output buffer, so no copy-back runs on
+the group's stream. That is simpler than a communicator of our own for the graphs (a separate
+NCCL communicator driven directly, as some engines keep), which would only pay where the group
+refuses capture. The input ids rank 0 broadcasts (tokens pending on its device) go eagerly,
+between the static-buffer copies and the replay, on every rank alike.
 """
 from __future__ import annotations
 
