@@ -3,8 +3,8 @@ each transfer backend (NIXL with VRAM registered; NCCL through torch.distributed
 
 Part 1, bandwidth: two processes, each with the model's real state registry and pools (dummy
 weights) on its GPU. The prefill process writes one prompt's pages exactly as the PD path does
-(``plan_page_writes``: every registry buffer, page runs coalesced; then the metadata row with
-its completion notification), from post to completion, and compares it with a plain torch
+(``plan_page_writes``: every registry buffer, page runs coalesced; the metadata row beside
+them and the completion notification in the same write), from planning to completion, and compares it with a plain torch
 device-to-device copy of the same bytes between the two GPUs, timed in the same process.
 
 Part 2, serving: a colocated server on cuda:0 and, per backend, ``tandem serve --role prefill``
@@ -60,9 +60,9 @@ class Deadline:
 
 
 def metadata_beside_pages(buffer_class, backend: str, device: str):
-    """Metadata rows where PD keeps them: beside the pages for NCCL (device memory only), in
-    host memory for NIXL."""
-    return buffer_class(4, device=device if backend == "nccl" else "cpu")
+    """Metadata rows where PD keeps them: beside the pages (so the last write carries both), for
+    every backend."""
+    return buffer_class(4, device=device)
 
 
 def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
@@ -132,15 +132,18 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
-MODES = {"": "pd", "pages": "pages", "1 desc": "one descriptor"}
+MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend:
-  BACKEND         the PD write as the engine does it: plan the page runs, write them, wait; write the
-                  metadata row with the completion notification, wait; the decode process saw it
+  BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
+                  the metadata row, with the completion notification; wait; the decode process saw it
+  BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
+                  with the notification, wait
   BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
   nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB
-columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes; post ms =
+columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
+the metadata row; post ms =
 the backend's write() calls; wait ms = polling until DONE (post and wait summed over a row's
 writes); row ms = the separate metadata-row write alone (post + wait), where there is one"""
 
@@ -195,17 +198,24 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
             else:
                 descriptors = plan_page_writes(core.registry, remote_addresses, pairs).descriptors
-                times["plan"] = time.perf_counter() - started
-            count, num_bytes = len(merge_adjacent(descriptors)), sum(length for _, _, length in descriptors)
-            timed_write(descriptors, times)
-            if mode == "pd":
+            notified = mode in ("pd", "two writes")
+            if notified:
                 room = new_room()
                 metadata.write(0, MetadataRow(room=room, first_token=1))
-                times["row"] = timed_write([(metadata.address(0), remote_rows, metadata.row_bytes)], times,
-                                           done_notification(room))
-                count, num_bytes = count + 1, num_bytes + metadata.row_bytes
-            seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+                row = (metadata.address(0), remote_rows, metadata.row_bytes)
+            if mode != "one descriptor":
+                times["plan"] = time.perf_counter() - started
             if mode == "pd":
+                descriptors = descriptors + [row]
+            count, num_bytes = len(merge_adjacent(descriptors)), sum(length for _, _, length in descriptors)
+            if mode == "two writes":
+                timed_write(descriptors, times)
+                times["row"] = timed_write([row], times, done_notification(room))
+                count, num_bytes = count + 1, num_bytes + metadata.row_bytes
+            else:
+                timed_write(descriptors, times, done_notification(room) if notified else b"")
+            seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+            if notified:
                 from_prefill.put("go")
                 if to_prefill.get(timeout=deadline.left(60)) != "seen":
                     raise RuntimeError("the decode process did not see the notification")
