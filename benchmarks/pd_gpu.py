@@ -141,11 +141,16 @@ MODES_HELP = """rows of part 1, per backend:
   BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
-  nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB
+  nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
+                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
 columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
 the metadata row; post ms =
 the backend's write() calls; wait ms = polling until DONE (post and wait summed over a row's
-writes); row ms = the separate metadata-row write alone (post + wait), where there is one"""
+writes); row ms = the separate metadata-row write alone (post + wait), where there is one.
+The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
+row's writes): queued (write() call to the thread taking it), header (control frame sent),
+posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
+acknowledgement: its receives and scatters done)"""
 
 
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
@@ -189,6 +194,12 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             wait(handle)
             times["post"] += posted - started
             times["wait"] += time.perf_counter() - posted
+            marks = getattr(handle.native, "timings", None)  # the NCCL link thread's own clock marks
+            if marks and "acknowledged" in marks:
+                points = [started, marks["taken"], marks["header"], marks["posted"], marks["drained"],
+                          marks["acknowledged"]]
+                for key, begin, end in zip(THREAD_STEPS, points, points[1:]):
+                    times[key] = times.get(key, 0.0) + end - begin
             return time.perf_counter() - started
 
         def one_round(mode: str) -> dict:
@@ -310,11 +321,16 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+THREAD_STEPS = ("queued", "header", "posting", "draining", "ack")  # the NCCL writer thread's steps
+
+
 def describe_bandwidth(result: dict) -> str:
     if "error" in result:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
     split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if any(key in result for key in THREAD_STEPS):
+        split += "; NCCL writer thread: " + ", ".join(f"{key} {result.get(key, 0) * 1e3:.3f}" for key in THREAD_STEPS)
     return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.3f} ms"
             f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f} (ms: {split})")
 
@@ -464,10 +480,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--device", default="auto", help="auto: cuda:0 and cuda:1; cpu: both legs in host memory")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--nccl-variants", nargs="*", default=[(16.0, 16.0), (64.0, 64.0), (1024.0, 256.0)], type=variant,
+    parser.add_argument("--nccl-variants", nargs="*", default=[(4.0, 32.0), (1024.0, 16.0), (1024.0, 64.0)],
+                        type=variant,
                         help="more NCCL segmentings measured in part 1, DIRECT_MIB:STAGING_MIB (runs of at least "
-                             "DIRECT_MIB sent in place, shorter ones packed into staging of STAGING_MIB); the "
-                             "default row uses the backend's own (4:32)")
+                             "DIRECT_MIB sent in place, shorter ones gathered into pipelined staged sends of "
+                             "STAGING_MIB); the default row uses the backend's own (64:32); 4:32 was the default "
+                             "before (4 MiB runs sent in place, one NCCL group)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")

@@ -14,34 +14,48 @@ from tandem.transfer.connector import WriteStatus, create_backend  # noqa: E402
 from tandem.transfer.descriptors import tensor_region  # noqa: E402
 from tests.pd_helpers import GREEDY, PDPair  # noqa: E402
 
-PAGE = 256  # bytes
+PAGE = 256  # bytes (64 pages, so staged segments cycle through the NCCL backend's slots)
 ROW = 96
 
 
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+ON_TWO_GPUS = pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not TWO_GPUS, reason="needs two CUDA devices")], id="gpu")
+
+
+@pytest.mark.parametrize("devices", [("cpu", "cpu"), ON_TWO_GPUS], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
-def test_the_notification_comes_after_every_page_and_the_row(backend):
-    """Scattered pages and a row in one write: the moment the reader sees the notification, the
-    pages and the row are all in place (checked then, before the writer is asked again)."""
+def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
+    """Scattered pages (and one long run) and a row in one write: the moment the reader sees the
+    notification, the pages and the row are all in place (checked then, before the writer is
+    asked again). NCCL's segmenting is set small, so staged segments cycle through the staging
+    slots many times (the pipelined gather/scatter) and the long run goes in place."""
     options = dict(connect_timeout=5.0, timeout=5.0) if backend == "nccl" else {}
     writer, reader = create_backend(backend, "writer", **options), create_backend(backend, "reader", **options)
+    if backend == "nccl":
+        writer.direct_bytes, writer.staging_bytes = 4 * PAGE, 2 * PAGE
     try:
         generator = torch.Generator().manual_seed(1)
-        pages = torch.randint(0, 256, (32 * PAGE,), dtype=torch.uint8, generator=generator)
-        row = torch.randint(0, 256, (ROW,), dtype=torch.uint8, generator=generator)
-        target_pages, target_row = torch.zeros_like(pages), torch.zeros_like(row)
+        pages = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=generator).to(devices[0])
+        row = torch.randint(0, 256, (ROW,), dtype=torch.uint8, generator=generator).to(devices[0])
+        target_pages = torch.zeros(pages.shape, dtype=torch.uint8, device=devices[1])
+        target_row = torch.zeros(row.shape, dtype=torch.uint8, device=devices[1])
         writer.register([tensor_region(pages), tensor_region(row)])
         reader.register([tensor_region(target_pages), tensor_region(target_row)])
         peer = writer.add_peer(reader.local_metadata())
-        pairs = [(3, 30), (4, 31), (9, 0), (17, 5), (25, 12)]
+        pairs = [(3, 30), (4, 31), (9, 0), (17, 5), *((20 + 2 * i, 33 + 3 * i) for i in range(9)), (50, 6)]
         descriptors = [(pages.data_ptr() + s * PAGE, target_pages.data_ptr() + d * PAGE, PAGE) for s, d in pairs]
+        descriptors.append((pages.data_ptr() + 56 * PAGE, target_pages.data_ptr() + 7 * PAGE, 6 * PAGE))  # in place
         descriptors.append((row.data_ptr(), target_row.data_ptr(), ROW))
-        expected = torch.zeros_like(pages)
-        for source, destination in pairs:
-            expected[destination * PAGE:(destination + 1) * PAGE] = pages[source * PAGE:(source + 1) * PAGE]
+        expected = torch.zeros_like(target_pages)
+        for source, destination, count in [(s, d, 1) for s, d in pairs] + [(56, 7, 6)]:
+            expected[destination * PAGE:(destination + count) * PAGE] = pages[source * PAGE:(source + count) * PAGE]
+        devices_of = {"local_device": pages.device.index if pages.is_cuda else -1,
+                      "remote_device": target_pages.device.index if target_pages.is_cuda else -1}
         for attempt in range(2):  # the first write on a new pair sets up its connections
             target_pages.zero_()
             target_row.zero_()
-            handle = writer.write(peer, descriptors, notification=f"done:{attempt}".encode())
+            handle = writer.write(peer, descriptors, notification=f"done:{attempt}".encode(), **devices_of)
             deadline, seen = time.monotonic() + 20, []
             while not seen:
                 assert time.monotonic() < deadline, "no notification"
@@ -49,11 +63,12 @@ def test_the_notification_comes_after_every_page_and_the_row(backend):
                 seen = reader.notifications()
                 if seen:  # I7: everything landed by now
                     assert seen == [("writer", f"done:{attempt}".encode())]
-                    assert torch.equal(target_pages, expected) and torch.equal(target_row, row)
+                    assert torch.equal(target_pages, expected) and torch.equal(target_row, row.to(devices[1]))
                 time.sleep(0.0005)
             while writer.poll(handle) is WriteStatus.PENDING:
                 assert time.monotonic() < deadline
-            assert handle.status is WriteStatus.DONE and writer.release(handle)
+            assert handle.status is WriteStatus.DONE, handle.error
+            assert writer.release(handle)
     finally:
         writer.close()
         reader.close()

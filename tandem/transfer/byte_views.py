@@ -12,13 +12,14 @@ stay valid while those do (for the engine's lifetime).
 A write's descriptors (already merged, ``descriptors.merge_adjacent``) become a list of
 segments, each one tensor send; writer and reader compute the same list from the same lengths::
 
-    lengths   8M   64K 64K 64K ... 64K   6M   64K
-    segments [8M]  [64K 64K ... 64K]     [6M] [64K]     >= direct_bytes (or > staging_bytes):
-                   gathered into staging                 sent in place; smaller: packed into
-                   (<= staging_bytes), one send          staging buffers of <= staging_bytes
+    lengths   96M  4M 4M 4M 4M 4M 4M 4M 4M 4M   4M 64K    >= direct_bytes (or > staging_bytes):
+    segments [96M] [4M 4M 4M 4M 4M 4M 4M 4M]  [4M 4M 64K]  sent in place; smaller: packed into
+                   gathered into staging, one send        staging buffers of <= staging_bytes
 
 Every segment is posted without waiting for the one before (the sends queue back to back on the
-link); staged ones take turns in a staging area of two segments.
+link); staged ones take turns in the slots of a staging area, pipelined (``nccl_links.Link.move``):
+the gather of one overlaps the send of the one before. Point-to-point operations pay a fixed
+cost each (host and device), so a PD write of many page runs goes as a few large sends.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import torch
 
 from tandem.transfer.descriptors import MemoryRegion
 
-DIRECT_BYTES = 4 << 20  # a run this long is sent from (received into) the pages themselves
-STAGING_BYTES = 32 << 20  # shorter runs are packed into a staging buffer of at most this size
+DIRECT_BYTES = 64 << 20  # a run this long is sent from (received into) the pages themselves
+STAGING_BYTES = 32 << 20  # shorter runs are packed into staged segments of at most this size
 
 
 class _DeviceBytes:
