@@ -97,7 +97,9 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
             continue
-        answer_notifications(backend, from_prefill, to_prefill, "next")
+        # without pause: NIXL completes a notified write only once the reader progressed (the
+        # notification's receipt), so the reader's polling would count as transfer time
+        answer_notifications(backend, from_prefill, to_prefill, "next", interval=0)
         backend.close()
 
 
@@ -150,7 +152,8 @@ writes); row ms = the separate metadata-row write alone (post + wait), where the
 The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
 row's writes): queued (write() call to the thread taking it), header (control frame sent),
 posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
-acknowledgement: its receives and scatters done)"""
+acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
+row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
 
 
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
@@ -167,7 +170,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     from tandem.transfer.metadata import MetadataRow
 
     _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch = message
-    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}")
+    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
     try:
         regions = buffer_regions(core.registry)
         pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
@@ -177,13 +180,19 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
         peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
 
-        def wait(handle) -> None:
+        def wait(handle, times: dict) -> None:
             while backend.poll(handle) is WriteStatus.PENDING:
                 if not deadline.left():
                     raise TimeoutError("deadline passed while a write was pending")
                 time.sleep(0)  # let the backend's threads have the interpreter (the NCCL backend's do the work)
             if handle.status is not WriteStatus.DONE:
                 raise RuntimeError(f"write failed: {handle.error}")
+            if hasattr(backend, "write_telemetry"):
+                try:
+                    for key, value in backend.write_telemetry(handle).items():
+                        times[f"nixl {key}"] = times.get(f"nixl {key}", 0) + value
+                except Exception:  # noqa: BLE001 - a NIXL without telemetry: the row goes without
+                    pass
             backend.release(handle)
 
         def timed_write(descriptors, times: dict, notification: bytes = b"") -> float:
@@ -191,7 +200,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             handle = backend.write(peer, descriptors, local_device=local_device, remote_device=remote_device,
                                    notification=notification)
             posted = time.perf_counter()
-            wait(handle)
+            wait(handle, times)
             times["post"] += posted - started
             times["wait"] += time.perf_counter() - posted
             marks = getattr(handle.native, "timings", None)  # the NCCL link thread's own clock marks
@@ -329,6 +338,9 @@ def describe_bandwidth(result: dict) -> str:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
     split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if "nixl post" in result:
+        split += (f"; NIXL's own: post {result['nixl post'] * 1e3:.3f}, transfer {result['nixl transfer'] * 1e3:.3f}"
+                  f" ({result['nixl descriptors']:g} descriptors after its merging)")
     if any(key in result for key in THREAD_STEPS):
         split += "; NCCL writer thread: " + ", ".join(f"{key} {result.get(key, 0) * 1e3:.3f}" for key in THREAD_STEPS)
     return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.3f} ms"
