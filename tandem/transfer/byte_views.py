@@ -27,6 +27,7 @@ import bisect
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.transfer.descriptors import MemoryRegion
@@ -69,6 +70,21 @@ class RegionViews:
     def device(self) -> int:
         """Where the regions live: -1 host memory, else the CUDA device (the first region's)."""
         return self._regions[0][0].device if self._regions else -1
+
+    def check(self, addresses: list[int], lengths: list[int]) -> None:
+        """Refuse (ValueError) unless every (address, length) lies inside one registered region
+        (all at once: what ``view`` checks one by one)."""
+        if not addresses:
+            return
+        starts = np.asarray(self._starts, dtype=np.int64)
+        ends = starts + np.asarray([region.length for region, _ in self._regions], dtype=np.int64)
+        wanted, sizes = np.asarray(addresses, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        index = np.searchsorted(starts, wanted, side="right") - 1
+        inside = (index >= 0) & (sizes >= 0) & (wanted + sizes <= ends[np.maximum(index, 0)])
+        if not inside.all():
+            first = int(np.argmin(inside))
+            raise ValueError(f"transfer: {lengths[first]} bytes at {addresses[first]:#x} lie outside the registered "
+                             f"memory")
 
     def view(self, address: int, length: int) -> torch.Tensor:
         index = bisect.bisect(self._starts, address) - 1

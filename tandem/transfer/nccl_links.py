@@ -365,13 +365,16 @@ class ReaderLink(Link):
         frame = receive_frame(connection, idle=lambda: self.closed)
         header = Header.decode(frame)
         dtype, notification = ELEMENT_TYPES[header.element_size], header.notification
-        targets = [views.view(address, length).view(dtype)
-                   for address, length in zip(header.destinations, header.lengths)]
+        views.check(header.destinations, header.lengths)  # before anything is received
+
+        def targets(first: int, last: int) -> list[torch.Tensor]:  # made as each segment needs them
+            return [views.view(header.destinations[i], header.lengths[i]).view(dtype) for i in range(first, last)]
+
         with self.stream_context():
             self.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
                       lambda tensors: group.recv(tensors, WRITER_RANK, 0),
-                      lambda segment, staging: targets[segment.first] if segment.direct else staging,
-                      lambda segment, staging: unpack(staging, targets[segment.first:segment.last]))
+                      lambda segment, staging: targets(segment.first, segment.last)[0] if segment.direct else staging,
+                      lambda segment, staging: unpack(staging, targets(segment.first, segment.last)))
         if notification:
             self.backend.received.append((self.peer, notification))
         send_frame(connection, ACKNOWLEDGEMENT)
