@@ -41,8 +41,9 @@ from tandem.transfer.state import TransferState, TransferStatus
 
 logger = logging.getLogger("tandem.pd")
 
-# NIXL sends a write's notification from the poll that finds its bytes landed: while a last write
-# is in flight the engine polls without pausing, for at most this long after posting it
+# NIXL sends a write's notification from the poll that finds its bytes landed
+# (``notifies_on_poll``): while a last write is in flight the engine polls without pausing, for
+# at most this long after posting it
 LAST_WRITE_SPIN_SECONDS = 0.05
 
 
@@ -480,7 +481,7 @@ class PrefillSide(PDSide):
 
     def idle_wait_milliseconds(self) -> int:
         now = time.monotonic()
-        if any(transfer.metadata_write is not None and not transfer.status.terminal
+        if self.backend.notifies_on_poll and any(transfer.metadata_write is not None and not transfer.status.terminal
                and now - transfer.metadata_write.posted_at < LAST_WRITE_SPIN_SECONDS
                for transfer in self.transfers.values()):
             return 0

@@ -45,6 +45,9 @@ class WriteHandle:
 
 class TransferBackend(abc.ABC):
     name: str = ""
+    # a write's notification leaves only from a poll of that write that finds its bytes landed
+    # (NIXL): the writer should poll a notified write without pausing
+    notifies_on_poll: bool = False
 
     @property
     @abc.abstractmethod

@@ -41,6 +41,7 @@ def _as_str(name) -> str:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+    notifies_on_poll = True
 
     def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False) -> None:
         """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics)."""
