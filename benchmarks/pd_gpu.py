@@ -134,13 +134,16 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
-MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "1 desc": "one descriptor"}
+MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages x4": "pages in four writes",
+         "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend:
   BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
                   the metadata row, with the completion notification; wait; the decode process saw it
   BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
                   with the notification, wait
   BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
+  BACKEND pages x4  the same runs as four writes posted at once, then waited for (does having
+                  several requests in flight help?)
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
   nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
@@ -232,6 +235,15 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 timed_write(descriptors, times)
                 times["row"] = timed_write([row], times, done_notification(room))
                 count, num_bytes = count + 1, num_bytes + metadata.row_bytes
+            elif mode == "pages in four writes":
+                quarter = -(-len(descriptors) // 4)
+                posting = time.perf_counter()
+                handles = [backend.write(peer, descriptors[first:first + quarter], local_device=local_device,
+                                         remote_device=remote_device) for first in range(0, len(descriptors), quarter)]
+                posted = time.perf_counter()
+                for handle in handles:
+                    wait(handle, times)
+                times["post"], times["wait"] = posted - posting, time.perf_counter() - posted
             else:
                 timed_write(descriptors, times, done_notification(room) if notified else b"")
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed

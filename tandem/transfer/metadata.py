@@ -31,6 +31,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tandem.transfer.messages import room_from_bytes, room_to_bytes
@@ -111,8 +112,9 @@ class MetadataBuffer:
         header = _HEADER.pack(room_to_bytes(value.room), value.first_token, value.num_cached_tokens, value.rank,
                               entries, *value.logprob_token_ids, *([0] * pad), *value.logprobs, *([0.0] * pad),
                               len(value.hidden_states))
-        hidden = struct.pack(f"<{self.hidden_size}f", *value.hidden_states,
-                             *([0.0] * (self.hidden_size - len(value.hidden_states))))
+        hidden = np.zeros(self.hidden_size, dtype="<f4")  # (the slot is thousands of floats: no struct.pack)
+        hidden[:len(value.hidden_states)] = value.hidden_states
+        hidden = hidden.tobytes()
         with self._access():
             self.tensor[row].copy_(torch.frombuffer(bytearray(header + hidden), dtype=torch.uint8))
         self._finish()
@@ -128,7 +130,7 @@ class MetadataBuffer:
         hidden_len = fields[-1]
         entries = max(0, min(entries, MAX_LOGPROB_ENTRIES))
         hidden_len = max(0, min(hidden_len, self.hidden_size))
-        hidden = struct.unpack_from(f"<{hidden_len}f", data, _HEADER.size)
+        hidden = np.frombuffer(data, dtype="<f4", count=hidden_len, offset=_HEADER.size).tolist()
         return MetadataRow(room=room_from_bytes(room), first_token=first_token, num_cached_tokens=cached,
                            logprob_token_ids=tuple(token_ids[:entries]), logprobs=tuple(logprobs[:entries]),
                            rank=rank, hidden_states=tuple(hidden))

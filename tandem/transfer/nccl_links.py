@@ -67,6 +67,7 @@ CLOSED = "the pair was closed"
 STAGING_SLOTS = 3  # staged segments in flight at once per pair (the staging area holds this many)
 STAGING_ALIGNMENT = 256
 DRAIN_POLL_SECONDS = 20e-6
+DRAIN_SPIN_SECONDS = 2e-3
 CLOSE_WAIT_SECONDS = 2.0
 
 
@@ -178,12 +179,15 @@ class Link:
             if stream is not None:
                 events.append(torch.cuda.Event())
                 events[-1].record(stream)
-        deadline = time.monotonic() + self.backend.timeout
+        started = time.monotonic()
         while not all(event.query() for event in events):
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited > self.backend.timeout:
                 raise TimeoutError(f"transfer (nccl): a write to or from {self.peer} took over "
                                    f"{self.backend.timeout:g} s")
-            time.sleep(DRAIN_POLL_SECONDS)
+            # a write of a few hundred MiB drains within a millisecond or two: yield only (a sleep
+            # would oversleep by tens of microseconds each time), then sleep between checks
+            time.sleep(0 if waited < DRAIN_SPIN_SECONDS else DRAIN_POLL_SECONDS)
 
     def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
              tensor_of, after=None) -> None:
