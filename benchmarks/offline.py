@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
-from common import Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
+from common import Ceilings, ModelCost, best_seconds, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -83,6 +83,10 @@ def parse_args():
     parser.add_argument("--timeline", action="store_true",
                         help="also print where tandem's time went: steps while prompts are still being "
                              "prefilled against steps of decode alone, and preemptions")
+    parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                        help="with --timeline: also profile N steps of each phase on the device (the 4th "
+                             "prefill-phase step on, and decode-only steps from the middle of the decode "
+                             "phase's expected length): GPU busy per step and the kernels taking the most time")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -119,22 +123,59 @@ def optional_engine_arguments(args) -> dict:
 
 class StepTimeline:
     """Wraps the engine's ``step`` to time each call and note whether any prompt was still
-    waiting or being prefilled when it began (a prefill-phase step) and the preemptions so far."""
+    waiting or being prefilled when it began (a prefill-phase step) and the preemptions so far.
+    With ``profile_steps``, ``profile_steps`` steps of each phase run under the torch profiler
+    (from the 4th prefill-phase step, and from decode-only step ``decode_profile_at``)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0) -> None:
         import time
 
         self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
+        self.profile_steps, self._profile_from = profile_steps, {True: 3, False: decode_profile_at}
+        self._profiler, self._profiled, self.profiles = None, 0, {}
         engine.step = self._timed_step
 
     def _timed_step(self):
         scheduler = self.engine.scheduler
         prefilling = bool(scheduler.waiting) or any(
             sequence.num_computed_tokens < sequence.num_prompt_tokens for sequence in scheduler.running)
+        self._maybe_profile(prefilling)
         preempted, start = scheduler.num_preemptions, self._clock()
         deltas = self._step()
         self.steps.append((prefilling, self._clock() - start, scheduler.num_preemptions - preempted))
         return deltas
+
+    def _maybe_profile(self, prefilling: bool) -> None:
+        """Start the profiler at a phase's chosen step; stop it ``profile_steps`` steps later."""
+        if not self.profile_steps or prefilling in self.profiles:
+            return
+        if self._profiler is not None:
+            self._profiled += 1
+            if self._profiled == self.profile_steps or self._profiler_phase != prefilling:
+                self._finish_profile()
+            return
+        if sum(1 for step in self.steps if step[0] == prefilling) == self._profile_from[prefilling]:
+            from torch.profiler import ProfilerActivity, profile
+
+            # (on a CPU the operators stand in for kernels: nested, so their sum overstates the busy time)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler, self._profiler_phase, self._profiled = profile(activities=activities), prefilling, 0
+            self._profiler.__enter__()
+            self._profile_start = self._clock()
+
+    def _finish_profile(self) -> None:
+        synchronize()
+        seconds = self._clock() - self._profile_start
+        self._profiler.__exit__(None, None, None)
+        kernels: dict[str, float] = {}
+        for event in self._profiler.events():
+            if torch.cuda.is_available() and event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 1e3
+            elif not torch.cuda.is_available():
+                kernels[event.name] = kernels.get(event.name, 0.0) + event.self_cpu_time_total / 1e3
+        host = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        self.profiles[self._profiler_phase] = (self._profiled, seconds, kernels, host)
+        self._profiler = None
 
     def report(self) -> None:
         print(f"{'tandem steps (timed runs)':<30}{'steps':>8}{'seconds':>10}{'ms/step':>10}{'preemptions':>13}")
@@ -143,6 +184,18 @@ class StepTimeline:
             seconds = sum(step[1] for step in rows)
             print(f"{name:<30}{len(rows):>8}{seconds:>10.2f}{1e3 * seconds / max(len(rows), 1):>10.2f}"
                   f"{sum(step[2] for step in rows):>13}")
+        for phase, (count, seconds, kernels, host) in self.profiles.items():
+            busy = sum(kernels.values())
+            print(f"profiled {'prefill-phase' if phase else 'decode-only'} steps: {count}, wall "
+                  f"{1e3 * seconds / count:.2f} ms/step, GPU kernels {busy / count:.2f} ms/step "
+                  f"(busy {busy / 1e3 / seconds:.2f})")
+            for name, milliseconds in sorted(kernels.items(), key=lambda item: -item[1])[:10]:
+                print(f"   {milliseconds / count:>8.3f} ms/step  {name[:100]}")
+            print(f"host operators (all {count} steps):\n{host}")
+        if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            print("device allocator: " + ", ".join(f"{key} {stats.get(key, 0)}" for key in (
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
         self.steps.clear()
 
 
@@ -161,7 +214,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
           + (" (preemption expected)" if peak_tokens > pool_tokens else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    timeline = StepTimeline(llm.engine) if args.timeline else None
+    timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2) if args.timeline else None
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
     if timeline is not None:
         timeline.report()

@@ -5,7 +5,11 @@ Cache layout (one attention layer): ``key_cache`` and ``value_cache`` are
 ``p`` of a sequence lives at page ``page_table[row, p // page_size]``, slot ``p % page_size``.
 The step's new keys and values are already in the cache when these functions run. The caches
 are in the query's dtype or FP8 (float8 e4m3, ``kv_cache_dtype="fp8"``): FP8 values are upcast
-exactly to the query's dtype for the dot products, which accumulate in fp32 either way.
+exactly for the dot products, which accumulate in fp32 either way. With FP8 pages and a 16-bit
+query the products are taken in float16 (``FP16_DOTS``): e4m3 converts to float16 in one
+instruction per pair of values (to bfloat16 it takes three), float16 holds every e4m3 value
+exactly and keeps more of the query's and the probabilities' mantissa than bfloat16 does; the
+query is clamped to float16's range (±65504) first.
 
 Visibility: a query at position ``q`` sees key positions ``k <= q`` and, with a ``window``,
 only ``k > q - window`` (transformers' sliding-window mask). ``softcap`` turns a scaled score
@@ -69,6 +73,25 @@ def _dot_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @jit
+def _attention_operand(values, input_dtype: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
+    """``values`` as a dot product's input: float16 with ``FP16_DOTS`` (FP8 pages, 16-bit
+    query), else as :func:`_dot_operand` makes them."""
+    if FP16_DOTS:
+        values = _dot_operand(values, tl.float16, UPCAST_DOTS)
+    else:
+        values = _dot_operand(values, input_dtype, UPCAST_DOTS)
+    return values
+
+
+@jit
+def _fp16_range(query, FP16_DOTS: tl.constexpr):
+    """The query clamped to float16's range (±65504) when the dots run in float16."""
+    if FP16_DOTS:
+        query = tl.minimum(tl.maximum(query.to(tl.float32), -65504.0), 65504.0)
+    return query
+
+
+@jit
 def _scores_log2(query, keys_transposed, scale, softcap,
                  HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scaled (and soft-capped) scores ``query @ keys``, in log2 units for exp2."""
@@ -115,7 +138,7 @@ def _decode_split_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_FINAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
     """One (row, kv head, split): attention of the group's query heads over the split's keys.
 
     With ``WRITE_FINAL`` (one split) the normalised output goes straight to ``out``; otherwise
@@ -135,7 +158,7 @@ def _decode_split_kernel(
                     + dims[None, :] * stride_query_dim,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     input_dtype = query_ptr.dtype.element_ty
-    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+    query = _attention_operand(_fp16_range(query, FP16_DOTS), input_dtype, UPCAST_DOTS, FP16_DOTS)
 
     # The visible keys [first_key, context_length) in whole key blocks, dealt out to the splits.
     first_key = 0
@@ -158,8 +181,8 @@ def _decode_split_kernel(
             key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
             dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
             stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
-        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
-                              HAS_SOFTCAP, DOT_PRECISION)
+        keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
+        scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every block holds at least one visible key, so the new maximum is finite.
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -167,8 +190,8 @@ def _decode_split_kernel(
         correction = tl.exp2(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probabilities, 1)
         accumulator = accumulator * correction[:, None] + tl.dot(
-            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
-            input_precision=DOT_PRECISION)
+            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
         running_max = new_max
 
     _store_split_output(accumulator, running_max, running_sum, row, split, query_heads, head_mask, dims, dim_mask,
@@ -236,7 +259,7 @@ def _prefill_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST_DOTS: tl.constexpr):
+        UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
     """One (chunk, query block, kv head): tile row ``r`` is query token ``r // BLOCK_G`` of the
     block and query head ``r % BLOCK_G`` of the kv head's group."""
     chunk = tl.program_id(0)
@@ -260,7 +283,7 @@ def _prefill_kernel(
                     + query_heads[:, None] * stride_query_head + dims[None, :] * stride_query_dim,
                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     input_dtype = query_ptr.dtype.element_ty
-    query = _dot_operand(query, input_dtype, UPCAST_DOTS)
+    query = _attention_operand(_fp16_range(query, FP16_DOTS), input_dtype, UPCAST_DOTS, FP16_DOTS)
     query_positions = context_length - query_length + tokens
 
     # Keys any query of the tile sees: [key_begin, key_end).
@@ -281,8 +304,8 @@ def _prefill_kernel(
             key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, key_mask, kv_head, dims,
             dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
             stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
-        scores = _scores_log2(query, _dot_operand(keys_transposed, input_dtype, UPCAST_DOTS), scale, softcap,
-                              HAS_SOFTCAP, DOT_PRECISION)
+        keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
+        scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         visible = key_mask[None, :] & (positions[None, :] <= query_positions[:, None])
         if HAS_WINDOW:
             visible = visible & (positions[None, :] > query_positions[:, None] - window)
@@ -294,8 +317,8 @@ def _prefill_kernel(
         correction = tl.exp2(running_max - safe_max)
         running_sum = running_sum * correction + tl.sum(probabilities, 1)
         accumulator = accumulator * correction[:, None] + tl.dot(
-            _dot_operand(probabilities, input_dtype, UPCAST_DOTS), _dot_operand(values, input_dtype, UPCAST_DOTS),
-            input_precision=DOT_PRECISION)
+            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
         running_max = new_max
 
     output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
@@ -311,6 +334,11 @@ def _prefill_kernel(
 def _dot_precision(dtype: torch.dtype) -> str:
     """Exact fp32 products for fp32 inputs; tensor cores (the default) for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fp16_dots(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """FP8 pages under a 16-bit query: dot products in float16 (see the module's docstring)."""
+    return key_cache.element_size() == 1 and query.dtype in (torch.bfloat16, torch.float16)
 
 
 def _upcast_dots(query: torch.Tensor) -> bool:
@@ -432,7 +460,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(MINIMUM_DOT_SIZE, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_FINAL=write_final,
-        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
+        FP16_DOTS=_fp16_dots(query, key_cache), **config)
     if not write_final:
         _decode_combine_kernel[(batch, num_query_heads)](
             partial_out, partial_lse, out, num_splits, *partial_lse.stride(), *out.stride(),
@@ -469,7 +498,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         *out.stride(),
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=_block_d(head_dim),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query), **config)
+        DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
+        FP16_DOTS=_fp16_dots(query, key_cache), **config)
     return out
 
 
