@@ -149,9 +149,9 @@ MODES_HELP = """rows of part 1, per backend:
   nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
                   >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
 columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
-the metadata row; post ms =
-the backend's write() calls; wait ms = polling until DONE (post and wait summed over a row's
-writes); row ms = the separate metadata-row write alone (post + wait), where there is one.
+the metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
+wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
+where there is one.
 The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
 row's writes): queued (write() call to the thread taking it), header (control frame sent),
 posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
