@@ -112,6 +112,7 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         rows = side.metadata
         in_rows = [d for d in last if rows.address(0) <= d[0] < rows.address(0) + rows.num_rows * rows.row_bytes]
         assert len(in_rows) == 1 and in_rows[0][2] == rows.row_bytes
+        assert rows.tensor.device == next(side.registry.buffers()).tensor.device  # beside the pages
         assert len(last) > 1  # the second chunk's pages travel with the row
         assert all(status is WriteStatus.DONE for status in earlier)  # posted once every earlier write was done
         pair.settle()
