@@ -71,11 +71,6 @@ class MetadataBuffer:
         self._free = list(range(num_rows - 1, -1, -1))
         self._stream = torch.cuda.Stream(self.tensor.device) if self.tensor.is_cuda else None
 
-    @property
-    def device_index(self) -> int:
-        """-1 for host memory, else the CUDA device of the rows."""
-        return self.tensor.device.index if self.tensor.is_cuda else -1
-
     def _access(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
