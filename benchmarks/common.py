@@ -89,6 +89,27 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def compiled_kernel_variants() -> dict[str, int]:
+    """Triton kernel name -> how many specialisations this process compiled (CUDA only). More
+    than one or two for a kernel means some per-step value (a size, a stride, a pointer's
+    alignment) is specialised on, and steps that meet a new one stall on a compile."""
+    import importlib
+    import pkgutil
+
+    import tandem.kernels
+
+    counts: dict[str, int] = {}
+    for module_info in pkgutil.iter_modules(tandem.kernels.__path__):
+        module = importlib.import_module(f"tandem.kernels.{module_info.name}")
+        for name, value in vars(module).items():
+            caches = getattr(value, "device_caches", None)
+            if caches and getattr(value, "__module__", module.__name__) == module.__name__:
+                variants = sum(len(entry[0]) for entry in caches.values())
+                if variants:
+                    counts[name] = variants
+    return counts
+
+
 @dataclass(frozen=True)
 class Ceilings:
     """Measured on this machine: memory bandwidth (bytes read + written per second by a large

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
-from common import Ceilings, ModelCost, best_seconds, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
+from common import (Ceilings, ModelCost, best_seconds, compiled_kernel_variants, model_dir_for, release,  # noqa: E402
+                    synchronize, vocab_size_of)
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -87,6 +88,8 @@ def parse_args():
                         help="with --timeline: also profile N steps of each phase on the device (the 4th "
                              "prefill-phase step on, and decode-only steps from the middle of the decode "
                              "phase's expected length): GPU busy per step and the kernels taking the most time")
+    parser.add_argument("--profile-trace", metavar="DIR",
+                        help="with --profile-steps: also write each profiled phase's trace (Chrome format) here")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -127,9 +130,10 @@ class StepTimeline:
     With ``profile_steps``, ``profile_steps`` steps of each phase run under the torch profiler
     (from the 4th prefill-phase step, and from decode-only step ``decode_profile_at``)."""
 
-    def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0) -> None:
+    def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0, trace_dir=None) -> None:
         import time
 
+        self.trace_dir = trace_dir
         self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
         self.profile_steps, self._profile_from = profile_steps, {True: 3, False: decode_profile_at}
         self._profiler, self._profiled, self.profiles = None, 0, {}
@@ -167,6 +171,10 @@ class StepTimeline:
         synchronize()
         seconds = self._clock() - self._profile_start
         self._profiler.__exit__(None, None, None)
+        if self.trace_dir:
+            Path(self.trace_dir).mkdir(parents=True, exist_ok=True)
+            phase = "prefill" if self._profiler_phase else "decode"
+            self._profiler.export_chrome_trace(str(Path(self.trace_dir) / f"{phase}.json"))
         kernels: dict[str, float] = {}
         for event in self._profiler.events():
             if torch.cuda.is_available() and event.device_type == torch.autograd.DeviceType.CUDA:
@@ -193,6 +201,9 @@ class StepTimeline:
                 print(f"   {milliseconds / count:>8.3f} ms/step  {name[:100]}")
             print(f"host operators (all {count} steps):\n{host}")
         if torch.cuda.is_available():
+            variants = compiled_kernel_variants()
+            print("Triton kernels compiled (specialisations): "
+                  + ", ".join(f"{name} {count}" for name, count in sorted(variants.items(), key=lambda x: -x[1])))
             stats = torch.cuda.memory_stats()
             print("device allocator: " + ", ".join(f"{key} {stats.get(key, 0)}" for key in (
                 "num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
@@ -214,7 +225,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
           + (" (preemption expected)" if peak_tokens > pool_tokens else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2) if args.timeline else None
+    timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace) if args.timeline else None
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
     if timeline is not None:
         timeline.report()

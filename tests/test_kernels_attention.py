@@ -348,3 +348,44 @@ def test_gpu_fp8_stale_read_propagates():
     out = paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 0.1, num_splits=2)
     assert out[1].isnan().all()
     assert not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_step_varying_views_compile_once():
+    """An eager step's attention views start at row ``num_decode_tokens`` of the step's tables and
+    its page table's width follows the longest sequence: neither may make Triton compile the
+    kernels again (a compile stalls the step for about a second). The calls below meet every
+    alignment of those views and several widths; each kernel keeps one compiled variant."""
+    chunks = [(1, 40), (1, 70), (1, 33), (1, 90), (1, 17), (24, 60), (9, 9), (31, 120)]
+    query, key_cache, value_cache, page_table, query_starts, context_lengths = prefill_inputs(
+        16, 4, 128, chunks, None, torch.bfloat16, seed=9, device="cuda", num_kv_heads=8)
+
+    def variants(kernel) -> int:
+        return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+    before = (variants(attention._prefill_kernel), variants(attention._decode_split_kernel))
+    for num_decode in range(5):
+        for width in (page_table.shape[1], page_table.shape[1] - 1 if num_decode % 2 else page_table.shape[1] + 3):
+            table = torch.zeros(len(chunks), width, dtype=torch.int32, device="cuda")
+            shared = min(width, page_table.shape[1])
+            table[:, :shared] = page_table[:, :shared]
+            rows = slice(num_decode, None)  # (the table is one wider than the longest sequence's pages)
+            prefill_chunks = chunks[num_decode:]
+            starts = query_starts[num_decode:]
+            out = torch.full_like(query, float("nan"))
+            paged_prefill_attention(query, key_cache, value_cache, table[rows], starts, context_lengths[rows],
+                                    128 ** -0.5, max_query_len=max(q for q, _ in prefill_chunks), out=out)
+            expected = paged_prefill_attention_reference(query, key_cache, value_cache, table[rows], starts,
+                                                         context_lengths[rows], 128 ** -0.5,
+                                                         max_query_len=max(q for q, _ in prefill_chunks))
+            covered = slice(int(starts[0]), int(starts[-1]))
+            assert_close(out[covered], expected[covered], torch.bfloat16)
+            if num_decode:
+                decoded = paged_decode_attention(query[:num_decode], key_cache, value_cache, table[:num_decode],
+                                                 context_lengths[:num_decode], 128 ** -0.5, num_splits=2)
+                assert_close(decoded, paged_decode_attention_reference(
+                    query[:num_decode], key_cache, value_cache, table[:num_decode], context_lengths[:num_decode],
+                    128 ** -0.5), torch.bfloat16)
+    after = (variants(attention._prefill_kernel), variants(attention._decode_split_kernel))
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)

@@ -45,7 +45,7 @@ ACTIVATIONS = ("silu", "relu2")
 # Kernel
 
 
-@jit
+@jit(do_not_specialize=["num_assignments"])  # the step's token count x top-k
 def _grouped_matmul_kernel(
         a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
         num_assignments,

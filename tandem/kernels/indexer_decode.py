@@ -33,7 +33,7 @@ from tandem.kernels.paged_attention import MINIMUM_DOT_SIZE, _dot_operand, _dot_
 from tandem.kernels.triton_support import jit, tl, triton
 
 
-@jit
+@jit(do_not_specialize=["num_positions", "stride_table_row", "stride_out_row"])  # per-step values
 def _index_decode_scores_kernel(
         queries_ptr, weights_ptr, keys_ptr, scales_ptr, page_table_ptr, context_lengths_ptr, out_ptr,
         softmax_scale, num_positions,

@@ -57,7 +57,8 @@ def _load_latents(cache_ptr, page_table_row_ptr, positions, key_mask, rank_dims,
     return latents, rope_keys_transposed
 
 
-@jit
+@jit(do_not_specialize=["num_selected", "num_splits", "stride_table_row", "stride_topk_row", "stride_partial_row",
+                        "stride_partial_head", "stride_partial_split"])  # per-step values (triton_support.jit)
 def _mla_decode_split_kernel(
         q_latent_ptr, q_rope_ptr, cache_ptr, page_table_ptr, context_lengths_ptr, topk_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -143,7 +144,7 @@ def _mla_decode_split_kernel(
                         stride_partial_row, stride_partial_head, stride_partial_split, BLOCK_R, WRITE_FINAL)
 
 
-@jit
+@jit(do_not_specialize=["num_splits", "stride_partial_row", "stride_partial_head", "stride_partial_split"])
 def _mla_decode_combine_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
         stride_partial_row, stride_partial_head, stride_partial_split,

@@ -16,6 +16,15 @@ except ImportError:  # CPU install without the dev extra: only the references ar
     tl = None
 
 
-def jit(function):
-    """``triton.jit(function)`` where Triton is installed; ``function`` unchanged otherwise."""
-    return function if triton is None else triton.jit(function)
+def jit(function=None, **options):
+    """``triton.jit(function, **options)`` where Triton is installed; ``function`` unchanged
+    otherwise. Also a decorator factory: ``@jit(do_not_specialize=[...])``.
+
+    Triton compiles a kernel once per specialisation of its arguments (an integer equal to 1 or
+    divisible by 16, a pointer aligned to 16 bytes). An argument that changes from step to step
+    (a token count, a page-table width, a view that starts at row ``num_decode_tokens``) would
+    make a step that meets a new combination stall on a compile of a second or so: kernels
+    name such arguments in ``do_not_specialize`` / ``do_not_specialize_on_alignment``."""
+    if function is None:
+        return lambda inner: jit(inner, **options)
+    return function if triton is None else triton.jit(function, **options)
