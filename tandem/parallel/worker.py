@@ -3,7 +3,7 @@
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
 reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
 (same config, its own rank), agrees on the page counts, then loops: receive a plan, replay its
-page operations on this rank's buffers, run the forward pass. It samples nothing and keeps no
+page operations on this rank's buffers, run the forward pass (a TRANSFER plan: its PD writes instead, ``pd_ranks.py``). It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
 kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails.
 """
@@ -51,7 +51,8 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.engine.state_setup import build_coordinator, register_state
     from tandem.models.loader import build_model
     from tandem.parallel.launcher import agree_on_pages
-    from tandem.parallel.plan import STOP, PlanChannel, replay
+    from tandem.parallel.pd_ranks import WorkerTransfers
+    from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
     from tandem.worker.model_runner import ModelRunner
 
     torch.manual_seed(config.seed)
@@ -64,13 +65,22 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
                                        agree=lambda plan: agree_on_pages(plan, groups.control))
     runner = ModelRunner(model, coordinator, device)
     channel = PlanChannel(groups.control, groups.rank)
+    # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
+    transfers = WorkerTransfers(config, groups, registry, device) if config.transfer is not None else None
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
-    while True:
-        plan = channel.receive()
-        if plan.kind == STOP:
-            return
-        replay(plan.page_operations, coordinator)
-        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
+    try:
+        while True:
+            plan = channel.receive()
+            if plan.kind == STOP:
+                return
+            replay(plan.page_operations, coordinator)
+            if plan.kind == TRANSFER:
+                transfers.serve(plan.transfer_operations)
+                continue
+            runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
+    finally:
+        if transfers is not None:
+            transfers.close()
 
 
 if __name__ == "__main__":
