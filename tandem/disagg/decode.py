@@ -211,7 +211,9 @@ class DecodeSide(PDSide):
         tables = self.coordinator.destination_tables(sequence.state)
         if self.ranks is not None:  # freed pages are poisoned on every rank before they are written again
             self.ranks.flush_pages()
-        transfer.num_bytes = self.destination_bytes(tables) + self.metadata.row_bytes
+        # every rank receives its shard of the pages (the shards are equal in size)
+        transfer.num_bytes = self.destination_bytes(tables) * self.core.config.tensor_parallel_size \
+            + self.metadata.row_bytes
         self.channel.send_to_address(transfer.address, Destination(
             room=transfer.room, page_tables=tables, metadata_row=transfer.row,
             num_prompt_tokens=sequence.num_prompt_tokens))

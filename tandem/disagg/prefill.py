@@ -385,8 +385,10 @@ class PrefillSide(PDSide):
                 if overdue:
                     self.ranks.cancel(write.owner)
                 return None
-            if outcome[0] is WriteStatus.ERROR and handle.status is WriteStatus.DONE:
-                handle.status, handle.error = outcome
+            status, error, num_bytes = outcome
+            handle.num_bytes += num_bytes
+            if status is WriteStatus.ERROR and handle.status is WriteStatus.DONE:
+                handle.status, handle.error = status, error
         return handle.status
 
     def cancel(self, transfer: PrefillTransfer, write: PendingWrite) -> None:

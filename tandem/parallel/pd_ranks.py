@@ -112,18 +112,19 @@ class RankFanOut:
             self.cancelled.add(key)
             self.operations.append(TransferOperation(CANCEL, key))
 
-    def outcome(self, key: str) -> Optional[tuple[WriteStatus, str]]:
-        """None while a worker's part of write ``key`` is pending; else DONE, or ERROR and why
-        (the key is forgotten then)."""
+    def outcome(self, key: str) -> Optional[tuple[WriteStatus, str, int]]:
+        """None while a worker's part of write ``key`` is pending; else DONE, or ERROR and why, and
+        the bytes the workers moved (the key is forgotten then)."""
         outcomes = self.outcomes.get(key)
         if outcomes is None:
-            return WriteStatus.DONE, ""
+            return WriteStatus.DONE, "", 0
         if len(outcomes) < self.num_workers:
             return None
         del self.outcomes[key]
         self.cancelled.discard(key)
         errors = [outcome.error for outcome in outcomes if not outcome.done]
-        return (WriteStatus.ERROR, "; ".join(errors)) if errors else (WriteStatus.DONE, "")
+        num_bytes = sum(outcome.num_bytes for outcome in outcomes)
+        return (WriteStatus.ERROR, "; ".join(errors), num_bytes) if errors else (WriteStatus.DONE, "", num_bytes)
 
     def pending(self) -> bool:
         return bool(self.operations) or any(len(outcomes) < self.num_workers for outcomes in self.outcomes.values())
@@ -266,7 +267,7 @@ class WorkerTransfers:
             self.backend.release(handle)
             del self.writes[key]
             error = "" if status is WriteStatus.DONE else f"rank {self.rank}: {handle.error}"
-            self.outcomes.append(WriteOutcome(key, status is WriteStatus.DONE, error))
+            self.outcomes.append(WriteOutcome(key, status is WriteStatus.DONE, error, handle.num_bytes))
 
     def close(self) -> None:
         self.closed.set()

@@ -25,6 +25,7 @@ class WriteOutcome(msgspec.Struct, array_like=True):
     key: str  # a WRITE's key, or a PEER's decode engine id
     done: bool  # False: failed (``error`` says why)
     error: str = ""
+    num_bytes: int = 0  # a WRITE's bytes moved by this rank
 
 
 class TransferReport(msgspec.Struct, array_like=True):
