@@ -2,15 +2,16 @@
 prefill engine writes each rank's shard of the pages to the same rank of a TP=2 decode engine.
 Greedy outputs equal a colocated TP=1 engine's and transformers'; a write that fails on one rank
 fails its request on both legs with every page freed; a TP=1 decode engine is refused at the
-handshake with an error naming tensor_parallel_size.
+handshake with an error naming tensor_parallel_size. The NCCL backend runs the same path.
 
-One prefill/decode pair (each engine with one worker process) serves the module's tests."""
+One NIXL prefill/decode pair (each engine with one worker process) serves the module's tests."""
 import os
 import time
 
 os.environ["TANDEM_SANITIZE"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tandem import LLM  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
@@ -34,14 +35,17 @@ def tp_pair(model_dirs):
     pair.close()
 
 
-def test_tp2_prefill_to_tp2_decode_equals_colocated_and_transformers(tp_pair, model_dirs, oracles):
-    pair = tp_pair
+def check_equals_colocated(pair: PDPair, model_dirs, oracles, **colocated_options) -> None:
+    """Greedy outputs of the pair equal a colocated TP=1 engine's and transformers'; every rank's
+    bytes counted; everything free afterwards."""
     prompts = {"long": LONG_PROMPT, "short": SHORT_PROMPT}
     for request_id, prompt in prompts.items():
         pair.submit(request_id, prompt)
-    pair.run_until(lambda: all(pair.finished(request_id) for request_id in prompts))
-    colocated = LLM(model=model_dirs["llama"], **SMALL).generate(
-        [{"prompt_token_ids": prompt} for prompt in prompts.values()], GREEDY, use_tqdm=False)
+    pair.run_until(lambda: all(pair.finished(request_id) for request_id in prompts), timeout=120)
+    single = LLM(model=model_dirs["llama"], **(colocated_options or SMALL))
+    colocated = single.generate([{"prompt_token_ids": prompt} for prompt in prompts.values()], GREEDY,
+                                use_tqdm=False)
+    single.engine.shutdown()
     for (request_id, prompt), single in zip(prompts.items(), colocated):
         pair.assert_matches(request_id, oracles["llama"].greedy(prompt, GREEDY.max_tokens))
         assert pair.tokens(request_id) == list(single.outputs[0].token_ids), request_id
@@ -51,6 +55,10 @@ def test_tp2_prefill_to_tp2_decode_equals_colocated_and_transformers(tp_pair, mo
     pair.settle()
     pair.assert_all_free()
     assert not pair.prefill.pd.ranks.outcomes and not pair.prefill.pd.ranks.operations
+
+
+def test_tp2_prefill_to_tp2_decode_equals_colocated_and_transformers(tp_pair, model_dirs, oracles):
+    check_equals_colocated(tp_pair, model_dirs, oracles)
 
 
 def test_a_write_failing_on_one_rank_fails_the_request_cleanly(tp_pair, monkeypatch):
@@ -71,6 +79,23 @@ def test_a_write_failing_on_one_rank_fails_the_request_cleanly(tp_pair, monkeypa
     pair.submit("after", SHORT_PROMPT)
     pair.run_until(lambda: pair.finished("after"))
     assert pair.error("after") is None and len(pair.tokens("after")) == GREEDY.max_tokens
+    pair.settle()
+    pair.assert_all_free()
+
+
+def test_a_rank_write_pending_past_drain_timeout_is_cancelled(tp_pair, monkeypatch):
+    """The decode side aborts while rank 1's part of a page write looks pending (its outcome is
+    held back here until rank 0 cancels it): the prefill side keeps the source pages and sends no
+    Drained until drain_timeout passed and it cancelled rank 1's part; then both sides free all."""
+    pair, ranks = tp_pair, tp_pair.prefill.pd.ranks
+    outcome = ranks.outcome
+    monkeypatch.setattr(ranks, "outcome", lambda key: outcome(key) if key in ranks.cancelled else None)
+    room = pair.submit("slow", LONG_PROMPT)
+    pair.run_until(lambda: any(transfer.writes for transfer in pair.prefill.pd.transfers.values()))
+    pair.decode.abort_requests(["slow"])
+    aborted = time.monotonic()
+    pair.run_until(lambda: room not in pair.decode.pd.draining and room not in pair.prefill.pd.transfers)
+    assert time.monotonic() - aborted >= pair.prefill.pd.config.drain_timeout
     pair.settle()
     pair.assert_all_free()
 
@@ -104,3 +129,30 @@ def test_a_pd_config_reaches_the_workers_whole(model_dirs):
                           transfer=TransferConfig(role="prefill", backend="nccl", secret=bytes(range(32)),
                                                   bootstrap_address="tcp://0.0.0.0:5557", **FAST_TIMEOUTS))
     assert config_from_json(config_to_json(config)) == config
+
+
+def test_tp2_pd_over_the_nccl_backend(model_dirs, oracles):
+    """The NCCL backend's pairs form per rank too (gloo between host memories on a CPU). (Last of
+    the CPU tests: the module's pair is not stepped meanwhile, and would take its peer for dead.)"""
+    pair = PDPair(model_dirs["llama"], tensor_parallel_size=2, transfer=dict(backend="nccl"), **SMALL)
+    try:
+        check_equals_colocated(pair, model_dirs, oracles)
+    finally:
+        pair.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+@pytest.mark.parametrize("backend", ["nixl", "nccl"])
+def test_cuda_tp2_pd_equals_colocated_float32(backend, model_dirs, oracles, monkeypatch):
+    """Prefill on cuda:0-1, decode on cuda:2-3: each rank's GPU pages cross to the same rank."""
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
+    options = dict(dtype="float32", page_size=16, max_total_tokens=1024, max_num_batched_tokens=16, max_num_seqs=4)
+    pair = PDPair(model_dirs["llama"], tensor_parallel_size=2, prefill_options=dict(device="cuda:0"),
+                  decode_options=dict(device="cuda:2"), transfer=dict(backend=backend), **options)
+    try:
+        check_equals_colocated(pair, model_dirs, oracles, device="cuda:0", **options)
+    finally:
+        pair.close()
