@@ -47,6 +47,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
+from tandem.parallel.plan import TRANSFER, StepPlan
 from tandem.parallel.transfer_plan import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import RankAgent
@@ -99,7 +100,8 @@ class RankFanOut:
         outcomes = self.outcomes.pop(identity, [])
         failed = [outcome.error for outcome in outcomes if not outcome.done]
         if len(outcomes) < self.num_workers or failed:
-            return f"a prefill rank cannot load the decode engine's transfer metadata: {'; '.join(failed) or 'no answer'}"
+            return ("a prefill rank cannot load the decode engine's transfer metadata: "
+                    f"{'; '.join(failed) or 'no answer'}")
         return None
 
     def post(self, key: str, identity: str, pairs_per_group: list[list[tuple[int, int]]]) -> None:
@@ -134,8 +136,6 @@ class RankFanOut:
         last plan) and collect their outcomes; only when something is to send or awaited."""
         if not (force or self.pending()):
             return
-        from tandem.parallel.plan import TRANSFER, StepPlan
-
         parallel = self.parallel
         parallel.check()
         operations, self.operations = self.operations, []
@@ -169,16 +169,17 @@ class WorkerTransfers:
     """A worker's own transfer agent over its shard's buffers, driven by TRANSFER plans.
     Owner: the worker's plan loop (``worker.py``); closed when the loop ends."""
 
-    def __init__(self, config, groups, registry, device: torch.device) -> None:
+    def __init__(self, config, groups, registry) -> None:
         from tandem.transfer.config import failure_seed_from_environment
         from tandem.transfer.connector import create_backend
         from tandem.transfer.control import advertised_host
         from tandem.transfer.descriptors import buffer_regions
 
         transfer = config.transfer
-        self.rank, self.registry, self.device = groups.rank, registry, device
+        self.rank, self.registry = groups.rank, registry
         self.control = groups.control
-        self.backend = create_backend(transfer.backend, f"tandem-{transfer.role}-{uuid.uuid4().hex[:16]}-rank{self.rank}",
+        name = f"tandem-{transfer.role}-{uuid.uuid4().hex[:16]}-rank{self.rank}"
+        self.backend = create_backend(transfer.backend, name,
                                       failure_probability=transfer.injected_failure_probability,
                                       seed=failure_seed_from_environment() + self.rank,
                                       progress_thread=transfer.progress_thread,

@@ -3,9 +3,10 @@
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
 reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
 (same config, its own rank), agrees on the page counts, then loops: receive a plan, replay its
-page operations on this rank's buffers, run the forward pass (a TRANSFER plan: its PD writes instead, ``pd_ranks.py``). It samples nothing and keeps no
+page operations on this rank's buffers, run the forward pass. It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
-kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails.
+kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
+has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -66,21 +67,19 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     runner = ModelRunner(model, coordinator, device)
     channel = PlanChannel(groups.control, groups.rank)
     # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
-    transfers = WorkerTransfers(config, groups, registry, device) if config.transfer is not None else None
+    transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
-    try:
-        while True:
-            plan = channel.receive()
-            if plan.kind == STOP:
-                return
-            replay(plan.page_operations, coordinator)
-            if plan.kind == TRANSFER:
-                transfers.serve(plan.transfer_operations)
-                continue
-            runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
-    finally:
-        if transfers is not None:
-            transfers.close()
+    while True:
+        plan = channel.receive()
+        if plan.kind == STOP:
+            if transfers is not None:
+                transfers.close()
+            return
+        replay(plan.page_operations, coordinator)
+        if plan.kind == TRANSFER:
+            transfers.serve(plan.transfer_operations)
+            continue
+        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
 
 
 if __name__ == "__main__":
