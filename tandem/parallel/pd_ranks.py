@@ -7,7 +7,8 @@ meets it from ``PDSide.__init__``, the last thing its engine builds). Rank 0 gat
 workers' descriptions (``RankAgent``: backend metadata, buffer addresses, device) over the
 control group; the decode side's ``Hello`` carries them (``Hello.ranks``, ranks 1 .. N-1; rank
 0's are the Hello's own fields), and the prefill side hands decode rank i's to its worker i
-(a PEER operation), which loads it into its agent. Pairing is rank i with rank i, so both
+(a PEER operation), which loads it into its agent and writes a few warm-up bytes to that rank's
+scratch (connection setup is paid at handshake, as rank 0 does). Pairing is rank i with rank i, so both
 engines must have the same group size: the handshake compares ``model.tensor_parallel_size``
 of the layouts and refuses unequal sizes with an error naming it.
 
@@ -55,6 +56,7 @@ from tandem.transfer.messages import RankAgent
 logger = logging.getLogger("tandem.pd")
 
 RECEIVER_PROGRESS_SECONDS = 0.002  # a decode worker's agent progresses this often
+WARM_UP = "warm-up:"  # key prefix of a worker's warm-up write to a new decode engine
 
 
 def exchange(control, payload: bytes) -> list[bytes]:
@@ -102,6 +104,7 @@ class RankFanOut:
         if len(outcomes) < self.num_workers or failed:
             return ("a prefill rank cannot load the decode engine's transfer metadata: "
                     f"{'; '.join(failed) or 'no answer'}")
+        self.outcomes[WARM_UP + identity] = []  # each worker's warm-up write: polled until it resolves
         return None
 
     def post(self, key: str, identity: str, pairs_per_group: list[list[tuple[int, int]]]) -> None:
@@ -144,6 +147,12 @@ class RankFanOut:
             for outcome in self.report_decoder.decode(data).outcomes:
                 if outcome.key in self.outcomes:
                     self.outcomes[outcome.key].append(outcome)
+        for key in [key for key, outcomes in self.outcomes.items()
+                    if key.startswith(WARM_UP) and len(outcomes) == self.num_workers]:
+            for outcome in self.outcomes.pop(key):  # only the log cares
+                if not outcome.done:
+                    logger.warning("PD: warm-up write to decode engine %s failed: %s", key[len(WARM_UP):],
+                                   outcome.error)
 
     def flush_pages(self) -> None:
         """Send rank 0's pending page operations (poison of freed pages) to the workers now."""
@@ -173,7 +182,8 @@ class WorkerTransfers:
         from tandem.transfer.config import failure_seed_from_environment
         from tandem.transfer.connector import create_backend
         from tandem.transfer.control import advertised_host
-        from tandem.transfer.descriptors import buffer_regions
+        from tandem.disagg.common import WARM_UP_BYTE, WARM_UP_BYTES
+        from tandem.transfer.descriptors import buffer_regions, tensor_region
 
         transfer = config.transfer
         self.rank, self.registry = groups.rank, registry
@@ -187,12 +197,17 @@ class WorkerTransfers:
                                       connect_timeout=transfer.connect_timeout, timeout=transfer.transfer_timeout)
         regions = buffer_regions(registry)
         self.device_index = regions[0].device if regions else -1
-        self.backend.register(regions)
+        # the first write of each new pair (connection setup) goes here, at handshake (as rank 0's)
+        memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
+        self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if transfer.role == "prefill" else 0,
+                                  dtype=torch.uint8, device=memory)
+        self.backend.register(regions + [tensor_region(self.scratch)])
         self.peers: dict[str, tuple[str, RankAgent]] = {}  # decode engine id -> (agent name, its rank's agent)
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
         self.encoder = msgspec.msgpack.Encoder()
-        agent = RankAgent(self.backend.local_metadata(), [region.address for region in regions], self.device_index)
+        agent = RankAgent(self.backend.local_metadata(), [region.address for region in regions], self.device_index,
+                          self.scratch.data_ptr())
         exchange(self.control, self.encoder.encode(agent))
         self.closed = threading.Event()
         self.pump = None
@@ -229,6 +244,9 @@ class WorkerTransfers:
             return
         self.peers[operation.key] = (name, agent)
         self.outcomes.append(WriteOutcome(operation.key, True))
+        if agent.scratch_address:
+            self.writes[WARM_UP + operation.key] = RankWrite(
+                [(self.scratch.data_ptr(), agent.scratch_address, self.scratch.numel())], None, name, agent.device)
 
     def write(self, operation: TransferOperation) -> None:
         from tandem.disagg.common import compute_done_event

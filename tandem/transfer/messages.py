@@ -126,6 +126,7 @@ class RankAgent(msgspec.Struct, array_like=True, frozen=True):
     backend_metadata: bytes
     buffer_addresses: list[int]  # base address of each layout buffer, in layout order
     device: int
+    scratch_address: int = 0  # where the prefill engine's same rank writes its warm-up bytes
 
 
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):
