@@ -7,10 +7,10 @@ meets it from ``PDSide.__init__``, the last thing its engine builds). Rank 0 gat
 workers' descriptions (``RankAgent``: backend metadata, buffer addresses, device) over the
 control group; the decode side's ``Hello`` carries them (``Hello.ranks``, ranks 1 .. N-1; rank
 0's are the Hello's own fields), and the prefill side hands decode rank i's to its worker i
-(a PEER operation), which loads it into its agent and writes a few warm-up bytes to that rank's
-scratch (connection setup is paid at handshake, as rank 0 does). Pairing is rank i with rank i, so both
-engines must have the same group size: the handshake compares ``model.tensor_parallel_size``
-of the layouts and refuses unequal sizes with an error naming it.
+(a PEER operation), which loads it into its agent and writes a few warm-up bytes to that
+rank's scratch (connection setup is paid at handshake, as rank 0 does). Pairing is rank i with
+rank i, so both engines must have the same group size: the handshake compares
+``model.tensor_parallel_size`` of the layouts and refuses unequal sizes with an error naming it.
 
 Writes. The prefill side's rank 0 decides everything as with one rank: which pages pair with
 which (page ids are the same on every rank: one coordinator), when a chunk's pages are final,
