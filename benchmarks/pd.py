@@ -91,10 +91,10 @@ def decode_process(model_dir: str, page_size: int, tokens: int, device: str, sca
     backend.close()
 
 
-def answer_notifications(backend, commands, answers, stop: str) -> None:
-    """Keep polling the agent, as a decode engine does while it expects writes (it progresses
-    the connection's set-up and receives the notifications); answer each "go" with "seen" once
-    a notification arrived, until the ``stop`` command."""
+def answer_notifications(backend, commands, answers, stop: str, interval: float = 0.0002) -> None:
+    """Keep polling the agent every ``interval`` seconds, as a decode engine does while it
+    expects writes (it progresses the connection's set-up and receives the notifications);
+    answer each "go" with "seen" once a notification arrived, until the ``stop`` command."""
     import queue
 
     pending, received = 0, 0
@@ -110,7 +110,7 @@ def answer_notifications(backend, commands, answers, stop: str) -> None:
         if pending and received:
             pending, received = pending - 1, received - 1
             answers.put("seen")
-        time.sleep(0.0002)
+        time.sleep(interval)
 
 
 def measure_bandwidth(model_dir: str, page_size: int, tokens: int, rounds: int, device: str,

@@ -3,8 +3,8 @@ each transfer backend (NIXL with VRAM registered; NCCL through torch.distributed
 
 Part 1, bandwidth: two processes, each with the model's real state registry and pools (dummy
 weights) on its GPU. The prefill process writes one prompt's pages exactly as the PD path does
-(``plan_page_writes``: every registry buffer, page runs coalesced; then the metadata row with
-its completion notification), from post to completion, and compares it with a plain torch
+(``plan_page_writes``: every registry buffer, page runs coalesced; the metadata row beside
+them and the completion notification in the same write), from planning to completion, and compares it with a plain torch
 device-to-device copy of the same bytes between the two GPUs, timed in the same process.
 
 Part 2, serving: a colocated server on cuda:0 and, per backend, ``tandem serve --role prefill``
@@ -21,7 +21,9 @@ others still run; the table prints whatever was measured.
     python benchmarks/pd_gpu.py --device cpu --shape micro --input-len 64 --rounds 3   # check on a CPU
 
 On a CPU both "devices" are host memory (NCCL runs over gloo, NIXL over shared memory): the
-figures mean nothing there; the steps are the same. Keep both GPUs visible to every process
+figures mean nothing there; the steps are the same. Part 1 prints, besides the PD write, rows
+that tell where its time goes (the page write alone, the same bytes as one descriptor, and the
+split into planning, posting and waiting): see ``MODES_HELP``. Keep both GPUs visible to every process
 (no CUDA_VISIBLE_DEVICES split): NCCL and UCX use NVLink between processes only when each sees
 both devices.
 """
@@ -58,14 +60,16 @@ class Deadline:
 
 
 def metadata_beside_pages(buffer_class, backend: str, device: str):
-    """Metadata rows where PD keeps them: beside the pages for NCCL (device memory only), in
-    host memory for NIXL."""
-    return buffer_class(4, device=device if backend == "nccl" else "cpu")
+    """Metadata rows where PD keeps them: beside the pages (so the last write carries both), for
+    every backend."""
+    return buffer_class(4, device=device)
 
 
 def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     """The decode process: the model's pools on the decode device; for each backend, register
-    them, hand the prefill process what it needs, and answer each completion notification."""
+    them (and a scratch buffer the size of the prompt's pages, the target of the one-descriptor
+    write), hand the prefill process what it needs, and answer each completion notification."""
+    import torch
     from pd import allocate_pages, answer_notifications, build_state
 
     from tandem.transfer.connector import create_backend
@@ -79,6 +83,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
         regions = buffer_regions(core.registry)
         metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments["decode_device"])
                        for name in arguments["backends"]}
+        scratch = torch.zeros(prompt_bytes(core, tables), dtype=torch.uint8, device=arguments["decode_device"])
     except Exception:  # noqa: BLE001
         to_prefill.put(("error", traceback.format_exc()))
         return
@@ -86,14 +91,24 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
         try:
             backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
             metadata = metadata_of[name]
-            backend.register(regions + [tensor_region(metadata.tensor)])
+            backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
             to_prefill.put(("ready", backend.local_metadata(), [r.address for r in regions], regions[0].device,
-                            metadata.address(0), tables))
+                            metadata.address(0), tables, scratch.data_ptr()))
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
             continue
-        answer_notifications(backend, from_prefill, to_prefill, "next")
+        # without pause: NIXL completes a notified write only once the reader progressed (the
+        # notification's receipt), so the reader's polling would count as transfer time
+        answer_notifications(backend, from_prefill, to_prefill, "next", interval=0)
         backend.close()
+
+
+def prompt_bytes(core, tables: list[list[int]]) -> int:
+    """Bytes of the prompt's pages in every registry buffer (what the PD write moves)."""
+    from tandem.transfer.descriptors import plan_page_writes
+
+    return plan_page_writes(core.registry, [0] * len(list(core.registry.buffers())),
+                            [list(zip(table, table)) for table in tables]).num_bytes
 
 
 def device_copy_seconds(num_bytes: int, source_device: str, destination_device: str, rounds: int) -> float:
@@ -118,64 +133,149 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
     return statistics.median(times[1:])
 
 
+# what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
+MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages x4": "pages in four writes",
+         "1 desc": "one descriptor"}
+MODES_HELP = """rows of part 1, per backend:
+  BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
+                  the metadata row, with the completion notification; wait; the decode process saw it
+  BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
+                  with the notification, wait
+  BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
+  BACKEND pages x4  the same runs as four writes posted at once, then waited for (does having
+                  several requests in flight help?)
+  BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
+                  a single large write of this backend; no planning, no notification)
+  nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
+                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
+columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
+the metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
+wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
+where there is one.
+The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
+row's writes): queued (write() call to the thread taking it), header (control frame sent),
+posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
+acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
+row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
+
+
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
                     to_prefill, from_prefill, variants: tuple = ()) -> dict[str, dict]:
-    """The PD write of one prompt (pages, then the metadata row with its notification), from
-    planning to both writes done (landed); the decode process must then see the notification.
-    Median of ``rounds`` after a warm one. ``variants`` (NCCL: (direct MiB, staging MiB) pairs)
-    are measured on the same pair too: the writer's settings travel in each write's header."""
+    """Each of ``MODES`` on one pair, median of ``rounds`` after a warm one, timed from planning
+    (or posting) until every write of it is DONE (the bytes landed); a notified write must then
+    be seen by the decode process. ``variants`` (NCCL: (direct MiB, staging MiB) pairs) are the PD
+    write again with the writer's segmenting changed (it travels in each write's header)."""
+    import torch
+
     from tandem.transfer.connector import WriteStatus, create_backend
-    from tandem.transfer.descriptors import buffer_regions, plan_page_writes, tensor_region
+    from tandem.transfer.descriptors import buffer_regions, merge_adjacent, plan_page_writes, tensor_region
     from tandem.transfer.messages import done_notification, new_room
     from tandem.transfer.metadata import MetadataRow
 
-    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables = message
-    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}")
+    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch = message
+    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
     try:
         regions = buffer_regions(core.registry)
-        backend.register(regions + [tensor_region(metadata.tensor)])
-        peer = backend.add_peer(peer_metadata)
         pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
+        scratch = torch.ones(plan_page_writes(core.registry, remote_addresses, pairs).num_bytes, dtype=torch.uint8,
+                             device=sources_device(core))
+        backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
+        peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
 
-        def wait(handle) -> None:
+        def wait(handle, times: dict) -> None:
             while backend.poll(handle) is WriteStatus.PENDING:
                 if not deadline.left():
                     raise TimeoutError("deadline passed while a write was pending")
                 time.sleep(0)  # let the backend's threads have the interpreter (the NCCL backend's do the work)
             if handle.status is not WriteStatus.DONE:
                 raise RuntimeError(f"write failed: {handle.error}")
+            if hasattr(backend, "write_telemetry"):
+                try:
+                    for key, value in backend.write_telemetry(handle).items():
+                        times[f"nixl {key}"] = times.get(f"nixl {key}", 0) + value
+                except Exception:  # noqa: BLE001 - a NIXL without telemetry: the row goes without
+                    pass
             backend.release(handle)
 
-        def pd_write() -> tuple[float, int, int]:
+        def timed_write(descriptors, times: dict, notification: bytes = b"") -> float:
             started = time.perf_counter()
-            plan = plan_page_writes(core.registry, remote_addresses, pairs)
-            wait(backend.write(peer, plan.descriptors, local_device=local_device, remote_device=remote_device))
-            room = new_room()
-            metadata.write(0, MetadataRow(room=room, first_token=1))
-            wait(backend.write(peer, [(metadata.address(0), remote_rows, metadata.row_bytes)],
-                               notification=done_notification(room)))
+            handle = backend.write(peer, descriptors, local_device=local_device, remote_device=remote_device,
+                                   notification=notification)
+            posted = time.perf_counter()
+            wait(handle, times)
+            times["post"] += posted - started
+            times["wait"] += time.perf_counter() - posted
+            marks = getattr(handle.native, "timings", None)  # the NCCL link thread's own clock marks
+            if marks and "acknowledged" in marks:
+                points = [started, marks["taken"], marks["header"], marks["posted"], marks["drained"],
+                          marks["acknowledged"]]
+                for key, begin, end in zip(THREAD_STEPS, points, points[1:]):
+                    times[key] = times.get(key, 0.0) + end - begin
+            return time.perf_counter() - started
+
+        def one_round(mode: str) -> dict:
+            times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
+            started = time.perf_counter()
+            if mode == "one descriptor":
+                descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
+            else:
+                descriptors = plan_page_writes(core.registry, remote_addresses, pairs).descriptors
+            notified = mode in ("pd", "two writes")
+            if notified:
+                room = new_room()
+                metadata.write(0, MetadataRow(room=room, first_token=1))
+                row = (metadata.address(0), remote_rows, metadata.row_bytes)
+            if mode != "one descriptor":
+                times["plan"] = time.perf_counter() - started
+            if mode == "pd":
+                descriptors = descriptors + [row]
+            count, num_bytes = len(merge_adjacent(descriptors)), sum(length for _, _, length in descriptors)
+            if mode == "two writes":
+                timed_write(descriptors, times)
+                times["row"] = timed_write([row], times, done_notification(room))
+                count, num_bytes = count + 1, num_bytes + metadata.row_bytes
+            elif mode == "pages in four writes":
+                quarter = -(-len(descriptors) // 4)
+                posting = time.perf_counter()
+                handles = [backend.write(peer, descriptors[first:first + quarter], local_device=local_device,
+                                         remote_device=remote_device) for first in range(0, len(descriptors), quarter)]
+                posted = time.perf_counter()
+                for handle in handles:
+                    wait(handle, times)
+                times["post"], times["wait"] = posted - posting, time.perf_counter() - posted
+            else:
+                timed_write(descriptors, times, done_notification(room) if notified else b"")
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
-            from_prefill.put("go")
-            if to_prefill.get(timeout=deadline.left(60)) != "seen":
-                raise RuntimeError("the decode process did not see the notification")
-            return seconds, plan.num_bytes + metadata.row_bytes, len(plan.descriptors) + 1
+            if notified:
+                from_prefill.put("go")
+                if to_prefill.get(timeout=deadline.left(60)) != "seen":
+                    raise RuntimeError("the decode process did not see the notification")
+            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, **times}
 
         measured = {}
-        for label, direct, staging in [(name, None, None), *((f"{name} {d:g}/{s:g}", d, s) for d, s in variants)]:
-            if direct is not None:
-                backend.direct_bytes, backend.staging_bytes = int(direct * 2**20), int(staging * 2**20)
+        runs = [(f"{name} {suffix}".strip(), mode, None) for suffix, mode in MODES.items()]
+        runs += [(f"{name} {d:g}/{s:g}", "pd", (d, s)) for d, s in variants]
+        for label, mode, segmenting in runs:
+            if segmenting is not None:
+                backend.direct_bytes, backend.staging_bytes = int(segmenting[0] * 2**20), int(segmenting[1] * 2**20)
             try:
-                pd_write()  # the first write (connection set up at pairing, staging allocated)
-                results = [pd_write() for _ in range(rounds)]
-                measured[label] = {"seconds": statistics.median(r[0] for r in results), "bytes": results[0][1],
-                                   "descriptors": results[0][2]}
-            except Exception as error:  # noqa: BLE001 - a variant that fails ends the pair
+                one_round(mode)  # the first write (connection set up at pairing, staging allocated)
+                results = [one_round(mode) for _ in range(rounds)]
+                measured[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+                # (every round moves the same bytes; a median of an even count would be a float)
+                measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"])
+            except Exception as error:  # noqa: BLE001 - a mode that fails ends the pair
                 measured[label] = {"error": f"{type(error).__name__}: {error}"}
                 break
         return measured
     finally:
         backend.close()
+
+
+def sources_device(core) -> str:
+    """Where the prefill process's pools are (the scratch source of the one-descriptor write)."""
+    return str(next(core.registry.buffers()).tensor.device)
 
 
 def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
@@ -244,12 +344,21 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+THREAD_STEPS = ("queued", "header", "posting", "draining", "ack")  # the NCCL writer thread's steps
+
+
 def describe_bandwidth(result: dict) -> str:
     if "error" in result:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
-    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.2f} ms"
-            f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f}")
+    split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if "nixl post" in result:
+        split += (f"; NIXL's own: post {result['nixl post'] * 1e3:.3f}, transfer {result['nixl transfer'] * 1e3:.3f}"
+                  f" ({result['nixl descriptors']:g} descriptors after its merging)")
+    if any(key in result for key in THREAD_STEPS):
+        split += "; NCCL writer thread: " + ", ".join(f"{key} {result.get(key, 0) * 1e3:.3f}" for key in THREAD_STEPS)
+    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.3f} ms"
+            f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f} (ms: {split})")
 
 
 # -- part 2: serving ----------------------------------------------------------------------------------------
@@ -345,34 +454,40 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
           f"prefill {arguments.prefill_device} -> decode {arguments.decode_device} ==")
     if "error" in colocated:
         print(f"colocated server failed: {colocated['error']}")
-    header = (f"{'backend':>14} {'MiB':>7} {'writes':>6} {'PD ms':>7} {'PD GB/s':>8} {'copy GB/s':>9} "
-              f"{'fraction':>8} {'TTFT ms':>8} {'added ms':>8} {'outputs':>8}")
+    columns = {"backend": 14, "MiB": 7, "descs": 5, "PD ms": 7, "plan ms": 7, "post ms": 7, "wait ms": 7,
+               "row ms": 6, "PD GB/s": 8, "copy GB/s": 9, "fraction": 8, "TTFT ms": 8, "added ms": 8, "outputs": 8}
+    header = " ".join(f"{title:>{width}}" for title, width in columns.items())
     print(header)
     print("-" * len(header))
     for name in [*arguments.backends, *(label for label in bandwidth if label not in arguments.backends)]:
-        cells = {"MiB": "-", "writes": "-", "PD ms": "-", "PD GB/s": "-", "copy GB/s": "-", "fraction": "-",
-                 "TTFT ms": "-", "added ms": "-", "outputs": "-"}
+        cells = dict.fromkeys(list(columns)[1:], "-")
         measured = bandwidth.get(name, {"error": "not run"})
         if "error" not in measured:
             rate = measured["bytes"] / measured["seconds"] / 1e9
             copy_rate = measured["bytes"] / measured["copy_seconds"] / 1e9
-            cells.update({"MiB": f"{measured['bytes'] / 2**20:.1f}", "writes": str(measured["descriptors"]),
-                          "PD ms": f"{measured['seconds'] * 1e3:.2f}", "PD GB/s": f"{rate:.1f}",
+            cells.update({"MiB": f"{measured['bytes'] / 2**20:.1f}", "descs": str(measured["descriptors"]),
+                          "PD ms": f"{measured['seconds'] * 1e3:.3f}", "PD GB/s": f"{rate:.1f}",
                           "copy GB/s": f"{copy_rate:.1f}", "fraction": f"{rate / copy_rate:.2f}"})
+            for key in ("plan", "post", "wait", "row"):
+                if measured.get(key):
+                    cells[f"{key} ms"] = f"{measured[key] * 1e3:.3f}"
         served = serving.get(name, {"error": "not run"})
         if "error" not in served:
             cells["TTFT ms"] = f"{served['ttft'] * 1e3:.2f}"
             if "ttft" in colocated:
                 cells["added ms"] = f"{(served['ttft'] - colocated['ttft']) * 1e3:.2f}"
                 cells["outputs"] = "equal" if served["outputs"] == colocated["outputs"] else "DIFFER"
-        widths = (14, 7, 6, 7, 8, 9, 8, 8, 8, 8)
-        print(" ".join(f"{value:>{width}}" for value, width in zip([name, *cells.values()], widths)))
+        print(" ".join(f"{value:>{width}}" for value, width in zip([name, *cells.values()], columns.values())))
+    if bandwidth:
+        print(MODES_HELP)
     if "ttft" in colocated:
         print(f"colocated TTFT {colocated['ttft'] * 1e3:.2f} ms (median of {arguments.requests} streamed requests)")
+    for label, result in bandwidth.items():
+        if "error" in result:
+            print(f"{label} bandwidth failed: {result['error']}")
     for name in arguments.backends:
-        for part, results in (("bandwidth", bandwidth), ("serving", serving)):
-            if "error" in results.get(name, {}):
-                print(f"{name} {part} failed: {results[name]['error']}")
+        if "error" in serving.get(name, {}):
+            print(f"{name} serving failed: {serving[name]['error']}")
         if "transfers" in serving.get(name, {}):
             print(f"{name} prefill server's transfers: {serving[name]['transfers']}")
     print("goals: fraction >= 0.85, added TTFT <= 5 ms (Llama-3.1-8B shape, 2,048 tokens, 2 GPUs), outputs equal")
@@ -391,10 +506,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--device", default="auto", help="auto: cuda:0 and cuda:1; cpu: both legs in host memory")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--nccl-variants", nargs="*", default=[(16.0, 16.0), (64.0, 64.0), (1024.0, 256.0)], type=variant,
+    parser.add_argument("--nccl-variants", nargs="*", default=[(4.0, 32.0), (1024.0, 16.0), (1024.0, 64.0)],
+                        type=variant,
                         help="more NCCL segmentings measured in part 1, DIRECT_MIB:STAGING_MIB (runs of at least "
-                             "DIRECT_MIB sent in place, shorter ones packed into staging of STAGING_MIB); the "
-                             "default row uses the backend's own (4:32)")
+                             "DIRECT_MIB sent in place, shorter ones gathered into pipelined staged sends of "
+                             "STAGING_MIB); the default row uses the backend's own (64:32); 4:32 was the default "
+                             "before (4 MiB runs sent in place, one NCCL group)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")

@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (``pytest -m gpu``; NCCL between the ranks): TP=2 equals
-TP=1 and transformers in float32 for every family it shards. Decode throughput of TP=2 against
+TP=1 and transformers in float32 for every family it shards, decode steps replaying CUDA graphs
+(with the collectives inside) on both ranks; and the same eagerly. Decode throughput of TP=2 against
 TP=1 is ``benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2``.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ pytestmark = [pytest.mark.gpu,
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "deepseek_v32"])
-def test_cuda_tp2_equals_tp1_float32(arch, model_dirs, oracles, monkeypatch):
+@pytest.mark.parametrize("arch,enforce_eager", [("llama", False), ("gemma3", False), ("qwen3_next", False),
+                                                ("deepseek_v32", False), ("llama", True)])
+def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, monkeypatch):
     import tests.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
@@ -30,11 +32,19 @@ def test_cuda_tp2_equals_tp1_float32(arch, model_dirs, oracles, monkeypatch):
     single = LLM(model=model_dirs[arch], **options)
     expected = single.generate(prompts, params, use_tqdm=False)
     single.engine.shutdown()
-    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **options)
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, enforce_eager=enforce_eager, **options)
     try:
-        assert llm.engine.device == torch.device("cuda", 0)
+        engine = llm.engine
+        assert engine.device == torch.device("cuda", 0)
+        # The graphs every rank captured: equal on both ranks (checked at start-up), so rank 1
+        # holds these too and replays one wherever rank 0 does (the plan names it).
+        sizes = [] if enforce_eager else [1, 2, 4, 8]
+        assert engine.parallel.graph_sizes == sizes
+        assert sorted(engine.runner.graphs.graphs if engine.runner.graphs is not None else []) == sizes
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        llm.engine.check_all_free()
+        assert enforce_eager or engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"
+        engine.check_all_free()
+        engine.check_health()
     finally:
         llm.engine.shutdown()
     for number, (output, reference, prompt) in enumerate(zip(outputs, expected, prompts)):

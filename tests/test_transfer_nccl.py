@@ -3,7 +3,9 @@ through NCCL): writes land byte for byte (merged runs, staged and direct segment
 order), notifications arrive after the bytes, failures end as ERROR and never hang, and a 1P1D
 pair of engine cores decodes exactly as ``transformers`` with ``backend="nccl"`` (and, after
 the handshake's warm-up write, with ``nixl``). The two-GPU
-path is checked by ``test_nccl_moves_gpu_memory_between_two_gpus`` (marked gpu)."""
+path (NCCL and NIXL, pipelined staging) is checked by
+``test_transfer_ordering.py::test_the_notification_comes_after_every_page_and_the_row[gpu-...]``
+(marked gpu)."""
 import os
 import time
 
@@ -73,6 +75,23 @@ def test_descriptors_merge_and_split_into_segments():
         Segment(0, 2, 2, False), Segment(2, 3, 5, True), Segment(3, 6, 3, False), Segment(6, 7, 1, False)]
     assert widest_element([8, 16], [24]) is torch.int64 and widest_element([8, 4], [4]) is torch.int32
     assert widest_element([3], [8]) is torch.uint8
+
+
+def test_only_registered_memory_can_be_a_destination():
+    from tandem.transfer.byte_views import RegionViews
+
+    first, second = torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+    views = RegionViews()
+    views.add(tensor_region(second))
+    views.add(tensor_region(first))
+    views.check([first.data_ptr(), first.data_ptr() + 60, second.data_ptr()], [64, 4, 32])
+    for address, length in [(first.data_ptr() + 1, 64), (second.data_ptr() - 1, 2), (second.data_ptr() + 32, 1)]:
+        if first.data_ptr() <= address and address + length <= first.data_ptr() + 64:
+            continue  # (the two allocations may lie back to back)
+        with pytest.raises(ValueError, match="outside the registered memory"):
+            views.check([first.data_ptr(), address], [8, length])
+        with pytest.raises(ValueError, match="outside the registered memory"):
+            views.view(address, length)
 
 
 def test_pages_land_byte_for_byte_and_the_notification_follows(pair):

@@ -81,10 +81,10 @@ class PDSide:
         memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
         self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if config.role == "prefill" else 0, dtype=torch.uint8,
                                   device=memory)
-        # NCCL moves device memory only: its metadata rows sit beside the pages (NIXL's in host memory)
+        # the metadata rows sit beside the pages (device memory for device pools), so that the last
+        # write of a transfer carries the last pages, the row and the notification in one request
         self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,
-                                       hidden_size=int(core.model_info.hidden_size),
-                                       device=memory if config.backend == "nccl" else "cpu",
+                                       hidden_size=int(core.model_info.hidden_size), device=memory,
                                        sanitize=core.config.sanitizer_on)
         self.backend.register(regions + [tensor_region(self.metadata.tensor), tensor_region(self.scratch)])
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,

@@ -1,6 +1,8 @@
 """The prefill side of PD: computes a prompt whose destination pages the decode side chose,
-writes every group's final pages as chunks complete them, then the metadata row with the
-first token, and holds the first-token delta until that row landed.
+writes every group's final pages as chunks complete them, and holds the first-token delta
+until the last write landed: the pages of the prompt's last chunk, the metadata row (first
+token) and the completion notification travel in that one write, posted once every earlier
+write is done (so the notification means every page and the row landed: I7).
 
 Lifetimes: each write holds its source pages in flight until the backend reports it done or
 failed (or, after ``drain_timeout``, cancelled), on every rank with tensor parallelism
@@ -39,6 +41,11 @@ from tandem.transfer.metadata import MetadataRow
 from tandem.transfer.state import TransferState, TransferStatus
 
 logger = logging.getLogger("tandem.pd")
+
+# NIXL sends a write's notification from the poll that finds its bytes landed
+# (``notifies_on_poll``): while a last write is in flight the engine polls without pausing, for
+# at most this long after posting it
+LAST_WRITE_SPIN_SECONDS = 0.05
 
 
 class PrefillSide(PDSide):
@@ -288,15 +295,18 @@ class PrefillSide(PDSide):
             self.ranks.post(owner, transfer.peer.identity, pairs_per_group)
         transfer.num_writes += 1
         transfer.first_write_at = transfer.first_write_at or time.monotonic()
-        write = PendingWrite(None, owner, plan.descriptors, compute_done_event(self.device_index))
+        for earlier in transfer.writes:  # (one final write per transfer; should a second come, the first goes alone)
+            earlier.final = False
+        write = PendingWrite(None, owner, plan.descriptors, compute_done_event(self.device_index), final=prompt_done)
         transfer.writes.append(write)
         self.post_when_ready(transfer, write)
         if transfer.status.state is TransferState.BOUND:
             transfer.status.advance(TransferState.SENDING)
 
     def post_when_ready(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
-        """Post a page write once the device computed its pages (at once in host memory)."""
-        if write.handle is None and (write.ready is None or write.ready.query()):
+        """Post a page write once the device computed its pages (at once in host memory); a
+        final write waits for the metadata row (``post_last``)."""
+        if write.handle is None and not write.final and (write.ready is None or write.ready.query()):
             write.handle = self.backend.write(transfer.peer.agent, write.descriptors, local_device=self.device_index,
                                               remote_device=transfer.peer.device)
             write.descriptors, write.ready = [], None
@@ -324,9 +334,10 @@ class PrefillSide(PDSide):
         self.progress_warm_ups()
         for transfer in list(self.transfers.values()):
             self.progress_writes(transfer, now)
-            if not transfer.status.terminal and transfer.first_delta is not None and not transfer.writes \
-                    and transfer.metadata_write is None and not self.stalled():
-                self.post_metadata(transfer)
+            if not transfer.status.terminal and transfer.first_delta is not None \
+                    and all(write.final for write in transfer.writes) and transfer.metadata_write is None \
+                    and not self.stalled():
+                self.post_last(transfer)
             if transfer.status.terminal and not transfer.outstanding:
                 self.retire(transfer)
 
@@ -356,6 +367,8 @@ class PrefillSide(PDSide):
         if status is None:
             return
         transfer.metadata_write = None
+        if write.owner is not None:
+            self.coordinator.release_inflight(write.owner)
         if status is WriteStatus.DONE and not transfer.status.terminal:
             transfer.bytes_written += write.handle.num_bytes
             transfer.status.advance(TransferState.DONE)
@@ -365,7 +378,8 @@ class PrefillSide(PDSide):
             if not transfer.suppress_delta:
                 self.outbox.append(transfer.first_delta)
         elif status is WriteStatus.ERROR and not transfer.status.terminal:
-            self.end(transfer, TransferState.FAILED, f"the metadata row write failed: {write.handle.error}")
+            self.end(transfer, TransferState.FAILED, f"the last write (pages and metadata row) failed: "
+                                                     f"{write.handle.error}")
 
     def resolve(self, transfer: PrefillTransfer, write: PendingWrite, now: float) -> Optional[WriteStatus]:
         """Poll a write: None while it is pending, here or (a page write) on another rank
@@ -403,11 +417,18 @@ class PrefillSide(PDSide):
             return
         if write.owner is not None:
             self.coordinator.release_inflight(write.owner)
-            transfer.writes.remove(write)
-        else:
+        if write is transfer.metadata_write:
             transfer.metadata_write = None
+        else:
+            transfer.writes.remove(write)
 
-    def post_metadata(self, transfer: PrefillTransfer) -> None:
+    def post_last(self, transfer: PrefillTransfer) -> None:
+        """The last write: the final pages (if any), the metadata row and the notification, in
+        one write. Every other write of the transfer is done (the caller checked), and a backend
+        delivers a write's notification only after all its bytes landed."""
+        final = transfer.writes[0] if transfer.writes else None
+        if final is not None and final.ready is not None and not final.ready.query():
+            return  # the device is still computing the last chunk's pages: retried on the next poll
         row = self.metadata.allocate()
         if row is None:
             return  # all rows busy: retried on the next poll
@@ -422,9 +443,14 @@ class PrefillSide(PDSide):
             hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
         transfer.local_row = row
         destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
-        handle = self.backend.write(peer.agent, [(self.metadata.address(row), destination, self.metadata.row_bytes)],
+        descriptors = [(self.metadata.address(row), destination, self.metadata.row_bytes)]
+        if final is not None:
+            transfer.writes.remove(final)
+            descriptors = final.descriptors + descriptors
+        handle = self.backend.write(peer.agent, descriptors, local_device=self.device_index, remote_device=peer.device,
                                     notification=done_notification(transfer.room))
-        transfer.metadata_write = PendingWrite(handle, None)
+        transfer.metadata_write = PendingWrite(handle, final.owner if final is not None else None,
+                                               posted_at=time.monotonic())
         transfer.status.advance(TransferState.FINISHING)
 
     def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
@@ -482,6 +508,14 @@ class PrefillSide(PDSide):
         for room, (moment, _, _) in list(self.ended_rooms.items()):
             if now - moment > config.bootstrap_timeout:
                 del self.ended_rooms[room]
+
+    def idle_wait_milliseconds(self) -> int:
+        now = time.monotonic()
+        if self.backend.notifies_on_poll and any(transfer.metadata_write is not None and not transfer.status.terminal
+               and now - transfer.metadata_write.posted_at < LAST_WRITE_SPIN_SECONDS
+               for transfer in self.transfers.values()):
+            return 0
+        return super().idle_wait_milliseconds()
 
     def awaiting_backend(self) -> bool:
         return any(transfer.outstanding or transfer.first_delta is not None for transfer in self.transfers.values()) \

@@ -21,14 +21,18 @@ from tandem.transfer.state import TransferStatus
 
 @dataclass
 class PendingWrite:
-    """A write and the in-flight reference holding its source pages (None for the row).
+    """A write and the in-flight reference holding its source pages (None: no pages).
     ``handle`` is None until it is posted: device pages are posted once ``ready`` (a CUDA event
     recorded after the forward pass that computed them was launched) has completed, as the
-    engine loop does not wait for the device."""
+    engine loop does not wait for the device. A ``final`` write (the pages the prompt's last
+    chunk completed) is not posted on its own: it travels with the metadata row and the
+    completion notification, in one write, once every earlier write is done."""
     handle: Optional[WriteHandle]
     owner: Optional[str]
     descriptors: list = field(default_factory=list)
     ready: Optional[Any] = None
+    final: bool = False
+    posted_at: float = 0.0
 
 
 @dataclass
@@ -56,7 +60,7 @@ class PrefillTransfer:
     destination: Optional[Destination] = None
     sent: list[set[int]] = field(default_factory=list)
     writes: list[PendingWrite] = field(default_factory=list)
-    metadata_write: Optional[PendingWrite] = None
+    metadata_write: Optional[PendingWrite] = None  # the last write: final pages, the row, the notification
     local_row: Optional[int] = None
     first_delta: Optional[RequestDelta] = None
     bound_at: float = 0.0

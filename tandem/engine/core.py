@@ -25,7 +25,7 @@ from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.launched_step import LaunchedStep
-from tandem.worker.cuda_graphs import default_graph_batch_sizes
+from tandem.worker.cuda_graphs import decode_graph_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
@@ -65,11 +65,14 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if self.parallel is not None:
             self.parallel.attach(self.coordinator, self.runner)
-        elif not config.enforce_eager:  # (not yet with tensor parallelism: every step runs eagerly)
+        if not config.enforce_eager:
             rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
-            sizes = list(config.cuda_graph_sizes or default_graph_batch_sizes(rows))
-            self.runner.capture_graphs([size for size in sizes if size <= rows],
-                                       self.model_info.max_model_len, config.max_num_batched_tokens)
+            sizes = decode_graph_sizes(config, rows)
+            if self.parallel is not None:  # in step with the workers, which capture the same sizes
+                self.parallel.capture_graphs(self.runner, sizes, self.model_info.max_model_len,
+                                             config.max_num_batched_tokens)
+            else:
+                self.runner.capture_graphs(sizes, self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
         if self.speculator is not None:

@@ -14,6 +14,7 @@ group, no global state), so several engines may live in one process.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,10 @@ def join(rank: int, size: int, device: torch.device, store=None, port: int = 0) 
         store = dist.TCPStore(LOOPBACK, port, size, False, timeout=STORE_TIMEOUT)
     control = _gloo(store, "control", rank, size, CONTROL_TIMEOUT)
     if device.type == "cuda":
+        # Collectives captured in CUDA graphs (parallel/graphs.py): the group keeps its tensors
+        # alive with the work instead of recording them on its stream (``recordStream`` inside
+        # a capture breaks it); read when the group is made.
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TENSOR_TIMEOUT
         tensor = dist.ProcessGroupNCCL(dist.PrefixStore("tensor", store), rank, size, options)

@@ -29,6 +29,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
+from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import join, open_store, rank_device
 from tandem.parallel.plan import STOP, PageJournal, PlanChannel, StepPlan
 
@@ -113,6 +114,7 @@ class TensorParallel:
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
         self.journal = PageJournal()
+        self.graph_sizes: list[int] = []  # the decode graphs every rank captured (equal on all)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -126,9 +128,16 @@ class TensorParallel:
         coordinator.mirror = self.journal
         runner.plan_sender = self
 
-    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool) -> None:
+    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
+                  graph_size: int = 0) -> None:
         self.check()
-        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.journal.take(), inputs_from_root))
+        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.journal.take(), inputs_from_root,
+                                           graph_size))
+
+    def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Rank 0's side of ``capture_on_every_rank`` (the workers run theirs at start-up)."""
+        self.graph_sizes = capture_on_every_rank(runner, self.groups, batch_sizes, max_model_len,
+                                                 max_num_batched_tokens)
 
     def check(self) -> None:
         if self.failed is not None:

@@ -2,7 +2,8 @@
 
 A plan is the model runner's host-side inputs of one step (``StepInputs`` without the
 scheduler's objects), the logits rows it computes (sampled rows, then each chunk's prompt
-logprob rows: every rank must run the LM head's gather in the same order), and the page
+logprob rows: every rank must run the LM head's gather in the same order), the CUDA graph rank
+0 replays for it (every rank replays its own of that size: the graphs hold collectives), and the page
 operations rank 0's coordinator applied since the last plan (copies and sanitizer poison), which
 each rank replays on its own shard before the forward pass. Plans travel as msgpack over the
 control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan runs no forward
@@ -59,16 +60,17 @@ class StepPlan(msgspec.Struct, array_like=True):
     sampling_rows: list[int] = []
     prompt_logit_ranges: list[tuple[int, int]] = []  # (first row, rows) per prompt-logprob chunk
     inputs_from_root: bool = False  # rank 0 broadcasts the input ids (tokens pending on its device)
+    graph_size: int = 0  # the CUDA graph (its rows) every rank replays for the step; 0: eagerly
     transfer_operations: list[TransferOperation] = []  # TRANSFER plans only
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
-                page_operations: list[PageOperation], inputs_from_root: bool) -> "StepPlan":
+                page_operations: list[PageOperation], inputs_from_root: bool, graph_size: int = 0) -> "StepPlan":
         return cls(STEP, page_operations, step.num_decode, Array.of(step.input_ids), Array.of(step.positions),
                    list(step.query_starts), list(step.start_positions), list(step.context_lengths),
                    [Array.of(table) for table in step.page_tables],
                    [Array.of(slots) for slots in step.slot_mappings], list(step.sampling_rows),
-                   prompt_logit_ranges, inputs_from_root)
+                   prompt_logit_ranges, inputs_from_root, graph_size)
 
     def step_inputs(self) -> StepInputs:
         """The plan as the runner's inputs (no scheduled chunks: a worker samples nothing)."""

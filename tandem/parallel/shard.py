@@ -41,9 +41,11 @@ class TensorShard:
         if not self.is_parallel:
             return tensor
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.group.allgather([parts], [tensor]).wait()
-        return torch.cat(parts, dim=-1)
+        # One output buffer (rank-major), not a list: NCCL gathers straight into it, with no
+        # copy-back on its stream afterwards (simpler inside a captured CUDA graph).
+        gathered = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        self.group._allgather_base(gathered, tensor).wait()
+        return torch.cat(gathered.view(self.size, *tensor.shape).unbind(0), dim=-1)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.is_parallel:

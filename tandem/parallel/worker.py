@@ -3,7 +3,8 @@
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
 reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
 (same config, its own rank), agrees on the page counts, then loops: receive a plan, replay its
-page operations on this rank's buffers, run the forward pass. It samples nothing and keeps no
+page operations on this rank's buffers, run the forward pass (replaying the CUDA graph the plan
+names: every rank captures the same ones at start-up, ``graphs.py``). It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
 kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
 has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
@@ -51,9 +52,11 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level:
 def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.engine.state_setup import build_coordinator, register_state
     from tandem.models.loader import build_model
+    from tandem.parallel.graphs import capture_on_every_rank
     from tandem.parallel.launcher import agree_on_pages
     from tandem.parallel.pd_ranks import WorkerTransfers
     from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
+    from tandem.worker.cuda_graphs import decode_graph_sizes
     from tandem.worker.model_runner import ModelRunner
 
     torch.manual_seed(config.seed)
@@ -65,6 +68,9 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     _, coordinator = build_coordinator(config, device, registry, info.max_model_len, False,
                                        agree=lambda plan: agree_on_pages(plan, groups.control))
     runner = ModelRunner(model, coordinator, device)
+    if not config.enforce_eager:  # the same sizes as rank 0's (no speculation under tensor parallelism)
+        capture_on_every_rank(runner, groups, decode_graph_sizes(config, config.max_num_seqs), info.max_model_len,
+                              config.max_num_batched_tokens)
     channel = PlanChannel(groups.control, groups.rank)
     # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
     transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
@@ -79,7 +85,7 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
         if plan.kind == TRANSFER:
             transfers.serve(plan.transfer_operations)
             continue
-        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root)
+        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
 
 
 if __name__ == "__main__":

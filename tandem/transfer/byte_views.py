@@ -12,13 +12,14 @@ stay valid while those do (for the engine's lifetime).
 A write's descriptors (already merged, ``descriptors.merge_adjacent``) become a list of
 segments, each one tensor send; writer and reader compute the same list from the same lengths::
 
-    lengths   8M   64K 64K 64K ... 64K   6M   64K
-    segments [8M]  [64K 64K ... 64K]     [6M] [64K]     >= direct_bytes (or > staging_bytes):
-                   gathered into staging                 sent in place; smaller: packed into
-                   (<= staging_bytes), one send          staging buffers of <= staging_bytes
+    lengths   96M  4M 4M 4M 4M 4M 4M 4M 4M 4M   4M 64K    >= direct_bytes (or > staging_bytes):
+    segments [96M] [4M 4M 4M 4M 4M 4M 4M 4M]  [4M 4M 64K]  sent in place; smaller: packed into
+                   gathered into staging, one send        staging buffers of <= staging_bytes
 
 Every segment is posted without waiting for the one before (the sends queue back to back on the
-link); staged ones take turns in a staging area of two segments.
+link); staged ones take turns in the slots of a staging area, pipelined (``nccl_links.Link.move``):
+the gather of one overlaps the send of the one before. Point-to-point operations pay a fixed
+cost each (host and device), so a PD write of many page runs goes as a few large sends.
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ import bisect
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.transfer.descriptors import MemoryRegion
 
-DIRECT_BYTES = 4 << 20  # a run this long is sent from (received into) the pages themselves
-STAGING_BYTES = 32 << 20  # shorter runs are packed into a staging buffer of at most this size
+DIRECT_BYTES = 64 << 20  # a run this long is sent from (received into) the pages themselves
+STAGING_BYTES = 32 << 20  # shorter runs are packed into staged segments of at most this size
 
 
 class _DeviceBytes:
@@ -68,6 +70,21 @@ class RegionViews:
     def device(self) -> int:
         """Where the regions live: -1 host memory, else the CUDA device (the first region's)."""
         return self._regions[0][0].device if self._regions else -1
+
+    def check(self, addresses: list[int], lengths: list[int]) -> None:
+        """Refuse (ValueError) unless every (address, length) lies inside one registered region
+        (all at once: what ``view`` checks one by one)."""
+        if not addresses:
+            return
+        starts = np.asarray(self._starts, dtype=np.int64)
+        ends = starts + np.asarray([region.length for region, _ in self._regions], dtype=np.int64)
+        wanted, sizes = np.asarray(addresses, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        index = np.searchsorted(starts, wanted, side="right") - 1
+        inside = (index >= 0) & (sizes >= 0) & (wanted + sizes <= ends[np.maximum(index, 0)])
+        if not inside.all():
+            first = int(np.argmin(inside))
+            raise ValueError(f"transfer: {lengths[first]} bytes at {addresses[first]:#x} lie outside the registered "
+                             f"memory")
 
     def view(self, address: int, length: int) -> torch.Tensor:
         index = bisect.bisect(self._starts, address) - 1

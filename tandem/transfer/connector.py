@@ -45,6 +45,9 @@ class WriteHandle:
 
 class TransferBackend(abc.ABC):
     name: str = ""
+    # a write's notification leaves only from a poll of that write that finds its bytes landed
+    # (NIXL): the writer should poll a notified write without pausing
+    notifies_on_poll: bool = False
 
     @property
     @abc.abstractmethod
@@ -131,13 +134,14 @@ class TransferBackend(abc.ABC):
 
 def create_backend(name: str, agent_name: str, *, failure_probability: float = 0.0,
                    seed: Optional[int] = None, progress_thread: bool = False, host: str = "127.0.0.1",
-                   connect_timeout: float = 30.0, timeout: float = 120.0) -> TransferBackend:
+                   connect_timeout: float = 30.0, timeout: float = 120.0, telemetry: bool = False) -> TransferBackend:
     """``host``: the address peers reach this engine at (the NCCL backend's rendezvous);
-    ``connect_timeout``/``timeout``: pairing and per-write limits of the NCCL backend."""
+    ``connect_timeout``/``timeout``: pairing and per-write limits of the NCCL backend;
+    ``telemetry``: NIXL times each write itself (benchmarks)."""
     if name == "nixl":
         from tandem.transfer.nixl_backend import NixlBackend
 
-        backend: TransferBackend = NixlBackend(agent_name, progress_thread=progress_thread)
+        backend: TransferBackend = NixlBackend(agent_name, progress_thread=progress_thread, telemetry=telemetry)
     elif name == "nccl":
         from tandem.transfer.nccl_backend import NcclBackend
 

@@ -14,7 +14,8 @@ Message flow (decode D connects to prefill P's bootstrap address)::
     P -> D  HelloReply(accepted | error naming the first difference)
     D <-> P Heartbeat                                           every heartbeat_interval
     D -> P  Destination(room, page ids per group, metadata row) when D admits the request
-    P ==> D page writes, then the metadata row write with notification "done:<room>"
+    P ==> D page writes; the last one, posted once the others are done, carries the last pages,
+            the metadata row and the notification "done:<room>"
     P -> D  TransferFailed(room, reason, drained)               P gave up (drained: no more writes)
     D -> P  AbortTransfer(room, reason)                         D gave up; P stops, then ...
     P -> D  Drained(room)                                       ... P will write no more

@@ -19,14 +19,19 @@ Row layout (little endian)::
     hidden        float32[hidden_size]
 
 Owner: the PD side of one engine. ``allocate`` hands out a row; ``release`` returns it (and, in
-sanitizer mode, poisons it so a stale read cannot pass the room check).
+sanitizer mode, poisons it so a stale read cannot pass the room check). The rows lie beside the
+pages (host or device memory), so a transfer's last write carries pages and row together. In
+device memory every row access runs on a stream of its own and is waited for: it never queues
+behind the engine's forward passes, and it is complete before the row is sent or reused.
 """
 from __future__ import annotations
 
 import struct
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tandem.transfer.messages import room_from_bytes, room_to_bytes
@@ -64,6 +69,14 @@ class MetadataBuffer:
         self.sanitize = sanitize
         self.tensor = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, device=device)
         self._free = list(range(num_rows - 1, -1, -1))
+        self._stream = torch.cuda.Stream(self.tensor.device) if self.tensor.is_cuda else None
+
+    def _access(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _finish(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
     @property
     def num_free(self) -> int:
@@ -79,7 +92,9 @@ class MetadataBuffer:
         if row in self._free:
             raise RuntimeError(f"metadata row {row} released twice")
         if self.sanitize:
-            self.tensor[row].fill_(POISON_BYTE)
+            with self._access():
+                self.tensor[row].fill_(POISON_BYTE)
+            self._finish()
         self._free.append(row)
 
     def write(self, row: int, value: MetadataRow) -> None:
@@ -92,13 +107,17 @@ class MetadataBuffer:
         header = _HEADER.pack(room_to_bytes(value.room), value.first_token, value.num_cached_tokens, value.rank,
                               entries, *value.logprob_token_ids, *([0] * pad), *value.logprobs, *([0.0] * pad),
                               len(value.hidden_states))
-        hidden = struct.pack(f"<{self.hidden_size}f", *value.hidden_states,
-                             *([0.0] * (self.hidden_size - len(value.hidden_states))))
-        self.tensor[row].copy_(torch.frombuffer(bytearray(header + hidden), dtype=torch.uint8))
+        hidden = np.zeros(self.hidden_size, dtype="<f4")  # (the slot is thousands of floats: no struct.pack)
+        hidden[:len(value.hidden_states)] = value.hidden_states
+        hidden = hidden.tobytes()
+        with self._access():
+            self.tensor[row].copy_(torch.frombuffer(bytearray(header + hidden), dtype=torch.uint8))
+        self._finish()
 
     def read(self, row: int) -> MetadataRow:
         """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""
-        data = self.tensor[row].cpu().numpy().tobytes()
+        with self._access():
+            data = self.tensor[row].cpu().numpy().tobytes()
         fields = _HEADER.unpack_from(data)
         room, first_token, cached, rank, entries = fields[:5]
         token_ids = fields[5:5 + MAX_LOGPROB_ENTRIES]
@@ -106,7 +125,7 @@ class MetadataBuffer:
         hidden_len = fields[-1]
         entries = max(0, min(entries, MAX_LOGPROB_ENTRIES))
         hidden_len = max(0, min(hidden_len, self.hidden_size))
-        hidden = struct.unpack_from(f"<{hidden_len}f", data, _HEADER.size)
+        hidden = np.frombuffer(data, dtype="<f4", count=hidden_len, offset=_HEADER.size).tolist()
         return MetadataRow(room=room_from_bytes(room), first_token=first_token, num_cached_tokens=cached,
                            logprob_token_ids=tuple(token_ids[:entries]), logprobs=tuple(logprobs[:entries]),
                            rank=rank, hidden_states=tuple(hidden))

@@ -13,9 +13,12 @@ write at pairing sets up the NCCL connection, so the first real write pays no co
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
 ``byte_views.plan_segments`` says: runs of at least ``direct_bytes`` in place, shorter ones
-gathered into a staging buffer (``torch._foreach_copy_``: a few kernels for many runs), sent as
-one message, and scattered on the reader. Source pages are read on a side stream after the
-engine's stream reached the point where the write was posted (a CUDA event).
+gathered into staged segments of at most ``staging_bytes`` (``torch._foreach_copy_``: a few
+kernels for many runs), each sent as one message and scattered on the reader. The gathers and
+scatters run on a copy stream beside the link's stream, so the gather (scatter) of one segment
+overlaps the send (receive) of the one before; the host waits once per write, at its end.
+Source pages are read after the engine's stream reached the point where the write was posted
+(a CUDA event).
 
 Wire format of one write, in order::
 

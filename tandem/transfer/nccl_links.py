@@ -55,15 +55,19 @@ class PendingSend:
     started: bool = False
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # perf_counter() when the link's thread took it, sent its header, had posted every send, saw
+    # them drained and got the acknowledgement (diagnostics: benchmarks/pd_gpu.py prints them)
+    timings: dict = field(default_factory=dict)
 
 
 _HEADER = struct.Struct("<qqqqqq")
 MAX_STAGING_BYTES = 1 << 30
 ACKNOWLEDGEMENT = b"landed"
 CLOSED = "the pair was closed"
-STAGING_SLOTS = 2  # staged segments in flight at once per pair (the staging area holds this many)
+STAGING_SLOTS = 3  # staged segments in flight at once per pair (the staging area holds this many)
 STAGING_ALIGNMENT = 256
 DRAIN_POLL_SECONDS = 20e-6
+DRAIN_SPIN_SECONDS = 2e-3
 CLOSE_WAIT_SECONDS = 2.0
 
 
@@ -105,7 +109,9 @@ class Link:
         self.group = None
         self.error = ""
         self.staging: Optional[torch.Tensor] = None
-        self.stream = None
+        self.stream = None  # where sends and receives are posted from
+        self.copy_stream = None  # where staged segments are gathered (writer) or scattered (reader)
+        self.posted_at = 0.0
         self.thread = threading.Thread(target=self.run, name=f"tandem-nccl-{peer[-8:]}", daemon=True)
 
     @property
@@ -119,9 +125,28 @@ class Link:
             self.stream = torch.cuda.Stream(device=self.device)
         return torch.cuda.stream(self.stream)
 
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
+    def copy_context(self):
+        """On a GPU, the copy stream (it runs beside the link's stream: the gather of segment
+        i + 1 overlaps the send of segment i, the scatter of segment i the receive of i + 1)."""
+        if self.device < 0:
+            return nullcontext()
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device=self.device)
+        return torch.cuda.stream(self.copy_stream)
+
+    def record(self):
+        """A CUDA event at the current end of the current stream (None in host memory)."""
+        if self.device < 0:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def after_event(self, event) -> None:
+        """The current stream waits for ``event`` (nothing in host memory, where work is done when
+        it returns)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def staging_slice(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
         """Bytes ``offset`` .. ``offset + num_bytes`` of this pair's staging area."""
@@ -136,63 +161,85 @@ class Link:
             self.staging = torch.empty(num_bytes, dtype=torch.uint8, device=device)
 
     def wait(self, work) -> None:
-        """Order what follows after ``work``: on a GPU the side stream waits for it (the host
-        does not); in host memory the thread waits, at most ``timeout``."""
+        """Order what follows after ``work``: on a GPU the current stream waits for it (the host
+        does not); in host memory the thread waits, at most ``timeout``. Once per work: a second
+        wait on a gloo work waits for another operation."""
         if self.device >= 0:
             work.wait()
         else:
             work.wait(timedelta(seconds=self.backend.timeout))
 
     def drain(self, works: list) -> None:
-        """Return once every operation in ``works`` (and everything on the side stream) is
-        done; TimeoutError after ``timeout``."""
+        """Return once every operation in ``works`` (and everything on the link's and the copy
+        stream) is done; TimeoutError after ``timeout``."""
         for work in works:
             self.wait(work)
-        if self.stream is None:
-            return
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        deadline = time.monotonic() + self.backend.timeout
-        while not done.query():
-            if time.monotonic() > deadline:
+        events = []
+        for stream in (self.stream, self.copy_stream):
+            if stream is not None:
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+        started = time.monotonic()
+        while not all(event.query() for event in events):
+            waited = time.monotonic() - started
+            if waited > self.backend.timeout:
                 raise TimeoutError(f"transfer (nccl): a write to or from {self.peer} took over "
                                    f"{self.backend.timeout:g} s")
-            time.sleep(DRAIN_POLL_SECONDS)
+            # a write of a few hundred MiB drains within a millisecond or two: yield only (a sleep
+            # would oversleep by tens of microseconds each time), then sleep between checks
+            time.sleep(0 if waited < DRAIN_SPIN_SECONDS else DRAIN_POLL_SECONDS)
 
     def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
              tensor_of, after=None) -> None:
         """Post every segment's send or receive (``operation``) without waiting for the one
-        before, so they queue back to back on the link; staged segments take turns in the
-        staging area (when it is full, what was posted drains first). ``tensor_of(segment,
-        staging)`` gives the tensor to move; ``after(segment, staging)`` runs once a staged
-        segment's receive is done (the scatter)."""
-        works, offset = [], 0
-        capacity = STAGING_SLOTS * -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+        before, so they queue back to back on the link. Staged segments take turns in the
+        STAGING_SLOTS slots of the staging area, pipelined: the writer gathers a segment into its
+        slot on the copy stream (``tensor_of(segment, staging)``) and sends it from the link's
+        stream; the reader receives into the slot and scatters it (``after(segment, staging)``)
+        on the copy stream. A slot is refilled once what last used it finished: on a GPU by
+        stream-side waits only (the host waits once, at the end); in host memory by the thread.
+        ``tensor_of(segment, None)`` gives a direct segment's tensor."""
+        works = []
+        slot_bytes = -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
         segments = plan_segments(lengths, direct_bytes, staging_bytes)
         if any(not segment.direct for segment in segments) or not lengths:
-            self.ensure_staging(max(capacity, STAGING_ALIGNMENT))
+            self.ensure_staging(max(STAGING_SLOTS * slot_bytes, STAGING_ALIGNMENT))
         if not lengths:  # the warm-up write: one element
             works.append(operation([self.staging_slice(0, 8, torch.int64)[:1]]))
         if self.coalesces(segments):  # one NCCL group: the runs share the link's channels at once
             self.group._start_coalescing()
             for segment in segments:
                 operation([tensor_of(segment, None)])
+            self.posted_at = time.perf_counter()
             self.drain([self.group._end_coalescing()])
             return
+        in_use = [None] * STAGING_SLOTS  # per slot: the send (writer) or scatter event (reader) that last used it
+        slot = 0
         for segment in segments:
-            staging = None
-            if not segment.direct:
-                if offset + segment.num_bytes > capacity:
-                    self.drain(works)
-                    works, offset = [], 0
-                staging = self.staging_slice(offset, segment.num_bytes, dtype)
-                offset += -(-segment.num_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
-            work = operation([tensor_of(segment, staging)])
-            if after is not None and staging is not None:
-                self.wait(work)
-                after(segment, staging)
-            else:
-                works.append(work)
+            if segment.direct:
+                works.append(operation([tensor_of(segment, None)]))
+                continue
+            staging = self.staging_slice(slot * slot_bytes, segment.num_bytes, dtype)
+            previous, in_use[slot] = in_use[slot], None
+            if after is None:  # writer: gather on the copy stream once the slot's last send is done, then send
+                with self.copy_context():
+                    if previous is not None:  # (waited for once only: a gloo work's wait is not idempotent)
+                        self.wait(previous)
+                        works.remove(previous)
+                    tensor = tensor_of(segment, staging)
+                    gathered = self.record()
+                self.after_event(gathered)
+                in_use[slot] = operation([tensor])
+                works.append(in_use[slot])
+            else:  # reader: receive once the slot's last scatter is done, scatter on the copy stream
+                self.after_event(previous)
+                work = operation([tensor_of(segment, staging)])  # waited for here only (the copy stream)
+                with self.copy_context():
+                    self.wait(work)
+                    after(segment, staging)
+                    in_use[slot] = self.record()
+            slot = (slot + 1) % STAGING_SLOTS
+        self.posted_at = time.perf_counter()
         self.drain(works)
 
     def coalesces(self, segments) -> bool:
@@ -272,20 +319,26 @@ class WriterLink(Link):
         element_size = torch.empty(0, dtype=dtype).element_size()
         connection, group = self.connection, self.group
         backend = self.backend
+        item.timings["taken"] = time.perf_counter()
         send_frame(connection, Header(destinations, lengths, item.notification, element_size, backend.direct_bytes,
                                       backend.staging_bytes).encode())
+        item.timings["header"] = time.perf_counter()
         def tensor_of(segment, staging):
             parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
             return parts[0] if segment.direct else pack(parts, staging)
 
         with self.stream_context():
-            if item.ready is not None:
+            if item.ready is not None:  # the source pages are read on both streams
                 self.stream.wait_event(item.ready)
+                with self.copy_context():
+                    self.after_event(item.ready)
             self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
                       lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
+        item.timings["posted"], item.timings["drained"] = self.posted_at, time.perf_counter()
         # a send completes once its bytes left; the reader's acknowledgement says they landed
         if receive_frame(connection) != ACKNOWLEDGEMENT:
             raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
+        item.timings["acknowledged"] = time.perf_counter()
 
     def close(self) -> None:
         super().close()
@@ -316,13 +369,16 @@ class ReaderLink(Link):
         frame = receive_frame(connection, idle=lambda: self.closed)
         header = Header.decode(frame)
         dtype, notification = ELEMENT_TYPES[header.element_size], header.notification
-        targets = [views.view(address, length).view(dtype)
-                   for address, length in zip(header.destinations, header.lengths)]
+        views.check(header.destinations, header.lengths)  # before anything is received
+
+        def targets(first: int, last: int) -> list[torch.Tensor]:  # made as each segment needs them
+            return [views.view(header.destinations[i], header.lengths[i]).view(dtype) for i in range(first, last)]
+
         with self.stream_context():
             self.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
                       lambda tensors: group.recv(tensors, WRITER_RANK, 0),
-                      lambda segment, staging: targets[segment.first] if segment.direct else staging,
-                      lambda segment, staging: unpack(staging, targets[segment.first:segment.last]))
+                      lambda segment, staging: targets(segment.first, segment.last)[0] if segment.direct else staging,
+                      lambda segment, staging: unpack(staging, targets(segment.first, segment.last)))
         if notification:
             self.backend.received.append((self.peer, notification))
         send_frame(connection, ACKNOWLEDGEMENT)

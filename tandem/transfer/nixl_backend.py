@@ -3,7 +3,9 @@ notification. Works on host memory (DRAM) as on GPU memory (VRAM); on a CPU-only
 transports are shared memory and TCP on loopback, so CI exercises the real path.
 
 NIXL reports a remote agent's name as bytes from ``add_remote_agent`` but keys notifications by
-str; this class speaks str throughout.
+str; this class speaks str throughout. A write's notification leaves from the writer's poll
+(``check_xfer_state``) that finds all its descriptors landed (UCX: after a flush of the
+endpoint), so it always follows the bytes, and the writer must keep polling until DONE.
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ def _as_str(name) -> str:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+    notifies_on_poll = True
 
-    def __init__(self, agent_name: str, progress_thread: bool = False) -> None:
+    def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False) -> None:
+        """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics)."""
         nixl_agent, nixl_agent_config = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self._name = agent_name
@@ -49,7 +53,9 @@ class NixlBackend(TransferBackend):
         # notifications every millisecond while it expects writes. That suffices where writes are
         # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
         # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        options = dict(capture_telemetry=True) if telemetry else {}
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                                              **options))
         self._registered = []
 
     @property
@@ -95,6 +101,13 @@ class NixlBackend(TransferBackend):
             handle.status, handle.error = WriteStatus.ERROR, "NIXL could not post the write"
         elif state == "DONE":
             handle.status = WriteStatus.DONE
+
+    def write_telemetry(self, handle: WriteHandle) -> dict:
+        """NIXL's own timing of a finished, not yet released write (agent made with ``telemetry``):
+        seconds spent posting it and until it completed, and its descriptors after NIXL merged them."""
+        record = self.agent.get_xfer_telemetry(handle.native)
+        return {"post": record.postDuration * 1e-6, "transfer": record.xferDuration * 1e-6,
+                "descriptors": record.descCount}
 
     def _check(self, handle: WriteHandle) -> WriteStatus:
         state = self.agent.check_xfer_state(handle.native)

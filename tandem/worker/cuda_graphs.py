@@ -17,6 +17,10 @@ The forward captured is the network's plus its logits head, so a replay ends wit
 hidden state and the logits of every row. Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
 (their reads and writes are tensor operations with no host synchronisation and no
 data-dependent shapes); the others run eagerly.
+
+Under tensor parallelism every rank holds a runner of the same sizes, captured in step (the
+graphs contain the layers' collectives), and replays the size rank 0's plan names for the step
+(``tandem/parallel/graphs.py``).
 """
 from __future__ import annotations
 
@@ -43,6 +47,12 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if max_num_seqs > sizes[-1]:
         return sizes
     return [size for size in sizes if size < max_num_seqs] + [max_num_seqs]
+
+
+def decode_graph_sizes(config, rows: int) -> list[int]:
+    """The decode graph sizes to capture for steps of up to ``rows`` rows: ``cuda_graph_sizes``
+    (default ``default_graph_batch_sizes``) up to ``rows``."""
+    return [size for size in config.cuda_graph_sizes or default_graph_batch_sizes(rows) if size <= rows]
 
 
 def model_is_graph_safe(model: torch.nn.Module) -> bool:
@@ -105,6 +115,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (hidden, logits)
         self.pool = None
+        self.num_replays = 0  # steps run through the static buffers (replayed, or eagerly where never captured)
 
     def _metadata(self, batch_size: int) -> list[Optional[AttentionMetadata]]:
         """Static tensors; the per-chunk lists are placeholders saying "decode rows that continue
@@ -149,19 +160,27 @@ class CudaGraphRunner:
                 and min(step.start_positions, default=0) > 0
                 and all(table.shape[1] <= self.max_width for table in step.page_tables if table is not None))
 
-    def replay(self, step: StepInputs, feed=None, hidden_in: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def size_for(self, step: StepInputs) -> int:
+        """The captured size a step (one ``can_replay`` admits) replays: the smallest that fits."""
+        return next(size for size in self.batch_sizes if size >= step.num_tokens)
+
+    def replay(self, step: StepInputs, feed=None, hidden_in: Optional[torch.Tensor] = None,
+               broadcast_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step into the static buffers, replay, and return the ``[n, hidden]`` output
         and ``[n, vocab]`` logits of its ``n`` rows (views of static buffers: valid until the
         next replay of this runner). ``feed`` writes pending input tokens (still on the device)
-        into the static ids; ``hidden_in`` is the hidden input of a network that reads one."""
+        into the static ids; ``hidden_in`` is the hidden input of a network that reads one.
+        Under tensor parallelism ``broadcast_inputs`` sends rank 0's static ids (pending tokens
+        filled in) to every rank before the replay (an eager collective, outside the graph)."""
         count = step.num_tokens
-        batch_size = next(size for size in self.batch_sizes if size >= count)
+        batch_size = self.size_for(step)
         copy = copy_to_device
         copy(self.input_ids[:count], step.input_ids)
         copy(self.positions[:count], step.positions)
         if feed is not None:
             feed(self.input_ids[:count])
+        if broadcast_inputs:
+            self.runner.model.tensor_shard.broadcast(self.input_ids[:count])
         if self.hidden_in is not None:
             self.hidden_in[:count].copy_(hidden_in)
         lengths = np.asarray(step.context_lengths, dtype=np.int32)
@@ -178,6 +197,7 @@ class CudaGraphRunner:
             if batch_size > count:
                 self.slot_mappings[group][count:batch_size].fill_(-1)
                 self.context_lengths[group][count:batch_size].fill_(0)
+        self.num_replays += 1
         if not self.graphs:  # never captured (CPU tests): the same forward, eagerly, over the static buffers
             hidden, logits = self._forward(batch_size)
         else:

@@ -6,6 +6,7 @@ returns the logits rows that the engine samples from, plus prompt logprobs where
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,10 @@ from tandem.worker.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, as_decode_rows, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
+
+# Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
+# without capturing, on every rank (the tensor-parallel workers inherit the environment).
+STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
 
 
 @dataclass
@@ -69,10 +74,24 @@ class ModelRunner:
         """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
         one eager prefill of a full token budget. Returns the sizes captured (empty when graphs
         do not apply)."""
-        if self.device.type != "cuda" or not batch_sizes or not model_is_graph_safe(self.model):
+        if not batch_sizes or not model_is_graph_safe(self.model):
             return []
+        max_width = -(-max_model_len // self.page_size) + 1
+        if self.device.type != "cuda":
+            if os.environ.get(STATIC_BUFFERS_ON_CPU) != "1":
+                return []
+            # Tests without a GPU: nothing is captured; a "replay" runs the same forward eagerly
+            # over the static buffers, so the graph path's choices and copies run on a CPU.
+            self.graphs = CudaGraphRunner(self, batch_sizes, max_width)
+            return self.graphs.batch_sizes
+        shard = self.model.tensor_shard
+        if shard.is_parallel:
+            # NCCL creates a communicator at its first collective (device allocations, streams),
+            # which a capture must not contain: one eager all-reduce makes it now, on every rank.
+            shard.all_reduce(torch.zeros(1, device=self.device))
+            torch.cuda.synchronize(self.device)
         self._warm_up_prefill(min(max_num_batched_tokens, max_model_len))
-        self.graphs = CudaGraphRunner(self, batch_sizes, max_width=-(-max_model_len // self.page_size) + 1)
+        self.graphs = CudaGraphRunner(self, batch_sizes, max_width)
         self.graphs.capture()
         return self.graphs.batch_sizes
 
@@ -111,14 +130,16 @@ class ModelRunner:
         step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
         prompt_rows = prompt_logit_rows(step)
-        if self.plan_sender is not None:
-            self.plan_sender.send_step(step, [(start, count) for _, start, count in prompt_rows], feed is not None)
         replayed = self._graph_step(step)
-        if replayed is not None:
-            hidden, logits = self.graphs.replay(replayed, feed)
-            return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
+        parallel = self.plan_sender is not None
+        if parallel:  # the plan names the graph this rank replays: every rank replays the same
+            self.plan_sender.send_step(step, [(start, count) for _, start, count in prompt_rows], feed is not None,
+                                       self.graphs.size_for(replayed) if replayed is not None else 0)
         try:
-            hidden, logits = self.forward(step, feed, feed is not None and self.plan_sender is not None)
+            if replayed is not None:
+                hidden, logits = self.graphs.replay(replayed, feed, broadcast_inputs=feed is not None and parallel)
+            else:
+                hidden, logits = self.forward(step, feed, feed is not None and parallel)
             return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
         except Exception as error:
             if self.plan_sender is not None:  # the other ranks are inside this step's collectives
@@ -143,12 +164,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_plan(self, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
-                     inputs_from_root: bool) -> None:
+                     inputs_from_root: bool, graph_size: int = 0) -> None:
         """A worker rank's share of a step rank 0 planned: the same forward pass and LM-head
-        calls (each holds collectives), nothing sampled."""
+        calls (each holds collectives), nothing sampled; replayed from this rank's graph of
+        ``graph_size`` rows where rank 0 replays its own (0: eagerly)."""
+        if graph_size:
+            rows = self.planned_graph_step(step, graph_size)
+            self.graphs.replay(rows, broadcast_inputs=inputs_from_root)
+            return
         hidden, _ = self.forward(step, broadcast_inputs=inputs_from_root)
         for start, count in prompt_logit_ranges:
             self.model.compute_logits(hidden[start:start + count])
+
+    def planned_graph_step(self, step: StepInputs, graph_size: int) -> StepInputs:
+        """The rows this rank replays for a step rank 0 replays in its graph of ``graph_size``
+        rows. The graphs hold the layers' collectives, so every rank must replay the same one
+        (another would wait forever on NCCL): raises unless this rank has that graph and makes
+        the same choice for the step (a pure function of the step's inputs and the sizes)."""
+        sizes = self.graphs.batch_sizes if self.graphs is not None else []
+        if graph_size not in sizes:
+            raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows, "
+                               f"but this rank has graphs of {sizes or 'no'} rows")
+        replayed = self._graph_step(step)
+        chosen = self.graphs.size_for(replayed) if replayed is not None else 0
+        if chosen != graph_size:
+            raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows for a "
+                               f"step of {step.num_tokens} tokens, but this rank would "
+                               + (f"replay its graph of {chosen} rows" if chosen else "run it eagerly"))
+        return replayed
 
     def _graph_step(self, step: StepInputs) -> Optional[StepInputs]:
         """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
@@ -158,7 +201,7 @@ class ModelRunner:
             return None
         if len(step.sampling_rows) != step.num_tokens:  # a replay gives the logits of every row
             return None
-        if step.num_decode != len(step.chunks):
+        if step.num_decode != len(step.query_starts) - 1:  # (rows, not chunks: a worker's plan has none)
             if not self.verify_as_decode_rows:
                 return None
             step = as_decode_rows(step)
