@@ -161,11 +161,10 @@ class EngineConfig:
         if size == 1:
             return
         for field_name, unsupported in (("speculative_method", self.speculative_method is not None),
-                                        ("host_cache_size", self.has_host_tier),
-                                        ("transfer", self.transfer is not None)):
+                                        ("host_cache_size", self.has_host_tier)):
             require(not unsupported, "tensor_parallel_size",
                     f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
-                    "speculative decoding, host/disk tiers and PD roles)")
+                    "speculative decoding and host/disk tiers)")
 
     @property
     def sanitizer_on(self) -> bool:

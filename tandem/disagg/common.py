@@ -4,6 +4,8 @@ channel, the metadata rows and the metrics, and the calls the engine core makes 
 Owner: ``EngineCore`` builds one side (``create_pd``) when its config has a ``transfer``
 section, calls it at fixed points of a step (``poll`` first, ``after_computed`` after each
 chunk, ``filter_deltas`` after sampling) and on aborts, and closes it (backend, then channel).
+With tensor parallelism each rank moves its own shard, rank i to rank i (``ranks``:
+``tandem/parallel/pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from tandem.disagg.metrics import TransferMetrics
 from tandem.engine.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
+from tandem.parallel.pd_ranks import RankFanOut
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig, failure_seed_from_environment
 from tandem.transfer.connector import TransferBackend, create_backend
@@ -87,6 +90,8 @@ class PDSide:
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
                                       metadata_row_bytes=self.metadata.row_bytes)
+        # tensor parallelism: the workers' agents, each writing (or receiving) its own shard
+        self.ranks = RankFanOut(core.parallel) if core.parallel is not None else None
         self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())
         self.outbox: list[RequestDelta] = []
         self.metrics = TransferMetrics(config.role)

@@ -6,6 +6,10 @@ Prefix cache: a prompt prefix this server's cache (or its tiers) holds is taken 
 sent as null destination entries, so the prefill server writes only the rest (a conversation
 returning here moves only its new pages). Cached pages are never transfer destinations.
 
+Tensor parallelism: every rank's shard of the pages is written by the prefill engine's same
+rank; only this rank hears the notification, sent after every rank's writes landed
+(``tandem/parallel/pd_ranks.py``).
+
 Lifetimes: destination pages stay with the request until committed. A failed or aborted
 transfer moves them to an in-flight hold released only on ``Drained``/``TransferFailed(drained)``,
 or once the prefill engine is declared dead (no heartbeat for ``peer_timeout``). Freed pages are
@@ -59,7 +63,8 @@ class DecodeSide(PDSide):
                            backend_metadata=self.backend.local_metadata(),
                            buffer_addresses=[region.address for region in buffer_regions(self.registry)],
                            device=self.device_index, metadata_address=self.metadata.address(0),
-                           num_metadata_rows=self.metadata.num_rows, scratch_address=self.scratch.data_ptr())
+                           num_metadata_rows=self.metadata.num_rows, scratch_address=self.scratch.data_ptr(),
+                           ranks=self.ranks.agents if self.ranks is not None else [])
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, sequence: Sequence, params: TransferParams) -> None:
@@ -204,7 +209,11 @@ class DecodeSide(PDSide):
         transfer.status.advance(TransferState.BOUND)
         transfer.bound_at = now
         tables = self.coordinator.destination_tables(sequence.state)
-        transfer.num_bytes = self.destination_bytes(tables) + self.metadata.row_bytes
+        if self.ranks is not None:  # freed pages are poisoned on every rank before they are written again
+            self.ranks.flush_pages()
+        # every rank receives its shard of the pages (the shards are equal in size)
+        transfer.num_bytes = self.destination_bytes(tables) * self.core.config.tensor_parallel_size \
+            + self.metadata.row_bytes
         self.channel.send_to_address(transfer.address, Destination(
             room=transfer.room, page_tables=tables, metadata_row=transfer.row,
             num_prompt_tokens=sequence.num_prompt_tokens))

@@ -5,7 +5,8 @@ token) and the completion notification travel in that one write, posted once eve
 write is done (so the notification means every page and the row landed: I7).
 
 Lifetimes: each write holds its source pages in flight until the backend reports it done or
-failed (or, after ``drain_timeout``, cancelled); then, if the decode side waits for it,
+failed (or, after ``drain_timeout``, cancelled), on every rank with tensor parallelism
+(``tandem/parallel/pd_ranks.py``); then, if the decode side waits for it,
 ``Drained`` is sent. Nothing here knows model families: pages come from the coordinator
 (``final_page_indices``, answered by the managers) and bytes from the registry
 (``transfer/descriptors.py``).
@@ -22,7 +23,7 @@ from tandem.engine.protocol import RequestDelta, TransferParams
 from tandem.kv.planner import NULL_PAGE
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
-from tandem.transfer.connector import WriteStatus
+from tandem.transfer.connector import WriteHandle, WriteStatus
 from tandem.transfer.descriptors import plan_page_writes
 from tandem.transfer.messages import (
     AbortTransfer,
@@ -159,6 +160,12 @@ class PrefillSide(PDSide):
                 sender=self.engine_id, accepted=False, error=f"PD handshake failed: cannot load the decode "
                                                              f"engine's transfer metadata: {error}"))
             return
+        problem = self.ranks.add_peer(identity, hello.ranks) if self.ranks is not None else None
+        if problem is not None:  # (ranks that loaded it keep a peer nothing is written to)
+            self.backend.remove_peer(agent)
+            self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=False,
+                                                               error=f"PD handshake failed: {problem}"))
+            return
         self.peers[identity] = DecodePeer(identity=identity, agent=agent, addresses=list(hello.buffer_addresses),
                                           device=hello.device, metadata_address=hello.metadata_address,
                                           row_bytes=hello.layout.metadata_row_bytes,
@@ -284,6 +291,8 @@ class PrefillSide(PDSide):
         if not plan.descriptors:
             return
         owner = self.coordinator.hold_inflight(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
+        if self.ranks is not None:  # every other rank writes its shard of the same pages (the owner names it)
+            self.ranks.post(owner, transfer.peer.identity, pairs_per_group)
         transfer.num_writes += 1
         transfer.first_write_at = transfer.first_write_at or time.monotonic()
         for earlier in transfer.writes:  # (one final write per transfer; should a second come, the first goes alone)
@@ -320,6 +329,8 @@ class PrefillSide(PDSide):
         return passed
 
     def progress(self, now: float) -> None:
+        if self.ranks is not None:
+            self.ranks.sync()  # the workers' writes: post what is new, learn what resolved
         self.progress_warm_ups()
         for transfer in list(self.transfers.values()):
             self.progress_writes(transfer, now)
@@ -333,13 +344,15 @@ class PrefillSide(PDSide):
     def progress_writes(self, transfer: PrefillTransfer, now: float) -> None:
         for write in list(transfer.writes):
             if write.handle is None:
-                if transfer.status.terminal:  # never posted: nothing can still write from its pages
-                    self.coordinator.release_inflight(write.owner)
-                    transfer.writes.remove(write)
-                    continue
-                self.post_when_ready(transfer, write)
-                if write.handle is None:
-                    continue
+                if transfer.status.terminal:  # never posted here: only other ranks may still write
+                    write.handle = WriteHandle(transfer.peer.agent, 0, status=WriteStatus.ERROR,
+                                               error="never posted", released=True)
+                    if self.ranks is not None:
+                        self.ranks.cancel(write.owner)
+                else:
+                    self.post_when_ready(transfer, write)
+                    if write.handle is None:
+                        continue
             status = self.resolve(transfer, write, now)
             if status is None:
                 continue
@@ -369,15 +382,28 @@ class PrefillSide(PDSide):
                                                      f"{write.handle.error}")
 
     def resolve(self, transfer: PrefillTransfer, write: PendingWrite, now: float) -> Optional[WriteStatus]:
-        """Poll a write: None while it is pending (cancelled once its transfer ended more than
-        ``drain_timeout`` ago), else its final status, with its handle released."""
-        status = self.backend.poll(write.handle)
-        if status is WriteStatus.PENDING:
-            if transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout:
-                self.cancel(transfer, write)
-            return None
-        self.backend.release(write.handle)
-        return status
+        """Poll a write: None while it is pending, here or (a page write) on another rank
+        (cancelled once its transfer ended more than ``drain_timeout`` ago), else its final
+        status, with its handle released."""
+        handle = write.handle
+        overdue = transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout
+        if not handle.released:
+            if self.backend.poll(handle) is WriteStatus.PENDING:
+                if overdue:
+                    self.cancel(transfer, write)
+                return None
+            self.backend.release(handle)
+        if write.owner is not None and self.ranks is not None:
+            outcome = self.ranks.outcome(write.owner)
+            if outcome is None:
+                if overdue:
+                    self.ranks.cancel(write.owner)
+                return None
+            status, error, num_bytes = outcome
+            handle.num_bytes += num_bytes
+            if status is WriteStatus.ERROR and handle.status is WriteStatus.DONE:
+                handle.status, handle.error = status, error
+        return handle.status
 
     def cancel(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
         """A failed transfer's write did not finish within drain_timeout: cancel it. If the backend
@@ -385,6 +411,10 @@ class PrefillSide(PDSide):
         if not self.backend.release(write.handle):
             return
         logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
+        write.handle.status, write.handle.error = WriteStatus.ERROR, "cancelled"
+        if write.owner is not None and self.ranks is not None and self.ranks.outcome(write.owner) is None:
+            self.ranks.cancel(write.owner)  # released once every rank's part resolved
+            return
         if write.owner is not None:
             self.coordinator.release_inflight(write.owner)
         if write is transfer.metadata_write:

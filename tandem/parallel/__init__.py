@@ -6,4 +6,6 @@
 ``plan.py``      the step plan rank 0 broadcasts (the model runner's inputs + page operations)
 ``worker.py``    a worker rank: builds its shard, then executes rank 0's plans until told to stop
 ``launcher.py``  rank 0's side: starts the workers, watches them, stops them
+``pd_ranks.py``  PD between tensor-parallel engines: each rank's own transfer agent, rank i to rank i
+``transfer_plan.py`` the PD operations a plan carries to the workers, and their answers
 """

@@ -197,13 +197,23 @@ def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subpr
 
 
 def config_to_json(config: EngineConfig) -> bytes:
+    """The config for a worker's standard input (a PD role's secret too, as hex: never in argv)."""
     fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
-    fields.pop("transfer")  # never set with tensor parallelism (the config refuses it)
+    if config.transfer is not None:
+        transfer = dataclasses.asdict(config.transfer)
+        transfer["secret"] = config.transfer.secret.hex() if config.transfer.secret is not None else None
+        fields["transfer"] = transfer
     return json.dumps(fields).encode()
 
 
 def config_from_json(data: bytes) -> EngineConfig:
+    from tandem.transfer.config import TransferConfig
+
     fields = json.loads(data)
     if fields.get("cuda_graph_sizes") is not None:
         fields["cuda_graph_sizes"] = tuple(fields["cuda_graph_sizes"])
+    transfer = fields.get("transfer")
+    if transfer is not None:
+        secret = transfer.pop("secret")
+        fields["transfer"] = TransferConfig(**transfer, secret=bytes.fromhex(secret) if secret is not None else None)
     return EngineConfig(**fields)

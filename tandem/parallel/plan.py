@@ -6,7 +6,9 @@ logprob rows: every rank must run the LM head's gather in the same order), the C
 0 replays for it (every rank replays its own of that size: the graphs hold collectives), and the page
 operations rank 0's coordinator applied since the last plan (copies and sanitizer poison), which
 each rank replays on its own shard before the forward pass. Plans travel as msgpack over the
-control group: a length, then the bytes (nothing is unpickled).
+control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan runs no forward
+pass: it carries page operations and the PD transfer operations of each rank's own agent
+(``pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import msgspec
 import numpy as np
 import torch
 
+from tandem.parallel.transfer_plan import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
-STEP, STOP = "step", "stop"
+STEP, STOP, TRANSFER = "step", "stop", "transfer"
 
 
 class Array(msgspec.Struct, array_like=True):
@@ -44,7 +47,7 @@ class PageOperation(msgspec.Struct, array_like=True):
 
 
 class StepPlan(msgspec.Struct, array_like=True):
-    kind: str  # STEP or STOP
+    kind: str  # STEP, STOP or TRANSFER
     page_operations: list[PageOperation] = []
     num_decode: int = 0
     input_ids: Optional[Array] = None
@@ -58,6 +61,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     prompt_logit_ranges: list[tuple[int, int]] = []  # (first row, rows) per prompt-logprob chunk
     inputs_from_root: bool = False  # rank 0 broadcasts the input ids (tokens pending on its device)
     graph_size: int = 0  # the CUDA graph (its rows) every rank replays for the step; 0: eagerly
+    transfer_operations: list[TransferOperation] = []  # TRANSFER plans only
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
@@ -90,6 +94,9 @@ class PageJournal:
 
     def poison(self, group_id: int, pages: list[int]) -> None:
         self._operations.append(PageOperation("poison", group_id, list(pages)))
+
+    def pending(self) -> bool:
+        return bool(self._operations)
 
     def take(self) -> list[PageOperation]:
         operations, self._operations = self._operations, []

@@ -6,7 +6,8 @@ reaches rank 0 through the collectives), builds its shard exactly as rank 0 buil
 page operations on this rank's buffers, run the forward pass (replaying the CUDA graph the plan
 names: every rank captures the same ones at start-up, ``graphs.py``). It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
-kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails.
+kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
+has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.models.loader import build_model
     from tandem.parallel.graphs import capture_on_every_rank
     from tandem.parallel.launcher import agree_on_pages
-    from tandem.parallel.plan import STOP, PlanChannel, replay
+    from tandem.parallel.pd_ranks import WorkerTransfers
+    from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
     from tandem.worker.cuda_graphs import decode_graph_sizes
     from tandem.worker.model_runner import ModelRunner
 
@@ -70,12 +72,19 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
         capture_on_every_rank(runner, groups, decode_graph_sizes(config, config.max_num_seqs), info.max_model_len,
                               config.max_num_batched_tokens)
     channel = PlanChannel(groups.control, groups.rank)
+    # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
+    transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
     while True:
         plan = channel.receive()
         if plan.kind == STOP:
+            if transfers is not None:
+                transfers.close()
             return
         replay(plan.page_operations, coordinator)
+        if plan.kind == TRANSFER:
+            transfers.serve(plan.transfer_operations)
+            continue
         runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
 
 

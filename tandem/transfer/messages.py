@@ -122,6 +122,14 @@ def first_difference(local: StateLayout, remote: StateLayout, local_name: str = 
 # ---------------------------------------------------------------------------------------------
 
 
+class RankAgent(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor-parallel rank's transfer agent: what a peer needs to write into its shard."""
+    backend_metadata: bytes
+    buffer_addresses: list[int]  # base address of each layout buffer, in layout order
+    device: int
+    scratch_address: int = 0  # where the prefill engine's same rank writes its warm-up bytes
+
+
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     """Decode -> prefill, once per connection: who I am and where my pages are."""
     room: str = NULL_ROOM
@@ -134,6 +142,7 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     metadata_address: int  # base address of the metadata rows
     num_metadata_rows: int
     scratch_address: int = 0  # a few bytes the prefill server writes once, at handshake, to warm the pair
+    ranks: list[RankAgent] = []  # tensor parallelism: ranks 1 .. N-1 (rank 0 is the fields above)
 
 
 class HelloReply(msgspec.Struct, kw_only=True, tag="hello_reply"):
