@@ -227,6 +227,7 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace) if args.timeline else None
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
+    print(f"tandem timed run: {seconds:.3f} s, {sum(output_lengths) / seconds:.1f} output tok/s", flush=True)
     if timeline is not None:
         timeline.report()
     cost = ModelCost.of_engine(llm.engine)

@@ -58,8 +58,9 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
             return forward(self, batch_size)
 
     monkeypatch.setattr(CudaGraphRunner, "_forward", guarded_forward)
+    graphs = runner.graphs  # (shutdown releases the runner's graphs)
     try:
-        assert engine.parallel.graph_sizes == list(range(1, 9)) == runner.graphs.batch_sizes
+        assert engine.parallel.graph_sizes == list(range(1, 9)) == graphs.batch_sizes
         outputs, prompts = run_scenario(llm)
         engine.check_all_free()
         engine.check_health()  # the worker took every plan
@@ -69,7 +70,8 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
     # prefill and mixed steps run eagerly on every rank.
     assert {size for decode, size in sent if decode} == {3, 1}, sent
     assert all(size == 0 for decode, size in sent if not decode) and sum(not decode for decode, _ in sent) >= 3, sent
-    assert runner.graphs.num_replays == sum(1 for _, size in sent if size)
+    assert graphs.num_replays == sum(1 for _, size in sent if size)
+    assert runner.graphs is None  # released before the process group
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         reference = oracles["llama"].greedy(prompt, MAX_TOKENS)
         for index, sequence in enumerate(output.outputs):

@@ -494,6 +494,7 @@ class EngineCore:
         if self.coordinator.tiers is not None:
             self.coordinator.tiers.close()  # queued disk writes finish first
         if self.parallel is not None:
+            self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
             self.parallel.close()
 
     def check_health(self) -> None:

@@ -78,6 +78,7 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     while True:
         plan = channel.receive()
         if plan.kind == STOP:
+            runner.release_graphs()  # before the process group goes (runner.release_graphs)
             if transfers is not None:
                 transfers.close()
             return

@@ -95,6 +95,20 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs.batch_sizes
 
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs now. Under tensor parallelism they hold NCCL collectives,
+        and NCCL will not destroy a communicator while a graph that captured its operations is
+        alive: left to the garbage collector, the process group may go first and its
+        destruction waits forever. So the graphs go before the group does."""
+        if self.graphs is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs.graphs.clear()
+        self.graphs.outputs.clear()
+        self.graphs.pool = None
+        self.graphs = None
+
     @torch.inference_mode()
     def _warm_up_prefill(self, num_tokens: int) -> None:
         """One eager forward of ``num_tokens`` prompt tokens that writes no page (slots -1;
