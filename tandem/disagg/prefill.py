@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
-from tandem.disagg.common import PDSide, compute_done_event
-from tandem.disagg.transfers import DecodePeer, PendingWrite, PrefillTransfer
-from tandem.engine.protocol import RequestDelta, TransferParams
-from tandem.kv.planner import NULL_PAGE
+from tandem.disagg.common import PDSide
+from tandem.disagg.prefill_writes import LAST_WRITE_SPIN_SECONDS, PrefillWrites
+from tandem.disagg.transfers import DecodePeer, PrefillTransfer
+from tandem.engine.protocol import TransferParams
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
-from tandem.transfer.connector import WriteHandle, WriteStatus
-from tandem.transfer.descriptors import plan_page_writes
+from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import (
     AbortTransfer,
     Destination,
@@ -34,21 +32,15 @@ from tandem.transfer.messages import (
     HelloReply,
     TransferFailed,
     check_room,
-    done_notification,
     first_difference,
 )
-from tandem.transfer.metadata import MetadataRow
 from tandem.transfer.state import TransferState, TransferStatus
 
 logger = logging.getLogger("tandem.pd")
 
-# NIXL sends a write's notification from the poll that finds its bytes landed
-# (``notifies_on_poll``): while a last write is in flight the engine polls without pausing, for
-# at most this long after posting it
-LAST_WRITE_SPIN_SECONDS = 0.05
 
 
-class PrefillSide(PDSide):
+class PrefillSide(PrefillWrites, PDSide):
     role = "prefill"
 
     def __init__(self, core, config: TransferConfig) -> None:
@@ -264,194 +256,6 @@ class PrefillSide(PDSide):
         if transfer is None or transfer.status.terminal or transfer.destination is None or self.stalled():
             return
         self.push_pages(transfer, prompt_done=sequence.num_computed_tokens >= sequence.num_prompt_tokens)
-
-    def push_pages(self, transfer: PrefillTransfer, prompt_done: bool) -> None:
-        """Write every page that became final since the last push (whole pages, coalesced)."""
-        sequence, destination = transfer.sequence, transfer.destination
-        indices = self.coordinator.final_page_indices(sequence.state, sequence.num_computed_tokens, prompt_done)
-        pairs_per_group, sources = [], []
-        for group, (group_indices, table, target) in enumerate(
-                zip(indices, sequence.state.page_tables, destination.page_tables)):
-            pairs = []
-            for index in group_indices:
-                if index in transfer.sent[group]:
-                    continue
-                transfer.sent[group].add(index)
-                if index >= len(target) or target[index] == NULL_PAGE:
-                    continue  # the decode side does not need it (e.g. before a sliding window)
-                if table[index] == NULL_PAGE:
-                    self.end(transfer, TransferState.FAILED,
-                             f"page {index} of state group {group} was released before it was sent")
-                    return
-                pairs.append((table[index], target[index]))
-            pairs_per_group.append(pairs)
-            sources.append([source for source, _ in pairs])
-        plan = plan_page_writes(self.registry, transfer.peer.addresses, pairs_per_group)
-        self.touched |= plan.touched
-        if not plan.descriptors:
-            return
-        owner = self.coordinator.hold_inflight(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
-        if self.ranks is not None:  # every other rank writes its shard of the same pages (the owner names it)
-            self.ranks.post(owner, transfer.peer.identity, pairs_per_group)
-        transfer.num_writes += 1
-        transfer.first_write_at = transfer.first_write_at or time.monotonic()
-        for earlier in transfer.writes:  # (one final write per transfer; should a second come, the first goes alone)
-            earlier.final = False
-        write = PendingWrite(None, owner, plan.descriptors, compute_done_event(self.device_index), final=prompt_done)
-        transfer.writes.append(write)
-        self.post_when_ready(transfer, write)
-        if transfer.status.state is TransferState.BOUND:
-            transfer.status.advance(TransferState.SENDING)
-
-    def post_when_ready(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
-        """Post a page write once the device computed its pages (at once in host memory); a
-        final write waits for the metadata row (``post_last``)."""
-        if write.handle is None and not write.final and (write.ready is None or write.ready.query()):
-            write.handle = self.backend.write(transfer.peer.agent, write.descriptors, local_device=self.device_index,
-                                              remote_device=transfer.peer.device)
-            write.descriptors, write.ready = [], None
-
-    def filter_deltas(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Hold each PD request's first-token delta until its transfer is done."""
-        passed = []
-        for delta in deltas:
-            transfer = self.by_request.get(delta.request_id)
-            if transfer is None or transfer.status.terminal:
-                passed.append(delta)
-            elif delta.finish_reason in ("error", "abort"):
-                reason = f"the prefill engine failed: {delta.error or delta.finish_reason}"
-                self.end(transfer, TransferState.FAILED, reason, emit=False)
-                passed.append(delta)
-            else:
-                transfer.first_delta = delta
-        if deltas:
-            self.progress(time.monotonic())
-        return passed
-
-    def progress(self, now: float) -> None:
-        if self.ranks is not None:
-            self.ranks.sync()  # the workers' writes: post what is new, learn what resolved
-        self.progress_warm_ups()
-        for transfer in list(self.transfers.values()):
-            self.progress_writes(transfer, now)
-            if not transfer.status.terminal and transfer.first_delta is not None \
-                    and all(write.final for write in transfer.writes) and transfer.metadata_write is None \
-                    and not self.stalled():
-                self.post_last(transfer)
-            if transfer.status.terminal and not transfer.outstanding:
-                self.retire(transfer)
-
-    def progress_writes(self, transfer: PrefillTransfer, now: float) -> None:
-        for write in list(transfer.writes):
-            if write.handle is None:
-                if transfer.status.terminal:  # never posted here: only other ranks may still write
-                    write.handle = WriteHandle(transfer.peer.agent, 0, status=WriteStatus.ERROR,
-                                               error="never posted", released=True)
-                    if self.ranks is not None:
-                        self.ranks.cancel(write.owner)
-                else:
-                    self.post_when_ready(transfer, write)
-                    if write.handle is None:
-                        continue
-            status = self.resolve(transfer, write, now)
-            if status is None:
-                continue
-            self.coordinator.release_inflight(write.owner)
-            transfer.writes.remove(write)
-            if status is WriteStatus.DONE:
-                transfer.bytes_written += write.handle.num_bytes
-            elif not transfer.status.terminal:
-                self.end(transfer, TransferState.FAILED, f"a page write failed: {write.handle.error}")
-        write = transfer.metadata_write
-        status = self.resolve(transfer, write, now) if write is not None else None
-        if status is None:
-            return
-        transfer.metadata_write = None
-        if write.owner is not None:
-            self.coordinator.release_inflight(write.owner)
-        if status is WriteStatus.DONE and not transfer.status.terminal:
-            transfer.bytes_written += write.handle.num_bytes
-            transfer.status.advance(TransferState.DONE)
-            transfer.ended_at = now
-            self.metrics.record("done", transfer.bytes_written,
-                                now - (transfer.first_write_at or transfer.bound_at), bandwidth=True)
-            if not transfer.suppress_delta:
-                self.outbox.append(transfer.first_delta)
-        elif status is WriteStatus.ERROR and not transfer.status.terminal:
-            self.end(transfer, TransferState.FAILED, f"the last write (pages and metadata row) failed: "
-                                                     f"{write.handle.error}")
-
-    def resolve(self, transfer: PrefillTransfer, write: PendingWrite, now: float) -> Optional[WriteStatus]:
-        """Poll a write: None while it is pending, here or (a page write) on another rank
-        (cancelled once its transfer ended more than ``drain_timeout`` ago), else its final
-        status, with its handle released."""
-        handle = write.handle
-        overdue = transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout
-        if not handle.released:
-            if self.backend.poll(handle) is WriteStatus.PENDING:
-                if overdue:
-                    self.cancel(transfer, write)
-                return None
-            self.backend.release(handle)
-        if write.owner is not None and self.ranks is not None:
-            outcome = self.ranks.outcome(write.owner)
-            if outcome is None:
-                if overdue:
-                    self.ranks.cancel(write.owner)
-                return None
-            status, error, num_bytes = outcome
-            handle.num_bytes += num_bytes
-            if status is WriteStatus.ERROR and handle.status is WriteStatus.DONE:
-                handle.status, handle.error = status, error
-        return handle.status
-
-    def cancel(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
-        """A failed transfer's write did not finish within drain_timeout: cancel it. If the backend
-        cannot, its pages stay held (never freed under a reader, I2)."""
-        if not self.backend.release(write.handle):
-            return
-        logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
-        write.handle.status, write.handle.error = WriteStatus.ERROR, "cancelled"
-        if write.owner is not None and self.ranks is not None and self.ranks.outcome(write.owner) is None:
-            self.ranks.cancel(write.owner)  # released once every rank's part resolved
-            return
-        if write.owner is not None:
-            self.coordinator.release_inflight(write.owner)
-        if write is transfer.metadata_write:
-            transfer.metadata_write = None
-        else:
-            transfer.writes.remove(write)
-
-    def post_last(self, transfer: PrefillTransfer) -> None:
-        """The last write: the final pages (if any), the metadata row and the notification, in
-        one write. Every other write of the transfer is done (the caller checked), and a backend
-        delivers a write's notification only after all its bytes landed."""
-        final = transfer.writes[0] if transfer.writes else None
-        if final is not None and final.ready is not None and not final.ready.query():
-            return  # the device is still computing the last chunk's pages: retried on the next poll
-        row = self.metadata.allocate()
-        if row is None:
-            return  # all rows busy: retried on the next poll
-        delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
-        logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
-        speculator = self.core.speculator
-        self.metadata.write(row, MetadataRow(
-            room=transfer.room, first_token=delta.new_token_ids[0],
-            num_cached_tokens=max(sequence.num_cached_tokens, 0),
-            logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
-            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
-            hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
-        transfer.local_row = row
-        destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
-        descriptors = [(self.metadata.address(row), destination, self.metadata.row_bytes)]
-        if final is not None:
-            transfer.writes.remove(final)
-            descriptors = final.descriptors + descriptors
-        handle = self.backend.write(peer.agent, descriptors, local_device=self.device_index, remote_device=peer.device,
-                                    notification=done_notification(transfer.room))
-        transfer.metadata_write = PendingWrite(handle, final.owner if final is not None else None,
-                                               posted_at=time.monotonic())
-        transfer.status.advance(TransferState.FINISHING)
 
     def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
             tell_peer: bool = True) -> None:
