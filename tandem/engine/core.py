@@ -24,6 +24,7 @@ from tandem.parallel.launcher import RankFailure, start_tensor_parallel
 from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
+from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
 from tandem.worker.cuda_graphs import decode_graph_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
@@ -100,17 +101,13 @@ class EngineCore:
         prompt = list(request.prompt_token_ids)
         if request.request_id in self._sequences:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        if not prompt:
-            raise ValueError("prompt: must contain at least one token")
-        vocab = self.model_info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        max_tokens = self._resolve_max_tokens(len(prompt), params.max_tokens)
+        check_prompt(prompt, self.model_info.vocab_size)
+        max_tokens = resolve_max_tokens(len(prompt), params.max_tokens, self.model_info.max_model_len,
+                                        self.coordinator.max_tokens_per_request())
         sequences = [self._new_sequence(request.request_id, 0, prompt, params, max_tokens)]
         sequences[0].pending_forks = params.n - 1
         if request.transfer is not None:
-            self._check_transfer(request)
+            check_transfer_leg(request, self.pd.role if self.pd is not None else None)
             self._sequences[request.request_id] = sequences
             try:
                 self.pd.add(sequences[0], request.transfer)  # held until its state or destination is known
@@ -120,34 +117,6 @@ class EngineCore:
             return
         self._sequences[request.request_id] = sequences
         self.scheduler.add(sequences[0])
-
-    def _check_transfer(self, request: EngineRequest) -> None:
-        """A PD leg must reach an engine of its role and use what PD supports."""
-        role = request.transfer.role
-        if self.pd is None or self.pd.role != role:
-            mine = self.pd.role if self.pd is not None else "colocated"
-            raise ValueError(f"kv_transfer_params: a {role} leg sent to a {mine} server")
-        params = request.sampling_params
-        if params.n != 1:
-            raise ValueError("n: disaggregated prefill/decode serves n=1 only")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not available with disaggregated prefill/decode")
-
-    def _resolve_max_tokens(self, prompt_length: int, max_tokens: Optional[int]) -> int:
-        max_model_len = self.model_info.max_model_len
-        if max_tokens is None:
-            max_tokens = max_model_len - prompt_length
-            if max_tokens < 1:
-                raise ValueError(f"prompt: {prompt_length} tokens leave no room to generate within "
-                                 f"max_model_len {max_model_len}")
-        if prompt_length + max_tokens > max_model_len:
-            raise ValueError(f"max_tokens: prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) "
-                             f"exceeds max_model_len ({max_model_len})")
-        capacity = self.coordinator.max_tokens_per_request()
-        if prompt_length + max_tokens > capacity:
-            raise ValueError(f"max_tokens: prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) "
-                             f"can never fit the state pool ({capacity} tokens)")
-        return max_tokens
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params, max_tokens: int) -> Sequence:
         generator = None

@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.paged_attention import MINIMUM_DOT_SIZE, _dot_operand, _dot_precision, _upcast_dots
+from tandem.kernels.attention_device import MINIMUM_DOT_SIZE, _dot_operand
+from tandem.kernels.paged_attention import _dot_precision, _upcast_dots
 from tandem.kernels.triton_support import jit, tl, triton
 
 

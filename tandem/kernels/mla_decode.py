@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.paged_attention import (MINIMUM_DOT_SIZE, _dot_operand, _dot_precision, _store_split_output,
-                                            _upcast_dots, decode_num_splits)
+from tandem.kernels.attention_device import MINIMUM_DOT_SIZE, _dot_operand, _store_split_output
+from tandem.kernels.paged_attention import _dot_precision, _upcast_dots, decode_num_splits
 from tandem.kernels.triton_support import jit, tl, triton
 
 
