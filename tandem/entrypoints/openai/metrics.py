@@ -53,6 +53,14 @@ class EngineStatsCollector:
             yield from speculation_metric_families(stats.speculation)
 
 
+def labelled_counter(name: str, documentation: str, label: str, values: dict) -> CounterMetricFamily:
+    """A counter with one series per key of ``values`` (sorted), the key as ``label``."""
+    family = CounterMetricFamily(PREFIX + name, documentation, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
 def tier_metric_families(stats: EngineStats):
     """Host and disk tier series: hit tokens by tier, bytes and seconds per direction, copies in
     flight, swaps, pages held, disk files rejected."""
@@ -64,34 +72,16 @@ def tier_metric_families(stats: EngineStats):
     for tier, value in (("device", max(device, 0)), ("host", tiers.host_hit_tokens), ("disk", tiers.disk_hit_tokens)):
         hits.add_metric([tier], value)
     yield hits
-    copy_bytes = CounterMetricFamily(PREFIX + "tier_copy_bytes", "Bytes copied between tiers, by direction.",
-                                     labels=["direction"])
-    for direction, value in sorted(tiers.copy_bytes.items()):
-        copy_bytes.add_metric([direction], value)
-    yield copy_bytes
-    copy_seconds = CounterMetricFamily(PREFIX + "tier_copy_seconds",
-                                       "Time spent copying between device and host, by direction "
-                                       "(bytes over seconds: the bandwidth).", labels=["direction"])
-    for direction, value in sorted(tiers.copy_seconds.items()):
-        copy_seconds.add_metric([direction], value)
-    yield copy_seconds
-    swaps = CounterMetricFamily(PREFIX + "swaps", "Preemptions by swap: out, in, refused (recomputed).",
-                                labels=["event"])
-    for event, value in sorted(tiers.swaps.items()):
-        swaps.add_metric([event], value)
-    yield swaps
-    rejected = CounterMetricFamily(PREFIX + "disk_cache_rejected_files",
-                                   "Disk-tier files rejected (deleted, treated as misses), by reason.",
-                                   labels=["reason"])
-    for reason, value in sorted(tiers.disk_rejected.items()):
-        rejected.add_metric([reason], value)
-    yield rejected
-    store_hits = CounterMetricFamily(PREFIX + "store_hit_tokens",
-                                     "Prompt tokens served from the shared store (disk tier), by the role of the "
-                                     "server that wrote them.", labels=["origin"])
-    for origin, value in sorted(tiers.disk_hit_tokens_by_origin.items()):
-        store_hits.add_metric([origin], value)
-    yield store_hits
+    yield labelled_counter("tier_copy_bytes", "Bytes copied between tiers, by direction.", "direction",
+                           tiers.copy_bytes)
+    yield labelled_counter("tier_copy_seconds", "Time spent copying between device and host, by direction "
+                           "(bytes over seconds: the bandwidth).", "direction", tiers.copy_seconds)
+    yield labelled_counter("swaps", "Preemptions by swap: out, in, refused (recomputed).", "event", tiers.swaps)
+    yield labelled_counter("disk_cache_rejected_files",
+                           "Disk-tier files rejected (deleted, treated as misses), by reason.", "reason",
+                           tiers.disk_rejected)
+    yield labelled_counter("store_hit_tokens", "Prompt tokens served from the shared store (disk tier), by the "
+                           "role of the server that wrote them.", "origin", tiers.disk_hit_tokens_by_origin)
     yield CounterMetricFamily(PREFIX + "offloaded_pages", "Pages this server wrote to the shared store.",
                               value=tiers.offloaded_pages)
     yield CounterMetricFamily(PREFIX + "offloaded_bytes", "Bytes this server wrote to the shared store.",
