@@ -160,6 +160,15 @@ class CudaGraphRunner:
                 and min(step.start_positions, default=0) > 0
                 and all(table.shape[1] <= self.max_width for table in step.page_tables if table is not None))
 
+    def release(self) -> None:
+        """Destroy the captured graphs and their outputs (after the device finished with them);
+        the static buffers stay until this object goes."""
+        if self.graphs:  # (captured: a CUDA device)
+            torch.cuda.synchronize(self.runner.device)
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
     def size_for(self, step: StepInputs) -> int:
         """The captured size a step (one ``can_replay`` admits) replays: the smallest that fits."""
         return next(size for size in self.batch_sizes if size >= step.num_tokens)

@@ -102,11 +102,7 @@ class ModelRunner:
         destruction waits forever. So the graphs go before the group does."""
         if self.graphs is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.graphs.graphs.clear()
-        self.graphs.outputs.clear()
-        self.graphs.pool = None
+        self.graphs.release()
         self.graphs = None
 
     @torch.inference_mode()
