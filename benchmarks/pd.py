@@ -44,14 +44,17 @@ BENCH_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, h
 # -- part 2: bandwidth ----------------------------------------------------------------------------------
 
 
-def build_state(model_dir: str, page_size: int, tokens: int, device: str, dtype: str = "auto"):
-    """An engine's registry and pools for ``model_dir`` (dummy weights), with room for ``tokens``."""
+def build_state(model_dir: str, page_size: int, tokens: int, device: str, dtype: str = "auto",
+                kv_cache_layout: str = "layer-major"):
+    """An engine's registry and pools for ``model_dir`` (dummy weights), with room for ``tokens``;
+    ``kv_cache_layout`` as ``--kv-cache-layout`` (peers' buffers: ``buffer_addresses``)."""
     from tandem.config import EngineConfig
     from tandem.engine.core import EngineCore
 
+    # enforce_eager: no forward pass runs, so no graphs to capture
     config = EngineConfig(model=model_dir, load_format="dummy", page_size=page_size, device=device, dtype=dtype,
                           max_total_tokens=2 * tokens + 4 * page_size, max_num_seqs=4, enable_prefix_caching=False,
-                          sanitize=False, enforce_eager=True)  # no forward pass runs: no graphs to capture
+                          kv_cache_layout=kv_cache_layout, sanitize=False, enforce_eager=True)
     return EngineCore(config)
 
 
@@ -72,7 +75,7 @@ def allocate_pages(core, owner: str, tokens: int, scattered: bool, seed: int) ->
 def decode_process(model_dir: str, page_size: int, tokens: int, device: str, scattered: bool, to_prefill, from_prefill):
     import torch
 
-    from tandem.transfer.descriptors import buffer_regions, tensor_region
+    from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
     from tandem.transfer.metadata import MetadataBuffer
     from tandem.transfer.nixl_backend import NixlBackend
 
@@ -85,7 +88,7 @@ def decode_process(model_dir: str, page_size: int, tokens: int, device: str, sca
     plain = torch.empty(total, dtype=torch.uint8, device=device)
     backend.register(regions + [tensor_region(metadata.tensor), tensor_region(plain)])
     tables = allocate_pages(core, "bench#d", tokens, scattered, seed=2)
-    to_prefill.put((backend.local_metadata(), [r.address for r in regions], regions[0].device,
+    to_prefill.put((backend.local_metadata(), buffer_addresses(core.registry), regions[0].device,
                     metadata.address(0), plain.data_ptr(), tables))
     answer_notifications(backend, from_prefill, to_prefill, "stop")
     backend.close()

@@ -14,6 +14,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_LAYOUT_CHOICES = ("auto", "layer-major", "page-major")
 HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREEMPTION_MODES = ("swap", "recompute")
 SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
@@ -46,6 +47,11 @@ class EngineConfig:
     # Paged K/V of attention layers (full, sliding window, hybrids' attention): "auto" (the model
     # dtype) or "fp8"/"fp8_e4m3" (float8 e4m3, scale 1.0, saturated at +-448; see kv/spec.py).
     kv_cache_dtype: str = "auto"
+    # Device state pools: "layer-major" (one tensor per group, layer and buffer kind) or
+    # "page-major" (one allocation per group whose page is one block holding that page of every
+    # buffer of the group, so a run of pages is one run of memory: one PD write per run and
+    # group). "auto": page-major on a PD server (``transfer`` set), layer-major otherwise.
+    kv_cache_layout: str = "auto"
     # Tiers behind the prefix cache (kv/tiers): host memory in GB (2**30 bytes; 0: off), when
     # device pages are copied there, and a disk directory behind it (shared by engines that name
     # the same one) with its size cap in GB.
@@ -92,6 +98,8 @@ class EngineConfig:
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
         require(self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES, "kv_cache_dtype",
                 f"must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
+        require(self.kv_cache_layout in KV_CACHE_LAYOUT_CHOICES, "kv_cache_layout",
+                f"must be one of {KV_CACHE_LAYOUT_CHOICES}, got {self.kv_cache_layout!r}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
               "max_total_tokens", f"must hold at least one page ({self.page_size}), got {self.max_total_tokens}")
@@ -129,6 +137,13 @@ class EngineConfig:
     @property
     def has_host_tier(self) -> bool:
         return self.host_cache_size > 0 or bool(self.disk_cache_dir)
+
+    @property
+    def resolved_kv_cache_layout(self) -> str:
+        """``kv_cache_layout`` with "auto" decided: page-major on a PD server, else layer-major."""
+        if self.kv_cache_layout != "auto":
+            return self.kv_cache_layout
+        return "page-major" if self.transfer is not None else "layer-major"
 
     @property
     def resolved_preemption_mode(self) -> str:

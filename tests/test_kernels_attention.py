@@ -21,6 +21,7 @@ from tandem.kernels import paged_attention as attention  # noqa: E402
 from tandem.kernels.paged_attention import (  # noqa: E402
     decode_num_splits, paged_decode_attention, paged_decode_attention_reference, paged_prefill_attention,
     paged_prefill_attention_reference)
+from tests.layouts import LAYOUTS, in_layout  # noqa: E402
 
 NUM_KV_HEADS = 2
 FP32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -133,16 +134,23 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_matches_reference(case):
+# page-major: the kernels read strided views of a pool (``tests/layouts.py``), the reference the
+# contiguous caches
+PAGE_MAJOR_DECODE_CASES = ("three-splits-softcap", "page-64-bf16-window-softcap")
+PAGE_MAJOR_PREFILL_CASES = ("fresh-and-cached-prefix", "page-1-window-softcap")
+
+
+@pytest.mark.parametrize("case, layout", [(case, "layer-major") for case in DECODE_CASES]
+                         + [(case, "page-major") for case in PAGE_MAJOR_DECODE_CASES])
+def test_decode_matches_reference(case, layout):
     page_size, group_size, head_dim, lengths, num_splits, window, softcap, dtype = DECODE_CASES[case]
     query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
         page_size, group_size, head_dim, lengths, window, dtype, seed=len(case))
     scale = head_dim ** -0.5
     options = dict(window=window, softcap=softcap, num_splits=num_splits)
     out = torch.full_like(query, float("nan"))
-    result = paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, scale,
-                                    out=out, **options)
+    result = paged_decode_attention(query, *in_layout(layout, key_cache, value_cache), page_table, context_lengths,
+                                    scale, out=out, **options)
     expected = paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths,
                                                 scale, **options)
     assert result is out
@@ -163,16 +171,17 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference(case):
+@pytest.mark.parametrize("case, layout", [(case, "layer-major") for case in PREFILL_CASES]
+                         + [(case, "page-major") for case in PAGE_MAJOR_PREFILL_CASES])
+def test_prefill_matches_reference(case, layout):
     page_size, group_size, head_dim, chunks, window, softcap, dtype = PREFILL_CASES[case]
     query, key_cache, value_cache, page_table, query_starts, context_lengths = prefill_inputs(
         page_size, group_size, head_dim, chunks, window, dtype, seed=len(case))
     scale = head_dim ** -0.5
     options = dict(max_query_len=max(queries for queries, _ in chunks), window=window, softcap=softcap)
     out = torch.full_like(query, float("nan"))
-    result = paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths,
-                                     scale, out=out, **options)
+    result = paged_prefill_attention(query, *in_layout(layout, key_cache, value_cache), page_table, query_starts,
+                                     context_lengths, scale, out=out, **options)
     expected = paged_prefill_attention_reference(query, key_cache, value_cache, page_table, query_starts,
                                                  context_lengths, scale, **options)
     assert result is out
@@ -182,17 +191,18 @@ def test_prefill_matches_reference(case):
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "layer-major"), (torch.bfloat16, "layer-major"),
+                                           (torch.bfloat16, "page-major")])
 @pytest.mark.parametrize("num_splits, window, softcap", [(1, None, None), (3, 20, 30.0)])
-def test_decode_fp8_cache_matches_reference(dtype, num_splits, window, softcap):
+def test_decode_fp8_cache_matches_reference(dtype, layout, num_splits, window, softcap):
     """FP8 pages are upcast exactly in the kernel: the same result as the reference's float32
     reading of the same pages."""
     query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
         16, 4, 32, [33, 1, 0, 80], window, dtype, seed=11, cache_dtype=FP8)
     options = dict(window=window, softcap=softcap, num_splits=num_splits)
     out = torch.full_like(query, float("nan"))
-    paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 32 ** -0.5, out=out,
-                           **options)
+    paged_decode_attention(query, *in_layout(layout, key_cache, value_cache), page_table, context_lengths,
+                           32 ** -0.5, out=out, **options)
     expected = paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths,
                                                 32 ** -0.5, **options)
     assert_close(out, expected, dtype)
@@ -273,7 +283,8 @@ GPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: BF16
 @pytest.mark.parametrize("batch", [1, 32, 256])
 @pytest.mark.parametrize("window, softcap", [(None, None), (1000, 30.0)])
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-as-query", "cache-fp8"])
-def test_gpu_decode_matches_reference(batch, dtype, window, softcap, cache_dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_decode_matches_reference(batch, dtype, window, softcap, cache_dtype, layout):
     generator = torch.Generator().manual_seed(batch)
     lengths = torch.randint(1, 4097, (batch,), generator=generator).tolist()
     lengths[-1] = 0 if batch > 1 else 4096  # a padding row (or the longest context)
@@ -281,8 +292,8 @@ def test_gpu_decode_matches_reference(batch, dtype, window, softcap, cache_dtype
         16, 4, 128, lengths, window, dtype, seed=batch, device="cuda", num_kv_heads=8, cache_dtype=cache_dtype)
     options = dict(window=window, softcap=softcap)
     out = torch.full_like(query, float("nan"))
-    paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 128 ** -0.5, out=out,
-                           **options)
+    paged_decode_attention(query, *in_layout(layout, key_cache, value_cache), page_table, context_lengths,
+                           128 ** -0.5, out=out, **options)
     expected = paged_decode_attention_reference(query, key_cache, value_cache, page_table, context_lengths,
                                                 128 ** -0.5, **options)
     assert_close(out, expected, dtype, **GPU_TOLERANCE[dtype])
@@ -293,14 +304,15 @@ def test_gpu_decode_matches_reference(batch, dtype, window, softcap, cache_dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window, softcap", [(None, None), (700, 30.0)])
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["cache-as-query", "cache-fp8"])
-def test_gpu_prefill_matches_reference(dtype, window, softcap, cache_dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_prefill_matches_reference(dtype, window, softcap, cache_dtype, layout):
     chunks = [(512, 512), (1, 3000), (300, 4096), (77, 77), (1000, 1500)]
     query, key_cache, value_cache, page_table, query_starts, context_lengths = prefill_inputs(
         16, 4, 128, chunks, window, dtype, seed=7, device="cuda", num_kv_heads=8, cache_dtype=cache_dtype)
     options = dict(max_query_len=1000, window=window, softcap=softcap)
     out = torch.full_like(query, float("nan"))
-    paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths,
-                            128 ** -0.5, out=out, **options)
+    paged_prefill_attention(query, *in_layout(layout, key_cache, value_cache), page_table, query_starts,
+                            context_lengths, 128 ** -0.5, out=out, **options)
     expected = paged_prefill_attention_reference(query, key_cache, value_cache, page_table, query_starts,
                                                  context_lengths, 128 ** -0.5, **options)
     assert_close(out, expected, dtype, **GPU_TOLERANCE[dtype])

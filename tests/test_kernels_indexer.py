@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from tandem.kernels.indexer_decode import index_decode_scores, index_decode_scores_reference  # noqa: E402
 from tandem.layers.sparse_indexer import Float32IndexKeys, Fp8PageMajorIndexKeys, index_scores  # noqa: E402
+from tests.layouts import LAYOUTS, in_layout  # noqa: E402
 from tests.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
 
 FP8_NAN_BYTE = 0x7F
@@ -63,7 +64,10 @@ def layer_scores(codec, buffer, queries, weights, page_table, context_lengths, p
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def kernel_scores(codec, buffer, queries, weights, page_table, context_lengths, page_size, softmax_scale):
+def kernel_scores(codec, buffer, queries, weights, page_table, context_lengths, page_size, softmax_scale,
+                  layout="layer-major"):
+    """The kernel and its reference on the buffer in ``layout`` (``tests/layouts.py``)."""
+    buffer, = in_layout(layout, buffer)
     queries, keys, key_scales = codec.decode_operands(buffer, page_size, queries)
     operands = (queries, weights, keys, key_scales, page_table, context_lengths, softmax_scale)
     out = torch.full((page_table.shape[0], page_table.shape[1] * page_size), float("nan"), device=buffer.device)
@@ -90,12 +94,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_index_decode_scores_match_reference_and_layer(case):
+@pytest.mark.parametrize("case, layout", [(case, "layer-major") for case in CASES]
+                         + [(case, "page-major") for case in ("float32-page-16", "fp8-page-16-two-head-blocks")])
+def test_index_decode_scores_match_reference_and_layer(case, layout):
     page_size, num_heads, head_dim, lengths, quantized = CASES[case]
     inputs = index_inputs(page_size, num_heads, head_dim, lengths, quantized, seed=len(case))
     softmax_scale = head_dim ** -0.5
-    out, expected = kernel_scores(*inputs, page_size, softmax_scale)
+    out, expected = kernel_scores(*inputs, page_size, softmax_scale, layout)
     assert_scores_close(out, expected)
     assert_scores_close(out, layer_scores(*inputs, page_size, softmax_scale))
     assert out[torch.tensor(lengths) == 0].isneginf().all()
@@ -125,12 +130,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @requires_cuda
 @pytest.mark.parametrize("quantized", [True, False])
 @pytest.mark.parametrize("batch", [1, 64])
-def test_gpu_index_decode_scores_match_reference(batch, quantized):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_index_decode_scores_match_reference(batch, quantized, layout):
     generator = torch.Generator().manual_seed(batch)
     lengths = torch.randint(1, 4097, (batch,), generator=generator).tolist()
     lengths[-1] = 0 if batch > 1 else 4096
     inputs = index_inputs(64, 64, 128, lengths, quantized, seed=batch, device="cuda")
-    out, expected = kernel_scores(*inputs, 64, 128 ** -0.5)
+    out, expected = kernel_scores(*inputs, 64, 128 ** -0.5, layout)
     # FP8: exact bf16 products, float32 sums in another order; float32: ieee products.
     assert_scores_close(out, expected, atol=1e-4, rtol=1e-4)
 

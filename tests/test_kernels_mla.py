@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from tandem.kernels.mla_decode import (  # noqa: E402
     mla_decode_attention, mla_decode_attention_reference, mla_decode_num_splits)
 from tandem.kernels.token_write import write_token_rows, write_token_rows_reference  # noqa: E402
+from tests.layouts import LAYOUTS, in_layout  # noqa: E402
 from tests.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
 
 FP32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -86,10 +87,11 @@ def assert_close(actual, expected, dtype, **tolerance):
     torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
 
 
-def run_and_compare(inputs, scale, dtype, num_splits, **tolerance):
+def run_and_compare(inputs, scale, dtype, num_splits, layout="layer-major", **tolerance):
+    """The kernel on the cache in ``layout`` (``tests/layouts.py``), the reference on it as made."""
     q_latent, q_rope, cache, page_table, context_lengths, topk_indices = inputs
     out = torch.full_like(q_latent, float("nan"))
-    result = mla_decode_attention(q_latent, q_rope, cache, page_table, context_lengths, scale,
+    result = mla_decode_attention(q_latent, q_rope, *in_layout(layout, cache), page_table, context_lengths, scale,
                                   topk_indices=topk_indices, num_splits=num_splits, out=out)
     expected = mla_decode_attention_reference(q_latent, q_rope, cache, page_table, context_lengths, scale,
                                               topk_indices=topk_indices)
@@ -116,11 +118,12 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_mla_decode_matches_reference(case):
+@pytest.mark.parametrize("case, layout", [(case, "layer-major") for case in DECODE_CASES]
+                         + [(case, "page-major") for case in ("three-splits", "sparse-splits-page-1")])
+def test_mla_decode_matches_reference(case, layout):
     page_size, num_heads, rank, rope_dim, lengths, num_splits, topk_width, dtype = DECODE_CASES[case]
     inputs = decode_inputs(page_size, num_heads, rank, rope_dim, lengths, topk_width, dtype, seed=len(case))
-    run_and_compare(inputs, (rank + rope_dim) ** -0.5, dtype, num_splits)
+    run_and_compare(inputs, (rank + rope_dim) ** -0.5, dtype, num_splits, layout)
 
 
 def test_sparse_rows_with_nothing_selected_are_zeros():
@@ -207,10 +210,11 @@ def gpu_lengths(batch, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch", [1, 32, 128])
 @pytest.mark.parametrize("topk_width", [None, 2048])
-def test_gpu_mla_decode_matches_reference(batch, dtype, topk_width):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_mla_decode_matches_reference(batch, dtype, topk_width, layout):
     inputs = decode_inputs(PAGE_SIZE, HEADS, RANK, ROPE_DIM, gpu_lengths(batch, batch), topk_width, dtype,
                            seed=batch, device="cuda")
-    run_and_compare(inputs, GPU_SCALE, dtype, None, **GPU_TOLERANCE[dtype])
+    run_and_compare(inputs, GPU_SCALE, dtype, None, layout, **GPU_TOLERANCE[dtype])
 
 
 @pytest.mark.gpu

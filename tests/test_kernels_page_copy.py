@@ -47,6 +47,24 @@ def test_kernel_matches_reference(shape):
     assert torch.equal(actual[[2, 4, 5]], untouched[[2, 4, 5]])
 
 
+def test_kernel_copies_page_major_rows_to_host_blocks_and_back():
+    """A page-major buffer's pages are a column range of its group's pool (rows ``block`` bytes
+    apart, ``BufferDescriptor.page_rows``): saved into a host block's columns and loaded back."""
+    from tests.layouts import in_layout
+
+    buffer, = in_layout("page-major", arrays(9, 40, 5).view(torch.int32))
+    rows = buffer.view(torch.uint8)
+    assert rows.stride(0) > rows.shape[1]
+    host, expected = arrays(7, 96, 6), arrays(7, 96, 6)
+    device_pages, host_pages = torch.tensor([3, 8, 1]), torch.tensor([2, 5, 6])
+    copy_pages_reference(rows, expected, device_pages, host_pages, 0, 48, 40)
+    copy_pages(rows, host, device_pages, host_pages, 0, 48, 40)
+    assert torch.equal(host, expected)
+    loaded = torch.zeros_like(rows)
+    copy_pages(host, loaded, host_pages, device_pages, 48, 0, 40)
+    assert torch.equal(loaded[device_pages], rows[device_pages]) and not loaded[[0, 2]].any()
+
+
 def test_reference_rejects_bad_ranges():
     source, destination = arrays(4, 16, 1), arrays(4, 16, 2)
     pages = torch.tensor([0, 1])

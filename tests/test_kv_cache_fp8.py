@@ -142,15 +142,17 @@ def test_fp8_pages_poison_to_nan():
     assert (packed[0] == 0xA5).all()
 
 
-def test_swap_and_host_hits_move_fp8_pages_whole(model_dirs):
+@pytest.mark.parametrize("layout", ["layer-major", "page-major"])
+def test_swap_and_host_hits_move_fp8_pages_whole(model_dirs, layout):
     """Swap preemption and a host-tier hit carry FP8 pages whole: the outputs equal those of an
-    FP8 engine with room for everything (the movers copy bytes, whatever the dtype)."""
+    FP8 engine with room for everything (the movers copy bytes, whatever the dtype), laid out
+    layer-major; the tight engine's pools in ``layout``."""
     prompts = prompts_for(9, (60, 50, 40, 30))
     params = SamplingParams(max_tokens=16, **GREEDY)
     options = dict(kv_cache_dtype="fp8", page_size=16, max_num_batched_tokens=64)
     expected = LLM(model=model_dirs["llama"], max_total_tokens=2048, **options).generate(prompts, params)
     tight = LLM(model=model_dirs["llama"], max_total_tokens=160, host_cache_size=0.01, preemption_mode="swap",
-                **options)
+                kv_cache_layout=layout, **options)
     outputs = tight.generate(prompts, params)
     swaps = tight.engine.stats().tiers.swaps
     assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps

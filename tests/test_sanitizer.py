@@ -51,15 +51,18 @@ def test_read_of_a_freed_page_is_caught_by_owner_tags(llm):
         engine.step()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_read_of_poisoned_state_fails_loudly_without_owner_tags(model_dirs, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, layout", [("auto", "layer-major"), ("fp8", "layer-major"),
+                                                    ("auto", "page-major"), ("fp8", "page-major")])
+def test_read_of_poisoned_state_fails_loudly_without_owner_tags(model_dirs, monkeypatch, kv_cache_dtype, layout):
     """Even past the owner-tag check, a freed page holds NaN poison that reaches the logits (FP8
-    pages too: their poison byte is e4m3's NaN)."""
+    pages too: their poison byte is e4m3's NaN; page-major: every buffer's slice of the page's
+    block, and nothing of a live page)."""
     engine = LLM(model=model_dirs["llama"], page_size=4, max_total_tokens=256, max_num_batched_tokens=64,
-                 kv_cache_dtype=kv_cache_dtype).engine
+                 kv_cache_dtype=kv_cache_dtype, kv_cache_layout=layout).engine
     sequence, freed_page = running_sequence_and_a_freed_page(engine)
     for descriptor in engine.registry.buffers(0):
-        assert torch.isnan(descriptor.tensor[freed_page]).all(), "freed page not poisoned"
+        assert torch.isnan(descriptor.tensor[freed_page].float()).all(), "freed page not poisoned"
+        assert not torch.isnan(descriptor.tensor[sequence.state.page_tables[0][0]].float()).all()
     monkeypatch.setattr(Sanitizer, "check_owner", lambda *args: None)
     sequence.state.page_tables[0][0] = freed_page
     with pytest.raises(SanitizerError, match="non-finite logits"):

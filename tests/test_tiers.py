@@ -66,21 +66,22 @@ def close(llm) -> None:
     llm.engine.shutdown()  # queued disk writes finish first
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_disk_hits_host_hits_and_swap_in_one_workload(arch, model_dirs, oracles, tmp_path):
+@pytest.mark.parametrize("arch, layout", [(arch, "layer-major") for arch in FAMILIES]
+                         + [(arch, "page-major") for arch in ("llama", "deepseek_v32", "qwen3_next")])
+def test_disk_hits_host_hits_and_swap_in_one_workload(arch, layout, model_dirs, oracles, tmp_path):
     """(b) a fresh engine on the same disk directory hits it; (c) swap preemption forced by a
     small pool, resumed requests exact; (d) all of it in one workload with chunked prefill, and
-    host hits after a device flush."""
+    host hits after a device flush. Page-major: the device pools of both engines."""
     directory = str(tmp_path / "disk")
     params = SamplingParams(max_tokens=6, **GREEDY)
     earlier = prompts_for(41, (20, 45), shared=60)
-    writer = make_llm(model_dirs[arch], arch, disk_cache_dir=directory)
+    writer = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, kv_cache_layout=layout)
     first = writer.generate(earlier, params)
     close(writer)
     check(first, earlier, 6, oracles[arch], f"{arch} before restart")
 
     llm = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, max_total_tokens=192,
-                   max_num_batched_tokens=64, host_cache_size=0.05)
+                   max_num_batched_tokens=64, host_cache_size=0.05, kv_cache_layout=layout)
     again = [earlier[1][:-3] + [7, 8, 9]] + prompts_for(42, (120, 17, 64, 90))
     outputs = llm.generate(again, params)
     stats = llm.engine.stats().tiers

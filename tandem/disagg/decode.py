@@ -30,7 +30,7 @@ from tandem.kv.block_pool import OutOfPagesError
 from tandem.kv.planner import NULL_PAGE
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
-from tandem.transfer.descriptors import buffer_regions
+from tandem.transfer.descriptors import buffer_addresses
 from tandem.transfer.messages import (
     AbortTransfer,
     Destination,
@@ -61,7 +61,7 @@ class DecodeSide(PDSide):
         self.next_heartbeat = 0.0
         self.hello = Hello(sender=self.engine_id, layout=self.layout, backend=config.backend,
                            backend_metadata=self.backend.local_metadata(),
-                           buffer_addresses=[region.address for region in buffer_regions(self.registry)],
+                           buffer_addresses=buffer_addresses(self.registry),
                            device=self.device_index, metadata_address=self.metadata.address(0),
                            num_metadata_rows=self.metadata.num_rows, scratch_address=self.scratch.data_ptr(),
                            ranks=self.ranks.agents if self.ranks is not None else [])

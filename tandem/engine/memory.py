@@ -39,8 +39,9 @@ def state_memory_budget(config: EngineConfig, device: torch.device, registry: St
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(total * config.gpu_memory_utilization) - (total - free)
-    wanted = bytes_per_page(registry, config.page_size) * (
+    layout = config.resolved_kv_cache_layout
+    wanted = bytes_per_page(registry, config.page_size, layout) * (
         -(-max_model_len // config.page_size) * config.max_num_seqs + 1)
     wanted += sequence_pools(registry, config.page_size, config.max_num_seqs,
-                             config.enable_prefix_caching, speculating)[1]
+                             config.enable_prefix_caching, speculating, layout)[1]
     return min(int(available_host_memory() * config.cpu_kv_cache_fraction), wanted)

@@ -35,10 +35,11 @@ def build_coordinator(config: EngineConfig, device: torch.device, registry: Stat
     budget = state_memory_budget(config, device, registry, max_model_len, speculating)
     plan = plan_pools(registry, config.page_size, max_total_tokens=config.max_total_tokens,
                       memory_budget_bytes=budget, max_num_seqs=config.max_num_seqs,
-                      prefix_caching=config.enable_prefix_caching, speculative=speculating)
+                      prefix_caching=config.enable_prefix_caching, speculative=speculating,
+                      layout=config.resolved_kv_cache_layout)
     if agree is not None:
         plan = agree(plan)
-    allocate_buffers(registry, plan, device)
+    allocate_buffers(registry, plan, device, config.resolved_kv_cache_layout)
     coordinator = StateCoordinator(registry, plan, enable_prefix_caching=config.enable_prefix_caching,
                                    sanitize=config.sanitizer_on)
     return plan, coordinator

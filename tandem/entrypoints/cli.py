@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
-                           KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
+                           KV_CACHE_DTYPE_CHOICES, KV_CACHE_LAYOUT_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
                            SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
@@ -59,6 +59,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="paged K/V cache of attention layers: auto (the model dtype) or fp8/fp8_e4m3 "
                             "(float8 e4m3, scale 1.0, saturated at +-448: lossy, twice the tokens per byte; "
                             "MLA latents, indexer keys and recurrent state keep their dtype) (default: %(default)s)")
+    group.add_argument("--kv-cache-layout", choices=KV_CACHE_LAYOUT_CHOICES, default="auto",
+                       help="device state pools: layer-major (one tensor per layer and buffer) or page-major "
+                            "(a page of every layer of a state group is one block of memory, so a prompt's "
+                            "pages move in one write per run of pages); auto: page-major with --role "
+                            "prefill/decode, layer-major otherwise (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: run every step eagerly (CUDA only; default: decode steps "
                             "replay graphs captured at start-up)")
@@ -109,7 +114,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
-        kv_cache_dtype=arguments.kv_cache_dtype,
+        kv_cache_dtype=arguments.kv_cache_dtype, kv_cache_layout=arguments.kv_cache_layout,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,

@@ -16,12 +16,21 @@ import torch
 from tandem.kv.spec import BufferLayout, StateSpec
 
 
+LAYER_MAJOR = "layer-major"
+PAGE_MAJOR = "page-major"
+
+
 @dataclass(frozen=True)
 class BufferDescriptor:
-    """One state buffer: ``tensor`` is ``[num_pages, *page_shape]``.
+    """One state buffer: ``tensor`` is ``[num_pages, *page_shape]``, each page contiguous.
 
-    ``page_bytes`` is the length of one page's contiguous slice; movers address page ``p`` at
-    ``data_ptr + p * page_bytes``.
+    ``page_bytes`` is the length of one page's contiguous slice and ``page_stride`` the bytes
+    from one page to the next; movers address page ``p`` at ``tensor.data_ptr() + p *
+    page_stride``. Layer-major (the buffer is its own allocation): ``page_stride ==
+    page_bytes``, ``pool`` is None and ``offset`` 0. Page-major: the buffer is a view of its
+    group's ``pool`` (``[num_pages, block bytes]`` uint8, ``GroupPool``); page ``p`` lies at
+    bytes ``offset .. offset + page_bytes`` of the pool's row ``p`` and ``page_stride`` is the
+    block's bytes.
     """
     group_id: int
     layer_name: str
@@ -29,10 +38,29 @@ class BufferDescriptor:
     tensor: torch.Tensor
     item_size: int
     page_bytes: int
+    page_stride: int = 0
+    pool: Optional[torch.Tensor] = None
+    offset: int = 0
 
     @property
     def key(self) -> tuple[int, str, str]:
         return (self.group_id, self.layer_name, self.kind)
+
+    def page_rows(self) -> torch.Tensor:
+        """The buffer as ``[pages, page_bytes]`` uint8 (a view, row stride ``page_stride``)."""
+        return self.tensor.view(self.tensor.shape[0], -1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class GroupPool:
+    """A page-major group's one allocation: ``tensor`` is ``[num_pages, block_bytes]`` uint8;
+    every buffer of the group is a view of a column range of it (``BufferDescriptor.offset``)."""
+    group_id: int
+    tensor: torch.Tensor
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tensor.shape[1]
 
 
 @dataclass
@@ -53,6 +81,8 @@ class StateRegistry:
         self._groups: list[StateGroup] = []
         self._layer_group: dict[str, int] = {}
         self._buffers: dict[tuple[int, str, str], BufferDescriptor] = {}
+        self._pools: dict[int, GroupPool] = {}
+        self.kv_cache_layout = LAYER_MAJOR  # set by the planner when it allocates
         self._finalized = False
 
     # -- declaration ---------------------------------------------------------------------
@@ -87,10 +117,17 @@ class StateRegistry:
 
     # -- buffers (attached by the planner) ---------------------------------------------
     def attach_buffer(self, group_id: int, layer_name: str, layout: BufferLayout,
-                      tensor: torch.Tensor) -> None:
+                      tensor: torch.Tensor, pool: Optional[GroupPool] = None, offset: int = 0) -> None:
+        """``tensor``: its own allocation, or (``pool`` given) a view of the group's pool whose
+        pages start ``offset`` bytes into the pool's rows."""
+        page_bytes = tensor[0].numel() * tensor.element_size()
         descriptor = BufferDescriptor(
             group_id=group_id, layer_name=layer_name, kind=layout.kind, tensor=tensor,
-            item_size=tensor.element_size(), page_bytes=tensor[0].numel() * tensor.element_size())
+            item_size=tensor.element_size(), page_bytes=page_bytes,
+            page_stride=tensor.stride(0) * tensor.element_size(),
+            pool=pool.tensor if pool is not None else None, offset=offset)
+        if pool is not None:
+            self._pools[group_id] = pool
         self._buffers[descriptor.key] = descriptor
 
     # -- queries -------------------------------------------------------------------------
@@ -112,6 +149,19 @@ class StateRegistry:
         for descriptor in self._buffers.values():
             if group_id is None or descriptor.group_id == group_id:
                 yield descriptor
+
+    def group_pool(self, group_id: int) -> Optional[GroupPool]:
+        """The group's one allocation when the pools are page-major, else None."""
+        return self._pools.get(group_id)
+
+    def allocations(self) -> list[torch.Tensor]:
+        """Every distinct allocation holding state, in registry order: a page-major group's
+        pool once, a layer-major buffer's tensor."""
+        seen: dict[int, torch.Tensor] = {}
+        for descriptor in self._buffers.values():
+            allocation = descriptor.pool if descriptor.pool is not None else descriptor.tensor
+            seen.setdefault(id(allocation), allocation)
+        return list(seen.values())
 
     def layer_buffers(self, layer_name: str) -> dict[str, torch.Tensor]:
         group_id = self._layer_group[layer_name]

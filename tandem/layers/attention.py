@@ -31,12 +31,18 @@ def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """``rows [T, Hkv, D]`` (in the cache's dtype) into the token slots ``slots`` of the
-    contiguous ``cache [pages, page_size, Hkv, D]``, copied as bytes: CPU ``index_copy_`` has
-    no FP8 kernel, and bytes are bytes for every dtype."""
-    row_bytes = cache.shape[2] * cache.shape[3] * cache.element_size()
-    cache.view(torch.uint8).view(-1, row_bytes).index_copy_(
-        0, slots, rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes))
+    """``rows [T, *row]`` (in the cache's dtype) into the token slots ``slots`` of ``cache
+    [pages, page_size, *row]`` (each page contiguous), copied as bytes: CPU ``index_copy_`` has
+    no FP8 kernel, and bytes are bytes for every dtype. A contiguous (layer-major) cache is one
+    ``[slots, row bytes]`` view; a page-major view is indexed by (page, slot in the page)."""
+    num_pages, page_size = cache.shape[:2]
+    row_bytes = cache[0, 0].numel() * cache.element_size()
+    source = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes)
+    if cache.is_contiguous():
+        cache.view(torch.uint8).view(-1, row_bytes).index_copy_(0, slots, source)
+        return
+    cache.view(torch.uint8).view(num_pages, page_size, row_bytes).index_put_(
+        (slots // page_size, slots % page_size), source)
 
 
 class AttentionBackend:

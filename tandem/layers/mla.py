@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kv.spec import MLASpec
+from tandem.layers.attention import write_slots
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.norm import RMSNorm
 from tandem.layers.sparse_indexer import LightningIndexer, TopKSelection
@@ -117,8 +118,7 @@ class TorchMLABackend:
                 scale: float, selection: Optional[TopKSelection]) -> torch.Tensor:
         """q_nope ``[T, H, dn]``, q_rope ``[T, H, dr]``, latent ``[T, r + dr]`` (written at
         ``slot_mapping``), kv_b_weight ``[H, dn + dv, r]`` → ``[T, H, dv]``."""
-        width = cache.shape[-1]
-        cache.view(-1, width).index_copy_(0, metadata.slot_mapping, latent.to(cache.dtype))
+        write_slots(cache, metadata.slot_mapping, latent.to(cache.dtype))
         num_heads, head_size, rank = kv_b_weight.shape
         value_dim = head_size - q_nope.shape[-1]
         output = q_nope.new_empty(q_nope.shape[0], num_heads, value_dim)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kv.spec import IndexerSpec
+from tandem.layers.attention import write_slots
 from tandem.layers.attention_metadata import AttentionMetadata, DecodeBucket
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class Float32IndexKeys:
     """Unquantised indexer keys: buffer ``[pages, page_size, head_dim]`` float32."""
 
     def write(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
-        buffer.view(-1, buffer.shape[-1]).index_copy_(0, slots, keys.float())
+        write_slots(buffer, slots, keys.float())
 
     def write_kernel(self, buffer: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, page_size: int) -> None:
         """:meth:`write` through the row-writer kernel: slots of -1 are skipped."""

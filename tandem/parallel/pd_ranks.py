@@ -183,7 +183,7 @@ class WorkerTransfers:
         from tandem.transfer.connector import create_backend
         from tandem.transfer.control import advertised_host
         from tandem.disagg.common import WARM_UP_BYTE, WARM_UP_BYTES
-        from tandem.transfer.descriptors import buffer_regions, tensor_region
+        from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
 
         transfer = config.transfer
         self.rank, self.registry = groups.rank, registry
@@ -206,7 +206,7 @@ class WorkerTransfers:
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
         self.encoder = msgspec.msgpack.Encoder()
-        agent = RankAgent(self.backend.local_metadata(), [region.address for region in regions], self.device_index,
+        agent = RankAgent(self.backend.local_metadata(), buffer_addresses(registry), self.device_index,
                           self.scratch.data_ptr())
         exchange(self.control, self.encoder.encode(agent))
         self.closed = threading.Event()

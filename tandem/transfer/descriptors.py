@@ -3,11 +3,17 @@
 
 Everything here iterates the state registry (I1): a buffer the registry holds is registered
 with the backend, described at handshake, and written for every page pair of its group; there is
-no per-family code. Page ``p`` of a buffer lies at ``tensor.data_ptr() + p * page_bytes``
+no per-family code. Page ``p`` of a buffer lies at ``tensor.data_ptr() + p * page_stride``
 (``BufferDescriptor``); runs of pages that are consecutive on both sides become one write::
 
     source pages       4 5 6   9          one write of 3 pages (4..6 -> 12..14),
-    destination pages 12 13 14 20         one of 1 page (9 -> 20), per buffer
+    destination pages 12 13 14 20         one of 1 page (9 -> 20), per buffer (layer-major)
+                                          or per group (page-major: a page of every buffer
+                                          of the group is one block, ``GroupPool``)
+
+What is registered with a backend is each distinct allocation (a page-major group's pool once);
+what a peer is told is one base address per registry buffer (``buffer_addresses``), from which
+a page-major group's pool base is its first buffer's address less that buffer's offset.
 """
 from __future__ import annotations
 
@@ -43,16 +49,25 @@ def tensor_region(tensor: torch.Tensor) -> MemoryRegion:
 
 
 def buffer_regions(registry: StateRegistry) -> list[MemoryRegion]:
-    """Every registry buffer as a region, in registry order."""
-    return [tensor_region(descriptor.tensor) for descriptor in registry.buffers()]
+    """Every distinct state allocation as a region, in registry order: a layer-major buffer's
+    tensor, a page-major group's pool (once)."""
+    return [tensor_region(allocation) for allocation in registry.allocations()]
+
+
+def buffer_addresses(registry: StateRegistry) -> list[int]:
+    """Each registry buffer's base address (page 0), in registry order: what a peer plans
+    writes into (``plan_page_writes``'s ``remote_addresses``)."""
+    return [descriptor.tensor.data_ptr() for descriptor in registry.buffers()]
 
 
 def describe_layout(registry: StateRegistry, *, architecture: str, model: dict[str, int], page_size: int,
                     metadata_row_bytes: int) -> StateLayout:
-    buffers = [BufferInfo(d.group_id, d.layer_name, d.kind, d.item_size, str(d.tensor.dtype), d.page_bytes)
+    buffers = [BufferInfo(d.group_id, d.layer_name, d.kind, d.item_size, str(d.tensor.dtype), d.page_bytes,
+                          d.page_stride, d.offset)
                for d in registry.buffers()]
     return StateLayout(architecture=architecture, model=dict(model), page_size=page_size,
-                       num_groups=len(registry.groups), buffers=buffers, metadata_row_bytes=metadata_row_bytes)
+                       num_groups=len(registry.groups), buffers=buffers, metadata_row_bytes=metadata_row_bytes,
+                       kv_cache_layout=registry.kv_cache_layout)
 
 
 def coalesce(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -81,20 +96,31 @@ def plan_page_writes(registry: StateRegistry, remote_addresses: list[int],
                      pairs_per_group: list[list[tuple[int, int]]]) -> WritePlan:
     """Writes for ``pairs_per_group[g]`` (source page, destination page) in every buffer of
     group ``g``; ``remote_addresses`` are the peer's buffer bases in registry order (the
-    handshake checked that both registries list the same buffers with the same page sizes)."""
+    handshake checked that both registries list the same buffers with the same page sizes,
+    strides and offsets, and the same ``kv_cache_layout``). Layer-major: one write per run of
+    pages and buffer; page-major: one per run and group, covering every buffer of the group."""
     plan = WritePlan()
     runs_per_group = [coalesce(pairs) for pairs in pairs_per_group]
     plan.num_pages = sum(count for runs in runs_per_group for _, _, count in runs)
+    written_pools: set[int] = set()
     for descriptor, remote_base in zip(registry.buffers(), remote_addresses, strict=True):
         runs = runs_per_group[descriptor.group_id]
         if not runs:
             continue
-        local_base, page_bytes = descriptor.tensor.data_ptr(), descriptor.page_bytes
-        for source, destination, count in runs:
-            plan.descriptors.append((local_base + source * page_bytes, remote_base + destination * page_bytes,
-                                     count * page_bytes))
-            plan.num_bytes += count * page_bytes
         plan.touched.add(descriptor.key)
+        if descriptor.pool is None:
+            local_base, remote_base, length = descriptor.tensor.data_ptr(), remote_base, descriptor.page_bytes
+        elif descriptor.group_id in written_pools:
+            continue  # the group's blocks are written once, with its first buffer
+        else:
+            written_pools.add(descriptor.group_id)
+            local_base, remote_base = descriptor.pool.data_ptr(), remote_base - descriptor.offset
+            length = descriptor.page_stride
+        stride = descriptor.page_stride
+        for source, destination, count in runs:
+            plan.descriptors.append((local_base + source * stride, remote_base + destination * stride,
+                                     (count - 1) * stride + length))
+            plan.num_bytes += (count - 1) * stride + length
     return plan
 
 

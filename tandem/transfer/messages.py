@@ -79,6 +79,8 @@ class BufferInfo(msgspec.Struct, array_like=True, frozen=True):
     item_size: int
     dtype: str
     page_bytes: int
+    page_stride: int = 0  # bytes from one page to the next (page_bytes when layer-major)
+    offset: int = 0  # page-major: the buffer's byte offset in its group's page block
 
 
 class StateLayout(msgspec.Struct, kw_only=True, frozen=True):
@@ -89,6 +91,7 @@ class StateLayout(msgspec.Struct, kw_only=True, frozen=True):
     num_groups: int
     buffers: list[BufferInfo]
     metadata_row_bytes: int
+    kv_cache_layout: str = "layer-major"  # the device pools' layout (--kv-cache-layout)
 
 
 def first_difference(local: StateLayout, remote: StateLayout, local_name: str = "local",
@@ -97,7 +100,7 @@ def first_difference(local: StateLayout, remote: StateLayout, local_name: str = 
     def differ(field: str, mine, theirs) -> str:
         return f"{field}: {local_name} has {mine!r}, {remote_name} has {theirs!r}"
 
-    for field in ("page_size", "architecture"):
+    for field in ("page_size", "architecture", "kv_cache_layout"):
         if getattr(local, field) != getattr(remote, field):
             return differ(field, getattr(local, field), getattr(remote, field))
     for key in sorted(set(local.model) | set(remote.model)):

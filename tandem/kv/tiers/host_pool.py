@@ -3,7 +3,8 @@
 A host page of a group is one contiguous block holding that page of every buffer of the group,
 buffer after buffer in registry order (``GroupLayout``), so a page moves to disk as one object
 and a layer's slice of many pages is a column range of the pool's ``[pages, block bytes]``
-array. The array is pinned on CUDA machines (copies run asynchronously, and the page-copy
+array. The block is the same whatever the device layout (``--kv-cache-layout``); where the
+device pool is page-major, buffers that continue on both sides are copied as one ``Span``. The array is pinned on CUDA machines (copies run asynchronously, and the page-copy
 kernel reads and writes it directly).
 
 Books: each group's pages have reference counts with owner tags, as the device pools do
@@ -34,9 +35,48 @@ class Segment:
         return self.descriptor.page_bytes
 
     def device_rows(self) -> torch.Tensor:
-        """The device buffer as ``[pages, page bytes]`` (a view)."""
-        tensor = self.descriptor.tensor
-        return tensor.view(tensor.shape[0], -1).view(torch.uint8)
+        """The device buffer as ``[pages, page bytes]`` (a view; rows ``page_stride`` apart)."""
+        return self.descriptor.page_rows()
+
+
+@dataclass(frozen=True)
+class Span:
+    """Segments that lie back to back both in the host block and in the device rows (a
+    page-major group's buffers at offsets without padding between them): one copy moves them."""
+    segments: tuple[Segment, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.segments[0].offset
+
+    @property
+    def width(self) -> int:
+        return sum(segment.width for segment in self.segments)
+
+    def device_rows(self) -> torch.Tensor:
+        """The span's columns of the device pages, ``[pages, width]`` uint8 (a view)."""
+        first = self.segments[0].descriptor
+        if len(self.segments) == 1:
+            return self.segments[0].device_rows()
+        return first.pool[:, first.offset:first.offset + self.width]
+
+    @staticmethod
+    def continues(previous: Segment, segment: Segment) -> bool:
+        before, after = previous.descriptor, segment.descriptor
+        return (before.pool is not None and after.pool is before.pool
+                and after.offset == before.offset + before.page_bytes
+                and segment.offset == previous.offset + previous.width)
+
+
+def spans_of(segments) -> list[Span]:
+    """``segments`` (in block order) joined where they continue on both sides."""
+    runs: list[list[Segment]] = []
+    for segment in segments:
+        if runs and Span.continues(runs[-1][-1], segment):
+            runs[-1].append(segment)
+        else:
+            runs.append([segment])
+    return [Span(tuple(run)) for run in runs]
 
 
 @dataclass(frozen=True)
@@ -55,6 +95,14 @@ class GroupLayout:
 
     def layer_segments(self, layer_name: str) -> list[Segment]:
         return [segment for segment in self.segments if segment.descriptor.layer_name == layer_name]
+
+    def spans(self) -> list[Span]:
+        """The group's segments as few copies as the device layout allows (page-major: one per
+        group when no buffer's page needs alignment padding; layer-major: one per buffer)."""
+        return spans_of(self.segments)
+
+    def layer_spans(self, layer_name: str) -> list[Span]:
+        return spans_of(self.layer_segments(layer_name))
 
 
 def layouts_of(registry: StateRegistry) -> list[GroupLayout]:

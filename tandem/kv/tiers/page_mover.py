@@ -2,7 +2,8 @@
 tier's blocks, on the tier stream.
 
 It knows groups, pages and byte ranges only (DESIGN.md, state system point 4): a group's host
-block is its buffers' pages one after another (``GroupLayout``). Saves (device → host) go in one
+block is its buffers' pages one after another (``GroupLayout``); buffers that continue on both
+sides (a page-major device pool) move in one copy (``Span``). Saves (device → host) go in one
 submission; loads (host → device) go layer by layer in the model's order, each layer's
 completion registered with ``PendingLoads`` so that the layer's first read waits for exactly its
 own copy (I3) while later layers are still loading. ``touched`` records the buffers moved (I1).
@@ -19,7 +20,7 @@ from tandem.kernels.page_copy import copy_pages, copy_pages_reference
 from tandem.kv.accessor import PendingLoads
 from tandem.kv.registry import StateRegistry
 from tandem.kv.tiers.copy_stream import Ticket, TierStream
-from tandem.kv.tiers.host_pool import HostPool, Segment
+from tandem.kv.tiers.host_pool import HostPool, Span
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +79,13 @@ class TierMover:
             destination[destination_page, destination_offset:destination_offset + width].copy_(
                 source[source_page, source_offset:source_offset + width], non_blocking=True)
 
-    def _save_segment(self, segment: Segment, move: Move, index: torch.Tensor) -> None:
-        self._copy(segment.device_rows(), self.host.arrays[move.group], index[0], index[1],
-                   0, segment.offset, segment.width)
-        self.touched.add(segment.descriptor.key)
+    def _save_span(self, span: Span, move: Move, index: torch.Tensor) -> None:
+        self._copy(span.device_rows(), self.host.arrays[move.group], index[0], index[1], 0, span.offset, span.width)
+        self.touched.update(segment.descriptor.key for segment in span.segments)
 
-    def _load_segment(self, segment: Segment, move: Move, index: torch.Tensor) -> None:
-        self._copy(self.host.arrays[move.group], segment.device_rows(), index[1], index[0],
-                   segment.offset, 0, segment.width)
-        self.touched.add(segment.descriptor.key)
+    def _load_span(self, span: Span, move: Move, index: torch.Tensor) -> None:
+        self._copy(self.host.arrays[move.group], span.device_rows(), index[1], index[0], span.offset, 0, span.width)
+        self.touched.update(segment.descriptor.key for segment in span.segments)
 
     def _bytes(self, moves: list[Move]) -> int:
         return sum(len(move.device_pages) * self.host.layouts[move.group].block_bytes for move in moves)
@@ -100,8 +99,8 @@ class TierMover:
         def work() -> None:
             for move in moves:
                 index = self._indices(move)
-                for segment in self.host.layouts[move.group].segments:
-                    self._save_segment(segment, move, index)
+                for span in self.host.layouts[move.group].spans():
+                    self._save_span(span, move, index)
 
         return Transfer(self.stream.submit(work), self._bytes(moves), "d2h", time.perf_counter(), start)
 
@@ -117,13 +116,13 @@ class TierMover:
             move = by_group.get(self.registry.group_of(layer_name))
             if move is None:
                 continue
-            segments = self.host.layouts[move.group].layer_segments(layer_name)
+            spans = self.host.layouts[move.group].layer_spans(layer_name)
 
-            def work(segments=segments, move=move) -> None:
+            def work(spans=spans, move=move) -> None:
                 if move.group not in indices:  # uploaded once, on the tier stream
                     indices[move.group] = self._indices(move)
-                for segment in segments:
-                    self._load_segment(segment, move, indices[move.group])
+                for span in spans:
+                    self._load_span(span, move, indices[move.group])
 
             ticket = self.stream.submit(work)
             pending.add(layer_name, ticket.order_reader)
