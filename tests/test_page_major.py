@@ -155,31 +155,38 @@ SMALL = dict(page_size=4, max_total_tokens=512, max_num_seqs=4, max_num_batched_
 LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(21)]
 
 
-@pytest.mark.parametrize("backend, arch", [("nixl", "gemma3"), ("nccl", "llama")])
-def test_pd_writes_one_descriptor_per_run_and_group(backend, arch, model_dirs, oracles, monkeypatch):
+@pytest.mark.parametrize("backend, arch, layout", [("nixl", "gemma3", "auto"), ("nccl", "llama", "auto"),
+                                                   ("nixl", "llama", "layer-major")])
+def test_pd_writes_one_descriptor_per_run_and_group(backend, arch, layout, model_dirs, oracles, monkeypatch):
+    """``auto`` is page-major on PD servers: one write descriptor per run of pages and group;
+    layer-major (both servers) still pairs, one descriptor per run and buffer."""
     import tandem.disagg.prefill_writes as prefill_writes
 
     plans = []
 
     def recording_plan(registry, remote_addresses, pairs_per_group):
         plan = plan_page_writes(registry, remote_addresses, pairs_per_group)
-        plans.append((plan, sum(len(coalesce(pairs)) for pairs in pairs_per_group)))
+        per_group = [len(coalesce(pairs)) for pairs in pairs_per_group]
+        if registry.kv_cache_layout == "layer-major":
+            per_group = [runs * len(list(registry.buffers(group))) for group, runs in enumerate(per_group)]
+        plans.append((plan, sum(per_group)))
         return plan
 
     monkeypatch.setattr(prefill_writes, "plan_page_writes", recording_plan)
-    pair = PDPair(model_dirs[arch], transfer=dict(backend=backend), **SMALL)  # page-major: the PD default
+    pair = PDPair(model_dirs[arch], transfer=dict(backend=backend), kv_cache_layout=layout, **SMALL)
     try:
+        expected_layout = "page-major" if layout == "auto" else layout
         for engine in (pair.prefill, pair.decode):
-            assert engine.registry.kv_cache_layout == "page-major" and engine.pd.layout.kv_cache_layout == "page-major"
+            assert engine.registry.kv_cache_layout == engine.pd.layout.kv_cache_layout == expected_layout
         prompts = {"long": LONG_PROMPT, "short": [11, 12, 13]}
         for request_id, prompt in prompts.items():
             pair.submit(request_id, prompt)
         pair.run_until(lambda: all(pair.finished(r) for r in prompts))
         for request_id, prompt in prompts.items():
             pair.assert_matches(request_id, oracles[arch].greedy(prompt, GREEDY.max_tokens))
-        # layer-major would take (runs x buffers of the group): two and more buffers per group here
-        assert sum(num_runs for _, num_runs in plans) >= 2
-        assert all(len(plan.descriptors) == num_runs for plan, num_runs in plans)
+        # page-major: (runs) where layer-major takes (runs x buffers of the group), 4+ buffers here
+        assert sum(expected for _, expected in plans) >= 2
+        assert all(len(plan.descriptors) == expected for plan, expected in plans)
         assert pair.prefill.pd.touched == {d.key for d in pair.prefill.registry.buffers()}  # I1
         pair.settle()
         pair.assert_all_free()
