@@ -25,18 +25,20 @@ def prompts_for_test() -> list[list[int]]:
             + [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 60)])
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("enforce_eager, layout", [(False, "layer-major"), (True, "layer-major"), (False, "page-major")],
+                         ids=["graphs", "eager", "graphs-page-major"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_cuda_float32_matches_oracle(arch, enforce_eager, model_dirs, oracles, monkeypatch):
+def test_cuda_float32_matches_oracle(arch, enforce_eager, layout, model_dirs, oracles, monkeypatch):
     """Greedy tokens equal and top-5 logprobs within 1e-3 (GPU reduction order differs), with
-    chunked prefill, prefix hits and preemption forced by a small pool."""
+    chunked prefill, prefix hits and preemption forced by a small pool; the state pools in
+    ``layout`` (``--kv-cache-layout``)."""
     import tests.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
     prompts = prompts_for_test()
     llm = LLM(model=model_dirs[arch], device="cuda", dtype="float32", page_size=16, max_total_tokens=480,
               max_num_batched_tokens=128, max_num_seqs=8, indexer_cache_dtype="float32",
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, kv_cache_layout=layout)
     graphs = llm.engine.runner.graphs
     assert (graphs is not None) == (not enforce_eager)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True))
