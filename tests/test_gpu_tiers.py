@@ -22,10 +22,13 @@ def gpu_tolerance(monkeypatch):
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
 
 
+@pytest.mark.parametrize("layout", ["layer-major", "page-major"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_cuda_host_hit_and_swap(arch, model_dirs, oracles):
+def test_cuda_host_hit_and_swap(arch, layout, model_dirs, oracles):
+    """Page-major: the page-copy kernel reads and writes strided device rows, a group's buffers
+    in one copy where they continue on both sides."""
     llm = make_llm(model_dirs[arch], arch, device="cuda", dtype="float32", max_total_tokens=384,
-                   max_num_batched_tokens=128, max_num_seqs=8, host_cache_size=0.05)
+                   max_num_batched_tokens=128, max_num_seqs=8, host_cache_size=0.05, kv_cache_layout=layout)
     tiers = llm.engine.coordinator.tiers
     assert tiers.host.arrays[0].is_pinned()
     shared = prompts_for(31, (9, 30), shared=70)
