@@ -38,9 +38,13 @@ class BufferDescriptor:
     tensor: torch.Tensor
     item_size: int
     page_bytes: int
-    page_stride: int = 0
+    page_stride: int = 0  # 0: page_bytes (a buffer that is its own allocation)
     pool: Optional[torch.Tensor] = None
     offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_stride == 0:
+            object.__setattr__(self, "page_stride", self.page_bytes)
 
     @property
     def key(self) -> tuple[int, str, str]:
