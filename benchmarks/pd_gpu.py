@@ -387,16 +387,50 @@ def complete(url: str, prompt: list[int], output_len: int) -> list[int]:
     return choice.get("token_ids") or choice["text"]
 
 
-def measure_setup(url: str, prompts: list[list[int]], output_len: int) -> dict:
+# server-side histograms whose means say where TTFT goes: the API server's own TTFT (arrival to
+# first token out) and PD's phases (tandem/disagg/metrics.py)
+TIMING_HISTOGRAMS = ("time_to_first_token_seconds", "pd_phase_seconds")
+
+
+def timing_sums(urls: dict[str, str]) -> dict[str, float]:
+    """``server name{labels}_sum|_count`` -> value, for ``TIMING_HISTOGRAMS`` of each server."""
+    import httpx
+
+    values = {}
+    for server, url in urls.items():
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            name = line.split("{")[0].split(" ")[0].removeprefix("tandem:")
+            if any(name in (f"{histogram}_sum", f"{histogram}_count") for histogram in TIMING_HISTOGRAMS):
+                values[f"{server} {line.rsplit(' ', 1)[0].removeprefix('tandem:')}"] = float(line.split()[-1])
+    return values
+
+
+def timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean seconds of each histogram over the requests between the two snapshots."""
+    means = {}
+    for key, total in after.items():
+        if "_sum" not in key:
+            continue
+        count = after.get(key.replace("_sum", "_count"), 0) - before.get(key.replace("_sum", "_count"), 0)
+        if count > 0:
+            label = key.replace("_seconds_sum", "").replace("time_to_first_token", "server TTFT")
+            means[label] = (total - before.get(key, 0.0)) / count
+    return means
+
+
+def measure_setup(url: str, prompts: list[list[int]], output_len: int, servers: dict[str, str]) -> dict:
     import serve
 
     outputs = complete(url, prompts[0], output_len)
+    before = timing_sums(servers)
     level = asyncio.run(serve.run_level(url, "bench", prompts[1:], output_len, 1, None))
     done = level.completed
     if not done:
         failures = [record.error for record in level.records]
         raise RuntimeError(f"no streamed request finished: {failures[:1]}")
-    return {"outputs": outputs, "ttft": statistics.median(record.ttft for record in done)}
+    return {"outputs": outputs, "ttft": statistics.median(record.ttft for record in done),
+            "client ttft mean": statistics.mean(record.ttft for record in done),
+            "timings": timing_means(before, timing_sums(servers))}
 
 
 def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
@@ -422,6 +456,7 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
                 if name == "colocated":
                     url, process = servers
                     cluster.wait(url, process, timeout=deadline.left(600))
+                    timed = {"colocated": url}
                 else:
                     (prefill_url, prefill), (decode_url, decode) = servers
                     cluster.wait(prefill_url, prefill, timeout=deadline.left(600))
@@ -429,7 +464,8 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
                     url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url,
                                                                     "--decode", decode_url])
                     cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
-                results[name] = measure_setup(url, prompts, arguments.output_len)
+                    timed = {"prefill": prefill_url, "decode": decode_url}
+                results[name] = measure_setup(url, prompts, arguments.output_len, timed)
                 if name != "colocated":
                     results[name]["transfers"] = pd_metrics(prefill_url)
             except Exception as error:  # noqa: BLE001
@@ -490,6 +526,11 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
             print(f"{name} serving failed: {serving[name]['error']}")
         if "transfers" in serving.get(name, {}):
             print(f"{name} prefill server's transfers: {serving[name]['transfers']}")
+    for name in ("colocated", *arguments.backends):
+        served = serving.get(name, {})
+        if "timings" in served:  # where TTFT goes (means over the streamed requests, ms)
+            timings = ", ".join(f"{label} {seconds * 1e3:.2f}" for label, seconds in served["timings"].items())
+            print(f"{name} timings (mean ms): client TTFT {served['client ttft mean'] * 1e3:.2f}, {timings}")
     print("goals: fraction >= 0.85, added TTFT <= 5 ms (Llama-3.1-8B shape, 2,048 tokens, 2 GPUs), outputs equal")
 
 

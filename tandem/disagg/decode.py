@@ -278,6 +278,7 @@ class DecodeSide(PDSide):
         transfer.status.advance(TransferState.DONE)
         self.forget(transfer)
         self.metrics.record("done", transfer.num_bytes, now - transfer.bound_at)
+        self.metrics.record_phases(admission_wait=transfer.bound_at - transfer.created, receive=now - transfer.bound_at)
         sequence.num_cached_tokens = row.num_cached_tokens
         self.skip_first_draw(sequence)
         self.scheduler.release_remote(sequence, running=True)

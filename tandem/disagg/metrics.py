@@ -11,6 +11,8 @@ from tandem.engine.protocol import HistogramSnapshot, TransferStats
 
 SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(12, 33, 2))  # 4 KiB .. 4 GiB
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# the phases of one request's transfer (PHASES), finer: they add up to what PD adds to TTFT
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BANDWIDTH_BUCKETS = (1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11)
 
 
@@ -33,6 +35,20 @@ class Histogram:
         return HistogramSnapshot(bounds=list(self.bounds), counts=cumulative, total=self.total)
 
 
+PHASES = {
+    "prefill": {
+        "destination_wait": "the request's arrival to the decode server's destination pages",
+        "compute": "the destination to the first token sampled (the prompt's chunks; their pages stream meanwhile)",
+        "last_write": "the first token to the last write landed (last pages, metadata row, notification)",
+    },
+    "decode": {
+        "admission_wait": "the request's arrival to its destination pages allocated and sent",
+        "receive": "the destination sent to the completion notification handled (the prefill server's "
+                   "compute and writes)",
+    },
+}
+
+
 class TransferMetrics:
     """Counters and histograms of one side's transfers."""
 
@@ -44,6 +60,7 @@ class TransferMetrics:
         self.durations = Histogram(DURATION_BUCKETS)
         self.bandwidths = Histogram(BANDWIDTH_BUCKETS)
         self.num_held_back = 0
+        self.phases = {phase: Histogram(PHASE_BUCKETS) for phase in PHASES[role]}
         self._version = 0
         self._cache: Optional[tuple[int, tuple, TransferStats]] = None
 
@@ -59,6 +76,12 @@ class TransferMetrics:
                 self.bandwidths.observe(num_bytes / seconds)
         self._version += 1
 
+    def record_phases(self, **seconds: float) -> None:
+        """The phases of one transfer that completed (names from ``PHASES[role]``)."""
+        for phase, value in seconds.items():
+            self.phases[phase].observe(max(value, 0.0))
+        self._version += 1
+
     def record_held_back(self) -> None:
         """A transfer waited for admission (counted once per transfer by the decode side)."""
         self.num_held_back += 1
@@ -71,6 +94,8 @@ class TransferMetrics:
             stats = TransferStats(role=self.role, outcomes=dict(self.outcomes), bytes_total=self.bytes_total,
                                   size_bytes=self.sizes.snapshot(), duration_seconds=self.durations.snapshot(),
                                   bandwidth_bytes_per_second=self.bandwidths.snapshot(), queues=queues,
-                                  num_held_back=self.num_held_back, control_rejected=dict(control_rejected))
+                                  num_held_back=self.num_held_back, control_rejected=dict(control_rejected),
+                                  phase_seconds={phase: histogram.snapshot()
+                                                 for phase, histogram in self.phases.items()})
             self._cache = (self._version, key, stats)
         return self._cache[2]

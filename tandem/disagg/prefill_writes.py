@@ -93,6 +93,7 @@ class PrefillWrites:
                 passed.append(delta)
             else:
                 transfer.first_delta = delta
+                transfer.first_token_at = time.monotonic()
         if deltas:
             self.progress(time.monotonic())
         return passed
@@ -144,6 +145,9 @@ class PrefillWrites:
             transfer.ended_at = now
             self.metrics.record("done", transfer.bytes_written,
                                 now - (transfer.first_write_at or transfer.bound_at), bandwidth=True)
+            self.metrics.record_phases(destination_wait=transfer.bound_at - transfer.created,
+                                       compute=transfer.first_token_at - transfer.bound_at,
+                                       last_write=now - transfer.first_token_at)
             if not transfer.suppress_delta:
                 self.outbox.append(transfer.first_delta)
         elif status is WriteStatus.ERROR and not transfer.status.terminal:

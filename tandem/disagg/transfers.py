@@ -65,6 +65,7 @@ class PrefillTransfer:
     first_delta: Optional[RequestDelta] = None
     bound_at: float = 0.0
     first_write_at: float = 0.0
+    first_token_at: float = 0.0  # the first-token delta came (the prompt is computed)
     ended_at: float = 0.0
     bytes_written: int = 0
     num_writes: int = 0

@@ -184,6 +184,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     queues: dict[str, int] = {}  # e.g. waiting_for_destination, sending, waiting_for_admission
     num_held_back: int = 0  # decode: requests that had to wait for admission (pool full)
     control_rejected: dict[str, int] = {}  # control messages dropped, by reason (transfer/frames.py)
+    phase_seconds: dict[str, HistogramSnapshot] = {}  # completed transfers' phases (disagg/metrics.py PHASES)
 
 
 class TierStats(msgspec.Struct, kw_only=True):

@@ -113,6 +113,13 @@ def speculation_metric_families(speculation):
                             value=speculation.mean_acceptance_length)
 
 
+def histogram_buckets(snapshot) -> list[tuple[str, int]]:
+    """A snapshot's cumulative counts as Prometheus buckets, +Inf last."""
+    buckets = [(format(bound, "g"), count) for bound, count in zip(snapshot.bounds, snapshot.counts)]
+    buckets.append(("+Inf", snapshot.counts[-1]))
+    return buckets
+
+
 def transfer_metric_families(transfer):
     """PD transfer series: bytes, duration and bandwidth histograms, outcomes, queue lengths."""
     outcomes = CounterMetricFamily(PREFIX + "pd_transfers", "PD transfers by outcome.", labels=["role", "outcome"])
@@ -137,9 +144,15 @@ def transfer_metric_families(transfer):
     for name, documentation, snapshot in histograms:
         if snapshot is None:
             continue
-        buckets = [(format(bound, "g"), count) for bound, count in zip(snapshot.bounds, snapshot.counts)]
-        buckets.append(("+Inf", snapshot.counts[-1]))
-        yield HistogramMetricFamily(PREFIX + name, documentation, buckets=buckets, sum_value=snapshot.total)
+        yield HistogramMetricFamily(PREFIX + name, documentation, buckets=histogram_buckets(snapshot),
+                                    sum_value=snapshot.total)
+    if transfer.phase_seconds:
+        phases = HistogramMetricFamily(PREFIX + "pd_phase_seconds", "Phases of completed PD transfers, per side "
+                                       "(prefill: destination_wait, compute, last_write; decode: admission_wait, "
+                                       "receive).", labels=["role", "phase"])
+        for phase, snapshot in sorted(transfer.phase_seconds.items()):
+            phases.add_metric([transfer.role, phase], histogram_buckets(snapshot), sum_value=snapshot.total)
+        yield phases
     queues = GaugeMetricFamily(PREFIX + "pd_queue_length", "PD requests per transfer queue.", labels=["role", "queue"])
     for queue, length in sorted(transfer.queues.items()):
         queues.add_metric([transfer.role, queue], length)
