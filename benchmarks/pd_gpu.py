@@ -390,7 +390,7 @@ def complete(url: str, prompt: list[int], output_len: int) -> list[int]:
 
 # server-side histograms whose means say where TTFT goes: the API server's own TTFT (arrival to
 # first token out) and PD's phases (tandem/disagg/metrics.py)
-TIMING_HISTOGRAMS = ("time_to_first_token_seconds", "pd_phase_seconds")
+TIMING_HISTOGRAMS = ("time_to_first_token_seconds", "pd_phase_seconds", "router_time_to_first_token_seconds")
 
 
 def timing_sums(urls: dict[str, str]) -> dict[str, float]:
@@ -414,7 +414,8 @@ def timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
             continue
         count = after.get(key.replace("_sum", "_count"), 0) - before.get(key.replace("_sum", "_count"), 0)
         if count > 0:
-            label = key.replace("_seconds_sum", "").replace("time_to_first_token", "server TTFT")
+            label = key.replace("_seconds_sum", "").replace("router_time_to_first_token", "first event") \
+                .replace("time_to_first_token", "server TTFT")
             means[label] = (total - before.get(key, 0.0)) / count
     return means
 
@@ -465,7 +466,7 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
                     url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url,
                                                                     "--decode", decode_url])
                     cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
-                    timed = {"prefill": prefill_url, "decode": decode_url}
+                    timed = {"prefill": prefill_url, "decode": decode_url, "router": url}
                 results[name] = measure_setup(url, prompts, arguments.output_len, timed)
                 if name != "colocated":
                     results[name]["transfers"] = pd_metrics(prefill_url)

@@ -141,12 +141,16 @@ def test_1p1d_matches_colocated_and_transformers(cluster, colocated, oracles):
 def test_streamed_chat_through_the_router(cluster, colocated):
     servers, routers = cluster
     messages = [{"role": "user", "content": "Tell me a story about a dog."}]
+    first_events = routers["one"].metric("router_time_to_first_token_seconds_count")
     stream = client_for(routers["one"]).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
                                                                 stream=True, **GREEDY)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     reference = colocated.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)[0]
     assert text == reference.outputs[0].text
+    # the router timed the stream's first event once
+    assert routers["one"].metric("router_time_to_first_token_seconds_count") == first_events + 1
+    assert routers["one"].metric("router_time_to_first_token_seconds_sum") > 0
 
 
 def test_two_prefill_servers_share_the_work(cluster, colocated):
