@@ -18,6 +18,7 @@ deadline (``--deadline``, default 420 s); a backend that fails is reported as su
 others still run; the table prints whatever was measured.
 
     python benchmarks/pd_gpu.py                                       # 2 GPUs: llama3-8b, bf16
+    python benchmarks/pd_gpu.py --device one-gpu                      # 1 GPU: PD's own TTFT steps, NIXL
     python benchmarks/pd_gpu.py --device cpu --shape micro --input-len 64 --rounds 3   # check on a CPU
 
 On a CPU both "devices" are host memory (NCCL runs over gloo, NIXL over shared memory): the
@@ -389,7 +390,7 @@ def complete(url: str, prompt: list[int], output_len: int) -> list[int]:
 
 # server-side histograms whose means say where TTFT goes: the API server's own TTFT (arrival to
 # first token out) and PD's phases (tandem/disagg/metrics.py)
-TIMING_HISTOGRAMS = ("time_to_first_token_seconds", "pd_phase_seconds")
+TIMING_HISTOGRAMS = ("time_to_first_token_seconds", "pd_phase_seconds", "router_time_to_first_token_seconds")
 
 
 def timing_sums(urls: dict[str, str]) -> dict[str, float]:
@@ -413,7 +414,8 @@ def timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
             continue
         count = after.get(key.replace("_sum", "_count"), 0) - before.get(key.replace("_sum", "_count"), 0)
         if count > 0:
-            label = key.replace("_seconds_sum", "").replace("time_to_first_token", "server TTFT")
+            label = key.replace("_seconds_sum", "").replace("router_time_to_first_token", "first event") \
+                .replace("time_to_first_token", "server TTFT")
             means[label] = (total - before.get(key, 0.0)) / count
     return means
 
@@ -464,7 +466,7 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
                     url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url,
                                                                     "--decode", decode_url])
                     cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
-                    timed = {"prefill": prefill_url, "decode": decode_url}
+                    timed = {"prefill": prefill_url, "decode": decode_url, "router": url}
                 results[name] = measure_setup(url, prompts, arguments.output_len, timed)
                 if name != "colocated":
                     results[name]["transfers"] = pd_metrics(prefill_url)
@@ -545,7 +547,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--device", default="auto", help="auto: cuda:0 and cuda:1; cpu: both legs in host memory")
+    parser.add_argument("--device", default="auto", choices=("auto", "one-gpu", "cpu"),
+                        help="auto: cuda:0 and cuda:1; one-gpu: both legs on cuda:0 (PD's steps without the link: "
+                             "where TTFT goes; NIXL only); cpu: both legs in host memory")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--nccl-variants", nargs="*", default=[(4.0, 32.0), (1024.0, 16.0), (1024.0, 64.0)],
                         type=variant,
@@ -578,9 +582,16 @@ def resolve_devices(arguments) -> None:
         arguments.dtype = arguments.dtype or "float32"
         arguments.load_format = "auto"
         return
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("pd_gpu.py: needs two visible GPUs (or --device cpu to check the steps on a CPU)")
-    arguments.prefill_device, arguments.decode_device = "cuda:0", "cuda:1"
+    if arguments.device == "one-gpu":  # both servers on cuda:0: PD's own steps without the link
+        if "nccl" in arguments.backends:
+            print("one-gpu: NCCL allows one rank per device; measuring NIXL only", flush=True)
+            arguments.backends = [name for name in arguments.backends if name != "nccl"]
+        arguments.prefill_device = arguments.decode_device = "cuda:0"
+    elif torch.cuda.device_count() < 2:
+        raise SystemExit("pd_gpu.py: needs two visible GPUs (or --device one-gpu: both sides on one GPU, "
+                         "or --device cpu to check the steps on a CPU)")
+    else:
+        arguments.prefill_device, arguments.decode_device = "cuda:0", "cuda:1"
     arguments.shape = arguments.shape or "llama3-8b"
     arguments.dtype = arguments.dtype or "bfloat16"
     arguments.load_format = "dummy" if not arguments.model else "auto"

@@ -41,6 +41,7 @@ class PDPair:
     def __init__(self, model_dir: str, prefill_options: Optional[dict] = None, decode_options: Optional[dict] = None,
                  transfer: Optional[dict] = None, decode_transfer: Optional[dict] = None, **options) -> None:
         transfer = {**FAST_TIMEOUTS, **(transfer or {})}
+        options.setdefault("async_scheduling", True)  # the overlapped loop, as on a GPU (servers here run without)
         self.prefill = EngineCore(EngineConfig(model=model_dir, **{**options, **(prefill_options or {})},
                                                transfer=TransferConfig(role="prefill", **transfer)))
         self.decode = EngineCore(EngineConfig(model=model_dir, **{**options, **(decode_options or {})},

@@ -141,6 +141,30 @@ def test_decode_continues_exactly_for_every_family(arch, model_dirs, oracles):
         pair.close()
 
 
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_prefill_computes_before_the_destination_comes(arch, model_dirs, oracles):
+    """The prefill engine does not wait for the decode side: the whole prompt is computed and
+    its first token sampled before the decode leg even arrives; the final pages are held past
+    the sequence's end (I2) and written once the destination comes; the decode engine's tokens
+    still equal ``transformers``, and everything is free afterwards."""
+    pair = PDPair(model_dirs[arch], **SMALL, **EXACT_OPTIONS.get(arch, {}))
+    try:
+        room = pair.submit("late", LONG_PROMPT, decode=False)
+        transfer = pair.prefill.pd.transfers[room]
+        pair.run_until(lambda: transfer.first_delta is not None, decode=False)
+        assert transfer.sequence.is_finished and transfer.destination is None
+        assert transfer.unsent_holds and pair.prefill.coordinator.pages_used() > 0  # held for the writes
+        pair.submit("late", LONG_PROMPT, room=room, prefill=False)
+        pair.run_until(lambda: pair.finished("late"))
+        pair.assert_matches("late", oracles[arch].greedy(LONG_PROMPT, GREEDY.max_tokens))
+        pair.settle()
+        pair.assert_all_free()
+        phases = pair.prefill.pd.metrics.phases
+        assert phases["destination_wait"].total > 0 and phases["compute"].total > 0
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v32"])
 def test_fp8_indexer_pages_arrive_whole(arch, model_dirs):
     """The deployed FP8 indexer cache (keys then scales, packed per page): the decode engine's

@@ -141,12 +141,16 @@ def test_1p1d_matches_colocated_and_transformers(cluster, colocated, oracles):
 def test_streamed_chat_through_the_router(cluster, colocated):
     servers, routers = cluster
     messages = [{"role": "user", "content": "Tell me a story about a dog."}]
+    first_events = routers["one"].metric("router_time_to_first_token_seconds_count")
     stream = client_for(routers["one"]).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
                                                                 stream=True, **GREEDY)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     reference = colocated.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)[0]
     assert text == reference.outputs[0].text
+    # the router timed the stream's first event once
+    assert routers["one"].metric("router_time_to_first_token_seconds_count") == first_events + 1
+    assert routers["one"].metric("router_time_to_first_token_seconds_sum") > 0
 
 
 def test_two_prefill_servers_share_the_work(cluster, colocated):
@@ -220,16 +224,15 @@ def test_transfer_metrics(cluster):
     assert prefill.metric("pd_transfer_bytes_total") > 0
     assert prefill.metric("pd_transfer_bandwidth_bytes_per_second_count") >= 3
     assert decode.metric("pd_transfer_duration_seconds_count") >= 3
-    # every done transfer's phases are counted on each side; the decode side's wait for the
-    # writes spans the prefill side's compute of the prompt (it starts before, ends after)
-    for role, phases in (("prefill", ("destination_wait", "compute", "last_write")),
+    # every done transfer's phases are counted on each side
+    for role, phases in (("prefill", ("compute", "destination_wait", "last_write")),
                          ("decode", ("admission_wait", "receive"))):
         server = prefill if role == "prefill" else decode
         done = server.metric("pd_transfers_total", f'outcome="done",role="{role}"')
         for phase in phases:
             assert server.metric("pd_phase_seconds_count", f'phase="{phase}",role="{role}"') == done, (role, phase)
-    compute = prefill.metric("pd_phase_seconds_sum", 'phase="compute",role="prefill"')
-    assert 0 < compute <= decode.metric("pd_phase_seconds_sum", 'phase="receive",role="decode"')
+    assert prefill.metric("pd_phase_seconds_sum", 'phase="compute",role="prefill"') > 0
+    assert decode.metric("pd_phase_seconds_sum", 'phase="receive",role="decode"') > 0
     assert routers["one"].metric("router_requests_total", 'outcome="ok"') >= 1
     assert httpx.get(routers["one"].base_url + "/v1/models").status_code == 401  # the router wants its key too
 

@@ -91,7 +91,8 @@ def test_a_rank_write_pending_past_drain_timeout_is_cancelled(tp_pair, monkeypat
     outcome = ranks.outcome
     monkeypatch.setattr(ranks, "outcome", lambda key: outcome(key) if key in ranks.cancelled else None)
     room = pair.submit("slow", LONG_PROMPT)
-    pair.run_until(lambda: any(transfer.writes for transfer in pair.prefill.pd.transfers.values()))
+    pair.run_until(lambda: any(transfer.writes or transfer.metadata_write is not None
+                               for transfer in pair.prefill.pd.transfers.values()))
     pair.decode.abort_requests(["slow"])
     aborted = time.monotonic()
     pair.run_until(lambda: room not in pair.decode.pd.draining and room not in pair.prefill.pd.transfers)

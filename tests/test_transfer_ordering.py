@@ -95,7 +95,11 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
 
     side.backend.write = spy
     try:
-        pair.submit("long", LONG_PROMPT)
+        # the destination first (the prefill engine would otherwise compute both chunks before
+        # it comes, and write them at once): the first chunk's pages then stream on their own
+        room = pair.submit("long", LONG_PROMPT, prefill=False)
+        pair.run_until(lambda: room in side.early_destinations)
+        pair.submit("long", LONG_PROMPT, room=room, decode=False)
         waits = []  # the prefill engine's pause between steps while the last write is in flight
 
         def finished() -> bool:

@@ -9,10 +9,10 @@ A request's two legs meet in a room (its 128-bit id)::
 
     prefill engine                                         decode engine
     ---------------                                        -------------
-    request (max_tokens 1), held            Hello/Reply    request held; link to the prefill
-                                          <------------->  engine (handshake: layouts equal)
-                                            Destination    admitted when it can finish: pages
-    scheduled once the destination is known <------------  for every group + a metadata row
+    request (max_tokens 1), computed        Hello/Reply    request held; link to the prefill
+    at once (final pages computed before  <------------->  engine (handshake: layouts equal)
+    the destination are held for it)        Destination    admitted when it can finish: pages
+                                          <------------  for every group + a metadata row
     after each chunk: its final pages -----  page writes  ---> (whole pages, coalesced)
       (source pages held in flight: I2)
     first token sampled, writes drained:

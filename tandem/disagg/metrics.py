@@ -37,9 +37,12 @@ class Histogram:
 
 PHASES = {
     "prefill": {
-        "destination_wait": "the request's arrival to the decode server's destination pages",
-        "compute": "the destination to the first token sampled (the prompt's chunks; their pages stream meanwhile)",
-        "last_write": "the first token to the last write landed (last pages, metadata row, notification)",
+        "compute": "the request's arrival to its first token sampled (the prompt's chunks; their pages stream "
+                   "to the decode server once it named them)",
+        "destination_wait": "the computed prompt waiting for the decode server's destination pages (0 when they "
+                            "came first)",
+        "last_write": "the first token and the destination both there to the last write landed (last pages, "
+                      "metadata row, notification)",
     },
     "decode": {
         "admission_wait": "the request's arrival to its destination pages allocated and sent",

@@ -60,11 +60,14 @@ class PrefillSide(PrefillWrites, PDSide):
         if room in self.transfers:
             raise ValueError(f"kv_transfer_params: room {room} is already in use on this prefill server")
         sequence.max_tokens = 1  # the prefill leg computes the prompt and samples the first token
+        num_groups = self.coordinator.num_groups
         transfer = PrefillTransfer(room=room, sequence=sequence, status=TransferStatus(room), created=time.monotonic(),
-                                   sent=[set() for _ in range(self.coordinator.num_groups)])
+                                   sent=[set() for _ in range(num_groups)], unsent=[{} for _ in range(num_groups)])
         self.transfers[room] = transfer
         self.by_request[sequence.request_id] = transfer
-        self.scheduler.add_remote(sequence)
+        # computed at once: the decode side's destination comes meanwhile (pages computed before
+        # it are held for it, ``hold_until_bound``), so its round trip is off the critical path
+        self.scheduler.add(sequence)
         ended = self.ended_rooms.pop(room, None)
         if ended is not None:
             self.end(transfer, ended[1], ended[2])
@@ -233,7 +236,8 @@ class PrefillSide(PrefillWrites, PDSide):
             return
         transfer.status.advance(TransferState.BOUND)
         transfer.bound_at = time.monotonic()
-        self.scheduler.release_remote(sequence, running=False)
+        if not self.stalled():
+            self.push_unsent(transfer)
 
     def on_abort_transfer(self, identity: str, message: AbortTransfer, now: float) -> None:
         self.early_destinations.pop(message.room, None)
@@ -253,15 +257,20 @@ class PrefillSide(PrefillWrites, PDSide):
     def after_computed(self, chunk) -> None:
         sequence = chunk.sequence
         transfer = self.by_request.get(sequence.request_id)
-        if transfer is None or transfer.status.terminal or transfer.destination is None or self.stalled():
+        if transfer is None or transfer.status.terminal:
             return
-        self.push_pages(transfer, prompt_done=sequence.num_computed_tokens >= sequence.num_prompt_tokens)
+        prompt_done = sequence.num_computed_tokens >= sequence.num_prompt_tokens
+        if transfer.destination is None:
+            self.hold_until_bound(transfer, self.final_pages(transfer, prompt_done), prompt_done)
+        elif not self.stalled():
+            self.push_pages(transfer, prompt_done)
 
     def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
             tell_peer: bool = True) -> None:
         if not transfer.status.end(state, reason):
             return
         transfer.ended_at = time.monotonic()
+        self.release_unsent(transfer)
         logger.info("PD: room %s %s: %s", transfer.room, state.name.lower(), reason)
         self.metrics.record("aborted" if state is TransferState.ABORTED else "failed")
         sequence = transfer.sequence

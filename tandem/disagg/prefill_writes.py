@@ -34,25 +34,57 @@ LAST_WRITE_SPIN_SECONDS = 0.05
 class PrefillWrites:
     """Posting and tracking a transfer's writes (see the module docstring)."""
 
-    def push_pages(self, transfer: PrefillTransfer, prompt_done: bool) -> None:
-        """Write every page that became final since the last push (whole pages, coalesced)."""
-        sequence, destination = transfer.sequence, transfer.destination
-        indices = self.coordinator.final_page_indices(sequence.state, sequence.num_computed_tokens, prompt_done)
+    def final_pages(self, transfer: PrefillTransfer, prompt_done: bool) -> list[dict[int, int]]:
+        """Per group: page-table index -> page, for every entry final after the last chunk."""
+        state = transfer.sequence.state
+        indices = self.coordinator.final_page_indices(state, transfer.sequence.num_computed_tokens, prompt_done)
+        return [{index: table[index] for index in group_indices}
+                for group_indices, table in zip(indices, state.page_tables)]
+
+    def hold_until_bound(self, transfer: PrefillTransfer, pages: list[dict[int, int]], prompt_done: bool) -> None:
+        """The prompt is computed before the decode side named its destination: keep its final
+        pages (held in flight, so they outlive the sequence) until ``bind`` writes them."""
+        new = [[page for index, page in group.items() if index not in kept and page != NULL_PAGE]
+               for group, kept in zip(pages, transfer.unsent)]
+        for group, kept in zip(pages, transfer.unsent):
+            kept.update(group)
+        transfer.unsent_done = transfer.unsent_done or prompt_done
+        if any(new):
+            transfer.unsent_holds.append(self.coordinator.hold_inflight(
+                f"pd-wait:{transfer.room}:{len(transfer.unsent_holds)}", new))
+
+    def push_unsent(self, transfer: PrefillTransfer) -> None:
+        """The destination came: write what was computed before it, then let those pages go."""
+        if any(transfer.unsent):
+            self.push_pages(transfer, transfer.unsent_done, transfer.unsent)
+        self.release_unsent(transfer)
+
+    def release_unsent(self, transfer: PrefillTransfer) -> None:
+        for owner in transfer.unsent_holds:
+            self.coordinator.release_inflight(owner)
+        transfer.unsent_holds = []
+        transfer.unsent = [{} for _ in transfer.unsent]
+
+    def push_pages(self, transfer: PrefillTransfer, prompt_done: bool,
+                   pages: Optional[list[dict[int, int]]] = None) -> None:
+        """Write every page that became final since the last push (whole pages, coalesced);
+        ``pages``: the final entries (index -> page per group), else the sequence's own now."""
+        destination = transfer.destination
+        pages = pages if pages is not None else self.final_pages(transfer, prompt_done)
         pairs_per_group, sources = [], []
-        for group, (group_indices, table, target) in enumerate(
-                zip(indices, sequence.state.page_tables, destination.page_tables)):
+        for group, (group_pages, target) in enumerate(zip(pages, destination.page_tables)):
             pairs = []
-            for index in group_indices:
+            for index, page in sorted(group_pages.items()):
                 if index in transfer.sent[group]:
                     continue
                 transfer.sent[group].add(index)
                 if index >= len(target) or target[index] == NULL_PAGE:
                     continue  # the decode side does not need it (e.g. before a sliding window)
-                if table[index] == NULL_PAGE:
+                if page == NULL_PAGE:
                     self.end(transfer, TransferState.FAILED,
                              f"page {index} of state group {group} was released before it was sent")
                     return
-                pairs.append((table[index], target[index]))
+                pairs.append((page, target[index]))
             pairs_per_group.append(pairs)
             sources.append([source for source, _ in pairs])
         plan = plan_page_writes(self.registry, transfer.peer.addresses, pairs_per_group)
@@ -105,8 +137,8 @@ class PrefillWrites:
         for transfer in list(self.transfers.values()):
             self.progress_writes(transfer, now)
             if not transfer.status.terminal and transfer.first_delta is not None \
-                    and all(write.final for write in transfer.writes) and transfer.metadata_write is None \
-                    and not self.stalled():
+                    and transfer.destination is not None and all(write.final for write in transfer.writes) \
+                    and transfer.metadata_write is None and not self.stalled():
                 self.post_last(transfer)
             if transfer.status.terminal and not transfer.outstanding:
                 self.retire(transfer)
@@ -145,9 +177,10 @@ class PrefillWrites:
             transfer.ended_at = now
             self.metrics.record("done", transfer.bytes_written,
                                 now - (transfer.first_write_at or transfer.bound_at), bandwidth=True)
-            self.metrics.record_phases(destination_wait=transfer.bound_at - transfer.created,
-                                       compute=transfer.first_token_at - transfer.bound_at,
-                                       last_write=now - transfer.first_token_at)
+            computed = transfer.first_token_at
+            self.metrics.record_phases(compute=computed - transfer.created,
+                                       destination_wait=max(transfer.bound_at - computed, 0.0),
+                                       last_write=now - max(computed, transfer.bound_at))
             if not transfer.suppress_delta:
                 self.outbox.append(transfer.first_delta)
         elif status is WriteStatus.ERROR and not transfer.status.terminal:

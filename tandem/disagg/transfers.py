@@ -59,6 +59,10 @@ class PrefillTransfer:
     peer: Optional[DecodePeer] = None
     destination: Optional[Destination] = None
     sent: list[set[int]] = field(default_factory=list)
+    # computed before the destination came: final entries per group (index -> page), their holds
+    unsent: list[dict[int, int]] = field(default_factory=list)
+    unsent_holds: list[str] = field(default_factory=list)
+    unsent_done: bool = False  # the prompt's last chunk is among them
     writes: list[PendingWrite] = field(default_factory=list)
     metadata_write: Optional[PendingWrite] = None  # the last write: final pages, the row, the notification
     local_row: Optional[int] = None

@@ -87,7 +87,7 @@ class EngineCore:
 
             self.pd = create_pd(self, config.transfer)
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self.overlap = overlap and self.pd is None  # PD keeps the one-step-at-a-time loop
+        self.overlap = overlap
         logger.info("engine ready: %s on %s (%s), %d pages of %d tokens (%d tokens, KV cache %s), sanitizer %s",
                     self.model_info.architecture, self.device, self.model_info.dtype,
                     plan.usable_pages, plan.page_size, plan.usable_pages * plan.page_size,

@@ -148,7 +148,7 @@ def transfer_metric_families(transfer):
                                     sum_value=snapshot.total)
     if transfer.phase_seconds:
         phases = HistogramMetricFamily(PREFIX + "pd_phase_seconds", "Phases of completed PD transfers, per side "
-                                       "(prefill: destination_wait, compute, last_write; decode: admission_wait, "
+                                       "(prefill: compute, destination_wait, last_write; decode: admission_wait, "
                                        "receive).", labels=["role", "phase"])
         for phase, snapshot in sorted(transfer.phase_seconds.items()):
             phases.add_metric([transfer.role, phase], histogram_buckets(snapshot), sum_value=snapshot.total)

@@ -22,13 +22,14 @@ def create_router_app(router: Router) -> FastAPI:
     authorized = [Depends(api_key_checker(router))]
 
     async def forward(path: str, request: Request) -> Response:
+        arrival = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, ValueError) as error:
             raise OpenAIError(400, f"malformed JSON body: {error}", "body") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "body: must be a JSON object", "body")
-        return await router.dispatch(path, body, request)
+        return await router.dispatch(path, body, request, arrival)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 import httpx
@@ -47,8 +48,9 @@ def error_body(status: int, message: str) -> dict:
 class Legs:
     """The two legs of one request; owns the decode response and counts both in flight."""
 
-    def __init__(self, router: Router, prefill: Backend, decode: Backend):
+    def __init__(self, router: Router, prefill: Backend, decode: Backend, arrival: float = 0.0):
         self.router = router
+        self.arrival = arrival  # the request's time.perf_counter() at the router
         self.prefill = prefill
         self.decode = decode
         self.decode_response: Optional[httpx.Response] = None
@@ -191,6 +193,9 @@ class Legs:
                     yield sse_event(error_body(502, f"the decode server {self.decode.url} failed: {error}"))
                     yield SSE_DONE
                     return
+                if self.arrival:  # the first event
+                    self.router.first_event.observe(time.perf_counter() - self.arrival)
+                    self.arrival = 0.0
                 yield event
                 if event.startswith(ERROR_EVENT_PREFIX):
                     outcome = "decode_failed"

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Optional
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.entrypoints.openai.errors import OpenAIError
@@ -32,6 +33,9 @@ POLICIES = ("least-loaded", "round-robin")
 MAX_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 2
 OUTCOMES = ("ok", "error", "prefill_failed", "decode_failed", "disconnected")
+
+
+FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Router:
@@ -64,6 +68,10 @@ class Router:
         self.affinity_hits = Counter("tandem:router_prefill_affinity_hits",
                                      "Requests sent to the prefill server that served their conversation's start "
                                      "(--prefill-affinity).", registry=self.registry)
+        self.first_event = Histogram("tandem:router_time_to_first_token_seconds",
+                                     "Streamed requests: their arrival at the router to the decode server's first "
+                                     "event relayed (what the router and both legs add to TTFT).",
+                                     registry=self.registry, buckets=FIRST_EVENT_BUCKETS)
         self.registry.register(BackendCollector(self))
         self.background: set[asyncio.Task] = set()
 
@@ -116,7 +124,9 @@ class Router:
         return backend
 
     # -- dispatching -----------------------------------------------------------------------------------
-    async def dispatch(self, path: str, body: dict, request: Request) -> Response:
+    async def dispatch(self, path: str, body: dict, request: Request, arrival: Optional[float] = None) -> Response:
+        """Both legs of one request (``arrival``: its ``time.perf_counter()`` at the router)."""
+        arrival = arrival if arrival is not None else time.perf_counter()
         pool = self.pool_for(body.get("model"))
         for attempt in range(MAX_ATTEMPTS):
             prefill, decode = self.pick_prefill(pool, body), self.pick(pool, "decode")
@@ -125,7 +135,7 @@ class Router:
             prefill_body.pop("stream_options", None)
             decode_body = {**body, "kv_transfer_params": {"room": room, "role": "decode",
                                                           "prefill_address": prefill.bootstrap_address}}
-            legs = Legs(self, prefill, decode)
+            legs = Legs(self, prefill, decode, arrival)
             prefill_task = asyncio.create_task(legs.run_prefill(path, prefill_body))
             try:
                 decode_response = await legs.open_decode(path, decode_body, prefill_task)
