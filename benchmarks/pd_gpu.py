@@ -74,12 +74,12 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     from pd import allocate_pages, answer_notifications, build_state
 
     from tandem.transfer.connector import create_backend
-    from tandem.transfer.descriptors import buffer_regions, tensor_region
+    from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
     from tandem.transfer.metadata import MetadataBuffer
 
     try:
         core = build_state(arguments["model"], arguments["page_size"], arguments["tokens"], arguments["decode_device"],
-                           arguments["dtype"])
+                           arguments["dtype"], arguments["kv_cache_layout"])
         tables = allocate_pages(core, "bench#d", arguments["tokens"], False, seed=2)
         regions = buffer_regions(core.registry)
         metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments["decode_device"])
@@ -93,7 +93,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
             backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
             metadata = metadata_of[name]
             backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
-            to_prefill.put(("ready", backend.local_metadata(), [r.address for r in regions], regions[0].device,
+            to_prefill.put(("ready", backend.local_metadata(), buffer_addresses(core.registry), regions[0].device,
                             metadata.address(0), tables, scratch.data_ptr()))
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
@@ -289,14 +289,14 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
     to_prefill, from_prefill = context.Queue(), context.Queue()
     worker_arguments = dict(model=arguments.model, page_size=arguments.page_size, tokens=arguments.input_len,
                             decode_device=arguments.decode_device, dtype=arguments.dtype,
-                            backends=list(arguments.backends))
+                            backends=list(arguments.backends), kv_cache_layout=arguments.kv_cache_layout)
     worker = context.Process(target=decode_worker, args=(worker_arguments, to_prefill, from_prefill), daemon=True)
     worker.start()
     results: dict[str, dict] = {}
     core = None
     try:
         core = build_state(arguments.model, arguments.page_size, arguments.input_len, arguments.prefill_device,
-                           arguments.dtype)
+                           arguments.dtype, arguments.kv_cache_layout)
         sources = allocate_pages(core, "bench#p", arguments.input_len, False, seed=1)
         metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments.prefill_device)
                        for name in arguments.backends}
@@ -446,10 +446,11 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
     try:
         launched["colocated"] = cluster.launch("colocated", server_flags(arguments, arguments.prefill_device))
         for name in arguments.backends:  # every server starts at once: their start-ups overlap
+            layout = ["--kv-cache-layout", arguments.kv_cache_layout]
             prefill = cluster.launch(f"prefill-{name}", [*server_flags(arguments, arguments.prefill_device),
-                                                         "--role", "prefill", "--transfer-backend", name])
+                                                         "--role", "prefill", "--transfer-backend", name, *layout])
             decode = cluster.launch(f"decode-{name}", [*server_flags(arguments, arguments.decode_device),
-                                                       "--role", "decode", "--transfer-backend", name])
+                                                       "--role", "decode", "--transfer-backend", name, *layout])
             launched[name] = (prefill, decode)
         vocab = serve.vocab_size_of(arguments.model)
         prompts = serve.make_prompts(arguments.requests + 1, arguments.input_len, vocab, arguments.seed)
@@ -489,7 +490,7 @@ def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
 def print_table(arguments, bandwidth: dict, serving: dict) -> None:
     colocated = serving.get("colocated", {})
     print(f"\n== PD over GPU memory: {arguments.shape or arguments.model}, {arguments.input_len}-token prompt, "
-          f"prefill {arguments.prefill_device} -> decode {arguments.decode_device} ==")
+          f"prefill {arguments.prefill_device} -> decode {arguments.decode_device}, {arguments.kv_cache_layout} ==")
     if "error" in colocated:
         print(f"colocated server failed: {colocated['error']}")
     columns = {"backend": 14, "MiB": 7, "descs": 5, "PD ms": 7, "plan ms": 7, "post ms": 7, "wait ms": 7,
@@ -557,6 +558,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "DIRECT_MIB sent in place, shorter ones gathered into pipelined staged sends of "
                              "STAGING_MIB); the default row uses the backend's own (64:32); 4:32 was the default "
                              "before (4 MiB runs sent in place, one NCCL group)")
+    parser.add_argument("--kv-cache-layout", choices=("page-major", "layer-major"), default="page-major",
+                        help="the pools of both parts' PD sides (PD servers' default is page-major: a prompt's "
+                             "pages are one run per state group; layer-major: one run per layer buffer)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")
