@@ -66,6 +66,16 @@ class PDPair:
                                                                           prefill_address=self.address)))
         return room
 
+    def submit_destination_first(self, request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> str:
+        """Both legs, the decode leg first: the prefill engine gets the request only once the
+        decode side's destination reached it, so pages stream chunk by chunk as they are
+        computed (else the prefill engine may compute the whole prompt, and its tiers store it,
+        before the destination comes)."""
+        room = self.submit(request_id, prompt, params, prefill=False)
+        self.run_until(lambda: room in self.prefill.pd.early_destinations)
+        self.submit(request_id, prompt, params, room=room, decode=False)
+        return room
+
     def step(self, prefill: bool = True, decode: bool = True) -> None:
         if prefill:
             for delta in self.prefill.step():

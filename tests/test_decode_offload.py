@@ -67,7 +67,7 @@ def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(mode
     first, second = random_tokens(rng, 21), random_tokens(rng, 30)
     try:
         tiers.stream.delay_s = 0.3
-        pair.submit("a", first, PARAMS)
+        pair.submit_destination_first("a", first, PARAMS)  # (the prefill server stores nothing first)
         pair.run_until(lambda: pair.decode.scheduler.running)
         sequence = decode.scheduler.running[0]
         prompt_pages = [page for page in sequence.state.page_tables[0][:len(first) // 4]]
@@ -92,7 +92,7 @@ def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(mode
             bound.append((set(transfer.sequence.state.page_tables[0]), inflight_tier_pages(decode)))
 
         decode.pd.bind = recording_bind
-        pair.submit("b", second, PARAMS)  # would have reused them: gets other pages
+        pair.submit_destination_first("b", second, PARAMS)  # would have reused them: gets other pages
         pair.run_until(lambda: pair.finished("b"))
         assert bound and all(not pages & still_held for pages, still_held in bound)
         assert any(still_held & held for _, still_held in bound), "the copies completed before b was bound"

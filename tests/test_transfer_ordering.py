@@ -97,9 +97,7 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
     try:
         # the destination first (the prefill engine would otherwise compute both chunks before
         # it comes, and write them at once): the first chunk's pages then stream on their own
-        room = pair.submit("long", LONG_PROMPT, prefill=False)
-        pair.run_until(lambda: room in side.early_destinations)
-        pair.submit("long", LONG_PROMPT, room=room, decode=False)
+        pair.submit_destination_first("long", LONG_PROMPT)
         waits = []  # the prefill engine's pause between steps while the last write is in flight
 
         def finished() -> bool:
