@@ -165,6 +165,32 @@ def test_prefill_computes_before_the_destination_comes(arch, model_dirs, oracles
         pair.close()
 
 
+def test_prompts_computed_before_their_destinations_wait_for_pages(model_dirs, oracles):
+    """A prefill pool too small for three computed prompts at once: the third waits for pages
+    while the first two are held for destinations that have not come (nothing is preempted or
+    lost); once the decode legs come, every prompt is written and continued exactly, and every
+    page on both sides is free."""
+    pair = PDPair(model_dirs["llama"], **{**SMALL, "max_total_tokens": 48})
+    prompts = {f"r{index}": [(token + 11 * index) % 500 + 5 for token in LONG_PROMPT] for index in range(3)}
+    try:
+        rooms = {request_id: pair.submit(request_id, prompt, decode=False) for request_id, prompt in prompts.items()}
+        transfers = [pair.prefill.pd.transfers[room] for room in rooms.values()]
+        pair.run_until(lambda: sum(transfer.first_delta is not None for transfer in transfers) == 2, decode=False)
+        for _ in range(20):  # the third cannot get pages while the first two hold theirs
+            pair.step(decode=False)
+        assert sum(transfer.first_delta is not None for transfer in transfers) == 2
+        assert pair.prefill.coordinator.pools[0].num_free < 6  # (a 21-token prompt needs 6 pages of 4)
+        for request_id, prompt in prompts.items():
+            pair.submit(request_id, prompt, room=rooms[request_id], prefill=False)
+        pair.run_until(lambda: all(pair.finished(request_id) for request_id in prompts))
+        for request_id, prompt in prompts.items():
+            pair.assert_matches(request_id, oracles["llama"].greedy(prompt, GREEDY.max_tokens))
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v32"])
 def test_fp8_indexer_pages_arrive_whole(arch, model_dirs):
     """The deployed FP8 indexer cache (keys then scales, packed per page): the decode engine's

@@ -120,7 +120,7 @@ class StateCoordinator:
         sparse = [index for index, manager in enumerate(self.managers) if manager.sparse_prefix_entries]
         for group_index in range(self.num_groups):
             if group_index not in sparse:
-                counts[group_index] = cache.unlocked_pages[group_index]
+                counts[group_index] = cache.unlocked_pages[group_index] - self._held_cached_pages(group_index)
         if sparse:  # a sparse entry can be dropped from any node where the cache alone holds it
             for node in cache.device_nodes():
                 for group_index in sparse:
@@ -422,6 +422,21 @@ class StateCoordinator:
             pool.acquire(pages, owner)
         self._inflight[owner] = live
         return owner
+
+    def _held_cached_pages(self, group_index: int) -> int:
+        """Unlocked cached pages that in-flight operations also hold (a PD write, a tier copy):
+        evicting them frees nothing until those end, so they are not evictable now."""
+        if not self._inflight:
+            return 0
+        pool = self.pools[group_index]
+        pages = {page for tables in self._inflight.values() for page in tables[group_index]}
+        return sum(1 for page in pages if pool.holders(page)[CACHE_OWNER] > 0
+                   and all(count <= 0 or owner == CACHE_OWNER or owner.startswith(INFLIGHT_PREFIX)
+                           for owner, count in pool.holders(page).items()))
+
+    def has_inflight_holds(self) -> bool:
+        """Pages are held for in-flight operations: they come back once those end."""
+        return bool(self._inflight)
 
     def release_inflight(self, owner: str) -> None:
         for pool, pages in zip(self.pools, self._inflight.pop(owner)):

@@ -163,7 +163,8 @@ class Scheduler:
                     if not self.running:
                         if self._wait_for_tier_copies():
                             continue
-                        raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
+                        if not self.coordinator.has_inflight_holds():
+                            raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
                     return
                 sequence.num_computed_tokens = swapped.num_computed_tokens
             else:
@@ -175,7 +176,7 @@ class Scheduler:
                 self._release(sequence)
                 if not self.running and self._wait_for_tier_copies():
                     continue  # pages held by tier copies come back once they complete
-                if empty:
+                if empty and not self.coordinator.has_inflight_holds():  # (held pages come back: wait)
                     raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
                 return
             self.waiting.popleft()
