@@ -411,6 +411,10 @@ def test_a_destination_that_arrived_before_a_stall_is_never_written(llama_pair):
     pair.decode.check_all_free()
     for descriptor in pair.decode.registry.buffers():  # freed and poisoned (I6)
         assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
+    # (the decode side may give up a moment before the prefill engine's own stall passes
+    # peer_timeout: it counts from the last message it heard, sent before the last poll)
+    while time.monotonic() - pair.prefill.pd.last_poll <= pair.prefill.pd.config.peer_timeout:
+        time.sleep(0.01)
     pair.step(decode=False)  # the prefill engine resumes: queued heartbeats make its peer look alive
     assert room not in pair.prefill.pd.early_destinations
     pair.submit("r", LONG_PROMPT, room=room, decode=False)
