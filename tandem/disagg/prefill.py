@@ -322,7 +322,7 @@ class PrefillSide(PrefillWrites, PDSide):
             if now - moment > config.bootstrap_timeout:
                 del self.ended_rooms[room]
 
-    def idle_wait_milliseconds(self) -> int:
+    def idle_wait_milliseconds(self) -> float:
         now = time.monotonic()
         if self.backend.notifies_on_poll and any(transfer.metadata_write is not None and not transfer.status.terminal
                and now - transfer.metadata_write.posted_at < LAST_WRITE_SPIN_SECONDS

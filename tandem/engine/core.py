@@ -156,7 +156,7 @@ class EngineCore:
                 or (self.pd is not None and self.pd.has_work()))
 
     # PD engines: the process loop waits on these between steps instead of spinning.
-    def idle_wait_milliseconds(self) -> int:
+    def idle_wait_milliseconds(self) -> float:
         return self.pd.idle_wait_milliseconds() if self.pd is not None else 0
 
     def wakeup_sockets(self) -> list:

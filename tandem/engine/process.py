@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import signal
+import time
 import traceback
 from typing import Optional
 
@@ -144,7 +145,10 @@ class EngineLoop:
         poller = zmq.Poller()
         for socket in [self.input_socket, *self.core.wakeup_sockets()]:
             poller.register(socket, zmq.POLLIN)
-        poller.poll(timeout)
+        if timeout >= 1:
+            poller.poll(timeout)
+        elif not poller.poll(0):  # (zmq waits in whole milliseconds)
+            time.sleep(timeout / 1000)
         if self.parent_gone():
             self.stopping = True
 
