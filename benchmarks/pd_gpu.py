@@ -561,6 +561,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-layout", choices=("page-major", "layer-major"), default="page-major",
                         help="the pools of both parts' PD sides (PD servers' default is page-major: a prompt's "
                              "pages are one run per state group; layer-major: one run per layer buffer)")
+    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment for every process of the run (e.g. NCCL_MIN_P2P_NCHANNELS=32 to try "
+                             "NCCL's point-to-point tuning, UCX_... for NIXL's transport)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="streamed requests per setup (TTFT median)")
@@ -605,6 +608,11 @@ def main(argv=None) -> int:
     arguments = parse_arguments(argv)
     deadline = Deadline(arguments.deadline)
     os.environ.pop("TANDEM_SANITIZE", None)  # measure the engine as deployed
+    for setting in arguments.env:  # before any process, backend or communicator starts
+        key, separator, value = setting.partition("=")
+        if not separator or not key:
+            raise SystemExit(f"pd_gpu.py: --env takes KEY=VALUE, got {setting!r}")
+        os.environ[key] = value
     os.environ["PYTHONPATH"] = os.pathsep.join(  # the servers import this checkout (and what the caller added)
         [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
     resolve_devices(arguments)
