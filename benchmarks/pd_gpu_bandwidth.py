@@ -1,0 +1,331 @@
+"""Part 1 of ``pd_gpu.py``: the bandwidth of PD's page write between two processes (prefill
+and decode devices), per backend, against a plain torch device-to-device copy of the same bytes
+timed in the same process. Each process holds the model's real state registry and pools (dummy
+weights); the prefill process writes one prompt's pages exactly as the PD path does
+(``plan_page_writes``: every registry buffer, page runs coalesced, one write per run and group
+with page-major pools; the metadata row beside them and the completion notification in the same
+write), from planning to completion. See ``MODES_HELP`` for the rows that say where a write's
+time goes.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import time
+import traceback
+
+QUEUE_SECONDS = 240
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self, cap: float = 1e9) -> float:
+        return max(0.0, min(cap, self.end - time.monotonic()))
+
+
+# -- part 1: bandwidth --------------------------------------------------------------------------------------
+
+
+def metadata_beside_pages(buffer_class, backend: str, device: str):
+    """Metadata rows where PD keeps them: beside the pages (so the last write carries both), for
+    every backend."""
+    return buffer_class(4, device=device)
+
+
+def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
+    """The decode process: the model's pools on the decode device; for each backend, register
+    them (and a scratch buffer the size of the prompt's pages, the target of the one-descriptor
+    write), hand the prefill process what it needs, and answer each completion notification."""
+    import torch
+    from pd import allocate_pages, answer_notifications, build_state
+
+    from tandem.transfer.connector import create_backend
+    from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
+    from tandem.transfer.metadata import MetadataBuffer
+
+    try:
+        core = build_state(arguments["model"], arguments["page_size"], arguments["tokens"], arguments["decode_device"],
+                           arguments["dtype"], arguments["kv_cache_layout"])
+        tables = allocate_pages(core, "bench#d", arguments["tokens"], False, seed=2)
+        regions = buffer_regions(core.registry)
+        metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments["decode_device"])
+                       for name in arguments["backends"]}
+        scratch = torch.zeros(prompt_bytes(core, tables), dtype=torch.uint8, device=arguments["decode_device"])
+    except Exception:  # noqa: BLE001
+        to_prefill.put(("error", traceback.format_exc()))
+        return
+    for name in arguments["backends"]:
+        try:
+            backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
+            metadata = metadata_of[name]
+            backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
+            to_prefill.put(("ready", backend.local_metadata(), buffer_addresses(core.registry), regions[0].device,
+                            metadata.address(0), tables, scratch.data_ptr()))
+        except Exception:  # noqa: BLE001
+            to_prefill.put(("error", traceback.format_exc()))
+            continue
+        # without pause: NIXL completes a notified write only once the reader progressed (the
+        # notification's receipt), so the reader's polling would count as transfer time
+        answer_notifications(backend, from_prefill, to_prefill, "next", interval=0)
+        backend.close()
+
+
+def prompt_bytes(core, tables: list[list[int]]) -> int:
+    """Bytes of the prompt's pages in every registry buffer (what the PD write moves)."""
+    from tandem.transfer.descriptors import plan_page_writes
+
+    return plan_page_writes(core.registry, [0] * len(list(core.registry.buffers())),
+                            [list(zip(table, table)) for table in tables]).num_bytes
+
+
+def device_copy_seconds(num_bytes: int, source_device: str, destination_device: str, rounds: int) -> float:
+    """Median seconds of one plain torch copy of ``num_bytes`` between the two devices."""
+    import torch
+
+    source = torch.ones(num_bytes, dtype=torch.uint8, device=source_device)
+    destination = torch.empty(num_bytes, dtype=torch.uint8, device=destination_device)
+
+    def synchronize() -> None:
+        for device in {source.device, destination.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    times = []
+    for _ in range(rounds + 1):
+        synchronize()
+        started = time.perf_counter()
+        destination.copy_(source, non_blocking=True)
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+# what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
+MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages x4": "pages in four writes",
+         "1 desc": "one descriptor"}
+MODES_HELP = """rows of part 1, per backend:
+  BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
+                  the metadata row, with the completion notification; wait; the decode process saw it
+  BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
+                  with the notification, wait
+  BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
+  BACKEND pages x4  the same runs as four writes posted at once, then waited for (does having
+                  several requests in flight help?)
+  BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
+                  a single large write of this backend; no planning, no notification)
+  nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
+                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
+columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
+the metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
+wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
+where there is one.
+The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
+row's writes): queued (write() call to the thread taking it), header (control frame sent),
+posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
+acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
+row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
+
+
+def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
+                    to_prefill, from_prefill, variants: tuple = ()) -> dict[str, dict]:
+    """Each of ``MODES`` on one pair, median of ``rounds`` after a warm one, timed from planning
+    (or posting) until every write of it is DONE (the bytes landed); a notified write must then
+    be seen by the decode process. ``variants`` (NCCL: (direct MiB, staging MiB) pairs) are the PD
+    write again with the writer's segmenting changed (it travels in each write's header)."""
+    import torch
+
+    from tandem.transfer.connector import WriteStatus, create_backend
+    from tandem.transfer.descriptors import buffer_regions, merge_adjacent, plan_page_writes, tensor_region
+    from tandem.transfer.messages import done_notification, new_room
+    from tandem.transfer.metadata import MetadataRow
+
+    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch = message
+    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
+    try:
+        regions = buffer_regions(core.registry)
+        pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
+        scratch = torch.ones(plan_page_writes(core.registry, remote_addresses, pairs).num_bytes, dtype=torch.uint8,
+                             device=sources_device(core))
+        backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
+        peer = backend.add_peer(peer_metadata)
+        local_device = regions[0].device
+
+        def wait(handle, times: dict) -> None:
+            while backend.poll(handle) is WriteStatus.PENDING:
+                if not deadline.left():
+                    raise TimeoutError("deadline passed while a write was pending")
+                time.sleep(0)  # let the backend's threads have the interpreter (the NCCL backend's do the work)
+            if handle.status is not WriteStatus.DONE:
+                raise RuntimeError(f"write failed: {handle.error}")
+            if hasattr(backend, "write_telemetry"):
+                try:
+                    for key, value in backend.write_telemetry(handle).items():
+                        times[f"nixl {key}"] = times.get(f"nixl {key}", 0) + value
+                except Exception:  # noqa: BLE001 - a NIXL without telemetry: the row goes without
+                    pass
+            backend.release(handle)
+
+        def timed_write(descriptors, times: dict, notification: bytes = b"") -> float:
+            started = time.perf_counter()
+            handle = backend.write(peer, descriptors, local_device=local_device, remote_device=remote_device,
+                                   notification=notification)
+            posted = time.perf_counter()
+            wait(handle, times)
+            times["post"] += posted - started
+            times["wait"] += time.perf_counter() - posted
+            marks = getattr(handle.native, "timings", None)  # the NCCL link thread's own clock marks
+            if marks and "acknowledged" in marks:
+                points = [started, marks["taken"], marks["header"], marks["posted"], marks["drained"],
+                          marks["acknowledged"]]
+                for key, begin, end in zip(THREAD_STEPS, points, points[1:]):
+                    times[key] = times.get(key, 0.0) + end - begin
+            return time.perf_counter() - started
+
+        def one_round(mode: str) -> dict:
+            times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
+            started = time.perf_counter()
+            if mode == "one descriptor":
+                descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
+            else:
+                descriptors = plan_page_writes(core.registry, remote_addresses, pairs).descriptors
+            notified = mode in ("pd", "two writes")
+            if notified:
+                room = new_room()
+                metadata.write(0, MetadataRow(room=room, first_token=1))
+                row = (metadata.address(0), remote_rows, metadata.row_bytes)
+            if mode != "one descriptor":
+                times["plan"] = time.perf_counter() - started
+            if mode == "pd":
+                descriptors = descriptors + [row]
+            count, num_bytes = len(merge_adjacent(descriptors)), sum(length for _, _, length in descriptors)
+            if mode == "two writes":
+                timed_write(descriptors, times)
+                times["row"] = timed_write([row], times, done_notification(room))
+                count, num_bytes = count + 1, num_bytes + metadata.row_bytes
+            elif mode == "pages in four writes":
+                quarter = -(-len(descriptors) // 4)
+                posting = time.perf_counter()
+                handles = [backend.write(peer, descriptors[first:first + quarter], local_device=local_device,
+                                         remote_device=remote_device) for first in range(0, len(descriptors), quarter)]
+                posted = time.perf_counter()
+                for handle in handles:
+                    wait(handle, times)
+                times["post"], times["wait"] = posted - posting, time.perf_counter() - posted
+            else:
+                timed_write(descriptors, times, done_notification(room) if notified else b"")
+            seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+            if notified:
+                from_prefill.put("go")
+                if to_prefill.get(timeout=deadline.left(60)) != "seen":
+                    raise RuntimeError("the decode process did not see the notification")
+            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, **times}
+
+        measured = {}
+        runs = [(f"{name} {suffix}".strip(), mode, None) for suffix, mode in MODES.items()]
+        runs += [(f"{name} {d:g}/{s:g}", "pd", (d, s)) for d, s in variants]
+        for label, mode, segmenting in runs:
+            if segmenting is not None:
+                backend.direct_bytes, backend.staging_bytes = int(segmenting[0] * 2**20), int(segmenting[1] * 2**20)
+            try:
+                one_round(mode)  # the first write (connection set up at pairing, staging allocated)
+                results = [one_round(mode) for _ in range(rounds)]
+                measured[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+                # (every round moves the same bytes; a median of an even count would be a float)
+                measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"])
+            except Exception as error:  # noqa: BLE001 - a mode that fails ends the pair
+                measured[label] = {"error": f"{type(error).__name__}: {error}"}
+                break
+        return measured
+    finally:
+        backend.close()
+
+
+def sources_device(core) -> str:
+    """Where the prefill process's pools are (the scratch source of the one-descriptor write)."""
+    return str(next(core.registry.buffers()).tensor.device)
+
+
+def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
+    """backend -> {seconds, bytes, descriptors, copy_seconds} or {error}."""
+    from pd import allocate_pages, build_state
+
+    from tandem.transfer.metadata import MetadataBuffer
+
+    context = multiprocessing.get_context("spawn")
+    to_prefill, from_prefill = context.Queue(), context.Queue()
+    worker_arguments = dict(model=arguments.model, page_size=arguments.page_size, tokens=arguments.input_len,
+                            decode_device=arguments.decode_device, dtype=arguments.dtype,
+                            backends=list(arguments.backends), kv_cache_layout=arguments.kv_cache_layout)
+    worker = context.Process(target=decode_worker, args=(worker_arguments, to_prefill, from_prefill), daemon=True)
+    worker.start()
+    results: dict[str, dict] = {}
+    core = None
+    try:
+        core = build_state(arguments.model, arguments.page_size, arguments.input_len, arguments.prefill_device,
+                           arguments.dtype, arguments.kv_cache_layout)
+        sources = allocate_pages(core, "bench#p", arguments.input_len, False, seed=1)
+        metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments.prefill_device)
+                       for name in arguments.backends}
+        for name in arguments.backends:
+            metadata = metadata_of[name]
+            try:
+                message = to_prefill.get(timeout=deadline.left(QUEUE_SECONDS))
+                if message[0] == "error":
+                    raise RuntimeError(f"decode process: {message[1].strip().splitlines()[-1]}")
+                variants = arguments.nccl_variants if name == "nccl" else ()
+                measured = measure_backend(name, core, sources, metadata, message, arguments.rounds, deadline,
+                                           to_prefill, from_prefill, variants)
+                for label, result in measured.items():
+                    if "error" not in result:
+                        result["copy_seconds"] = device_copy_seconds(result["bytes"], arguments.prefill_device,
+                                                                     arguments.decode_device, arguments.rounds)
+                    results[label] = result
+            except Exception as error:  # noqa: BLE001 - report it, go on with the next backend
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+                traceback.print_exc()
+            finally:
+                from_prefill.put("next")
+            for label in [label for label in results if label.split()[0] == name]:
+                print(f"   bandwidth {label}: {describe_bandwidth(results[label])}", flush=True)
+    except Exception as error:  # noqa: BLE001
+        for name in arguments.backends:
+            results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
+        traceback.print_exc()
+    finally:
+        worker.join(min(30, deadline.left(30)))
+        if worker.is_alive():
+            worker.kill()
+        if core is not None:
+            core.shutdown()
+    return results
+
+
+def free_device_memory() -> None:
+    """Give part 1's engine memory back before the servers start on the same GPUs."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+THREAD_STEPS = ("queued", "header", "posting", "draining", "ack")  # the NCCL writer thread's steps
+
+
+def describe_bandwidth(result: dict) -> str:
+    if "error" in result:
+        return f"failed: {result['error']}"
+    rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
+    split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if "nixl post" in result:
+        split += (f"; NIXL's own: post {result['nixl post'] * 1e3:.3f}, transfer {result['nixl transfer'] * 1e3:.3f}"
+                  f" ({result['nixl descriptors']:g} descriptors after its merging)")
+    if any(key in result for key in THREAD_STEPS):
+        split += "; NCCL writer thread: " + ", ".join(f"{key} {result.get(key, 0) * 1e3:.3f}" for key in THREAD_STEPS)
+    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.3f} ms"
+            f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f} (ms: {split})")
