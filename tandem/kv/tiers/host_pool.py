@@ -16,6 +16,7 @@ columns, a byte pattern elsewhere), so a load from a freed host page fails loudl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -99,10 +100,20 @@ class GroupLayout:
     def spans(self) -> list[Span]:
         """The group's segments as few copies as the device layout allows (page-major: one per
         group when no buffer's page needs alignment padding; layer-major: one per buffer)."""
-        return spans_of(self.segments)
+        return self._spans
 
     def layer_spans(self, layer_name: str) -> list[Span]:
-        return spans_of(self.layer_segments(layer_name))
+        return self._layer_spans.get(layer_name, [])
+
+    # (every save and load asks; the layout never changes: joined once)
+    @cached_property
+    def _spans(self) -> list[Span]:
+        return spans_of(self.segments)
+
+    @cached_property
+    def _layer_spans(self) -> dict[str, list[Span]]:
+        names = dict.fromkeys(segment.descriptor.layer_name for segment in self.segments)
+        return {name: spans_of(self.layer_segments(name)) for name in names}
 
 
 def layouts_of(registry: StateRegistry) -> list[GroupLayout]:
