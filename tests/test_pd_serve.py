@@ -182,6 +182,24 @@ def test_a_full_decode_pool_holds_requests_back(cluster, colocated):
     assert_idle_and_free(servers["decode_a"], servers["prefill_a"], servers["prefill_b"])
 
 
+@pytest.mark.parametrize("content, words", [(b'{"prompt": "hi", "max_tokens": ', ["malformed JSON"]),
+                                             (b'[1, 2]', ["must be a JSON object"]),
+                                             (b'{"model": "no-such-model", "prompt": "hi"}', ["model", "no-such-model"])])
+def test_router_answers_bad_input_with_a_clear_error(cluster, content, words):
+    """Bad bodies get a 4xx naming the problem before any server sees them; the router keeps routing."""
+    servers, routers = cluster
+    dispatched = routers["one"].metric("router_backend_dispatched", f'role="decode",url="{servers["decode_a"].base_url}"')
+    response = httpx.post(routers["one"].base_url + "/v1/completions", content=content, timeout=30,
+                          headers={**AUTHORIZATION, "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+    message = response.json()["error"]["message"]
+    assert all(word in message for word in words), message
+    assert routers["one"].metric("router_backend_dispatched",
+                                 f'role="decode",url="{servers["decode_a"].base_url}"') == dispatched
+    answer = client_for(routers["one"]).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, **GREEDY)
+    assert len(answer.choices[0].model_dump()["token_ids"]) == 2
+
+
 def test_client_disconnect_mid_stream(cluster):
     servers, routers = cluster
     body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,

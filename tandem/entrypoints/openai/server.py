@@ -19,6 +19,7 @@ import uvicorn
 
 from tandem.config import EngineConfig
 from tandem.engine.protocol import EngineStats
+from tandem.entrypoints import event_loop
 from tandem.entrypoints.openai.app import create_app
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ServerState
@@ -123,7 +124,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Blocking entry point for ``tandem serve``; returns the process exit status."""
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        return asyncio.run(serve(config, options))
+        return event_loop.run(serve(config, options))
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 0

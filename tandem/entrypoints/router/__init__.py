@@ -3,8 +3,9 @@
 A router fronts the servers of one model. ``backends.py``: which servers there are, the pools
 they form, and each one's health (probes, failures, readmission); ``routing.py``: choosing a
 healthy pair and dispatching both legs (retrying once a server cannot be reached);
-``legs.py``: the two legs of one request, relayed and cancelled together; ``app.py``: the HTTP
-routes; ``cli.py``: the command.
+``legs.py``: the two legs of one request, relayed and cancelled together; ``http.py``: the
+client towards the servers (kept-alive connections); ``app.py``: the HTTP routes; ``cli.py``:
+the command.
 """
 from tandem.entrypoints.router.backends import Backend, BackendMonitor, ModelPool, RouterSetupError
 from tandem.entrypoints.router.cli import add_router_parser, run_router

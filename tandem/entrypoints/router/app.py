@@ -4,9 +4,9 @@ server) and ``/metrics``. With an API key, the ``/v1`` routes need ``Authorizati
 exactly as on ``tandem serve``."""
 from __future__ import annotations
 
-import json
 import time
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,8 +24,8 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(path: str, request: Request) -> Response:
         arrival = time.perf_counter()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, ValueError) as error:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError as error:
             raise OpenAIError(400, f"malformed JSON body: {error}", "body") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "body: must be a JSON object", "body")

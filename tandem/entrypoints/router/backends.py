@@ -12,14 +12,15 @@ no new requests.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import httpx
 import msgspec
 
+from tandem.entrypoints.router.http import HTTP_ERRORS, HttpClient
 from tandem.transfer.messages import StateLayout, first_difference
 
 logger = logging.getLogger("tandem.router")
@@ -82,7 +83,7 @@ def layout_difference(backend: Backend, others: list[Backend]) -> Optional[str]:
 class BackendMonitor:
     """Discovery and health of the router's servers (one per router; runs on its event loop)."""
 
-    def __init__(self, backends: list[Backend], client: httpx.AsyncClient,
+    def __init__(self, backends: list[Backend], client: HttpClient,
                  interval: float = DEFAULT_HEALTH_INTERVAL) -> None:
         self.backends = backends
         self.client = client
@@ -98,16 +99,16 @@ class BackendMonitor:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                response = await self.client.get(backend.url + "/pd/info", timeout=5.0)
-                if response.status_code == 200:
+                status, content = await self.client.get(backend.url + "/pd/info", timeout=5.0)
+                if status == 200:
                     break
-            except httpx.HTTPError:
+            except HTTP_ERRORS:
                 pass
             if time.monotonic() > deadline:
                 raise RouterSetupError(f"{backend.role} server {backend.url} did not answer GET /pd/info "
                                        f"within {timeout:g} s")
             await asyncio.sleep(0.25)
-        self.apply_info(backend, response.json())
+        self.apply_info(backend, json.loads(content))
         await self.check_api_key(backend)
 
     def apply_info(self, backend: Backend, info: dict) -> None:
@@ -120,8 +121,8 @@ class BackendMonitor:
 
     async def check_api_key(self, backend: Backend) -> None:
         """The server takes the router's key (``/v1/models`` needs it when the server has one)."""
-        response = await self.client.get(backend.url + "/v1/models", timeout=5.0)
-        if response.status_code == 401:
+        status, _ = await self.client.get(backend.url + "/v1/models", timeout=5.0)
+        if status == 401:
             raise RouterSetupError(f"{backend.role} server {backend.url} requires an API key the router does not "
                                    "send: give the router --server-api-key KEY (the servers' --api-key)")
 
@@ -141,9 +142,9 @@ class BackendMonitor:
 
     async def probe(self, backend: Backend) -> None:
         try:
-            response = await self.client.get(backend.url + "/health", timeout=max(self.interval, 2.0))
-            problem = None if response.status_code == 200 else f"/health answered {response.status_code}"
-        except httpx.HTTPError as error:
+            status, _ = await self.client.get(backend.url + "/health", timeout=max(self.interval, 2.0))
+            problem = None if status == 200 else f"/health answered {status}"
+        except HTTP_ERRORS as error:
             problem = f"{type(error).__name__}"
         if problem is not None:
             self.mark_unhealthy(backend, problem)
@@ -153,10 +154,11 @@ class BackendMonitor:
     async def readmit(self, backend: Backend) -> None:
         """A server answers again: read its /pd/info anew and check it still pairs with the others."""
         try:
-            response = await self.client.get(backend.url + "/pd/info", timeout=5.0)
-            response.raise_for_status()
-            self.apply_info(backend, response.json())
-        except (httpx.HTTPError, RouterSetupError, KeyError, ValueError, msgspec.ValidationError) as error:
+            status, content = await self.client.get(backend.url + "/pd/info", timeout=5.0)
+            if status != 200:
+                raise ValueError(f"it answered {status}")
+            self.apply_info(backend, json.loads(content))
+        except (*HTTP_ERRORS, RouterSetupError, KeyError, ValueError, msgspec.ValidationError) as error:
             self.mark_unhealthy(backend, f"its /pd/info is unusable: {error}")
             return
         others = [other for other in self.backends if other.role != backend.role and other.layout is not None]

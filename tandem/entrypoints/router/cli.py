@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
+from tandem.entrypoints import event_loop
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, RouterSetupError
 from tandem.entrypoints.router.routing import POLICIES, Router
 
@@ -75,6 +75,6 @@ def run_router(arguments: argparse.Namespace) -> int:
             await router.close()
 
     try:
-        return asyncio.run(serve())
+        return event_loop.run(serve())
     except KeyboardInterrupt:
         return 0

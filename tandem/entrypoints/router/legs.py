@@ -12,12 +12,12 @@ import json
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.serving import SSE_DONE, sse_event
 from tandem.entrypoints.router.backends import Backend
+from tandem.entrypoints.router.http import HTTP_ERRORS, UNREACHABLE, HttpResponse
 
 if TYPE_CHECKING:
     from tandem.entrypoints.router.routing import Router
@@ -35,10 +35,10 @@ class LegFailed(Exception):
         self.unreachable = unreachable  # no connection was made: nothing reached the server
 
 
-def unreachable_error(role: str, backend: Backend, error: httpx.HTTPError) -> LegFailed:
+def unreachable_error(role: str, backend: Backend, error: BaseException) -> LegFailed:
     """The leg's server failed at the connection level; connect errors mean it never got the request."""
     return LegFailed(502, error_body(502, f"the {role} server {backend.url} failed: {type(error).__name__}: {error}"),
-                     unreachable=isinstance(error, httpx.ConnectError))
+                     unreachable=isinstance(error, UNREACHABLE))
 
 
 def error_body(status: int, message: str) -> dict:
@@ -53,7 +53,7 @@ class Legs:
         self.arrival = arrival  # the request's time.perf_counter() at the router
         self.prefill = prefill
         self.decode = decode
-        self.decode_response: Optional[httpx.Response] = None
+        self.decode_response: Optional[HttpResponse] = None
         self.failed_leg: Optional[str] = None
         for backend in (prefill, decode):
             backend.in_flight += 1
@@ -72,19 +72,18 @@ class Legs:
     async def run_prefill(self, path: str, body: dict) -> None:
         """The prefill leg; raises ``LegFailed`` when it ends in an error."""
         try:
-            response = await self.router.client.post(self.prefill.url + path, json=body)
-        except httpx.HTTPError as error:
+            status, content = await self.router.client.post(self.prefill.url + path, body)
+        except HTTP_ERRORS as error:
             self.router.monitor.mark_unhealthy(self.prefill, f"{type(error).__name__} on a request")
             raise unreachable_error("prefill", self.prefill, error) from None
         finally:
             self._done("prefill")
-        if response.status_code != 200:
-            raise LegFailed(response.status_code, response_error(response, "prefill"))
+        if status != 200:
+            raise LegFailed(status, response_error(status, content, "prefill"))
 
-    async def open_decode(self, path: str, body: dict, prefill_task: asyncio.Task) -> httpx.Response:
+    async def open_decode(self, path: str, body: dict, prefill_task: asyncio.Task) -> HttpResponse:
         """Send the decode leg and wait for its status line; a prefill failure first wins."""
-        request = self.router.client.build_request("POST", self.decode.url + path, json=body)
-        decode_task = asyncio.create_task(self.router.client.send(request, stream=True))
+        decode_task = asyncio.create_task(self.router.client.open(self.decode.url + path, body))
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task.done() and prefill_task.exception() is not None and not decode_task.done():
@@ -92,7 +91,7 @@ class Legs:
                 raise prefill_task.exception()
             try:
                 response = await decode_task
-            except httpx.HTTPError as error:
+            except HTTP_ERRORS as error:
                 self.failed_leg = "decode"
                 self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
                 raise unreachable_error("decode", self.decode, error) from None
@@ -101,20 +100,23 @@ class Legs:
                 decode_task.cancel()
                 await asyncio.gather(decode_task, return_exceptions=True)
             elif not decode_task.cancelled() and decode_task.exception() is None:
-                await decode_task.result().aclose()
+                decode_task.result().close()
             self._done("decode")
             raise
         self.decode_response = response
-        if response.status_code != 200:
-            await response.aread()
+        if response.status != 200:
+            try:
+                content = await response.read()
+            except HTTP_ERRORS:
+                content = b""
             self.failed_leg = "decode"
             self.close_decode()
-            raise LegFailed(response.status_code, response_error(response, "decode"))
+            raise LegFailed(response.status, response_error(response.status, content, "decode"))
         return response
 
     def close_decode(self) -> None:
         if self.decode_response is not None:
-            self.router.keep(asyncio.create_task(self.decode_response.aclose()))
+            self.decode_response.close()
         self._done("decode")
 
     async def cancel(self, prefill_task: asyncio.Task) -> None:
@@ -135,9 +137,9 @@ class Legs:
             self.router.keep(prefill_task)
         prefill_task.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def collect(self, response: httpx.Response, prefill_task: asyncio.Task) -> Response:
+    async def collect(self, response: HttpResponse, prefill_task: asyncio.Task) -> Response:
         """Non-streaming: the decode body, unless either leg fails first."""
-        read_task = asyncio.create_task(response.aread())
+        read_task = asyncio.create_task(response.read())
         try:
             pending = {read_task, prefill_task}
             while read_task in pending:
@@ -148,7 +150,7 @@ class Legs:
                     return JSONResponse(failure.body, status_code=failure.status)
             try:
                 content = read_task.result()
-            except httpx.HTTPError as error:
+            except HTTP_ERRORS as error:
                 self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
                 await self.cancel(prefill_task)
                 self.router.requests.labels(outcome="decode_failed").inc()
@@ -156,7 +158,8 @@ class Legs:
                                     status_code=502)
             self.finish_prefill_in_background(prefill_task)
             self.router.requests.labels(outcome="ok").inc()
-            return Response(content, status_code=200, media_type=response.headers.get("content-type"))
+            response.release()
+            return Response(content, status_code=200, media_type=response.content_type)
         except asyncio.CancelledError:
             self.router.requests.labels(outcome="disconnected").inc()
             self.cancel_soon(prefill_task)
@@ -165,9 +168,9 @@ class Legs:
             self.cancel_soon(read_task)
             self.close_decode()
 
-    async def relay(self, response: httpx.Response, prefill_task: asyncio.Task) -> AsyncIterator[bytes]:
+    async def relay(self, response: HttpResponse, prefill_task: asyncio.Task) -> AsyncIterator[bytes]:
         """Streaming: relay the decode server's SSE events, cutting both legs on the first error."""
-        events = sse_events(response.aiter_raw())
+        events = sse_events(response.chunks())
         next_event = asyncio.ensure_future(events.__anext__())
         outcome = "disconnected"
         try:
@@ -185,9 +188,10 @@ class Legs:
                     event = next_event.result()
                 except StopAsyncIteration:
                     outcome = "ok"
+                    response.release()
                     self.finish_prefill_in_background(prefill_task)
                     return
-                except httpx.HTTPError as error:
+                except HTTP_ERRORS as error:
                     outcome = "decode_failed"
                     self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
                     yield sse_event(error_body(502, f"the decode server {self.decode.url} failed: {error}"))
@@ -223,11 +227,13 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield buffer
 
 
-def response_error(response: httpx.Response, role: str) -> dict:
+def response_error(status: int, content: bytes, role: str) -> dict:
+    """The body a server's error answer gives the client: the server's own OpenAI error, if it is one."""
     try:
-        body = response.json()
+        body = json.loads(content)
         if isinstance(body, dict) and "error" in body:
             return body
-    except (json.JSONDecodeError, ValueError):
+    except ValueError:  # not JSON (nor UTF-8)
         pass
-    return error_body(response.status_code, f"the {role} server answered {response.status_code}: {response.text[:200]}")
+    text = content[:200].decode("utf-8", "replace")
+    return error_body(status, f"the {role} server answered {status}: {text}")

@@ -16,7 +16,6 @@ import itertools
 import time
 from typing import Optional
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -26,6 +25,7 @@ from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
 from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
+from tandem.entrypoints.router.http import HttpClient
 from tandem.entrypoints.router.legs import LegFailed, Legs
 from tandem.transfer.messages import new_room
 
@@ -45,7 +45,7 @@ class Router:
     the servers (their ``--api-key``)."""
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
-                 client: Optional[httpx.AsyncClient] = None, *, api_key: Optional[str] = None,
+                 client: Optional[HttpClient] = None, *, api_key: Optional[str] = None,
                  server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL,
                  prefill_affinity: bool = False):
         self.backends = [Backend(url.rstrip("/"), "prefill") for url in prefill_urls] + \
@@ -54,9 +54,7 @@ class Router:
         self.affinity = PrefillAffinity() if prefill_affinity else None
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), headers=headers,
-                                                  limits=httpx.Limits(max_connections=None,
-                                                                      max_keepalive_connections=64))
+        self.client = client or HttpClient(headers)
         self.monitor = BackendMonitor(self.backends, self.client, health_interval)
         self.pools: dict[str, ModelPool] = {}
         self.registry = CollectorRegistry(auto_describe=True)
@@ -164,7 +162,7 @@ class Router:
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
-        await self.client.aclose()
+        await self.client.close()
 
 
 class BackendCollector:

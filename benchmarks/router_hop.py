@@ -1,0 +1,196 @@
+"""What the PD router adds to time to first token, measured without engines.
+
+Two stand-in servers answer exactly as a prefill and a decode server do (``/pd/info``, ``/health``,
+``POST /v1/completions``: the prefill leg a JSON completion, the decode leg an SSE stream of one
+token per event), each after ``--answer-ms`` (the prefill's compute, the same on both legs). The
+client (``benchmarks/serve.py``'s: a fresh connection per request, streamed, token-id prompts)
+sends the same requests straight to the stand-in decode server and then through ``tandem router``
+in front of both; the difference of the TTFTs is the router's hop (reading the request, picking
+the pair, sending both legs, relaying the first event). The router's own view (its
+``tandem:router_time_to_first_token_seconds``) is printed beside it.
+
+    python benchmarks/router_hop.py                       # 2,048-token prompts, 50 requests
+    python benchmarks/router_hop.py --input-len 128 --requests 200 --answer-ms 0
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPOSITORY_ROOT))
+sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
+
+import httpx  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from serve import SseConnection, free_port, make_prompts, percentile, stream_one  # noqa: E402
+
+MODEL = "stand-in"
+LAYOUT = {"architecture": "LlamaForCausalLM", "model": {"vocab_size": 32000}, "page_size": 16, "num_groups": 1,
+          "buffers": [[0, "layers.0", "kv", 2, "bfloat16", 65536, 65536, 0]], "metadata_row_bytes": 64}
+
+
+def stand_in_app(role: str, answer_seconds: float):
+    """An ASGI app answering as a ``role`` server would (no engine behind it)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/pd/info")
+    async def info():
+        return {"role": role, "backend": "nixl", "bootstrap_address": "tcp://127.0.0.1:1", "layout": LAYOUT,
+                "served_model_names": [MODEL]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        tokens = body.get("max_tokens", 1)
+        await asyncio.sleep(answer_seconds)
+        if not body.get("stream"):
+            return JSONResponse({"id": "cmpl", "object": "text_completion", "model": MODEL,
+                                 "choices": [{"index": 0, "text": "", "token_ids": [1], "finish_reason": "length"}]})
+
+        async def events():
+            for index in range(tokens):
+                chunk = {"id": "cmpl", "object": "text_completion", "model": MODEL,
+                         "choices": [{"index": 0, "text": "x", "token_ids": [index + 1], "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                await asyncio.sleep(0)
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_stand_in(role: str, port: int, answer_seconds: float) -> None:
+    import uvicorn
+    uvicorn.run(stand_in_app(role, answer_seconds), host="127.0.0.1", port=port, log_level="warning")
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPOSITORY_ROOT,
+                            env={**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT)})
+
+
+def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+async def measure(url: str, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Sequential streamed requests; each one's TTFT in ms."""
+    address = httpx.URL(url)
+    connection = SseConnection(address.host, address.port, {})
+    for prompt in prompts[:3]:  # warm connections and code paths
+        await stream_one(connection, MODEL, prompt, output_len)
+    ttfts = []
+    for prompt in prompts:
+        record = await stream_one(connection, MODEL, prompt, output_len)
+        if not record.ok:
+            raise RuntimeError(f"request failed through {url}: {record.error}")
+        ttfts.append(record.ttft * 1e3)
+    return ttfts
+
+
+def router_first_event_ms(url: str) -> tuple[float, int]:
+    """The router's own mean arrival-to-first-event time (ms) and its count."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    values = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(f"tandem:router_time_to_first_token_seconds{suffix} "):
+                values[suffix] = float(line.split()[-1])
+    count = int(values.get("_count", 0))
+    return (values.get("_sum", 0.0) / count * 1e3 if count else float("nan")), count
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def row(name: str, values: list[float]) -> str:
+    return (f"{name:<26} {statistics.mean(values):>8.2f} {statistics.median(values):>8.2f} "
+            f"{percentile(values, 0.99):>8.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input-len", type=int, default=2048)
+    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--answer-ms", type=float, default=20.0,
+                        help="how long each stand-in server takes before answering (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternate straight/router this many times")
+    parser.add_argument("--serve-stand-in", nargs=3, metavar=("ROLE", "PORT", "ANSWER_S"), help=argparse.SUPPRESS)
+    arguments = parser.parse_args(argv)
+    if arguments.serve_stand_in:
+        role, port, answer = arguments.serve_stand_in
+        serve_stand_in(role, int(port), float(answer))
+        return 0
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"router-hop-{os.getpid()}"
+    logs.mkdir(parents=True, exist_ok=True)
+    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    answer_s = str(arguments.answer_ms / 1e3)
+    processes = [start([sys.executable, __file__, "--serve-stand-in", role, str(ports[role]), answer_s],
+                       logs / f"{role}.log") for role in ("prefill", "decode")]
+    try:
+        wait_healthy(urls["prefill"])
+        wait_healthy(urls["decode"])
+        processes.append(start([sys.executable, "-m", "tandem.entrypoints.cli", "router", "--prefill", urls["prefill"],
+                                "--decode", urls["decode"], "--port", str(ports["router"]), "--log-level", "warning"],
+                               logs / "router.log"))
+        wait_healthy(urls["router"])
+        prompts = make_prompts(arguments.requests, arguments.input_len, 32000, seed=0)
+        straight, routed, router_cpu = [], [], 0.0
+        for _ in range(arguments.rounds):
+            straight += asyncio.run(measure(urls["decode"], prompts, arguments.output_len))
+            before = cpu_seconds(processes[-1].pid)
+            routed += asyncio.run(measure(urls["router"], prompts, arguments.output_len))
+            router_cpu += cpu_seconds(processes[-1].pid) - before
+        router_view, count = router_first_event_ms(urls["router"])
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+    print(f"router hop: {arguments.input_len}-token prompts, {len(straight)} requests each way, stand-ins answer "
+          f"after {arguments.answer_ms:g} ms")
+    print(f"{'TTFT (ms)':<26} {'mean':>8} {'median':>8} {'p99':>8}")
+    print(row("straight to decode", straight))
+    print(row("through the router", routed))
+    print(f"{'added by the router':<26} {statistics.mean(routed) - statistics.mean(straight):>8.2f} "
+          f"{statistics.median(routed) - statistics.median(straight):>8.2f}")
+    per_request = router_cpu / (arguments.rounds * (len(prompts) + 3)) * 1e3
+    print(f"router process CPU time per request: {per_request:.2f} ms (user + system)")
+    print(f"router's own arrival-to-first-event mean: {router_view:.2f} ms over {count} requests "
+          f"(of which {arguments.answer_ms:g} ms the stand-ins' answer time)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
