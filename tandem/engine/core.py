@@ -163,11 +163,19 @@ class EngineCore:
         return self.pd.wakeup_sockets() if self.pd is not None else []
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestDelta]:
+    def step(self, poll_transfers: bool = True) -> list[RequestDelta]:
+        """One engine step; with PD, the transfers' progress first (``poll_transfers``; the
+        engine process polls them itself to send their deltas before the step runs)."""
         if self.pd is None:
             return self._step()
-        transfer_deltas = self.pd.poll()  # control messages, completions, admissions, timeouts
+        transfer_deltas = self.poll_transfers() if poll_transfers else []
         return transfer_deltas + self.pd.filter_deltas(self._step())
+
+    def poll_transfers(self) -> list[RequestDelta]:
+        """PD: control messages, completions, admissions, timeouts. Their deltas (a decode
+        engine's first tokens, transfer errors) need no step: the engine process sends them at
+        once instead of after the next step's launch (and the read-back of the one in flight)."""
+        return self.pd.poll() if self.pd is not None else []
 
     def _step(self) -> list[RequestDelta]:
         """Schedule, launch and complete steps. With the overlapped loop, a launched step is

@@ -118,10 +118,20 @@ class EngineLoop:
                 break
             deltas: list[RequestDelta] = []
             if self.core.has_unfinished_requests():
-                deltas = self.core.step()
+                deltas = self.step()
             elif not (self.state_changed or busy):
                 continue
             self.send_step(deltas)
+
+    def step(self) -> list[RequestDelta]:
+        """The core's step; a PD engine's transfer deltas (a decode engine's first tokens) are
+        sent before it, so a first token never waits for the step that follows it."""
+        if not self.waits_between_steps():
+            return self.core.step()
+        early = self.core.poll_transfers()
+        if early:
+            self.send_step(early)
+        return self.core.step(poll_transfers=False)
 
     def send_step(self, deltas: list[RequestDelta]) -> None:
         stats = self.core.stats()
