@@ -33,6 +33,8 @@ def parse_args():
     parser.add_argument("--prefill-tokens", type=int, default=32768, help="prompt tokens per prefill measurement")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-layout", choices=("auto", "layer-major", "page-major"), default="auto",
+                        help="tandem's device pools (default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     resolve_model_arguments(args)
@@ -54,7 +56,7 @@ def tandem_figures(model_dir, args, vocab_size, prefill_lengths):
     longest = max(prefill_lengths + [args.prompt_len + args.output_len])
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-              max_num_seqs=256, enforce_eager=args.enforce_eager)
+              max_num_seqs=256, enforce_eager=args.enforce_eager, kv_cache_layout=args.kv_cache_layout)
     generate = lambda prompts, tokens: llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     (prompt,) = random_prompts(1, args.prompt_len, vocab_size, seed=0)

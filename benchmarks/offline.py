@@ -73,6 +73,8 @@ def parse_args():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
                              "the state bytes the engine actually stores)")
+    parser.add_argument("--kv-cache-layout", choices=("layer-major", "page-major"), default=None,
+                        help="tandem's device pools (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="tandem over this many ranks (GPUs) (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -120,7 +122,7 @@ def timed(function, repeat: int) -> float:
 
 def optional_engine_arguments(args) -> dict:
     """The engine options this run sets only when asked, so the engine's defaults stay its own."""
-    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size")
+    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

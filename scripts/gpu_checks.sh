@@ -8,6 +8,13 @@
 #   bash scripts/gpu_checks.sh latency      # benchmarks/latency.py, Llama-3.1-8B shape
 #   bash scripts/gpu_checks.sh offline      # benchmarks/offline.py presets
 #   bash scripts/gpu_checks.sh tiers        # state-tier GPU tests and benchmarks/multiturn.py (8B shape)
+#   bash scripts/gpu_checks.sh page-major   # page-major pools: GPU tests, offline and latency beside layer-major
+#   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
+#   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
+#   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, TP=2 vs TP=1 decode at batch 64
+#
+# NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/; every
+# .whl/ and .nixl/ wheel is installed to the private directory.
 #
 # Logs go to $LOG_DIR (default ./gpu-logs), one file per part.
 set -uo pipefail
@@ -15,9 +22,11 @@ cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if compgen -G ".whl/*.whl" >/dev/null; then
+wheels=$(compgen -G ".whl/*.whl"; compgen -G ".nixl/*.whl")
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/tandem-site .whl/*.whl || exit 1
+    --target /tmp/tandem-site $wheels || exit 1
   export PYTHONPATH=/tmp/tandem-site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -42,6 +51,21 @@ for part in "${@:-tests}"; do
              done ;;
     tiers) run tiers_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_tiers.py tests/test_kernels_page_copy.py
            run multiturn python3 benchmarks/multiturn.py --shape llama3-8b ;;
+    page-major) run page_major_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k page-major tests
+                for layout in layer-major page-major; do
+                  run "offline_b64_$layout" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 \
+                    --skip-transformers --kv-cache-layout "$layout"
+                  run "latency_$layout" python3 benchmarks/latency.py --shape llama3-8b --kv-cache-layout "$layout"
+                done ;;
+    pd-one-gpu) run pd_one_gpu python3 benchmarks/pd_gpu.py --device one-gpu --deadline 330 --rounds 5 ;;
+    pd) run pd python3 benchmarks/pd_gpu.py --deadline 300 --rounds 5
+        run pd_layer_major python3 benchmarks/pd_gpu.py --kv-cache-layout layer-major --skip-serving --deadline 120 ;;
+    tp) run tp_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py \
+          tests/test_transfer_ordering.py
+        for size in 1 2; do
+          run "offline_tp$size" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 --skip-transformers \
+            --tensor-parallel-size "$size"
+        done ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done
