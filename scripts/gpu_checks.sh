@@ -13,8 +13,9 @@
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, TP=2 vs TP=1 decode at batch 64
 #
-# NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/; every
-# .whl/ and .nixl/ wheel is installed to the private directory.
+# NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
+# web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
+# too); every wheel of .whl/, .whl2/ and .nixl/ is installed to the private directory.
 #
 # Logs go to $LOG_DIR (default ./gpu-logs), one file per part.
 set -uo pipefail
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-wheels=$(compgen -G ".whl/*.whl"; compgen -G ".nixl/*.whl")
+wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl2/*.whl"; compgen -G ".nixl/*.whl")
 if [ -n "$wheels" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
