@@ -196,8 +196,11 @@ def test_router_answers_bad_input_with_a_clear_error(cluster, content, words):
     assert all(word in message for word in words), message
     assert routers["one"].metric("router_backend_dispatched",
                                  f'role="decode",url="{servers["decode_a"].base_url}"') == dispatched
-    answer = client_for(routers["one"]).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, **GREEDY)
-    assert len(answer.choices[0].model_dump()["token_ids"]) == 2
+    assert response.headers["x-request-id"]  # made by the router
+    answer = client_for(routers["one"]).completions.with_raw_response.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=2, **GREEDY, extra_headers={"X-Request-Id": "client-7"})
+    assert answer.headers["x-request-id"] == "client-7"
+    assert len(answer.parse().choices[0].model_dump()["token_ids"]) == 2
 
 
 def test_client_disconnect_mid_stream(cluster):
@@ -222,9 +225,16 @@ def test_random_transfer_failures_end_both_legs(cluster, colocated):
     for index in range(10):
         prompt = f"{index} {PROMPTS[1]}"
         try:
-            response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, **GREEDY)
+            response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, **GREEDY,
+                                                 extra_headers={"X-Request-Id": f"faulty-{index}"})
         except openai.APIStatusError as error:
             assert "injected transfer failure" in str(error), error
+            assert error.response.headers["x-request-id"] == f"faulty-{index}"
+            # the router logs the request's id with its room, which the prefill server's log names
+            line = next(line for line in routers["faulty"].log().splitlines()
+                        if f"request faulty-{index} failed on the " in line)
+            room = line.split("(room ", 1)[1].split(",", 1)[0]
+            assert f"room {room}" in servers["prefill_f"].log(), line
             outcomes["failed"] += 1
             continue
         assert response.choices[0].model_dump()["token_ids"] == expected(colocated, prompt, 6).outputs[0].token_ids

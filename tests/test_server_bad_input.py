@@ -63,6 +63,10 @@ CASES = [
     ("unknown role", "/v1/chat/completions",
      {"model": "fake", "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400, "messages[0].role", []),
     ("no messages", "/v1/chat/completions", {"model": "fake", "messages": []}, AUTH, 400, "messages", []),
+    ("overlong X-Request-Id", "/v1/completions", completion(max_tokens=2), {**AUTH, "X-Request-Id": "r" * 129}, 400,
+     "X-Request-Id", ["X-Request-Id", "128"]),
+    ("X-Request-Id with a space", "/v1/chat/completions", chat(max_tokens=2), {**AUTH, "X-Request-Id": "a b"}, 400,
+     "X-Request-Id", ["visible ASCII"]),
     ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), AUTH, 400, "top_logprobs", []),
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi", "max_tokens": ', AUTH, 400, "body", ["JSON"]),
     ("missing prompt", "/v1/completions", {"model": "fake"}, AUTH, 400, "prompt", []),
@@ -104,6 +108,22 @@ def test_bad_input(server, name, path, body, headers, status, param, words):
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error["message"]
+
+
+def test_request_id_is_echoed(server):
+    """X-Request-Id comes back as given (errors too); without one the server makes one per request."""
+    given = {**AUTH, "X-Request-Id": "trace-42:a/b"}
+    ok = httpx.post(server.base_url + "/v1/completions", json=completion(max_tokens=2), headers=given, timeout=30)
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42:a/b"
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=completion(max_tokens=2, stream=True),
+                      headers=given, timeout=30) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-42:a/b"
+        assert any(line.startswith("data: {") for line in streamed.iter_lines())
+    failed = httpx.post(server.base_url + "/v1/completions", json=completion(max_tokens=-1), headers=given, timeout=30)
+    assert failed.status_code == 400 and failed.headers["x-request-id"] == "trace-42:a/b"
+    made = [httpx.post(server.base_url + "/v1/completions", json=completion(max_tokens=1), headers=AUTH,
+                       timeout=30).headers["x-request-id"] for _ in range(2)]
+    assert made[0] != made[1] and all(made)
 
 
 def test_openai_client_sees_field_errors(server):

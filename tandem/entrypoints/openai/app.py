@@ -37,6 +37,7 @@ from tandem.entrypoints.openai.protocol import (
     TransferInfo,
     UnhealthyResponse,
 )
+from tandem.entrypoints.openai.request_id import RequestIdMiddleware
 from tandem.entrypoints.openai.serving import ServerState
 
 
@@ -45,6 +46,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tandem", summary="OpenAI-compatible LLM server", docs_url="/docs", redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
     authenticated = state.api_key is not None
     authorized = Depends(api_key_checker(state))
     add_generation_routes(app, state, authorized, authenticated)

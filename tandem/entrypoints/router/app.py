@@ -13,12 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.entrypoints.openai.app import api_key_checker
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tandem.entrypoints.openai.request_id import RequestIdMiddleware
 from tandem.entrypoints.router.routing import Router
 
 
 def create_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
     authorized = [Depends(api_key_checker(router))]
 
     async def forward(path: str, request: Request) -> Response:

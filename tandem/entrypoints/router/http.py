@@ -66,15 +66,16 @@ class HttpClient:
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             return response.status, await response.read()
 
-    async def post(self, url: str, body: dict) -> tuple[int, bytes]:
+    async def post(self, url: str, body: dict, headers: Optional[dict[str, str]] = None) -> tuple[int, bytes]:
         """Status and whole body of ``POST url`` with a JSON body."""
-        async with self.session.post(url, data=_ENCODER.encode(body), headers=_JSON) as response:
+        async with self.session.post(url, data=_ENCODER.encode(body), headers={**_JSON, **(headers or {})}) \
+                as response:
             return response.status, await response.read()
 
-    async def open(self, url: str, body: dict) -> HttpResponse:
+    async def open(self, url: str, body: dict, headers: Optional[dict[str, str]] = None) -> HttpResponse:
         """``POST url`` with a JSON body, returned once the status line and headers are in; the
         body is left to read (``HttpResponse.chunks``); close or release it when done."""
-        response = await self.session.post(url, data=_ENCODER.encode(body), headers=_JSON)
+        response = await self.session.post(url, data=_ENCODER.encode(body), headers={**_JSON, **(headers or {})})
         return HttpResponse(response)
 
     async def close(self) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse, Response
 
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.request_id import HEADER
 from tandem.entrypoints.openai.serving import SSE_DONE, sse_event
 from tandem.entrypoints.router.backends import Backend
 from tandem.entrypoints.router.http import HTTP_ERRORS, UNREACHABLE, HttpResponse
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from tandem.entrypoints.router.routing import Router
 
 ERROR_EVENT_PREFIX = b'data: {"error"'
+logger = logging.getLogger("tandem.router")
 
 
 class LegFailed(Exception):
@@ -48,9 +51,13 @@ def error_body(status: int, message: str) -> dict:
 class Legs:
     """The two legs of one request; owns the decode response and counts both in flight."""
 
-    def __init__(self, router: Router, prefill: Backend, decode: Backend, arrival: float = 0.0):
+    def __init__(self, router: Router, prefill: Backend, decode: Backend, arrival: float = 0.0,
+                 request_id: str = "", room: str = ""):
         self.router = router
         self.arrival = arrival  # the request's time.perf_counter() at the router
+        self.request_id = request_id  # X-Request-Id (request_id.py), sent on both legs
+        self.room = room
+        self.headers = {HEADER: request_id} if request_id else {}
         self.prefill = prefill
         self.decode = decode
         self.decode_response: Optional[HttpResponse] = None
@@ -72,7 +79,7 @@ class Legs:
     async def run_prefill(self, path: str, body: dict) -> None:
         """The prefill leg; raises ``LegFailed`` when it ends in an error."""
         try:
-            status, content = await self.router.client.post(self.prefill.url + path, body)
+            status, content = await self.router.client.post(self.prefill.url + path, body, self.headers)
         except HTTP_ERRORS as error:
             self.router.monitor.mark_unhealthy(self.prefill, f"{type(error).__name__} on a request")
             raise unreachable_error("prefill", self.prefill, error) from None
@@ -83,7 +90,7 @@ class Legs:
 
     async def open_decode(self, path: str, body: dict, prefill_task: asyncio.Task) -> HttpResponse:
         """Send the decode leg and wait for its status line; a prefill failure first wins."""
-        decode_task = asyncio.create_task(self.router.client.open(self.decode.url + path, body))
+        decode_task = asyncio.create_task(self.router.client.open(self.decode.url + path, body, self.headers))
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             if prefill_task.done() and prefill_task.exception() is not None and not decode_task.done():
@@ -113,6 +120,12 @@ class Legs:
             self.close_decode()
             raise LegFailed(response.status, response_error(response.status, content, "decode"))
         return response
+
+    def log_failure(self, role: str, body: dict) -> None:
+        """One line per failed request: its id, its room (the servers' logs name rooms), both servers."""
+        message = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
+        logger.warning("request %s failed on the %s leg (room %s, prefill %s, decode %s): %s", self.request_id, role,
+                       self.room, self.prefill.url, self.decode.url, message)
 
     def close_decode(self) -> None:
         if self.decode_response is not None:
@@ -147,6 +160,7 @@ class Legs:
                 if prefill_task in done and prefill_task.exception() is not None and read_task in pending:
                     failure = prefill_task.exception()
                     self.router.requests.labels(outcome="prefill_failed").inc()
+                    self.log_failure("prefill", failure.body)
                     return JSONResponse(failure.body, status_code=failure.status)
             try:
                 content = read_task.result()
@@ -154,8 +168,9 @@ class Legs:
                 self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
                 await self.cancel(prefill_task)
                 self.router.requests.labels(outcome="decode_failed").inc()
-                return JSONResponse(error_body(502, f"the decode server {self.decode.url} failed: {error}"),
-                                    status_code=502)
+                body = error_body(502, f"the decode server {self.decode.url} failed: {error}")
+                self.log_failure("decode", body)
+                return JSONResponse(body, status_code=502)
             self.finish_prefill_in_background(prefill_task)
             self.router.requests.labels(outcome="ok").inc()
             response.release()
@@ -179,6 +194,7 @@ class Legs:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done and prefill_task.exception() is not None and not next_event.done():
                     outcome = "prefill_failed"
+                    self.log_failure("prefill", prefill_task.exception().body)
                     yield sse_event(prefill_task.exception().body)
                     yield SSE_DONE
                     return
@@ -194,7 +210,9 @@ class Legs:
                 except HTTP_ERRORS as error:
                     outcome = "decode_failed"
                     self.router.monitor.mark_unhealthy(self.decode, f"{type(error).__name__} on a request")
-                    yield sse_event(error_body(502, f"the decode server {self.decode.url} failed: {error}"))
+                    body = error_body(502, f"the decode server {self.decode.url} failed: {error}")
+                    self.log_failure("decode", body)
+                    yield sse_event(body)
                     yield SSE_DONE
                     return
                 if self.arrival:  # the first event
@@ -203,6 +221,7 @@ class Legs:
                 yield event
                 if event.startswith(ERROR_EVENT_PREFIX):
                     outcome = "decode_failed"
+                    self.log_failure("decode", event_error(event))
                     yield SSE_DONE
                     return
                 next_event = asyncio.ensure_future(events.__anext__())
@@ -213,6 +232,14 @@ class Legs:
             if outcome != "ok":
                 self.cancel_soon(prefill_task)
             self.close_decode()
+
+
+def event_error(event: bytes) -> dict:
+    """The error body of an SSE error event (as much as can be read of it)."""
+    try:
+        return json.loads(event.removeprefix(b"data: "))
+    except ValueError:
+        return error_body(500, event[:200].decode("utf-8", "replace"))
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

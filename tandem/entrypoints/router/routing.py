@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from typing import Optional
 
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.request_id import request_id_of
 from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
 from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
@@ -29,6 +31,7 @@ from tandem.entrypoints.router.http import HttpClient
 from tandem.entrypoints.router.legs import LegFailed, Legs
 from tandem.transfer.messages import new_room
 
+logger = logging.getLogger("tandem.router")
 POLICIES = ("least-loaded", "round-robin")
 MAX_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 2
@@ -125,6 +128,7 @@ class Router:
     async def dispatch(self, path: str, body: dict, request: Request, arrival: Optional[float] = None) -> Response:
         """Both legs of one request (``arrival``: its ``time.perf_counter()`` at the router)."""
         arrival = arrival if arrival is not None else time.perf_counter()
+        request_id = request_id_of(request.scope)
         pool = self.pool_for(body.get("model"))
         for attempt in range(MAX_ATTEMPTS):
             prefill, decode = self.pick_prefill(pool, body), self.pick(pool, "decode")
@@ -133,7 +137,7 @@ class Router:
             prefill_body.pop("stream_options", None)
             decode_body = {**body, "kv_transfer_params": {"room": room, "role": "decode",
                                                           "prefill_address": prefill.bootstrap_address}}
-            legs = Legs(self, prefill, decode, arrival)
+            legs = Legs(self, prefill, decode, arrival, request_id, room)
             prefill_task = asyncio.create_task(legs.run_prefill(path, prefill_body))
             try:
                 decode_response = await legs.open_decode(path, decode_body, prefill_task)
@@ -141,8 +145,10 @@ class Router:
                 await legs.cancel(prefill_task)
                 if failure.unreachable and attempt + 1 < MAX_ATTEMPTS:
                     self.retries.labels(role=legs.failed_leg or "prefill").inc()
+                    logger.info("request %s: %s; sending it again", request_id, failure)
                     continue  # that server is marked unhealthy now: pick again
                 self.requests.labels(outcome="decode_failed" if legs.failed_leg == "decode" else "prefill_failed").inc()
+                legs.log_failure(legs.failed_leg or "prefill", failure.body)
                 return JSONResponse(failure.body, status_code=failure.status)
             except BaseException:
                 await legs.cancel(prefill_task)
