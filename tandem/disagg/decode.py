@@ -212,7 +212,7 @@ class DecodeSide(PDSide):
         if self.ranks is not None:  # freed pages are poisoned on every rank before they are written again
             self.ranks.flush_pages()
         # every rank receives its shard of the pages (the shards are equal in size)
-        transfer.num_bytes = self.destination_bytes(tables) * self.core.config.tensor_parallel_size \
+        transfer.num_bytes = self.destination_bytes(sequence, tables) * self.core.config.tensor_parallel_size \
             + self.metadata.row_bytes
         self.channel.send_to_address(transfer.address, Destination(
             room=transfer.room, page_tables=tables, metadata_row=transfer.row,
@@ -228,10 +228,14 @@ class DecodeSide(PDSide):
         if hit and self.coordinator.tiers is not None:
             self.coordinator.tiers.count_hit(sequence.state.cache_path)
 
-    def destination_bytes(self, tables: list[list[int]]) -> int:
-        """Bytes the prefill side writes at most: every live destination page of every buffer."""
-        return sum(descriptor.page_bytes * sum(page != NULL_PAGE for page in tables[descriptor.group_id])
-                   for descriptor in self.registry.buffers())
+    def destination_bytes(self, sequence: Sequence, tables: list[list[int]]) -> int:
+        """Bytes the prefill side writes: the destination pages that are final once the prompt
+        is computed (the managers say which: not a recurrent group's checkpoint slot), in every
+        buffer."""
+        final = self.coordinator.final_page_indices(sequence.state, sequence.num_prompt_tokens, prompt_done=True)
+        live = [sum(index < len(table) and table[index] != NULL_PAGE for index in indices)
+                for indices, table in zip(final, tables)]
+        return sum(descriptor.page_bytes * live[descriptor.group_id] for descriptor in self.registry.buffers())
 
     # -- completion ---------------------------------------------------------------------------------------
     def progress(self, now: float) -> None:
