@@ -56,7 +56,7 @@ def check_shard_registry(single, sharded, replicated: bool) -> None:
         assert all(shard[key] * 2 == whole[key] for key in whole), (shard, whole)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32"])
 def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
     if arch == "llama":  # the overlapped loop: rank 0 broadcasts tokens still pending on its device
@@ -95,8 +95,9 @@ def test_bad_tensor_parallel_size_is_named(model_dirs):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is not supported for NemotronHForCausalLM"):
-        LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=2, **ENGINE)
+    # The tiny NemotronH has 4 Mamba-2 heads in 2 groups: a rank cannot hold half a group.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide n_groups \(2\)"):
+        LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=4, **ENGINE)
     # The tiny llama has 4 query heads and 2 key/value heads.
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide num_key_value_heads \(2\)"):
         LLM(model=model_dirs["llama"], tensor_parallel_size=4, **ENGINE)

@@ -5,6 +5,11 @@ names follow the Hugging Face checkpoint layout.
 State: attention layers keep paged K/V (``FullAttentionSpec``); each Mamba-2 layer keeps a
 recurrent slot (``RecurrentSpec``): the causal-conv window over x/B/C and the SSM state
 ``[heads, head dim, state size]`` in float32 (the checkpoints' ``mamba_ssm_cache_dtype``).
+
+Tensor parallelism: a rank keeps its share of the attention heads, of the Mamba-2 heads and
+groups (with their conv channels and SSM state), of every MLP's and expert's intermediate, and
+of the vocabulary; the routers, the norms between blocks and MoE latent projections are whole
+on every rank.
 """
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ from torch import nn
 
 from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
-from tandem.layers.linear import StackedLinear
+from tandem.layers.linear import StackedLinear, mark_sharded
 from tandem.layers.moe import FusedExperts, load_with_experts
 from tandem.layers.norm import RMSNorm
 from tandem.layers.recurrent import mamba2_chunk_scan, mamba2_step
 from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.models.base import CausalLM
+from tandem.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.worker.forward_context import ForwardContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,27 +68,41 @@ class FloatRMSNorm(RMSNorm):
 class NemotronHMamba2Mixer(nn.Module):
     cuda_graph_safe = True  # decode rows: one batched step over device-side slots (RecurrentSlots)
 
-    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.mamba_num_heads
+        # Tensor parallelism: a rank keeps its share of the heads and of the groups (B and C);
+        # in_proj's rows [gate | x | B | C | dt] and the conv channels [x | B | C] are each
+        # split by rank, so a rank's heads read its own groups (heads per group unchanged).
+        self.num_heads = shard.split(config.mamba_num_heads, "mamba_num_heads")
         self.head_dim = config.mamba_head_dim
         self.ssm_state_size = config.ssm_state_size
-        self.n_groups = config.n_groups
+        self.n_groups = shard.split(config.n_groups, "n_groups")
         self.chunk_size = config.chunk_size
         self.intermediate_size = self.num_heads * self.head_dim
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
         self.time_step_limit = (config.time_step_min, float("inf"))
+        full_heads = config.mamba_num_heads
+        full_inner = full_heads * self.head_dim
+        full_groups = config.n_groups * self.ssm_state_size
         kernel = config.conv_kernel
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, bias=config.use_conv_bias,
                                 groups=self.conv_dim, padding=kernel - 1)
-        self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads,
-                                 bias=config.use_bias)
+        mark_sharded(self.conv1d.weight, 0, shard, (full_inner, full_groups, full_groups))
+        if config.use_conv_bias:
+            mark_sharded(self.conv1d.bias, 0, shard, (full_inner, full_groups, full_groups))
+        self.in_proj = ColumnParallelLinear(config.hidden_size, 2 * full_inner + 2 * full_groups + full_heads,
+                                            bias=config.use_bias, shard=shard, what="mamba_num_heads and n_groups",
+                                            segments=(full_inner, full_inner, full_groups, full_groups, full_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups,
+        for per_head in (self.dt_bias, self.A_log, self.D):
+            mark_sharded(per_head, 0, shard, full_heads)
+        self.norm = GroupedGatedRMSNorm(self.intermediate_size, full_inner // config.n_groups,
                                         config.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
+        mark_sharded(self.norm.weight, 0, shard, full_inner)
+        self.out_proj = RowParallelLinear(full_inner, config.hidden_size, bias=config.use_bias, shard=shard,
+                                          what="mamba_num_heads")
         ssm_dtype = DTYPES.get(str(getattr(config, "mamba_ssm_cache_dtype", "float32")), torch.float32)
         spec = RecurrentSpec(conv_shape=(self.conv_dim, kernel - 1), conv_dtype=state_dtype,
                              ssm_shape=(self.num_heads, self.head_dim, self.ssm_state_size), ssm_dtype=ssm_dtype)
@@ -122,16 +143,17 @@ class NemotronHMamba2Mixer(nn.Module):
 class NemotronHAttention(nn.Module):
     """Causal attention without positional encoding (the Mamba layers carry position)."""
 
-    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = shard.split(config.num_key_value_heads, "num_key_value_heads")
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                           "v_proj": self.kv_size}, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        full_q, full_kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = StackedLinear(config.hidden_size, {"q_proj": full_q, "k_proj": full_kv, "v_proj": full_kv},
+                                      bias=False, shard=shard)
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False, shard=shard)
         self.attn = Attention(f"model.layers.{layer_index}.mixer", self.num_heads, self.num_kv_heads,
                               self.head_dim, self.head_dim ** -0.5, state_dtype)
 
@@ -145,10 +167,13 @@ class NemotronHAttention(nn.Module):
 
 
 class NemotronHMLP(nn.Module):
-    def __init__(self, config, intermediate_size: int) -> None:
+    def __init__(self, config, intermediate_size: int, shard: TensorShard = SINGLE,
+                 what: str = "intermediate_size") -> None:
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.up_proj = ColumnParallelLinear(config.hidden_size, intermediate_size, bias=config.mlp_bias, shard=shard,
+                                            what=what)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=config.mlp_bias, shard=shard,
+                                           what=what)
 
     def forward(self, hidden: torch.Tensor, context: ForwardContext = None) -> torch.Tensor:
         return self.down_proj(relu_squared(self.up_proj(hidden)))
@@ -187,7 +212,7 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         latent = getattr(config, "moe_latent_size", None)
         self.gate = NemotronHRouter(config)
@@ -195,8 +220,9 @@ class NemotronHMoE(nn.Module):
         # weights' dtype); checkpoints name them per expert (``experts.{e}.up_proj`` ...).
         self.experts = FusedExperts(config.n_routed_experts, latent or config.hidden_size,
                                     config.moe_intermediate_size, activation="relu2",
-                                    accumulate_dtype=torch.float32)
-        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
+                                    accumulate_dtype=torch.float32, shard=shard)
+        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size, shard,
+                                           "moe_shared_expert_intermediate_size")
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)
             self.fc2_latent_proj = nn.Linear(latent, config.hidden_size, bias=config.mlp_bias)
@@ -213,18 +239,18 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, config, layer_index: int, state_dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_index: int, state_dtype: torch.dtype, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         block_type = config.layers_block_type[layer_index]
         self.norm = FloatRMSNorm(config.hidden_size, config.layer_norm_epsilon)
         if block_type == "linear_attention":
-            self.mixer = NemotronHMamba2Mixer(config, layer_index, state_dtype)
+            self.mixer = NemotronHMamba2Mixer(config, layer_index, state_dtype, shard)
         elif block_type == "full_attention":
-            self.mixer = NemotronHAttention(config, layer_index, state_dtype)
+            self.mixer = NemotronHAttention(config, layer_index, state_dtype, shard)
         elif block_type == "moe":
-            self.mixer = NemotronHMoE(config)
+            self.mixer = NemotronHMoE(config, shard)
         elif block_type == "mlp":
-            self.mixer = NemotronHMLP(config, config.intermediate_size)
+            self.mixer = NemotronHMLP(config, config.intermediate_size, shard)
         else:
             raise ValueError(f"model: NemotronH block type {block_type!r} is not supported")
 
@@ -233,10 +259,10 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, config, state_dtype: torch.dtype) -> None:
+    def __init__(self, config, state_dtype: torch.dtype, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(config, index, state_dtype)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(NemotronHBlock(config, index, state_dtype, shard)
                                     for index in range(len(config.layers_block_type)))
         self.norm_f = FloatRMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
@@ -249,12 +275,16 @@ class NemotronHModel(nn.Module):
 
 class NemotronHForCausalLM(CausalLM):
     final_norm_name = "norm_f"
-    def __init__(self, config, state_dtype: torch.dtype, max_positions: int) -> None:
+    engine_options = ("tensor_shard",)
+
+    def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
+                 tensor_shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = NemotronHModel(config, state_dtype)
+        self.tensor_shard = tensor_shard
+        self.model = NemotronHModel(config, state_dtype, tensor_shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
 
