@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -29,54 +28,9 @@ sys.path.insert(0, str(REPOSITORY_ROOT))
 sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
 import httpx  # noqa: E402
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 from serve import SseConnection, free_port, make_prompts, percentile, stream_one  # noqa: E402
-
-MODEL = "stand-in"
-LAYOUT = {"architecture": "LlamaForCausalLM", "model": {"vocab_size": 32000}, "page_size": 16, "num_groups": 1,
-          "buffers": [[0, "layers.0", "kv", 2, "bfloat16", 65536, 65536, 0]], "metadata_row_bytes": 64}
-
-
-def stand_in_app(role: str, answer_seconds: float):
-    """An ASGI app answering as a ``role`` server would (no engine behind it)."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/pd/info")
-    async def info():
-        return {"role": role, "backend": "nixl", "bootstrap_address": "tcp://127.0.0.1:1", "layout": LAYOUT,
-                "served_model_names": [MODEL]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        tokens = body.get("max_tokens", 1)
-        await asyncio.sleep(answer_seconds)
-        if not body.get("stream"):
-            return JSONResponse({"id": "cmpl", "object": "text_completion", "model": MODEL,
-                                 "choices": [{"index": 0, "text": "", "token_ids": [1], "finish_reason": "length"}]})
-
-        async def events():
-            for index in range(tokens):
-                chunk = {"id": "cmpl", "object": "text_completion", "model": MODEL,
-                         "choices": [{"index": 0, "text": "x", "token_ids": [index + 1], "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-                await asyncio.sleep(0)
-            yield b"data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
-
-
-def serve_stand_in(role: str, port: int, answer_seconds: float) -> None:
-    import uvicorn
-    uvicorn.run(stand_in_app(role, answer_seconds), host="127.0.0.1", port=port, log_level="warning")
-
+from stand_ins import MODEL  # noqa: E402
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPOSITORY_ROOT,
@@ -144,19 +98,14 @@ def main(argv=None) -> int:
     parser.add_argument("--answer-ms", type=float, default=20.0,
                         help="how long each stand-in server takes before answering (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2, help="alternate straight/router this many times")
-    parser.add_argument("--serve-stand-in", nargs=3, metavar=("ROLE", "PORT", "ANSWER_S"), help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
-    if arguments.serve_stand_in:
-        role, port, answer = arguments.serve_stand_in
-        serve_stand_in(role, int(port), float(answer))
-        return 0
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"router-hop-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    answer_s = str(arguments.answer_ms / 1e3)
-    processes = [start([sys.executable, __file__, "--serve-stand-in", role, str(ports[role]), answer_s],
+    stand_ins = str(REPOSITORY_ROOT / "benchmarks" / "stand_ins.py")
+    processes = [start([sys.executable, stand_ins, role, str(ports[role]), "--answer-ms", str(arguments.answer_ms)],
                        logs / f"{role}.log") for role in ("prefill", "decode")]
     try:
         wait_healthy(urls["prefill"])

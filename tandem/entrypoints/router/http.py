@@ -9,7 +9,7 @@ started on it.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, NamedTuple, Optional
 
 import aiohttp
 import msgspec
@@ -21,6 +21,13 @@ KEEPALIVE_SECONDS = 15.0  # below the servers' own keep-alive (30 s): the router
 _ENCODER = msgspec.json.Encoder()
 
 
+class HttpAnswer(NamedTuple):
+    """A whole answer: status, body, and its ``Retry-After`` header (a busy server's advice)."""
+    status: int
+    content: bytes
+    retry_after: Optional[str] = None
+
+
 class HttpResponse:
     """One answer: its status, and its body read whole (``read``) or as it arrives (``chunks``)."""
 
@@ -28,6 +35,7 @@ class HttpResponse:
         self._response = response
         self.status = response.status
         self.content_type = response.headers.get("Content-Type")
+        self.retry_after = response.headers.get("Retry-After")
 
     async def read(self) -> bytes:
         return await self._response.read()
@@ -66,11 +74,11 @@ class HttpClient:
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             return response.status, await response.read()
 
-    async def post(self, url: str, body: dict, headers: Optional[dict[str, str]] = None) -> tuple[int, bytes]:
-        """Status and whole body of ``POST url`` with a JSON body."""
+    async def post(self, url: str, body: dict, headers: Optional[dict[str, str]] = None) -> HttpAnswer:
+        """The whole answer to ``POST url`` with a JSON body."""
         async with self.session.post(url, data=_ENCODER.encode(body), headers={**_JSON, **(headers or {})}) \
                 as response:
-            return response.status, await response.read()
+            return HttpAnswer(response.status, await response.read(), response.headers.get("Retry-After"))
 
     async def open(self, url: str, body: dict, headers: Optional[dict[str, str]] = None) -> HttpResponse:
         """``POST url`` with a JSON body, returned once the status line and headers are in; the

@@ -2,7 +2,8 @@
 (relayed to the client, streamed or not). As soon as either leg fails — an error status, an
 error event in the decode stream, a dropped connection — both end: the other one is cancelled
 (its server aborts the request and releases its pages) and the client gets an OpenAI-style error
-(in-stream once streaming has begun). A client that goes away cancels both legs. A server that
+(in-stream once streaming has begun: the answer is committed at the decode leg's first event,
+``first_event``). A client that goes away cancels both legs. A server that
 cannot be reached is reported to the router's ``BackendMonitor`` (no new requests go to it).
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Optional
 
 from fastapi.responses import JSONResponse, Response
 
@@ -28,14 +29,30 @@ ERROR_EVENT_PREFIX = b'data: {"error"'
 logger = logging.getLogger("tandem.router")
 
 
-class LegFailed(Exception):
-    """One leg ended in an error; ``status`` and ``body`` are what the client gets."""
+class FirstEvent(NamedTuple):
+    """The decode leg's events and the (done) future of the first of them."""
+    events: AsyncIterator[bytes]
+    first: asyncio.Future
 
-    def __init__(self, status: int, body: dict, unreachable: bool = False):
+
+class LegFailed(Exception):
+    """One leg ended in an error; ``status``, ``body`` and ``Retry-After`` are what the client gets."""
+
+    def __init__(self, status: int, body: dict, unreachable: bool = False, retry_after: Optional[str] = None):
         super().__init__(body.get("error", {}).get("message", "leg failed"))
         self.status = status
         self.body = body
         self.unreachable = unreachable  # no connection was made: nothing reached the server
+        self.retry_after = retry_after
+
+    @property
+    def busy(self) -> bool:
+        """The server turned the request away before starting it (its queue is full)."""
+        return self.status == 503
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        return JSONResponse(self.body, status_code=self.status, headers=headers)
 
 
 def unreachable_error(role: str, backend: Backend, error: BaseException) -> LegFailed:
@@ -79,14 +96,15 @@ class Legs:
     async def run_prefill(self, path: str, body: dict) -> None:
         """The prefill leg; raises ``LegFailed`` when it ends in an error."""
         try:
-            status, content = await self.router.client.post(self.prefill.url + path, body, self.headers)
+            answer = await self.router.client.post(self.prefill.url + path, body, self.headers)
         except HTTP_ERRORS as error:
             self.router.monitor.mark_unhealthy(self.prefill, f"{type(error).__name__} on a request")
             raise unreachable_error("prefill", self.prefill, error) from None
         finally:
             self._done("prefill")
-        if status != 200:
-            raise LegFailed(status, response_error(status, content, "prefill"))
+        if answer.status != 200:
+            raise LegFailed(answer.status, response_error(answer.status, answer.content, "prefill"),
+                            retry_after=answer.retry_after)
 
     async def open_decode(self, path: str, body: dict, prefill_task: asyncio.Task) -> HttpResponse:
         """Send the decode leg and wait for its status line; a prefill failure first wins."""
@@ -118,7 +136,8 @@ class Legs:
                 content = b""
             self.failed_leg = "decode"
             self.close_decode()
-            raise LegFailed(response.status, response_error(response.status, content, "decode"))
+            raise LegFailed(response.status, response_error(response.status, content, "decode"),
+                            retry_after=response.retry_after)
         return response
 
     def log_failure(self, role: str, body: dict) -> None:
@@ -161,7 +180,7 @@ class Legs:
                     failure = prefill_task.exception()
                     self.router.requests.labels(outcome="prefill_failed").inc()
                     self.log_failure("prefill", failure.body)
-                    return JSONResponse(failure.body, status_code=failure.status)
+                    return failure.response()
             try:
                 content = read_task.result()
             except HTTP_ERRORS as error:
@@ -183,10 +202,31 @@ class Legs:
             self.cancel_soon(read_task)
             self.close_decode()
 
-    async def relay(self, response: HttpResponse, prefill_task: asyncio.Task) -> AsyncIterator[bytes]:
-        """Streaming: relay the decode server's SSE events, cutting both legs on the first error."""
+    async def first_event(self, response: HttpResponse, prefill_task: asyncio.Task) -> FirstEvent:
+        """Streaming: wait for the decode leg's first event before the answer is committed. It
+        comes once the transfer is done, so a prefill leg that fails before it still gets its
+        own status (and a busy prefill server's request may go elsewhere): raises LegFailed."""
         events = sse_events(response.chunks())
-        next_event = asyncio.ensure_future(events.__anext__())
+        first = asyncio.ensure_future(events.__anext__())
+        pending = {first, prefill_task}
+        try:
+            while not first.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task in done and prefill_task.exception() is not None and not first.done():
+                    self.failed_leg = "prefill"
+                    self.cancel_soon(first)
+                    self.close_decode()
+                    raise prefill_task.exception()
+        except asyncio.CancelledError:  # the client went away
+            self.cancel_soon(first)
+            raise
+        return FirstEvent(events, first)
+
+    async def relay(self, response: HttpResponse, prefill_task: asyncio.Task,
+                    first: FirstEvent) -> AsyncIterator[bytes]:
+        """Streaming: relay the decode server's SSE events (``first_event`` waited for the
+        first), cutting both legs on the first error."""
+        events, next_event = first
         outcome = "disconnected"
         try:
             while True:

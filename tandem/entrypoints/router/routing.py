@@ -5,9 +5,13 @@ loaded, or round robin), make a 128-bit room id, send both legs at once (``legs.
                       --(kv_transfer_params: room, role=decode,  --> decode server   (streamed back)
                           prefill_address)
 
-A leg whose server cannot be connected to (it never got the request) is retried with a fresh room
-on another healthy server, at most ``MAX_ATTEMPTS`` times in all; no healthy server for a role is
-a 503 with ``Retry-After``. Calls to the servers carry the server API key when one is set.
+A leg whose server cannot be connected to, or turns it away with 503 (its queue is full), never
+started it: the request is sent again with a fresh room, to another healthy server (not one that
+turned it away), at most ``MAX_ATTEMPTS`` times in all. No such server left for a role is a 503
+with ``Retry-After`` (a busy server's own advice when it answered last). A streamed answer is
+committed at the decode leg's first event, so failures before it (the prefill leg's too) keep
+their own status and may be retried. Calls to the servers carry the server API key when one is
+set.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import time
 from typing import Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -64,8 +68,10 @@ class Router:
         self.requests = Counter("tandem:router_requests", "Requests by outcome.", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
-        self.retries = Counter("tandem:router_retries", "Requests sent again because a server could not be reached.",
-                               ["role"], registry=self.registry)
+        self.retries = Counter("tandem:router_retries", "Requests sent again because a server could not be reached "
+                               "or was busy (503).", ["role"], registry=self.registry)
+        for role in ("prefill", "decode"):
+            self.retries.labels(role=role)
         self.affinity_hits = Counter("tandem:router_prefill_affinity_hits",
                                      "Requests sent to the prefill server that served their conversation's start "
                                      "(--prefill-affinity).", registry=self.registry)
@@ -97,10 +103,11 @@ class Router:
                                    f"{', '.join(repr(name) for name in sorted(self.pools))}", "model")
         return pool
 
-    def pick(self, pool: ModelPool, role: str) -> Backend:
-        """A healthy server for one leg; 503 when there is none."""
+    def pick(self, pool: ModelPool, role: str, busy: frozenset = frozenset()) -> Backend:
+        """A healthy server for one leg, not one of ``busy`` (they turned this request away);
+        503 when there is none."""
+        candidates = self.candidates(pool, role, busy)
         backends = pool.prefills if role == "prefill" else pool.decodes
-        candidates = [backend for backend in backends if backend.healthy]
         if not candidates:
             problems = "; ".join(f"{backend.url}: {backend.problem}" for backend in backends)
             raise OpenAIError(503, f"no healthy {role} server for model {pool.name!r} ({problems})",
@@ -110,17 +117,22 @@ class Router:
             return candidates[next(turn) % len(candidates)]
         return min(candidates, key=lambda backend: (backend.in_flight, backend.dispatched))
 
-    def pick_prefill(self, pool: ModelPool, body: dict) -> Backend:
+    @staticmethod
+    def candidates(pool: ModelPool, role: str, busy: frozenset = frozenset()) -> list[Backend]:
+        backends = pool.prefills if role == "prefill" else pool.decodes
+        return [backend for backend in backends if backend.healthy and backend.url not in busy]
+
+    def pick_prefill(self, pool: ModelPool, body: dict, busy: frozenset = frozenset()) -> Backend:
         """With prefill affinity, the healthy prefill server that served this conversation last;
         else (or when it is not healthy) the policy's pick, remembered for the next turn."""
         if self.affinity is None:
-            return self.pick(pool, "prefill")
+            return self.pick(pool, "prefill", busy)
         url = self.affinity.remembered(conversation_keys(body))
-        backend = next((b for b in pool.prefills if b.url == url and b.healthy), None) if url else None
+        backend = next((b for b in self.candidates(pool, "prefill", busy) if b.url == url), None) if url else None
         if backend is not None:
             self.affinity_hits.inc()
         else:
-            backend = self.pick(pool, "prefill")
+            backend = self.pick(pool, "prefill", busy)
         self.affinity.remember(conversation_key(body), backend.url)
         return backend
 
@@ -130,8 +142,9 @@ class Router:
         arrival = arrival if arrival is not None else time.perf_counter()
         request_id = request_id_of(request.scope)
         pool = self.pool_for(body.get("model"))
+        busy: frozenset = frozenset()  # servers that turned this request away (503)
         for attempt in range(MAX_ATTEMPTS):
-            prefill, decode = self.pick_prefill(pool, body), self.pick(pool, "decode")
+            prefill, decode = self.pick_prefill(pool, body, busy), self.pick(pool, "decode", busy)
             room = new_room()
             prefill_body = {**body, "stream": False, "kv_transfer_params": {"room": room, "role": "prefill"}}
             prefill_body.pop("stream_options", None)
@@ -141,21 +154,29 @@ class Router:
             prefill_task = asyncio.create_task(legs.run_prefill(path, prefill_body))
             try:
                 decode_response = await legs.open_decode(path, decode_body, prefill_task)
+                if body.get("stream"):
+                    first = await run_until_disconnected(request, legs.first_event(decode_response, prefill_task))
             except LegFailed as failure:
                 await legs.cancel(prefill_task)
-                if failure.unreachable and attempt + 1 < MAX_ATTEMPTS:
-                    self.retries.labels(role=legs.failed_leg or "prefill").inc()
+                role = legs.failed_leg or "prefill"
+                if failure.busy:
+                    busy |= {(prefill if role == "prefill" else decode).url}
+                retry = failure.unreachable or (failure.busy and self.candidates(pool, role, busy))
+                if retry and attempt + 1 < MAX_ATTEMPTS:
+                    self.retries.labels(role=role).inc()
                     logger.info("request %s: %s; sending it again", request_id, failure)
-                    continue  # that server is marked unhealthy now: pick again
-                self.requests.labels(outcome="decode_failed" if legs.failed_leg == "decode" else "prefill_failed").inc()
-                legs.log_failure(legs.failed_leg or "prefill", failure.body)
-                return JSONResponse(failure.body, status_code=failure.status)
-            except BaseException:
+                    continue  # that server is unhealthy now, or busy: pick again
+                self.requests.labels(outcome="decode_failed" if role == "decode" else "prefill_failed").inc()
+                legs.log_failure(role, failure.body)
+                return failure.response()
+            except BaseException as error:
                 await legs.cancel(prefill_task)
                 legs.close_decode()
+                if isinstance(error, OpenAIError) and error.status_code == 499:
+                    self.requests.labels(outcome="disconnected").inc()
                 raise
             if body.get("stream"):
-                return streaming_response(legs.relay(decode_response, prefill_task))
+                return streaming_response(legs.relay(decode_response, prefill_task, first))
             return await run_until_disconnected(request, legs.collect(decode_response, prefill_task))
         raise AssertionError("unreachable")
 
