@@ -2,9 +2,10 @@
 ``/health``, ``/v1/models``, ``POST /v1/completions``) with no engine behind them, for measuring
 and testing the router alone. Each waits ``answer_seconds`` before answering; one made ``busy``
 turns every generation request away with 503 and ``Retry-After`` as a server whose queue is full
-does. Each answer names the server (``system_fingerprint``), so a test can see who served it.
+does. Each answer names the server (``system_fingerprint``), so a test can see who served it;
+``/served`` counts the generation requests it served.
 
-    python benchmarks/stand_ins.py ROLE PORT [--answer-ms MS] [--busy]
+    python benchmarks/stand_ins.py ROLE PORT [--answer-ms MS] [--token-ms MS] [--busy]
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ LAYOUT = {"architecture": "LlamaForCausalLM", "model": {"vocab_size": 32000}, "p
           "buffers": [[0, "layers.0", "kv", 2, "bfloat16", 65536, 65536, 0]], "metadata_row_bytes": 64}
 
 
-def stand_in_app(role: str, answer_seconds: float = 0.0, busy: bool = False, name: str = "") -> FastAPI:
+def stand_in_app(role: str, answer_seconds: float = 0.0, busy: bool = False, name: str = "",
+                 token_seconds: float = 0.0) -> FastAPI:
     app = FastAPI()
     served = {"requests": 0}
 
@@ -61,7 +63,7 @@ def stand_in_app(role: str, answer_seconds: float = 0.0, busy: bool = False, nam
                 chunk = {"id": "cmpl", "object": "text_completion", "model": MODEL, "system_fingerprint": name,
                          "choices": [{"index": 0, "text": "x", "token_ids": [index + 1], "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-                await asyncio.sleep(0)
+                await asyncio.sleep(token_seconds)
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -75,9 +77,11 @@ def main(argv=None) -> None:
     parser.add_argument("role", choices=("prefill", "decode"))
     parser.add_argument("port", type=int)
     parser.add_argument("--answer-ms", type=float, default=0.0)
+    parser.add_argument("--token-ms", type=float, default=0.0, help="between streamed tokens")
     parser.add_argument("--busy", action="store_true")
     arguments = parser.parse_args(argv)
-    app = stand_in_app(arguments.role, arguments.answer_ms / 1e3, arguments.busy, f"{arguments.role}:{arguments.port}")
+    app = stand_in_app(arguments.role, arguments.answer_ms / 1e3, arguments.busy, f"{arguments.role}:{arguments.port}",
+                       arguments.token_ms / 1e3)
     uvicorn.run(app, host="127.0.0.1", port=arguments.port, log_level="warning")
 
 

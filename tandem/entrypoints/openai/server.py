@@ -9,7 +9,6 @@ Order of events (the frontend process owns all of it)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import uvicorn
 from tandem.config import EngineConfig
 from tandem.engine.protocol import EngineStats
 from tandem.entrypoints import event_loop
+from tandem.entrypoints.event_loop import DrainingServer
 from tandem.entrypoints.openai.app import create_app
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ServerState
@@ -27,7 +27,6 @@ from tandem.frontend.engine_client import DEFAULT_CORE_CLASS, EngineClient, Engi
 from tandem.frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.server")
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -42,20 +41,6 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     engine_ready_timeout: float = 600.0
     core_class_path: str = DEFAULT_CORE_CLASS
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but a signal only starts the graceful shutdown; it is not re-raised afterwards,
-    so the process can stop its engine and exit with status 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 class StatsReader:

@@ -6,6 +6,7 @@ import logging
 import os
 
 from tandem.entrypoints import event_loop
+from tandem.entrypoints.event_loop import DrainingServer
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, RouterSetupError
 from tandem.entrypoints.router.routing import POLICIES, Router
 
@@ -39,6 +40,9 @@ def add_router_parser(subparsers) -> None:
                              "requests until it answers again (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for every server to answer GET /pd/info (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; then they are "
+                             "cut (both legs cancelled: the servers abort them) (default: %(default)s)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="log level (default: %(default)s)")
     parser.set_defaults(func=run_router)
@@ -52,6 +56,8 @@ def run_router(arguments: argparse.Namespace) -> int:
     logging.basicConfig(level=arguments.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if arguments.health_interval <= 0:
         raise SystemExit(f"tandem router: --health-interval must be > 0, got {arguments.health_interval}")
+    if arguments.shutdown_timeout < 0:
+        raise SystemExit(f"tandem router: --shutdown-timeout must be >= 0, got {arguments.shutdown_timeout}")
     api_key = arguments.api_key or os.environ.get("TANDEM_API_KEY") or None
 
     async def serve() -> int:
@@ -68,8 +74,9 @@ def run_router(arguments: argparse.Namespace) -> int:
             logger.info("routing %s over %d prefill and %d decode servers (%s)", ", ".join(sorted(router.pools)),
                         len(arguments.prefill), len(arguments.decode), arguments.policy)
             config = uvicorn.Config(create_router_app(router), host=arguments.host, port=arguments.port,
-                                    log_level=arguments.log_level, access_log=arguments.log_level == "debug")
-            await uvicorn.Server(config).serve()
+                                    log_level=arguments.log_level, access_log=arguments.log_level == "debug",
+                                    timeout_graceful_shutdown=arguments.shutdown_timeout)
+            await DrainingServer(config).serve()
             return 0
         finally:
             await router.close()

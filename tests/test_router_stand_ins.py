@@ -1,5 +1,6 @@
-"""The router against servers that turn requests away (stand-ins from ``benchmarks/stand_ins.py``:
-no engines, so these cases are fast and exact about who answered what).
+"""The router against stand-in servers (``benchmarks/stand_ins.py``: no engines, so these cases are
+fast and exact about who answered what): servers that turn requests away, and the router's own
+bounded drain on SIGTERM.
 
 A server that answers 503 (its queue is full) never started the request: the router sends it to
 another healthy server of that role, streamed or not, and only when none is left does the client
@@ -8,8 +9,10 @@ leg's first event, so a prefill failure before it keeps its own status.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +110,38 @@ def test_with_every_server_busy_the_client_gets_the_503(deployment, stream):
     assert response.headers["x-request-id"]
     assert stand_ins["decode"].served() - decode_served <= 1  # its leg was cut (it may have begun)
     assert routers["all_busy"].metric("router_requests_total", 'outcome="prefill_failed"') >= 1
+
+
+def test_sigterm_drain_is_bounded(tmp_path):
+    """A stream still running when the router is told to stop is cut after --shutdown-timeout;
+    the router exits 0."""
+    prefill, decode = StandIn("prefill", tmp_path), StandIn("decode", tmp_path, "--token-ms", "50")
+    router = RouterProcess([prefill.base_url], [decode.base_url], tmp_path / "router.log",
+                           ("--shutdown-timeout", "1"))
+    lines, first_event = [], threading.Event()
+
+    def stream():  # 200 tokens, 50 ms apart: about 10 s
+        try:
+            with httpx.stream("POST", router.base_url + "/v1/completions", json={**body(True), "max_tokens": 200},
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    first_event.set()
+        except httpx.HTTPError:
+            pass
+    try:
+        router.start()
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert first_event.wait(30)
+        signalled = time.monotonic()
+        status = router.stop(signal.SIGTERM)
+        elapsed = time.monotonic() - signalled
+        thread.join(30)
+    finally:
+        router.kill()
+        prefill.stop()
+        decode.stop()
+    assert status == 0
+    assert elapsed < 6, f"the router took {elapsed:.1f} s to stop with a 1 s drain limit"
+    assert "data: [DONE]" not in lines and len(lines) < 200, "the long stream cannot have finished"
