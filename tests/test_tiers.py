@@ -8,6 +8,7 @@ end every device page is free and every host page free or cached, nothing in fli
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -86,12 +87,52 @@ def test_disk_hits_host_hits_and_swap_in_one_workload(arch, layout, model_dirs, 
     outputs = llm.generate(again, params)
     stats = llm.engine.stats().tiers
     assert stats.disk_hit_tokens >= 96, stats
+    assert llm.engine.coordinator.tiers.prefetch.installed_pages >= 6  # read off the engine loop
     assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
     llm.engine.coordinator.tiers.drain()
     llm.engine.reset_prefix_cache()
     repeat = llm.generate(again[1:3], params)
     assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
     check(outputs + repeat, again + again[1:3], 6, oracles[arch], f"{arch} mixed")
+    close(llm)
+
+
+def test_a_disk_prefix_is_read_while_running_sequences_step(model_dirs, oracles, tmp_path, monkeypatch):
+    """A waiting prompt whose prefix is on disk waits for its read (done by a thread) while the
+    running sequence keeps stepping; then it hits the pages read, exactly."""
+    from tandem.kv.tiers.disk_store import DiskStore
+
+    directory = str(tmp_path / "disk")
+    stored = prompts_for(44, (100,))
+    writer = make_llm(model_dirs["llama"], "llama", disk_cache_dir=directory)
+    writer.generate(stored, SamplingParams(max_tokens=2, **GREEDY))
+    close(writer)
+    original = DiskStore.read_entry
+
+    def slow_read(store, key):
+        time.sleep(0.05)  # a slow disk: 6 pages take 0.3 s
+        return original(store, key)
+    monkeypatch.setattr(DiskStore, "read_entry", slow_read)
+
+    llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=directory)
+    engine, prefetch = llm.engine, llm.engine.coordinator.tiers.prefetch
+    steps_during_read = []
+    step = engine.step
+
+    def recording_step(*args, **kwargs):
+        deltas = step(*args, **kwargs)
+        if prefetch.in_flight:
+            steps_during_read.append(sum(len(delta.new_token_ids) for delta in deltas))
+        return deltas
+    monkeypatch.setattr(engine, "step", recording_step)
+    running = prompts_for(45, (9,))  # first in the queue: admitted at once
+    prompts = running + [stored[0][:96] + [5, 6, 7]]
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=6, **GREEDY)])
+    assert sum(steps_during_read) >= 2, steps_during_read  # tokens came out while the read was in flight
+    assert prefetch.installed_pages == 6 and engine.stats().tiers.disk_hit_tokens == 96
+    assert outputs[1].num_cached_tokens == 96
+    check(outputs[:1], prompts[:1], 40, oracles["llama"], "running during a disk read")
+    check(outputs[1:], prompts[1:], 6, oracles["llama"], "after a disk read")
     close(llm)
 
 

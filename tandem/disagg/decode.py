@@ -156,6 +156,9 @@ class DecodeSide(PDSide):
                     transfer.held_back = True
                     self.metrics.record_held_back()
                 return
+            sequence = transfer.sequence
+            if self.coordinator.prefix_loading(sequence.state, sequence.token_ids):
+                return  # a prefix this server's disk store holds is being read (off the engine loop)
             if not self.bind(transfer, now):
                 if not transfer.held_back:
                     transfer.held_back = True

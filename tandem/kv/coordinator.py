@@ -191,6 +191,8 @@ class StateCoordinator:
         ``keep_swapped``, its swapped-out copy in the host tier)."""
         if state.swapped is not None and not keep_swapped:
             self.tiers.drop_swapped(state)
+        if self.tiers is not None and self.tiers.prefetch is not None:
+            self.tiers.prefetch.forget(state.owner)
         for pool, table in zip(self.pools, state.page_tables):
             pool.release([page for page in table if page != NULL_PAGE], state.owner)
             table.clear()
@@ -208,6 +210,15 @@ class StateCoordinator:
                     table[index] = NULL_PAGE
 
     # -- prefix cache ------------------------------------------------------------------------
+    def prefix_loading(self, state: RequestState, token_ids: list[int], idle: bool = False) -> bool:
+        """Whether the sequence must wait before ``match_prefix``: pages its match would take
+        from the disk store are being read off the engine loop (``tiers/prefetch.py``). ``idle``:
+        nothing else can run meanwhile."""
+        if self.prefix_cache is None or self.tiers is None or self.tiers.prefetch is None or any(state.page_tables):
+            return False
+        max_pages = (len(token_ids) - 1) // self.page_size
+        return self.tiers.prefetch.pending(state.owner, token_ids, max_pages, idle)
+
     def match_prefix(self, state: RequestState, token_ids: list[int]) -> int:
         """Take the longest cached prefix (whole pages, leaving at least one token to compute).
 

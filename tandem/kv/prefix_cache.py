@@ -74,6 +74,10 @@ class PrefixCache:
         self.num_nodes += 1
         return child
 
+    def chain_hash(self, parent_hash: bytes, tokens: tuple[int, ...]) -> bytes:
+        """The hash a child holding ``tokens`` under a node hashed ``parent_hash`` would have."""
+        return self._chain_hash(parent_hash, tokens) if self._chain_hash else b""
+
     def _page_keys(self, token_ids: list[int], num_pages: int) -> list[tuple[int, ...]]:
         size = self.page_size
         return [tuple(token_ids[i * size:(i + 1) * size]) for i in range(num_pages)]

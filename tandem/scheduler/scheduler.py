@@ -168,6 +168,8 @@ class Scheduler:
                     return
                 sequence.num_computed_tokens = swapped.num_computed_tokens
             else:
+                if self._prefix_loading(sequence):
+                    return  # its prefix is coming from the disk store; the running ones step meanwhile
                 self._match_prefix(sequence)
             chunk = self._chunk(sequence, budget)
             target = chunk.start + chunk.num_query_tokens
@@ -195,6 +197,11 @@ class Scheduler:
             return False
         tiers.drain()
         return True
+
+    def _prefix_loading(self, sequence: Sequence) -> bool:
+        if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
+            return False
+        return self.coordinator.prefix_loading(sequence.state, sequence.token_ids, idle=not self.running)
 
     def _match_prefix(self, sequence: Sequence) -> None:
         if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:

@@ -41,10 +41,13 @@ class DiskPages:
     def _read_from_disk(self, node: CacheNode) -> bool:
         """Bring a node's pages from disk into new host pages; False on a miss (a rejected
         file is a miss: the store counted, logged and deleted it)."""
-        payload = self.disk.read(node.hash)
-        if payload is None:
-            return False
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        entry = self.disk.read_entry(node.hash)
+        return entry is not None and self._install_payload(node, *entry)
+
+    def _install_payload(self, node: CacheNode, payload, origin: str) -> bool:
+        """A payload read from the store into new host pages of ``node``; False when it does
+        not match this layout or the host tier has no room."""
+        data = torch.frombuffer(payload, dtype=torch.uint8)
         mask = data[:self.num_groups].tolist() if data.numel() >= self.num_groups else []
         expected = self.num_groups + sum(layout.block_bytes for layout, present in zip(self.layouts, mask) if present)
         if len(mask) != self.num_groups or any(value not in (0, 1) for value in mask) or data.numel() != expected:
@@ -64,5 +67,5 @@ class DiskPages:
             host_pages.append(host[group][0])
         node.host_pages = tuple(host_pages)
         self._host_resident(node)
-        self._read_from_disk_now[id(node)] = self.disk.last_read_origin
+        self._read_from_disk_now[id(node)] = origin
         return True

@@ -262,10 +262,18 @@ class DiskStore:
 
     # -- reads -----------------------------------------------------------------------------
 
+    def read_entry(self, key: bytes) -> Optional[tuple[memoryview, str]]:
+        """The payload stored under ``key`` and who wrote it, or None on a miss. Safe from any
+        thread (the prefix prefetch reads here)."""
+        return self._read(key, None, with_origin=True)
+
     def read(self, key: bytes, out: Optional[torch.Tensor] = None):
         """The payload stored under ``key`` (a writable memoryview), or None on a miss. With
         ``out`` (a contiguous uint8 CPU tensor of the payload's length) the payload is read
         straight into it and the result is True/False; on False ``out`` holds garbage."""
+        return self._read(key, out)
+
+    def _read(self, key: bytes, out: Optional[torch.Tensor], with_origin: bool = False):
         if out is not None:
             _check_payload_tensor(out, "out")
         if not self.available or not self.contains(key):
@@ -296,6 +304,8 @@ class DiskStore:
                     self._index.move_to_end(key)
                 self._stats.hits_by_origin[origin] = self._stats.hits_by_origin.get(origin, 0) + 1
                 self.last_read_origin = origin
+                if with_origin:
+                    result = (result, origin)
         if result is not None:
             try:
                 os.utime(path)  # recency survives a restart (the scan orders by mtime)

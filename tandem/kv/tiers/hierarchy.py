@@ -41,6 +41,7 @@ from tandem.kv.prefix_cache import CacheNode
 from tandem.kv.tiers.copy_stream import TierStream
 from tandem.kv.tiers.host_pool import HostPool, layouts_of
 from tandem.kv.tiers.disk_pages import DiskPages
+from tandem.kv.tiers.prefetch import DiskPrefetch
 from tandem.kv.tiers.page_mover import Move, TierMover, Transfer
 from tandem.kv.tiers.swap import Swap, SwappedState
 
@@ -134,6 +135,7 @@ class TieredState(DiskPages, Swap):
         self.restored_now: dict[int, str] = {}  # the latest match's restored nodes -> "host"/"disk"
         self.restored_origin: dict[int, str] = {}  # the latest match's disk nodes -> who wrote them
         self.stats = TierStats()
+        self.prefetch = DiskPrefetch(self) if self.disk is not None else None
 
     @property
     def _cache(self):
@@ -201,6 +203,8 @@ class TieredState(DiskPages, Swap):
             self.disk.poll()
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self.drain()
         self.stream.close()
         if self.disk is not None:
@@ -358,6 +362,52 @@ class TieredState(DiskPages, Swap):
                 result.append(child)
                 parent = child
         return result
+
+    def disk_keys_to_read(self, token_ids: list[int], max_pages: int) -> list[bytes]:
+        """The store keys of the pages a match of ``token_ids`` would read from disk, in order:
+        nodes of the tree on no tier above it, then past the tree's end while the store holds
+        the chain (``complete_path``'s walk, without reading)."""
+        cache, size = self._cache, self.page_size
+        path = cache.match(token_ids, max_pages)
+        keys = []
+        for node in path:
+            if node.pages is None and node.host_pages is None:
+                if not self.disk.contains(node.hash):
+                    return keys
+                keys.append(node.hash)
+        key = path[-1].hash if path else cache.root.hash
+        for index in range(len(path), max_pages):
+            key = cache.chain_hash(key, tuple(token_ids[index * size:(index + 1) * size]))
+            if not self.disk.contains(key):
+                break
+            keys.append(key)
+        return keys
+
+    def install_chain(self, token_ids: list[int], max_pages: int, entries: dict) -> int:
+        """Put read payloads (key -> (payload, origin)) into host pages of the nodes along
+        ``token_ids`` that need them (nodes past the tree's end are made), up to the first node
+        without one; returns how many were installed."""
+        cache, size = self._cache, self.page_size
+        node, installed = cache.root, []
+        for index in range(max_pages):
+            tokens = tuple(token_ids[index * size:(index + 1) * size])
+            child = node.children.get(tokens)
+            if child is not None and (child.pages is not None or child.host_pages is not None):
+                node = child
+                continue
+            made = child is None
+            if made:
+                child = cache.add_child(node, tokens, None)
+            entry = entries.get(child.hash)
+            if entry is None or not self._install_payload(child, *entry):
+                if made:
+                    cache.forget_if_hollow(child)
+                break
+            cache.lock([child])  # (not evicted to make host room for the rest of the chain)
+            installed.append(child)
+            node = child
+        cache.unlock(installed)
+        return len(installed)
 
     def restore(self, path: list[CacheNode]) -> int:
         """Make the path's nodes device-resident, as many as the device pool allows; returns how
