@@ -25,7 +25,7 @@ import zlib  # noqa: E402
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from tandem.kv.tiers import disk_store  # noqa: E402
+from tandem.kv.tiers import page_io  # noqa: E402
 from tests.oracle import LOGPROB_TOLERANCE  # noqa: E402
 from tests.pd_helpers import RouterProcess, ServerProcess, serve_flags, start_all, wait_for  # noqa: E402
 from tests.test_decode_offload import EXACT  # noqa: E402
@@ -150,14 +150,14 @@ def test_2p1d_turns_hit_on_either_prefill_server(deployment, oracles):
 def verify_page_file(path) -> None:
     """A page file as a reader checks it: header, key, lengths, both checksums."""
     data = path.read_bytes()
-    fixed = disk_store._FIXED
+    fixed = page_io._FIXED
     magic, version, key_length, _, payload_length, _, payload_crc = fixed.unpack_from(data)
-    assert magic == disk_store.MAGIC and version == disk_store.FORMAT_VERSION, path
-    key = data[disk_store.HEADER_SIZE:disk_store.HEADER_SIZE + key_length]
+    assert magic == page_io.MAGIC and version == page_io.FORMAT_VERSION, path
+    key = data[page_io.HEADER_SIZE:page_io.HEADER_SIZE + key_length]
     (header_crc,) = struct.unpack_from("<I", data, fixed.size)
     assert zlib.crc32(key, zlib.crc32(data[:fixed.size])) == header_crc, path
-    assert len(data) == disk_store.HEADER_SIZE + key_length + payload_length, path
-    assert zlib.crc32(data[disk_store.HEADER_SIZE + key_length:]) == payload_crc, path
+    assert len(data) == page_io.HEADER_SIZE + key_length + payload_length, path
+    assert zlib.crc32(data[page_io.HEADER_SIZE + key_length:]) == payload_crc, path
     assert path.name == key.hex() + ".page"
 
 

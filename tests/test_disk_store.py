@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tandem.kv.tiers import disk_store
+from tandem.kv.tiers import disk_store, page_io
 from tandem.kv.tiers.disk_store import HEADER_SIZE, DiskStore
 from tandem.kv.tiers.keys import chain_hash, layout_fingerprint
 
@@ -262,7 +262,7 @@ def test_unreadable_file_is_a_counted_miss_and_deleted(tmp_path, monkeypatch):
     def failing(f, n):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk_store, "_read_exact", failing)
+    monkeypatch.setattr(page_io, "read_exact", failing)  # (the page file reader)
     assert store.read(key(0)) is None and store.stats.rejected == {"unreadable": 1}
     assert store_files(tmp_path) == [] and not store.contains(key(0))
     store.close()

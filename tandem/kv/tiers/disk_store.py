@@ -47,10 +47,8 @@ import hashlib
 import logging
 import os
 import re
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -58,22 +56,17 @@ from typing import Callable, Optional
 
 import torch
 
-from tandem.kv.tiers.page_io import (Rejected as _Rejected, check_payload_tensor as _check_payload_tensor,
-                                     read_exact as _read_exact, readinto_exact as _readinto_exact,
+from tandem.kv.tiers.page_io import (HEADER_SIZE, MAGIC, ORIGINS, Rejected as _Rejected,
+                                     check_payload_tensor as _check_payload_tensor, page_header, read_page,
                                      write_all as _write_all)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"TNDMPAGE"
-FORMAT_VERSION = 1
-_FIXED = struct.Struct("<8sHHIQ32sI")  # everything before the header crc
-HEADER_SIZE = _FIXED.size + 4          # 64 bytes, then the key
 MAX_KEY_LEN = 64  # its hex is the file name (names are at most 255 bytes)
 _PAGE_RE = re.compile(r"^([0-9a-f]{2,128})\.page$")
 STALE_TEMP_AGE_S = 60.0   # a younger temp file may be another process's write in flight
 MAX_CONSECUTIVE_WRITE_FAILURES = 8
 _LOG_EVERY_S = 60.0
-ORIGINS = ("unknown", "prefill", "decode", "colocated")  # header field 3, by index
 
 
 @dataclass
@@ -283,7 +276,7 @@ class DiskStore:
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                result = self._read_file(f, key, out)
+                result = read_page(f, key, self.digest, out)
         except FileNotFoundError:  # deleted behind our back (another process, an operator)
             self._forget(key)
             result = None
@@ -314,40 +307,6 @@ class DiskStore:
         if out is not None:
             return result is not None
         return result
-
-    def _read_file(self, f, key: bytes, out: Optional[torch.Tensor]):
-        head = _read_exact(f, HEADER_SIZE)
-        if len(head) < HEADER_SIZE:
-            return _Rejected("truncated", f"{len(head)}-byte header")
-        magic, version, key_len, origin, payload_len, digest, payload_crc = _FIXED.unpack_from(head)
-        if magic != MAGIC:
-            return _Rejected("header", "bad magic")
-        file_key = _read_exact(f, key_len)
-        if len(file_key) < key_len:
-            return _Rejected("truncated", "short key")
-        (header_crc,) = struct.unpack_from("<I", head, _FIXED.size)
-        if zlib.crc32(file_key, zlib.crc32(head[:_FIXED.size])) != header_crc:
-            return _Rejected("header", "header checksum mismatch")
-        if version != FORMAT_VERSION:
-            return _Rejected("version", f"format version {version}, expected {FORMAT_VERSION}")
-        if digest != self.digest:
-            return _Rejected("foreign", "written for another model or layout (fingerprint differs)")
-        if file_key != key:
-            return _Rejected("foreign", f"holds key {file_key.hex()}, expected {key.hex()}")
-        size = os.fstat(f.fileno()).st_size
-        expected = HEADER_SIZE + key_len + payload_len
-        if size != expected:
-            return _Rejected("truncated" if size < expected else "length",
-                             f"{size} bytes, header says {expected}")
-        if out is not None and out.numel() != payload_len:
-            return _Rejected("length", f"payload of {payload_len} bytes, caller expects {out.numel()}")
-        buf = bytearray(payload_len) if out is None else out.view(-1).numpy()
-        view = memoryview(buf).cast("B")
-        if _readinto_exact(f, view) < payload_len:
-            return _Rejected("truncated", "short payload")
-        if zlib.crc32(view) != payload_crc:
-            return _Rejected("checksum", "payload checksum mismatch")
-        return view, (ORIGINS[origin] if origin < len(ORIGINS) else "unknown")
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -408,9 +367,7 @@ class DiskStore:
         path = self._path(key)
         tmp = os.path.join(os.path.dirname(path), tmp_name)
         try:
-            fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), ORIGINS.index(self.origin), len(data), self.digest,
-                                zlib.crc32(data))
-            header = fixed + struct.pack("<I", zlib.crc32(key, zlib.crc32(fixed))) + key
+            header = page_header(key, data, self.origin, self.digest)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "xb", buffering=0) as f:
                 _write_all(f, header)
