@@ -91,11 +91,13 @@ def test_a_busy_server_sends_the_request_elsewhere(deployment, stream):
             assert len(events) == 3 and all('"error"' not in event for event in events), response.text
         else:
             assert response.json()["choices"][0]["token_ids"] == [1, 2, 3]
-    assert stand_ins["prefill"].served() - served["prefill"] == 4
-    assert stand_ins["decode"].served() - served["decode"] == 4
-    # round robin picked the busy ones about half the time; each such pick was sent again
+    # a leg whose other leg was turned away is cancelled and sent again (new room) to the same server
+    assert stand_ins["prefill"].served() - served["prefill"] >= 4
+    assert stand_ins["decode"].served() - served["decode"] >= 4
+    # round robin picks a busy server of each role at least every other request; only the refused
+    # leg is picked again, so each role is sent again at least twice in four requests
     for role in ("prefill", "decode"):
-        assert router.metric("router_retries_total", f'role="{role}"') > retries[role]
+        assert router.metric("router_retries_total", f'role="{role}"') >= retries[role] + 2
     assert router.metric("router_requests_total", 'outcome="ok"') >= 4
 
 

@@ -143,8 +143,12 @@ class Router:
         request_id = request_id_of(request.scope)
         pool = self.pool_for(body.get("model"))
         busy: frozenset = frozenset()  # servers that turned this request away (503)
+        prefill = decode = None  # a retry picks again only the leg that failed
         for attempt in range(MAX_ATTEMPTS):
-            prefill, decode = self.pick_prefill(pool, body, busy), self.pick(pool, "decode", busy)
+            if prefill is None:
+                prefill = self.pick_prefill(pool, body, busy)
+            if decode is None:
+                decode = self.pick(pool, "decode", busy)
             room = new_room()
             prefill_body = {**body, "stream": False, "kv_transfer_params": {"room": room, "role": "prefill"}}
             prefill_body.pop("stream_options", None)
@@ -165,6 +169,10 @@ class Router:
                 if retry and attempt + 1 < MAX_ATTEMPTS:
                     self.retries.labels(role=role).inc()
                     logger.info("request %s: %s; sending it again", request_id, failure)
+                    if role == "prefill":
+                        prefill = None
+                    else:
+                        decode = None
                     continue  # that server is unhealthy now, or busy: pick again
                 self.requests.labels(outcome="decode_failed" if role == "decode" else "prefill_failed").inc()
                 legs.log_failure(role, failure.body)
