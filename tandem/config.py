@@ -176,10 +176,10 @@ class EngineConfig:
         if size == 1:
             return
         for field_name, unsupported in (("speculative_method", self.speculative_method is not None),
-                                        ("host_cache_size", self.has_host_tier)):
+                                        ("disk_cache_dir", bool(self.disk_cache_dir))):
             require(not unsupported, "tensor_parallel_size",
                     f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
-                    "speculative decoding and host/disk tiers)")
+                    "speculative decoding and the disk tier; the host tier and swap work)")
 
     @property
     def sanitizer_on(self) -> bool:

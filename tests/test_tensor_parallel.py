@@ -16,7 +16,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -90,11 +89,52 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
                         f"{arch} TP=2 prompt position {position}")
 
 
+TIER_ENGINE = dict(page_size=16, max_total_tokens=192, max_num_batched_tokens=64, max_num_seqs=16,
+                   host_cache_size=0.05, preemption_mode="swap")
+TIER_TOKENS = 20
+
+
+def host_tier_scenario(llm: LLM):
+    """(outputs, prompts) of a TP engine with a host tier (``TIER_ENGINE``): four prompts whose
+    decodes outgrow the 12-page pool (swap preemption), then two again after a device flush
+    (host hits)."""
+    rng = random.Random(42)
+    prompts = [[rng.randrange(3, 500) for _ in range(40)] for _ in range(4)]
+    params = SamplingParams(max_tokens=TIER_TOKENS, **GREEDY)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats().tiers
+    assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
+    llm.engine.coordinator.tiers.drain()
+    assert llm.engine.reset_prefix_cache() > 0  # the device copies go; the host keeps them
+    outputs += llm.generate(prompts[1:3], params, use_tqdm=False)
+    assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
+    assert outputs[-1].num_cached_tokens >= 32
+    llm.engine.check_all_free()
+    return outputs, prompts + prompts[1:3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_tp2_host_tier_and_swap(arch, model_dirs, oracles):
+    """The host tier under TP=2: rank 0 keeps the books, the worker replays each save and
+    layer-wise load on its own host pages. Each rank holds half the heads, so a page the worker
+    did not save or restore changes the outputs (or reads poison: the sanitizer fails the step)."""
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **TIER_ENGINE)
+    try:
+        outputs, prompts = host_tier_scenario(llm)
+    finally:
+        llm.engine.shutdown()
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, TIER_TOKENS),
+                       context=f"{arch} TP=2 host tier prompt {number}")
+
+
 def test_bad_tensor_parallel_size_is_named(model_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with disk_cache_dir"):
+        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, disk_cache_dir="/tmp/unused")
     # The tiny NemotronH has 4 Mamba-2 heads in 2 groups: a rank cannot hold half a group.
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide n_groups \(2\)"):
         LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=4, **ENGINE)

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (``pytest -m gpu``; NCCL between the ranks): TP=2 equals
 TP=1 and transformers in float32 for every family it shards, decode steps replaying CUDA graphs
-(with the collectives inside) on both ranks; and the same eagerly. Decode throughput of TP=2 against
+(with the collectives inside) on both ranks; and the same eagerly; the host tier and swap, each
+rank copying its shard on its own tier stream. Decode throughput of TP=2 against
 TP=1 is ``benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2``.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tests.oracle import assert_matches
 from tests.test_gpu import prompts_for_test
+from tests.test_tensor_parallel import TIER_ENGINE, TIER_TOKENS, host_tier_scenario
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -52,3 +54,19 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         context = f"{arch} TP=2 prompt {number}"
         assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
         assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), context=context)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_cuda_tp2_host_tier_and_swap(arch, model_dirs, oracles, monkeypatch):
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, device="cuda", dtype="float32", **TIER_ENGINE)
+    try:
+        outputs, prompts = host_tier_scenario(llm)
+        llm.engine.check_health()
+    finally:
+        llm.engine.shutdown()
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, TIER_TOKENS),
+                       context=f"{arch} TP=2 host tier prompt {number}")

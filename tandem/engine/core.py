@@ -57,7 +57,8 @@ class EngineCore:
         plan, self.coordinator = build_coordinator(
             config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
             agree=self.parallel.agree_on_pages if self.parallel is not None else None)
-        tiers = build_tiers(config, self.coordinator, self.device)
+        tiers = build_tiers(config, self.coordinator, self.device,
+                            agree=self.parallel.agree_on_count if self.parallel is not None else None)
         if tiers is not None:
             self.coordinator.attach_tiers(tiers)
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,

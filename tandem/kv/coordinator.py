@@ -32,6 +32,14 @@ class PageOperationSink(Protocol):
 
     def poison(self, group_id: int, pages: list[int]) -> None: ...
 
+    # the host tier's (kv/tiers/hierarchy.py): a save or a layer-wise load of one group's pages,
+    # the release of device pages a tier copy held, and host pages poisoned when freed
+    def tier_copy(self, load: bool, group_id: int, device_pages: list[int], host_pages: list[int]) -> None: ...
+
+    def tier_fence(self) -> None: ...
+
+    def poison_host(self, group_id: int, pages: list[int]) -> None: ...
+
 
 @dataclass
 class RequestState:

@@ -42,9 +42,14 @@ CUDA_HANG_GRACE_SECONDS = 5.0  # after a worker died: how long a stuck NCCL coll
 def agree_on_pages(plan: PoolPlan, control) -> PoolPlan:
     """Every rank's token-paged pools get the fewest pages any rank can hold (per-sequence pools
     are sized from ``max_num_seqs``: equal already)."""
-    count = torch.tensor([plan.num_pages], dtype=torch.int64)
-    control.allreduce([count], _min_options()).wait()
-    return replace(plan, num_pages=int(count.item()))
+    return replace(plan, num_pages=agree_on_count(plan.num_pages, control))
+
+
+def agree_on_count(count: int, control) -> int:
+    """The smallest ``count`` of any rank (every rank calls it at the same point)."""
+    value = torch.tensor([count], dtype=torch.int64)
+    control.allreduce([value], _min_options()).wait()
+    return int(value.item())
 
 
 def _min_options():
@@ -122,6 +127,9 @@ class TensorParallel:
 
     def agree_on_pages(self, plan: PoolPlan) -> PoolPlan:
         return agree_on_pages(plan, self.groups.control)
+
+    def agree_on_count(self, count: int) -> int:
+        return agree_on_count(count, self.groups.control)
 
     def attach(self, coordinator, runner) -> None:
         """Record the coordinator's page operations and send a plan before each forward pass."""

@@ -4,8 +4,9 @@ A plan is the model runner's host-side inputs of one step (``StepInputs`` withou
 scheduler's objects), the logits rows it computes (sampled rows, then each chunk's prompt
 logprob rows: every rank must run the LM head's gather in the same order), the CUDA graph rank
 0 replays for it (every rank replays its own of that size: the graphs hold collectives), and the page
-operations rank 0's coordinator applied since the last plan (copies and sanitizer poison), which
-each rank replays on its own shard before the forward pass. Plans travel as msgpack over the
+operations rank 0's coordinator and host tier applied since the last plan (page copies, sanitizer
+poison, tier saves and layer-wise loads, fences, host poison), which each rank replays on its own
+shard before the forward pass (``worker_tiers.py`` for the tier's). Plans travel as msgpack over the
 control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan runs no forward
 pass: it carries page operations and the PD transfer operations of each rank's own agent
 (``pd_ranks.py``).
@@ -40,8 +41,15 @@ class Array(msgspec.Struct, array_like=True):
         return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape).copy()
 
 
+COPY, POISON = "copy", "poison"
+SAVE, LOAD, FENCE, HOST_POISON = "save", "load", "fence", "host_poison"  # the host tier's
+
+
 class PageOperation(msgspec.Struct, array_like=True):
-    kind: str  # "copy": pages == [source, destination]; "poison": the pages poisoned
+    """COPY: pages == [source, destination]; POISON / HOST_POISON: the device / host pages poisoned;
+    SAVE / LOAD: device pages then as many host pages (device → host / host → device); FENCE (no
+    group, no pages): rank 0 released device pages a tier copy held."""
+    kind: str
     group_id: int
     pages: list[int]
 
@@ -90,10 +98,19 @@ class PageJournal:
         self._operations: list[PageOperation] = []
 
     def copy_page(self, group_id: int, source: int, destination: int) -> None:
-        self._operations.append(PageOperation("copy", group_id, [source, destination]))
+        self._operations.append(PageOperation(COPY, group_id, [source, destination]))
 
     def poison(self, group_id: int, pages: list[int]) -> None:
-        self._operations.append(PageOperation("poison", group_id, list(pages)))
+        self._operations.append(PageOperation(POISON, group_id, list(pages)))
+
+    def tier_copy(self, load: bool, group_id: int, device_pages: list[int], host_pages: list[int]) -> None:
+        self._operations.append(PageOperation(LOAD if load else SAVE, group_id, [*device_pages, *host_pages]))
+
+    def tier_fence(self) -> None:
+        self._operations.append(PageOperation(FENCE, -1, []))
+
+    def poison_host(self, group_id: int, pages: list[int]) -> None:
+        self._operations.append(PageOperation(HOST_POISON, group_id, list(pages)))
 
     def pending(self) -> bool:
         return bool(self._operations)
@@ -103,13 +120,19 @@ class PageJournal:
         return operations
 
 
-def replay(operations: list[PageOperation], coordinator) -> None:
-    """Apply rank 0's page operations to this rank's shard, through the same movers."""
+def replay(operations: list[PageOperation], coordinator, tiers=None) -> None:
+    """Apply rank 0's page operations to this rank's shard, through the same movers (``tiers``:
+    this rank's host tier, ``worker_tiers.WorkerTiers``, for the tier's operations)."""
     for operation in operations:
-        if operation.kind == "copy":
+        if operation.kind == COPY:
             coordinator.copy_page(operation.group_id, *operation.pages)
-        else:
+        elif operation.kind == POISON:
             coordinator.sanitizer.poison(operation.group_id, operation.pages)
+        elif tiers is None:
+            raise RuntimeError(f"tensor parallelism: rank 0 sent a host-tier operation ({operation.kind}) "
+                               "to a rank without a host tier")
+        else:
+            tiers.replay(operation)
 
 
 class PlanChannel:

@@ -2,9 +2,10 @@
 
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
 reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
-(same config, its own rank), agrees on the page counts, then loops: receive a plan, replay its
-page operations on this rank's buffers, run the forward pass (replaying the CUDA graph the plan
-names: every rank captures the same ones at start-up, ``graphs.py``). It samples nothing and keeps no
+(same config, its own rank), agrees on the page counts (and the host tier's), then loops: receive
+a plan, replay its page operations on this rank's buffers (and host tier: ``worker_tiers.py``), run
+the forward pass (replaying the CUDA graph the plan names: every rank captures the same ones at
+start-up, ``graphs.py``). It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
 kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
 has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
@@ -53,9 +54,11 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.engine.state_setup import build_coordinator, register_state
     from tandem.models.loader import build_model
     from tandem.parallel.graphs import capture_on_every_rank
-    from tandem.parallel.launcher import agree_on_pages
+    from tandem.kv.tiers.setup import host_page_count
+    from tandem.parallel.launcher import agree_on_count, agree_on_pages
     from tandem.parallel.pd_ranks import WorkerTransfers
     from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
+    from tandem.parallel.worker_tiers import WorkerTiers
     from tandem.worker.cuda_graphs import decode_graph_sizes
     from tandem.worker.model_runner import ModelRunner
 
@@ -67,6 +70,9 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     registry.finalize()
     _, coordinator = build_coordinator(config, device, registry, info.max_model_len, False,
                                        agree=lambda plan: agree_on_pages(plan, groups.control))
+    tiers = None
+    if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
+        tiers = WorkerTiers(coordinator, agree_on_count(host_page_count(config, coordinator), groups.control), device)
     runner = ModelRunner(model, coordinator, device)
     if not config.enforce_eager:  # the same sizes as rank 0's (no speculation under tensor parallelism)
         capture_on_every_rank(runner, groups, decode_graph_sizes(config, config.max_num_seqs), info.max_model_len,
@@ -81,8 +87,10 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
             runner.release_graphs()  # before the process group goes (runner.release_graphs)
             if transfers is not None:
                 transfers.close()
+            if tiers is not None:
+                tiers.close()
             return
-        replay(plan.page_operations, coordinator)
+        replay(plan.page_operations, coordinator, tiers)
         if plan.kind == TRANSFER:
             transfers.serve(plan.transfer_operations)
             continue

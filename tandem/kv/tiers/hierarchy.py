@@ -123,6 +123,7 @@ class TieredState(DiskPages, Swap):
         self.layouts = layouts_of(self.registry)
         self.host = HostPool(self.layouts, host_pages, pin=device.type == "cuda",
                              sanitize=coordinator.sanitizer.enabled)
+        self.host.on_poison = self._host_poisoned
         self.stream = TierStream(device)
         self.mover = TierMover(self.registry, self.host, self.stream, device)
         self.policy = write_policy
@@ -136,6 +137,10 @@ class TieredState(DiskPages, Swap):
         self.restored_origin: dict[int, str] = {}  # the latest match's disk nodes -> who wrote them
         self.stats = TierStats()
         self.prefetch = DiskPrefetch(self) if self.disk is not None else None
+
+    def _host_poisoned(self, group: int, pages: list[int]) -> None:
+        if self.coordinator.mirror is not None:
+            self.coordinator.mirror.poison_host(group, pages)
 
     @property
     def _cache(self):
@@ -154,6 +159,11 @@ class TieredState(DiskPages, Swap):
         for pool, pages in zip(self.host.pools, host_tables):
             pool.acquire(pages, host_owner)
         transfer = (self.mover.load(moves, self.coordinator.pending_loads) if load else self.mover.save(moves))
+        mirror = self.coordinator.mirror
+        if mirror is not None:  # tensor parallelism: the other ranks make the same copies of their shards
+            for move in moves:
+                if move.device_pages:
+                    mirror.tier_copy(load, move.group, move.device_pages, move.host_pages)
         op = _Operation(transfer, device_owner, host_owner, host_tables)
         self._ops.append(op)
         return op
@@ -173,6 +183,9 @@ class TieredState(DiskPages, Swap):
                 self.stats.h2d_bytes += op.transfer.num_bytes
                 self.stats.h2d_seconds += seconds
             if op.device_owner is not None:
+                if self.coordinator.mirror is not None:
+                    # before the pages can be reused: the other ranks' copies must be done too
+                    self.coordinator.mirror.tier_fence()
                 self.coordinator.release_inflight(op.device_owner)
             for pool, pages in zip(self.host.pools, op.host_pages):
                 pool.release(pages, op.host_owner)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable, Optional
 
 import torch
 
@@ -131,6 +132,7 @@ class HostPool:
     def __init__(self, layouts: list[GroupLayout], num_pages: int, *, pin: bool, sanitize: bool) -> None:
         self.layouts = layouts
         self.sanitize = sanitize
+        self.on_poison: Optional[Callable[[int, list[int]], None]] = None  # told of each poisoning of freed pages
         self.arrays = []
         for layout in layouts:
             # Not zeroed (a page is written before it is read; sanitizer mode poisons it below).
@@ -139,7 +141,7 @@ class HostPool:
             self.arrays.append(array)
         self.pools = [BlockPool(layout.group_id, num_pages + 1, on_free=self._poison) for layout in layouts]
         for group in range(len(layouts)):
-            self._poison(group, list(range(1, num_pages + 1)))
+            self.poison(group, list(range(1, num_pages + 1)))
 
     @property
     def num_pages(self) -> int:
@@ -149,6 +151,12 @@ class HostPool:
         return self.pools[group].num_free
 
     def _poison(self, group: int, pages: list[int]) -> None:
+        if self.sanitize and pages and self.on_poison is not None:
+            self.on_poison(group, pages)
+        self.poison(group, pages)
+
+    def poison(self, group: int, pages: list[int]) -> None:
+        """Sanitizer mode: fill the pages with a poison value (NaN in float buffers)."""
         if not self.sanitize or not pages:
             return
         index = torch.tensor(pages, dtype=torch.long)

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -52,14 +52,10 @@ def layout_fingerprint_parts(config: "EngineConfig", coordinator: "StateCoordina
             coordinator.page_size, coordinator.registry.describe()]
 
 
-def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
-                device: torch.device) -> Optional[TieredState]:
-    """The host tier (and the disk tier behind it) when configured, else None. A disk
-    directory without a host size gets a host tier of as many pages as the device pool."""
-    if config.host_cache_size <= 0 and not config.disk_cache_dir:
-        return None
-    layouts = layouts_of(coordinator.registry)
-    per_node = max(node_bytes(layouts), 1)
+def host_page_count(config: "EngineConfig", coordinator: "StateCoordinator") -> int:
+    """Host pages (one page of every group each) that ``host_cache_size`` holds; a disk directory
+    without a host size: as many as the device pool."""
+    per_node = max(node_bytes(layouts_of(coordinator.registry)), 1)
     if config.host_cache_size > 0:
         host_pages = int(config.host_cache_size * GIB) // per_node
     else:
@@ -67,6 +63,19 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator",
     if host_pages < 1:
         raise ValueError(f"host_cache_size: {config.host_cache_size} GB holds no page "
                          f"({per_node} bytes per page of every group)")
+    return host_pages
+
+
+def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", device: torch.device,
+                agree: Optional[Callable[[int], int]] = None) -> Optional[TieredState]:
+    """The host tier (and the disk tier behind it) when configured, else None. ``agree``
+    (tensor parallelism): the host page count every rank takes (each holds its shard's bytes)."""
+    if config.host_cache_size <= 0 and not config.disk_cache_dir:
+        return None
+    host_pages = host_page_count(config, coordinator)
+    if agree is not None:
+        host_pages = agree(host_pages)
+    per_node = node_bytes(layouts_of(coordinator.registry))
     disk = None
     if config.disk_cache_dir:
         from tandem.kv.tiers.keys import layout_fingerprint
