@@ -175,11 +175,11 @@ class EngineConfig:
                 f"must be an integer >= 1, got {size!r}")
         if size == 1:
             return
-        for field_name, unsupported in (("speculative_method", self.speculative_method is not None),
+        for field_name, unsupported in (("speculative_method='mtp'", self.speculative_method == "mtp"),
                                         ("disk_cache_dir", bool(self.disk_cache_dir))):
             require(not unsupported, "tensor_parallel_size",
                     f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
-                    "speculative decoding and the disk tier; the host tier and swap work)")
+                    "MTP drafts and the disk tier; a draft model, the host tier and swap work)")
 
     @property
     def sanitizer_on(self) -> bool:

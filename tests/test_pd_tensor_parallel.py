@@ -167,3 +167,17 @@ def test_tp2_pd_of_a_hybrid_model(model_dirs, oracles):
         check_equals_colocated(pair, model_dirs, oracles, arch="nemotron_h")
     finally:
         pair.close()
+
+
+def test_tp2_pd_with_a_draft_model(model_dirs, oracles):
+    """Speculative decoding on both TP=2 sides, the draft on each rank 0: the draft's pages cross
+    with rank 0's shard (the worker's copies of the draft groups are never read), and the decode
+    side's draft proposes from them before its first step. (Last in the module, as above.)"""
+    pair = PDPair(model_dirs["llama"], tensor_parallel_size=2, speculative_model=model_dirs["llama"],
+                  num_speculative_tokens=2, **SMALL)
+    try:
+        check_equals_colocated(pair, model_dirs, oracles)
+        stats = pair.decode.speculator.stats()
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    finally:
+        pair.close()

@@ -128,10 +128,44 @@ def test_tp2_host_tier_and_swap(arch, model_dirs, oracles):
                        context=f"{arch} TP=2 host tier prompt {number}")
 
 
+@pytest.fixture(scope="module")
+def rejecting_draft(tmp_path_factory, tokenizer_dir):
+    """A tiny random llama sharing the test models' tokenizer: its guesses are almost never right."""
+    from tandem.tools.make_model import make_model
+
+    return str(make_model("llama", tmp_path_factory.mktemp("rejecting_draft"), seed=5, hidden_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, intermediate_size=64, tokenizer_dir=tokenizer_dir))
+
+
+@pytest.mark.parametrize("arch,draft", [("llama", "same"), ("qwen3_next", "rejecting")])
+def test_tp2_speculative_decoding_with_a_draft_model(arch, draft, model_dirs, oracles, rejecting_draft):
+    """A draft model under TP=2 runs on rank 0 alone; verification is a step like any other (the
+    plan carries its rows), and rollbacks' page copies (a hybrid's recurrent slots) are replayed
+    on the worker. An identical draft is always accepted; a random one almost never (rollback)."""
+    draft_dir = model_dirs[arch] if draft == "same" else rejecting_draft
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, speculative_model=draft_dir, num_speculative_tokens=3,
+              **ENGINE)
+    try:
+        outputs, prompts = run_scenario(llm)
+        stats = llm.engine.speculator.stats()
+        llm.engine.check_all_free()
+    finally:
+        llm.engine.shutdown()
+    assert stats.num_draft_tokens > 0
+    if draft == "same":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2, stats
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        reference = oracles[arch].greedy(prompt, MAX_TOKENS)
+        for index, sequence in enumerate(output.outputs):
+            assert_matches(sequence, reference, context=f"{arch} TP=2 {draft} draft prompt {number} sequence {index}")
+
+
 def test_bad_tensor_parallel_size_is_named(model_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method"):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method='mtp'"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with disk_cache_dir"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, disk_cache_dir="/tmp/unused")

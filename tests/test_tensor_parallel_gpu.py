@@ -1,8 +1,8 @@
 """Tensor parallelism on two GPUs (``pytest -m gpu``; NCCL between the ranks): TP=2 equals
 TP=1 and transformers in float32 for every family it shards, decode steps replaying CUDA graphs
 (with the collectives inside) on both ranks; and the same eagerly; the host tier and swap, each
-rank copying its shard on its own tier stream. Decode throughput of TP=2 against
-TP=1 is ``benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2``.
+rank copying its shard on its own tier stream; speculative decoding with a draft model on rank 0.
+Decode throughput of TP=2 against TP=1 is ``benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2``.
 """
 from __future__ import annotations
 
@@ -70,3 +70,29 @@ def test_cuda_tp2_host_tier_and_swap(arch, model_dirs, oracles, monkeypatch):
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         assert_matches(output.outputs[0], oracles[arch].greedy(prompt, TIER_TOKENS),
                        context=f"{arch} TP=2 host tier prompt {number}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
+    """An identical draft on rank 0 (its own CUDA graphs); verification steps replay the
+    target's graphs on both ranks as single-token rows where the target keeps its state per
+    token (llama), eagerly where a rollback may restore a recurrent slot (qwen3_next)."""
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    prompts = prompts_for_test()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, device="cuda", dtype="float32", page_size=16,
+              max_total_tokens=1024, max_num_batched_tokens=128, max_num_seqs=8,
+              speculative_model=model_dirs[arch], num_speculative_tokens=3)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.speculator.stats()
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
+        llm.engine.check_all_free()
+        llm.engine.check_health()
+    finally:
+        llm.engine.shutdown()
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS),
+                       context=f"{arch} TP=2 speculative prompt {number}")

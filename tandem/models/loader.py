@@ -146,6 +146,17 @@ def check_tensor_parallel(model_dir: str, size: int, *, max_model_len: Optional[
         pass
 
 
+def model_state_specs(model_dir: str, *, dtype: str, device: torch.device, max_model_len: Optional[int],
+                      indexer_cache_dtype: str = "fp8") -> dict:
+    """The state specs ``build_model`` 's model would declare on ``device``, from a build on the
+    meta device (no memory, no weights): what a rank that does not run a model registers for it."""
+    config = load_config(model_dir)
+    _, model_class = _model_class(config, model_dir, SINGLE)
+    model = _construct(model_class, config, resolve_dtype(dtype, config, device), _model_len(config, max_model_len),
+                       torch.device("meta"), indexer_cache_dtype=indexer_cache_dtype, tensor_shard=SINGLE)
+    return model.state_specs()
+
+
 def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.device,
                 max_model_len: Optional[int], seed: int, indexer_cache_dtype: str = "fp8",
                 tensor_shard: TensorShard = SINGLE):

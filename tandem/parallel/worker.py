@@ -59,6 +59,7 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.parallel.pd_ranks import WorkerTransfers
     from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
     from tandem.parallel.worker_tiers import WorkerTiers
+    from tandem.spec_decode import draft_state_specs, graph_rows
     from tandem.worker.cuda_graphs import decode_graph_sizes
     from tandem.worker.model_runner import ModelRunner
 
@@ -67,16 +68,25 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
                                  max_model_len=config.max_model_len, seed=config.seed,
                                  indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard)
     registry = register_state(model, config.kv_cache_dtype)
+    target_layers = registry.layer_names()
+    speculating = config.speculative_method is not None
+    if speculating:  # the draft runs on rank 0 alone; its groups exist here too (same group ids)
+        for name, spec in draft_state_specs(config, device, info.max_model_len).items():
+            registry.register(name, spec)
     registry.finalize()
-    _, coordinator = build_coordinator(config, device, registry, info.max_model_len, False,
+    _, coordinator = build_coordinator(config, device, registry, info.max_model_len, speculating,
                                        agree=lambda plan: agree_on_pages(plan, groups.control))
     tiers = None
     if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
         tiers = WorkerTiers(coordinator, agree_on_count(host_page_count(config, coordinator), groups.control), device)
     runner = ModelRunner(model, coordinator, device)
-    if not config.enforce_eager:  # the same sizes as rank 0's (no speculation under tensor parallelism)
-        capture_on_every_rank(runner, groups, decode_graph_sizes(config, config.max_num_seqs), info.max_model_len,
+    if not config.enforce_eager:  # the same sizes as rank 0's
+        rows = graph_rows(config.max_num_seqs, config.num_speculative_tokens) if speculating else config.max_num_seqs
+        capture_on_every_rank(runner, groups, decode_graph_sizes(config, rows), info.max_model_len,
                               config.max_num_batched_tokens)
+        if speculating:  # verification steps replay the target's graphs as rank 0 decides (Speculator)
+            target_groups = sorted({registry.group_of(name) for name in target_layers})
+            runner.verify_as_decode_rows = not coordinator.speculation_copies(target_groups)
     channel = PlanChannel(groups.control, groups.rank)
     # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
     transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None

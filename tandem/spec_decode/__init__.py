@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 SIMULATE_ACCEPT_LENGTH_VARIABLE = "TANDEM_SIMULATE_ACCEPT_LEN"
 
-__all__ = ["Speculator", "engine_config_for_speculation", "simulated_accept_length"]
+__all__ = ["Speculator", "draft_state_specs", "engine_config_for_speculation", "graph_rows",
+           "simulated_accept_length"]
 
 
 def simulated_accept_length() -> Optional[float]:
@@ -49,6 +50,24 @@ def simulated_accept_length() -> Optional[float]:
     if not length >= 1:
         raise ValueError(f"{SIMULATE_ACCEPT_LENGTH_VARIABLE}: must be a number >= 1, got {value!r}")
     return length
+
+
+def graph_rows(max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """The most single-token rows a graph replays while speculating: ``k + 2`` per sequence
+    (a verification's known token and ``k`` drafts; a draft's catch-up over them and the
+    target's token)."""
+    return max_num_seqs * (num_speculative_tokens + 2)
+
+
+def draft_state_specs(config: EngineConfig, device, max_model_len: int) -> dict:
+    """The draft model's state as the speculator registers it, without building the draft:
+    what a tensor-parallel worker registers so that its groups are rank 0's (the draft runs
+    on rank 0 only)."""
+    from tandem.models.loader import model_state_specs
+
+    specs = model_state_specs(config.speculative_model, dtype=config.dtype, device=device,
+                              max_model_len=max_model_len, indexer_cache_dtype=config.indexer_cache_dtype)
+    return {DraftModelNetwork.PREFIX + name: spec for name, spec in specs.items()}
 
 
 def engine_config_for_speculation(config: EngineConfig, device_type: str) -> EngineConfig:
@@ -115,10 +134,7 @@ class Speculator:
         return len(self.network.layer_names)
 
     def graph_rows(self, max_num_seqs: int) -> int:
-        """The most single-token rows a graph replays while speculating: ``k + 2`` per sequence
-        (a verification's known token and ``k`` drafts; a draft's catch-up over them and the
-        target's token)."""
-        return max_num_seqs * (self.num_speculative_tokens + 2)
+        return graph_rows(max_num_seqs, self.num_speculative_tokens)
 
     def attach(self, core) -> None:
         self.network.bind(core.runner, core.registry)
