@@ -76,7 +76,8 @@ def test_cuda_tp2_host_tier_and_swap(arch, model_dirs, oracles, monkeypatch):
 def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
     """An identical draft on rank 0 (its own CUDA graphs); verification steps replay the
     target's graphs on both ranks as single-token rows where the target keeps its state per
-    token (llama), eagerly where a rollback may restore a recurrent slot (qwen3_next)."""
+    token (llama), eagerly where a rollback may restore a recurrent slot (qwen3_next); then the
+    same prompts again from the host tier."""
     import tests.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
@@ -84,15 +85,19 @@ def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, device="cuda", dtype="float32", page_size=16,
               max_total_tokens=1024, max_num_batched_tokens=128, max_num_seqs=8,
-              speculative_model=model_dirs[arch], num_speculative_tokens=3)
+              speculative_model=model_dirs[arch], num_speculative_tokens=3, host_cache_size=0.05)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.coordinator.tiers.drain()
+        assert llm.engine.reset_prefix_cache() > 0
+        outputs += llm.generate(prompts, params, use_tqdm=False)  # host hits: loads of the draft's pages too
+        assert llm.engine.stats().tiers.host_hit_tokens > 0
         stats = llm.engine.speculator.stats()
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
         llm.engine.check_all_free()
         llm.engine.check_health()
     finally:
         llm.engine.shutdown()
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+    for number, (output, prompt) in enumerate(zip(outputs, prompts + prompts)):
         assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS),
                        context=f"{arch} TP=2 speculative prompt {number}")

@@ -149,3 +149,41 @@ def test_ranks_that_disagree_on_graph_sizes_fail_at_start_up():
         thread.join(timeout=60)
     assert errors[0] == "tensor_parallel_size: the ranks disagree on the CUDA graph sizes to capture (rank 0 has [1, 2, 4, 8])"
     assert errors[1] is not None and "rank 1 has [1, 2, 4]" in errors[1]
+
+
+def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs, monkeypatch):
+    """A draft on rank 0 and host-tier loads: a load registers every layer of its groups, the
+    draft's too, which only rank 0 ever reads. Both ranks must still choose alike between a graph
+    and an eager pass (a graph waits for none of its layers' loads; it is refused while any of the
+    layers it reads has one pending) and the worker must not keep the draft layers' loads forever.
+    (Outputs are not compared here: without a GPU the static buffers' placeholder lists give each
+    row one token of context; the eager CPU tests and the two-GPU test check them.)"""
+    monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, speculative_model=model_dirs["llama"],
+              num_speculative_tokens=2, cuda_graph_sizes=list(range(1, 25)), host_cache_size=0.05,
+              **dict(ENGINE, page_size=64))
+    engine = llm.engine
+    sent = []
+    send_step = engine.parallel.send_step
+
+    def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
+        sent.append(graph_size)
+        send_step(step, ranges, inputs_from_root, graph_size)
+
+    monkeypatch.setattr(engine.parallel, "send_step", recording_send_step)
+    prompt = [(5 * i + 7) % 500 + 3 for i in range(70)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    try:
+        first = llm.generate([prompt], params, use_tqdm=False)
+        engine.coordinator.tiers.drain()
+        assert engine.reset_prefix_cache() > 0  # the host keeps the prompt's pages
+        sent.clear()
+        again = llm.generate([prompt, prompt[:40] + [9, 9, 9]], params, use_tqdm=False)
+        assert engine.stats().tiers.host_hit_tokens >= 64
+        engine.check_all_free()
+        engine.check_health()  # the worker took every plan (it raises on a graph it would not choose)
+    finally:
+        engine.shutdown()
+    assert any(sent), f"no verification step replayed a graph after the host loads: {sent}"
+    assert sent[0] == 0, sent  # the step that loaded from the host ran eagerly on both ranks
+    assert len(first[0].outputs[0].token_ids) == len(again[0].outputs[0].token_ids) == MAX_TOKENS

@@ -29,6 +29,10 @@ class PendingLoads:
     def __len__(self) -> int:
         return sum(len(v) for v in self._waits.values())
 
+    def any_for(self, layer_names) -> bool:
+        """Whether any of ``layer_names`` has a load pending."""
+        return any(name in self._waits for name in layer_names)
+
 
 class StateAccessor:
     def __init__(self, registry: StateRegistry, pending: PendingLoads) -> None:

@@ -87,6 +87,9 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
         if speculating:  # verification steps replay the target's graphs as rank 0 decides (Speculator)
             target_groups = sorted({registry.group_of(name) for name in target_layers})
             runner.verify_as_decode_rows = not coordinator.speculation_copies(target_groups)
+    # The draft's layers: loads register them here too, but only rank 0 runs the draft (and reads them).
+    runner.graph_layers = frozenset(target_layers)
+    draft_layers = [name for name in registry.layer_names() if name not in runner.graph_layers]
     channel = PlanChannel(groups.control, groups.rank)
     # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
     transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
@@ -105,6 +108,8 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
             transfers.serve(plan.transfer_operations)
             continue
         runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
+        for name in draft_layers:  # (after the forward pass: its own layers load first, in model order)
+            coordinator.pending_loads.wait(name)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ class Speculator:
         else:
             self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
         self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
+        core.runner.graph_layers = frozenset(self.target_layers)  # the target's graphs read none of the draft's
         self.capture_graphs(core, self.target_groups)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
                                     self.target_groups, self.metrics)

@@ -106,9 +106,10 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
 
 def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):
     """The single-token rows the network's graphs replay for ``step``, or None (eager: also
-    while state loads are pending, which a replay cannot wait for layer by layer, I3)."""
+    while a load of one of its layers is pending, which a replay cannot wait for layer by
+    layer, I3)."""
     graphs = getattr(network, "graphs", None)
-    if graphs is None or len(runner.pending_loads):
+    if graphs is None or runner.pending_loads.any_for(network.layer_names):
         return None
     if step.num_decode != len(step.query_starts) - 1:
         if not rows_as_decode:

@@ -56,6 +56,8 @@ class ModelRunner:
         self.page_size = coordinator.page_size
         self.pending_loads = coordinator.pending_loads
         self.accessor = StateAccessor(coordinator.registry, self.pending_loads)
+        # The layers the model's forward (and its graphs) read: every registered layer but a draft's.
+        self.graph_layers: frozenset[str] = frozenset(coordinator.registry.layer_names())
         self.backend = backend or default_backend(device)
         # On CPU, buckets of similar lengths save gathered bytes; on a GPU every bucket costs
         # kernel launches in every layer, which outweighs the padding: one bucket there.
@@ -206,8 +208,9 @@ class ModelRunner:
     def _graph_step(self, step: StepInputs) -> Optional[StepInputs]:
         """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
         step, or a verification step laid out as single-token rows. Pending loads must be waited
-        for layer by layer (I3): a replay cannot, so a step with any runs eagerly."""
-        if self.graphs is None or len(self.pending_loads) or step.wants_prompt_logprobs:
+        for layer by layer (I3): a replay cannot, so a step with any pending on a layer the model
+        reads runs eagerly (a draft's layers are the draft pass's concern)."""
+        if self.graphs is None or self.pending_loads.any_for(self.graph_layers) or step.wants_prompt_logprobs:
             return None
         if len(step.sampling_rows) != step.num_tokens:  # a replay gives the logits of every row
             return None
