@@ -175,11 +175,9 @@ class EngineConfig:
                 f"must be an integer >= 1, got {size!r}")
         if size == 1:
             return
-        for field_name, unsupported in (("speculative_method='mtp'", self.speculative_method == "mtp"),
-                                        ("disk_cache_dir", bool(self.disk_cache_dir))):
-            require(not unsupported, "tensor_parallel_size",
-                    f"{size} cannot be combined with {field_name} yet (tensor parallelism runs without "
-                    "MTP drafts and the disk tier; a draft model, the host tier and swap work)")
+        require(self.speculative_method != "mtp", "tensor_parallel_size",
+                f"{size} cannot be combined with speculative_method='mtp' yet (a draft model works: "
+                "speculative_model)")
 
     @property
     def sanitizer_on(self) -> bool:

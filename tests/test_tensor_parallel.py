@@ -128,6 +128,51 @@ def test_tp2_host_tier_and_swap(arch, model_dirs, oracles):
                        context=f"{arch} TP=2 host tier prompt {number}")
 
 
+def store_files(directory) -> list:
+    return sorted(path for path in directory.rglob("*") if path.is_file() and path.suffix != ".tmp")
+
+
+def test_tp2_disk_tier_keeps_a_store_per_rank(model_dirs, oracles, tmp_path):
+    """Each rank writes its shard of a page to its own store; a fresh engine on the directory
+    hits both (read off the engine loop on each rank). A page one rank's store lacks is a miss
+    on every rank: the ranks agree on how far the chain goes, and the rest is computed."""
+    directory = tmp_path / "disk"
+    options = dict(ENGINE, max_num_batched_tokens=64, disk_cache_dir=str(directory))
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(50)]
+    earlier = [shared + [rng.randrange(3, 500) for _ in range(9)]]
+    later = [shared + [rng.randrange(3, 500) for _ in range(12)]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+
+    keys = []  # the store keys of the shared tokens' pages, in chain order
+
+    def run(prompts):
+        llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, **options)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            keys[:] = [node.hash for node in llm.engine.coordinator.prefix_cache.match(shared, 3)]
+            stats = llm.engine.stats().tiers
+            llm.engine.check_all_free()
+        finally:
+            llm.engine.shutdown()  # queued store writes finish first, on every rank
+        for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+            assert_matches(output.outputs[0], oracles["llama"].greedy(prompt, MAX_TOKENS),
+                           context=f"TP=2 disk tier prompt {number}")
+        return stats
+
+    run(earlier)
+    ranks = [directory / "tp2-rank0", directory / "tp2-rank1"]
+    written = [store_files(rank) for rank in ranks]
+    assert len(written[0]) == len(written[1]) >= 3, written  # the 3 full pages of the first prompt
+    assert run(later).disk_hit_tokens == 48  # the shared 50 tokens' 3 full pages, on both ranks
+    # the worker's store loses the chain's second page: only the first is a hit
+    assert len(keys) == 3
+    second = [path for path in written[1] if path.name.startswith(keys[1].hex())]
+    assert len(second) == 1, (written[1], keys)
+    second[0].unlink()
+    assert run(later).disk_hit_tokens == 16
+
+
 @pytest.fixture(scope="module")
 def rejecting_draft(tmp_path_factory, tokenizer_dir):
     """A tiny random llama sharing the test models' tokenizer: its guesses are almost never right."""
@@ -167,8 +212,6 @@ def test_bad_tensor_parallel_size_is_named(model_dirs):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method='mtp'"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with disk_cache_dir"):
-        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, disk_cache_dir="/tmp/unused")
     # The tiny NemotronH has 4 Mamba-2 heads in 2 groups: a rank cannot hold half a group.
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide n_groups \(2\)"):
         LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=4, **ENGINE)

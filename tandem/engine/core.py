@@ -67,6 +67,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if self.parallel is not None:
             self.parallel.attach(self.coordinator, self.runner)
+            if tiers is not None:
+                tiers.peers = self.parallel
         if not config.enforce_eager:
             rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
             sizes = decode_graph_sizes(config, rows)

@@ -40,6 +40,14 @@ class PageOperationSink(Protocol):
 
     def poison_host(self, group_id: int, pages: list[int]) -> None: ...
 
+    # the disk tier's (kv/tiers/disk_pages.py, prefetch.py): a read started, a node's host pages
+    # written to the store, a payload read from it installed into host pages
+    def disk_prefetch(self, keys: list[bytes]) -> None: ...
+
+    def disk_write(self, key: bytes, host_pages: list[int]) -> None: ...
+
+    def disk_install(self, key: bytes, host_pages: list[int]) -> None: ...
+
 
 @dataclass
 class RequestState:

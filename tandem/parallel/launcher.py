@@ -31,7 +31,7 @@ from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import join, open_store, rank_device
-from tandem.parallel.plan import STOP, PageJournal, PlanChannel, StepPlan
+from tandem.parallel.plan import DISK, STOP, PageJournal, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -129,6 +129,13 @@ class TensorParallel:
         return agree_on_pages(plan, self.groups.control)
 
     def agree_on_count(self, count: int) -> int:
+        return agree_on_count(count, self.groups.control)
+
+    def agree_on_disk_reads(self, keys: list[bytes], count: int) -> int:
+        """How many leading pages of ``keys`` every rank read from its own store (rank 0 read
+        ``count``): a DISK plan (with the page operations so far) asks the others."""
+        self.check()
+        self.channel.send(StepPlan(DISK, self.journal.take(), disk_keys=list(keys)))
         return agree_on_count(count, self.groups.control)
 
     def attach(self, coordinator, runner) -> None:

@@ -9,7 +9,8 @@ poison, tier saves and layer-wise loads, fences, host poison), which each rank r
 shard before the forward pass (``worker_tiers.py`` for the tier's). Plans travel as msgpack over the
 control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan runs no forward
 pass: it carries page operations and the PD transfer operations of each rank's own agent
-(``pd_ranks.py``).
+(``pd_ranks.py``). A DISK plan runs none either: every rank counts how many leading pages of its
+``disk_keys`` its own store gave it, and they all take the smallest count (``worker_tiers.py``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from tandem.parallel.transfer_plan import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
-STEP, STOP, TRANSFER = "step", "stop", "transfer"
+STEP, STOP, TRANSFER, DISK = "step", "stop", "transfer", "disk"
 
 
 class Array(msgspec.Struct, array_like=True):
@@ -43,15 +44,19 @@ class Array(msgspec.Struct, array_like=True):
 
 COPY, POISON = "copy", "poison"
 SAVE, LOAD, FENCE, HOST_POISON = "save", "load", "fence", "host_poison"  # the host tier's
+DISK_PREFETCH, DISK_WRITE, DISK_INSTALL = "disk_prefetch", "disk_write", "disk_install"  # the disk tier's
 
 
 class PageOperation(msgspec.Struct, array_like=True):
     """COPY: pages == [source, destination]; POISON / HOST_POISON: the device / host pages poisoned;
     SAVE / LOAD: device pages then as many host pages (device → host / host → device); FENCE (no
-    group, no pages): rank 0 released device pages a tier copy held."""
+    group, no pages): rank 0 released device pages a tier copy held; DISK_PREFETCH: ``keys`` being
+    read; DISK_WRITE / DISK_INSTALL: the host pages (one per group, 0 where absent) of ``keys[0]``
+    written to the store / filled from it."""
     kind: str
     group_id: int
     pages: list[int]
+    keys: list[bytes] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -70,6 +75,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     inputs_from_root: bool = False  # rank 0 broadcasts the input ids (tokens pending on its device)
     graph_size: int = 0  # the CUDA graph (its rows) every rank replays for the step; 0: eagerly
     transfer_operations: list[TransferOperation] = []  # TRANSFER plans only
+    disk_keys: list[bytes] = []  # DISK plans only: the store pages every rank reads and counts
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
@@ -111,6 +117,15 @@ class PageJournal:
 
     def poison_host(self, group_id: int, pages: list[int]) -> None:
         self._operations.append(PageOperation(HOST_POISON, group_id, list(pages)))
+
+    def disk_prefetch(self, keys: list[bytes]) -> None:
+        self._operations.append(PageOperation(DISK_PREFETCH, -1, [], list(keys)))
+
+    def disk_write(self, key: bytes, host_pages: list[int]) -> None:
+        self._operations.append(PageOperation(DISK_WRITE, -1, list(host_pages), [key]))
+
+    def disk_install(self, key: bytes, host_pages: list[int]) -> None:
+        self._operations.append(PageOperation(DISK_INSTALL, -1, list(host_pages), [key]))
 
     def pending(self) -> bool:
         return bool(self._operations)

@@ -54,10 +54,10 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.engine.state_setup import build_coordinator, register_state
     from tandem.models.loader import build_model
     from tandem.parallel.graphs import capture_on_every_rank
-    from tandem.kv.tiers.setup import host_page_count
+    from tandem.kv.tiers.setup import host_page_count, open_disk_store
     from tandem.parallel.launcher import agree_on_count, agree_on_pages
     from tandem.parallel.pd_ranks import WorkerTransfers
-    from tandem.parallel.plan import STOP, TRANSFER, PlanChannel, replay
+    from tandem.parallel.plan import DISK, STOP, TRANSFER, PlanChannel, replay
     from tandem.parallel.worker_tiers import WorkerTiers
     from tandem.spec_decode import draft_state_specs, graph_rows
     from tandem.worker.cuda_graphs import decode_graph_sizes
@@ -78,7 +78,9 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
                                        agree=lambda plan: agree_on_pages(plan, groups.control))
     tiers = None
     if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
-        tiers = WorkerTiers(coordinator, agree_on_count(host_page_count(config, coordinator), groups.control), device)
+        host_pages = agree_on_count(host_page_count(config, coordinator), groups.control)
+        disk = open_disk_store(config, coordinator, groups.rank) if config.disk_cache_dir else None
+        tiers = WorkerTiers(coordinator, host_pages, device, disk)
     runner = ModelRunner(model, coordinator, device)
     if not config.enforce_eager:  # the same sizes as rank 0's
         rows = graph_rows(config.max_num_seqs, config.num_speculative_tokens) if speculating else config.max_num_seqs
@@ -104,8 +106,13 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
                 tiers.close()
             return
         replay(plan.page_operations, coordinator, tiers)
+        if tiers is not None:
+            tiers.poll()
         if plan.kind == TRANSFER:
             transfers.serve(plan.transfer_operations)
+            continue
+        if plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
+            tiers.keep(agree_on_count(tiers.readable(plan.disk_keys), groups.control))
             continue
         runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
         for name in draft_layers:  # (after the forward pass: its own layers load first, in model order)

@@ -137,6 +137,7 @@ class TieredState(DiskPages, Swap):
         self.restored_origin: dict[int, str] = {}  # the latest match's disk nodes -> who wrote them
         self.stats = TierStats()
         self.prefetch = DiskPrefetch(self) if self.disk is not None else None
+        self.peers = None  # tensor parallelism: the other ranks' agreement on disk reads (disk_pages.py)
 
     def _host_poisoned(self, group: int, pages: list[int]) -> None:
         if self.coordinator.mirror is not None:
@@ -402,6 +403,7 @@ class TieredState(DiskPages, Swap):
         without one; returns how many were installed."""
         cache, size = self._cache, self.page_size
         node, installed = cache.root, []
+        entries = self._agreed_entries(entries)
         for index in range(max_pages):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             child = node.children.get(tokens)

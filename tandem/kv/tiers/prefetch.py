@@ -53,6 +53,9 @@ class DiskPrefetch:
             if not keys:
                 return False
             read = self.reads[owner] = self.readers.submit(read_chain, self.tiers.disk, keys)
+            mirror = self.tiers.coordinator.mirror
+            if mirror is not None:  # tensor parallelism: the other ranks start reading their shards too
+                mirror.disk_prefetch(keys)
         if not read.done() and idle:
             try:
                 read.result(timeout=WAIT_WHEN_IDLE_SECONDS)

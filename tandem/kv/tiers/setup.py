@@ -66,6 +66,37 @@ def host_page_count(config: "EngineConfig", coordinator: "StateCoordinator") -> 
     return host_pages
 
 
+def store_location(config: "EngineConfig", rank: int = 0) -> str:
+    """Where this rank's store lives: ``disk_cache_dir``, or under tensor parallelism a directory
+    of its own in it per rank (``tp2-rank1``: its shard of each page; engines of the same size
+    naming the same directory share each rank's)."""
+    location = config.disk_cache_dir
+    if config.tensor_parallel_size > 1:
+        location = os.path.join(location.removeprefix("file://"), f"tp{config.tensor_parallel_size}-rank{rank}")
+    return location
+
+
+def open_disk_store(config: "EngineConfig", coordinator: "StateCoordinator", rank: int = 0):
+    """This rank's page store (logged and left unavailable when it cannot be used)."""
+    from tandem.kv.tiers.keys import layout_fingerprint
+    from tandem.kv.tiers.store import open_store
+
+    disk = open_store(store_location(config, rank), int(config.disk_cache_size * GIB),
+                      layout_fingerprint(layout_fingerprint_parts(config, coordinator)),
+                      origin=config.transfer.role if config.transfer is not None else "colocated")
+    # Test hook (zero in production): each store write waits this long first, so a test can
+    # kill a server while its writes are in flight.
+    disk.write_delay_s = float(os.environ.get("TANDEM_TEST_STORE_WRITE_DELAY", "0") or 0)
+    if not disk.available:
+        logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
+    elif config.transfer is not None and config.transfer.role == "decode" and not config.decode_offload:
+        # A decode server reads the shared store (prefix hits at binding) but writes to it
+        # only with decode offload.
+        disk.writes_enabled = False
+        disk.write_disabled_reason = "a decode server writes to the shared store only with --decode-offload"
+    return disk
+
+
 def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", device: torch.device,
                 agree: Optional[Callable[[int], int]] = None) -> Optional[TieredState]:
     """The host tier (and the disk tier behind it) when configured, else None. ``agree``
@@ -76,24 +107,7 @@ def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", device:
     if agree is not None:
         host_pages = agree(host_pages)
     per_node = node_bytes(layouts_of(coordinator.registry))
-    disk = None
-    if config.disk_cache_dir:
-        from tandem.kv.tiers.keys import layout_fingerprint
-        from tandem.kv.tiers.store import open_store
-
-        disk = open_store(config.disk_cache_dir, int(config.disk_cache_size * GIB),
-                         layout_fingerprint(layout_fingerprint_parts(config, coordinator)),
-                         origin=config.transfer.role if config.transfer is not None else "colocated")
-        # Test hook (zero in production): each store write waits this long first, so a test can
-        # kill a server while its writes are in flight.
-        disk.write_delay_s = float(os.environ.get("TANDEM_TEST_STORE_WRITE_DELAY", "0") or 0)
-        if not disk.available:
-            logger.warning("disk tier off, serving without it: %s", disk.disabled_reason)
-        elif config.transfer is not None and config.transfer.role == "decode" and not config.decode_offload:
-            # A decode server reads the shared store (prefix hits at binding) but writes to it
-            # only with decode offload.
-            disk.writes_enabled = False
-            disk.write_disabled_reason = "a decode server writes to the shared store only with --decode-offload"
+    disk = open_disk_store(config, coordinator) if config.disk_cache_dir else None
     tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
                         device=device, disk=disk)
     logger.info("host tier: %d pages (%.2f GB, %s)%s", host_pages, host_pages * per_node / GIB,
