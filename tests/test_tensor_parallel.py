@@ -16,6 +16,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -132,12 +133,21 @@ def store_files(directory) -> list:
     return sorted(path for path in directory.rglob("*") if path.is_file() and path.suffix != ".tmp")
 
 
-def test_tp2_disk_tier_keeps_a_store_per_rank(model_dirs, oracles, tmp_path):
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                reason="needs two CUDA devices")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_tp2_disk_tier_keeps_a_store_per_rank(device, model_dirs, oracles, tmp_path, monkeypatch):
     """Each rank writes its shard of a page to its own store; a fresh engine on the directory
     hits both (read off the engine loop on each rank). A page one rank's store lacks is a miss
     on every rank: the ranks agree on how far the chain goes, and the rest is computed."""
+    import tests.oracle as oracle_module
+
+    if device == "cuda":
+        monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
     directory = tmp_path / "disk"
-    options = dict(ENGINE, max_num_batched_tokens=64, disk_cache_dir=str(directory))
+    options = dict(ENGINE, max_num_batched_tokens=64, disk_cache_dir=str(directory), device=device, dtype="float32")
     rng = random.Random(5)
     shared = [rng.randrange(3, 500) for _ in range(50)]
     earlier = [shared + [rng.randrange(3, 500) for _ in range(9)]]
