@@ -173,11 +173,6 @@ class EngineConfig:
         size = self.tensor_parallel_size
         require(isinstance(size, int) and not isinstance(size, bool) and size >= 1, "tensor_parallel_size",
                 f"must be an integer >= 1, got {size!r}")
-        if size == 1:
-            return
-        require(self.speculative_method != "mtp", "tensor_parallel_size",
-                f"{size} cannot be combined with speculative_method='mtp' yet (a draft model works: "
-                "speculative_model)")
 
     @property
     def sanitizer_on(self) -> bool:

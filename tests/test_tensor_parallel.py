@@ -217,11 +217,39 @@ def test_tp2_speculative_decoding_with_a_draft_model(arch, draft, model_dirs, or
             assert_matches(sequence, reference, context=f"{arch} TP=2 {draft} draft prompt {number} sequence {index}")
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_tp2_speculative_decoding_with_mtp(arch, model_dirs, oracles):
+    """The checkpoint's MTP module under TP=2 is sharded as the target is (MLA heads, experts):
+    every rank runs each draft pass (a DRAFT plan; rank 0 broadcasts the hidden inputs). Its
+    proposals equal TP=1's at every point both made one, and the outputs equal transformers'."""
+    from tests.spec_helpers import differing_proposals, record_proposals
+
+    options = dict(ENGINE, speculative_method="mtp", num_speculative_tokens=2,
+                   **(dict(indexer_cache_dtype="float32") if arch == "deepseek_v32" else {}))
+    runs = {}
+    for size in (1, 2):
+        llm = LLM(model=model_dirs[arch], tensor_parallel_size=size, **options)
+        try:
+            proposals = record_proposals(llm.engine)
+            outputs, prompts = run_scenario(llm)
+            stats = llm.engine.speculator.stats()
+            llm.engine.check_all_free()
+        finally:
+            llm.engine.shutdown()
+        runs[size] = outputs, proposals, stats
+    outputs, proposals, stats = runs[2]
+    expected = runs[1][1]
+    assert stats.num_draft_tokens > 0 and len(set(proposals) & set(expected)) >= 0.8 * len(expected)
+    assert not differing_proposals(proposals, expected), differing_proposals(proposals, expected)[:5]
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        reference = oracles[arch].greedy(prompt, MAX_TOKENS)
+        for index, sequence in enumerate(output.outputs):
+            assert_matches(sequence, reference, context=f"{arch} TP=2 MTP prompt {number} sequence {index}")
+
+
 def test_bad_tensor_parallel_size_is_named(model_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(model=model_dirs["llama"], tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot be combined with speculative_method='mtp'"):
-        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, speculative_method="mtp")
     # The tiny NemotronH has 4 Mamba-2 heads in 2 groups: a rank cannot hold half a group.
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide n_groups \(2\)"):
         LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=4, **ENGINE)

@@ -72,12 +72,13 @@ def test_cuda_tp2_host_tier_and_swap(arch, model_dirs, oracles, monkeypatch):
                        context=f"{arch} TP=2 host tier prompt {number}")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v3"])
 def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
     """An identical draft on rank 0 (its own CUDA graphs); verification steps replay the
     target's graphs on both ranks as single-token rows where the target keeps its state per
-    token (llama), eagerly where a rollback may restore a recurrent slot (qwen3_next); then the
-    same prompts again from the host tier."""
+    token (llama), eagerly where a rollback may restore a recurrent slot (qwen3_next); DeepSeek's
+    MTP module sharded on both ranks (its passes planned, eagerly); then the same prompts again
+    from the host tier."""
     import tests.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
@@ -85,7 +86,8 @@ def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, device="cuda", dtype="float32", page_size=16,
               max_total_tokens=1024, max_num_batched_tokens=128, max_num_seqs=8,
-              speculative_model=model_dirs[arch], num_speculative_tokens=3, host_cache_size=0.05)
+              num_speculative_tokens=3, host_cache_size=0.05,
+              **(dict(speculative_method="mtp") if arch == "deepseek_v3" else dict(speculative_model=model_dirs[arch])))
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.coordinator.tiers.drain()
@@ -93,7 +95,9 @@ def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
         outputs += llm.generate(prompts, params, use_tqdm=False)  # host hits: loads of the draft's pages too
         assert llm.engine.stats().tiers.host_hit_tokens > 0
         stats = llm.engine.speculator.stats()
-        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
+        assert stats.num_draft_tokens > 0, stats
+        if arch != "deepseek_v3":  # an identical draft (the MTP module of random weights guesses badly)
+            assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
         llm.engine.check_all_free()
         llm.engine.check_health()
     finally:

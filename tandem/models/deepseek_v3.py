@@ -88,9 +88,11 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
     a chained step, this module's own normalised output), as SGLang and vLLM feed it."""
 
     def __init__(self, config, layer_index: int, options: DeepseekOptions, state_dtype: torch.dtype,
-                 rotary: LatentRotary, indexer_quantized: bool) -> None:
+                 rotary: LatentRotary, indexer_quantized: bool, shard: TensorShard = SINGLE) -> None:
+        # Under tensor parallelism the decoder block is sharded as the target's are (every rank
+        # runs the draft's passes); the projections, embedding and head around it are replicated.
         super().__init__(config, layer_index, options, state_dtype, rotary, indexer_quantized, moe=True,
-                         indexer="full" if options.sparse_attention else None)
+                         indexer="full" if options.sparse_attention else None, shard=shard)
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -123,12 +125,10 @@ class DeepseekModel(nn.Module):
                                  shard=shard)
             for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # MTP modules serve speculative decoding only, which tensor parallelism does not run yet:
-        # with a shard they are not built (their checkpoint tensors are skipped).
         self.mtp_layers = nn.ModuleList(
             DeepseekMTPLayer(config, config.num_hidden_layers + index, options, state_dtype, self.rotary_emb,
-                             indexer_quantized)
-            for index in range(0 if shard.is_parallel else num_mtp_modules(config)))
+                             indexer_quantized, shard)
+            for index in range(num_mtp_modules(config)))
 
     def forward(self, input_ids, positions, context):
         hidden = self.embed_tokens(input_ids)

@@ -31,7 +31,7 @@ from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import join, open_store, rank_device
-from tandem.parallel.plan import DISK, STOP, PageJournal, PlanChannel, StepPlan
+from tandem.parallel.plan import DISK, DRAFT, STOP, PageJournal, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -130,6 +130,15 @@ class TensorParallel:
 
     def agree_on_count(self, count: int) -> int:
         return agree_on_count(count, self.groups.control)
+
+    def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
+        """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
+        rank 0 broadcasts ``hidden`` (and its input ids, ``inputs_from_root``) right after."""
+        self.check()
+        plan = StepPlan.of_step(step, [], self.journal.take(), inputs_from_root)
+        plan.kind = DRAFT
+        plan.hidden_dtype = str(hidden.dtype).removeprefix("torch.") if hidden is not None else ""
+        self.channel.send(plan)
 
     def agree_on_disk_reads(self, keys: list[bytes], count: int) -> int:
         """How many leading pages of ``keys`` every rank read from its own store (rank 0 read

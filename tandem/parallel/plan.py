@@ -11,6 +11,8 @@ control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan 
 pass: it carries page operations and the PD transfer operations of each rank's own agent
 (``pd_ranks.py``). A DISK plan runs none either: every rank counts how many leading pages of its
 ``disk_keys`` its own store gave it, and they all take the smallest count (``worker_tiers.py``).
+A DRAFT plan is a pass of a sharded draft (an MTP module) over its rows: rank 0 then broadcasts
+the rows' hidden inputs (and its device-resident input ids) before the pass.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from tandem.parallel.transfer_plan import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
-STEP, STOP, TRANSFER, DISK = "step", "stop", "transfer", "disk"
+STEP, STOP, TRANSFER, DISK, DRAFT = "step", "stop", "transfer", "disk", "draft"
 
 
 class Array(msgspec.Struct, array_like=True):
@@ -76,6 +78,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     graph_size: int = 0  # the CUDA graph (its rows) every rank replays for the step; 0: eagerly
     transfer_operations: list[TransferOperation] = []  # TRANSFER plans only
     disk_keys: list[bytes] = []  # DISK plans only: the store pages every rank reads and counts
+    hidden_dtype: str = ""  # DRAFT plans: the dtype of the hidden inputs rank 0 broadcasts ("": none)
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],

@@ -9,6 +9,7 @@ start-up, ``graphs.py``). It samples nothing and keeps no
 scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
 kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
 has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
+With an MTP draft (sharded as the target) it runs the draft's passes too, as DRAFT plans name them.
 """
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.kv.tiers.setup import host_page_count, open_disk_store
     from tandem.parallel.launcher import agree_on_count, agree_on_pages
     from tandem.parallel.pd_ranks import WorkerTransfers
-    from tandem.parallel.plan import DISK, STOP, TRANSFER, PlanChannel, replay
+    from tandem.parallel.plan import DISK, DRAFT, STOP, TRANSFER, PlanChannel, replay
     from tandem.parallel.worker_tiers import WorkerTiers
-    from tandem.spec_decode import draft_state_specs, graph_rows
+    from tandem.spec_decode import draft_state_specs, graph_rows, speculative_tokens
+    from tandem.spec_decode.draft_batch import run_planned_rows
+    from tandem.spec_decode.networks import MTPNetwork
     from tandem.worker.cuda_graphs import decode_graph_sizes
     from tandem.worker.model_runner import ModelRunner
 
@@ -70,8 +73,12 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     registry = register_state(model, config.kv_cache_dtype)
     target_layers = registry.layer_names()
     speculating = config.speculative_method is not None
-    if speculating:  # the draft runs on rank 0 alone; its groups exist here too (same group ids)
-        for name, spec in draft_state_specs(config, device, info.max_model_len).items():
+    # A draft model runs on rank 0 alone: its groups exist here too (the same group ids), unused.
+    # An MTP module is sharded as the target is: this rank runs its passes (DRAFT plans).
+    network = MTPNetwork(model) if config.speculative_method == "mtp" else None
+    if speculating:
+        specs = network.state_specs() if network is not None else draft_state_specs(config, device, info.max_model_len)
+        for name, spec in specs.items():
             registry.register(name, spec)
     registry.finalize()
     _, coordinator = build_coordinator(config, device, registry, info.max_model_len, speculating,
@@ -82,8 +89,11 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
         disk = open_disk_store(config, coordinator, groups.rank) if config.disk_cache_dir else None
         tiers = WorkerTiers(coordinator, host_pages, device, disk)
     runner = ModelRunner(model, coordinator, device)
+    if network is not None:
+        network.bind(runner, registry)
     if not config.enforce_eager:  # the same sizes as rank 0's
-        rows = graph_rows(config.max_num_seqs, config.num_speculative_tokens) if speculating else config.max_num_seqs
+        rows = (graph_rows(config.max_num_seqs, speculative_tokens(config, model)) if speculating
+                else config.max_num_seqs)
         capture_on_every_rank(runner, groups, decode_graph_sizes(config, rows), info.max_model_len,
                               config.max_num_batched_tokens)
         if speculating:  # verification steps replay the target's graphs as rank 0 decides (Speculator)
@@ -113,6 +123,9 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
             continue
         if plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
             tiers.keep(agree_on_count(tiers.readable(plan.disk_keys), groups.control))
+            continue
+        if plan.kind == DRAFT:
+            run_planned_rows(runner, network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
             continue
         runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
         for name in draft_layers:  # (after the forward pass: its own layers load first, in model order)

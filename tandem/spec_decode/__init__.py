@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 SIMULATE_ACCEPT_LENGTH_VARIABLE = "TANDEM_SIMULATE_ACCEPT_LEN"
 
 __all__ = ["Speculator", "draft_state_specs", "engine_config_for_speculation", "graph_rows",
-           "simulated_accept_length"]
+           "simulated_accept_length", "speculative_tokens"]
 
 
 def simulated_accept_length() -> Optional[float]:
@@ -50,6 +50,13 @@ def simulated_accept_length() -> Optional[float]:
     if not length >= 1:
         raise ValueError(f"{SIMULATE_ACCEPT_LENGTH_VARIABLE}: must be a number >= 1, got {value!r}")
     return length
+
+
+def speculative_tokens(config: EngineConfig, target) -> int:
+    """Draft tokens per step: ``num_speculative_tokens``, or with MTP by default one per module."""
+    if config.speculative_method == "mtp":
+        return config.num_speculative_tokens or len(target.next_n_layers())
+    return config.num_speculative_tokens
 
 
 def graph_rows(max_num_seqs: int, num_speculative_tokens: int) -> int:
@@ -96,10 +103,9 @@ class Speculator:
         self.target_layers = core.registry.layer_names()
         if self.method == "mtp":
             self.network = MTPNetwork(core.model)
-            self.num_speculative_tokens = config.num_speculative_tokens or len(core.model.next_n_layers())
         else:
             self.network = DraftModelNetwork(self._load_draft(core, config))
-            self.num_speculative_tokens = config.num_speculative_tokens
+        self.num_speculative_tokens = speculative_tokens(config, core.model)
         for name, spec in self.network.state_specs().items():
             core.registry.register(name, spec)
         self.simulate_accept_length = simulated_accept_length()
@@ -160,7 +166,7 @@ class Speculator:
         if target_graphs is None:
             return
         core.runner.verify_as_decode_rows = not core.coordinator.speculation_copies(target_groups)
-        if model_is_graph_safe(self.network.module):
+        if model_is_graph_safe(self.network.module) and not self.network.runs_on_every_rank:
             self.network.graphs = CudaGraphRunner(core.runner, target_graphs.batch_sizes, target_graphs.max_width,
                                                   network=self.network)
             if core.device.type == "cuda":  # (a CPU test replays the forward eagerly over the static buffers)

@@ -76,7 +76,8 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     last_rows = to_device([end - 1 for end in step.query_starts[1:]], device, torch.long)
     wanted = [slot for slot, row in enumerate(ordered) if row.wants_logits]
     feed = _feed_last_tokens(ordered, step, device)
-    replayed = _graph_rows(runner, network, step, rows_as_decode)
+    planned = network.runs_on_every_rank and runner.plan_sender is not None  # a sharded draft, under TP
+    replayed = None if planned else _graph_rows(runner, network, step, rows_as_decode)
     if replayed is not None:
         output, all_logits = network.graphs.replay(replayed, feed, hidden_in=hidden_in)
         last_hidden = output.index_select(0, last_rows)
@@ -88,8 +89,11 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         input_ids = to_device(step.input_ids, device)
         if feed is not None:
             feed(input_ids)
-        output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
-                                 network.context(runner.group_metadata(step, network.groups)))
+        if planned:
+            output = _planned_forward(runner, network, step, input_ids, hidden_in, feed is not None)
+        else:
+            output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
+                                     network.context(runner.group_metadata(step, network.groups)))
         last_hidden = output.index_select(0, last_rows)
         logits = None
         if wanted:
@@ -102,6 +106,43 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     for position, slot in enumerate(wanted):
         result.logits[order[slot]] = logits[position]
     return result
+
+
+def _planned_forward(runner, network: DraftNetwork, step, input_ids: torch.Tensor,
+                     hidden_in: Optional[torch.Tensor], inputs_from_root: bool) -> torch.Tensor:
+    """Rank 0's side of a sharded draft's pass: the plan, the broadcasts, then the pass (every
+    rank runs ``run_planned_rows``)."""
+    shard = runner.model.tensor_shard
+    runner.plan_sender.send_draft(step, inputs_from_root, hidden_in)
+    try:
+        if hidden_in is not None:
+            hidden_in = hidden_in.contiguous()
+            shard.broadcast(hidden_in)
+        if inputs_from_root:
+            shard.broadcast(input_ids)
+        return network.forward(input_ids, hidden_in, to_device(step.positions, runner.device),
+                               network.context(runner.group_metadata(step, network.groups)))
+    except Exception as error:
+        runner.plan_sender.fail(f"rank 0's draft pass failed ({type(error).__name__}: {error})")
+        raise
+
+
+@torch.inference_mode()
+def run_planned_rows(runner, network: DraftNetwork, step, inputs_from_root: bool, hidden_dtype: str) -> None:
+    """A tensor-parallel worker's share of a sharded draft's pass that rank 0 planned (its
+    collectives): the hidden inputs and input ids as rank 0 broadcasts them; nothing sampled."""
+    device = runner.device
+    shard = runner.model.tensor_shard
+    input_ids = to_device(step.input_ids, device)
+    hidden_in = None
+    if hidden_dtype:
+        hidden_in = torch.empty((len(step.input_ids), network.hidden_input[0]), dtype=getattr(torch, hidden_dtype),
+                                device=device)
+        shard.broadcast(hidden_in)
+    if inputs_from_root:
+        shard.broadcast(input_ids)
+    network.forward(input_ids, hidden_in, to_device(step.positions, device),
+                    network.context(runner.group_metadata(step, network.groups)))
 
 
 def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):

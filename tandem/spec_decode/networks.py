@@ -36,6 +36,7 @@ class _Network:
 
     reads_next_token = False  # its state at a position depends on the token after it
     hidden_input = None  # (size, dtype) of the hidden state read beside each token, or None
+    runs_on_every_rank = False  # tensor parallelism: sharded, so every rank runs its passes
 
     def __init__(self, specs: dict, module: torch.nn.Module) -> None:
         self._specs = specs
@@ -97,6 +98,8 @@ class MTPNetwork(_Network):
         self.target = target
         super().__init__(collect_state_specs(self.layer), self.layer)
         self.hidden_input = (self.layer.eh_proj.in_features // 2, self.layer.eh_proj.weight.dtype)
+        # the target's shard: the module's decoder block is sharded too (its passes are planned)
+        self.runs_on_every_rank = bool(getattr(getattr(target, "tensor_shard", None), "is_parallel", False))
 
     def forward(self, input_ids, hidden: Optional[torch.Tensor], positions, context) -> torch.Tensor:
         return self.layer.draft_forward(input_ids, hidden, positions, context)
