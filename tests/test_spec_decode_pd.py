@@ -37,6 +37,8 @@ def test_mtp_state_crosses_with_the_target(arch, model_dirs, oracles):
         draft_buffers = {d.key for d in registry.buffers() if d.layer_name in pair.prefill.speculator.network.layer_names}
         assert len(draft_buffers) == 2  # the MTP layer's latent and indexer keys
         assert pair.prefill.pd.touched == {d.key for d in registry.buffers()}  # I1, the draft's included
+        # both sides count the same bytes (page-major blocks whole, padding included)
+        assert pair.prefill.pd.metrics.bytes_total == pair.decode.pd.metrics.bytes_total > 0
         colocated = LLM(model=model_dirs[arch], **OPTIONS, **MTP)
         expected = record_proposals(colocated.engine)
         colocated.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS.values()], GREEDY, use_tqdm=False)

@@ -234,11 +234,18 @@ class DecodeSide(PDSide):
     def destination_bytes(self, sequence: Sequence, tables: list[list[int]]) -> int:
         """Bytes the prefill side writes: the destination pages that are final once the prompt
         is computed (the managers say which: not a recurrent group's checkpoint slot), in every
-        buffer."""
+        buffer (a page-major group's block whole, as ``plan_page_writes`` writes it)."""
         final = self.coordinator.final_page_indices(sequence.state, sequence.num_prompt_tokens, prompt_done=True)
         live = [sum(index < len(table) and table[index] != NULL_PAGE for index in indices)
                 for indices, table in zip(final, tables)]
-        return sum(descriptor.page_bytes * live[descriptor.group_id] for descriptor in self.registry.buffers())
+        total, pooled = 0, set()
+        for descriptor in self.registry.buffers():
+            if descriptor.pool is None:
+                total += descriptor.page_bytes * live[descriptor.group_id]
+            elif descriptor.group_id not in pooled:  # a page-major block moves whole, padding included
+                pooled.add(descriptor.group_id)
+                total += descriptor.page_stride * live[descriptor.group_id]
+        return total
 
     # -- completion ---------------------------------------------------------------------------------------
     def progress(self, now: float) -> None:
