@@ -152,6 +152,23 @@ def test_multi_turn_conversations_hit_what_the_decode_server_offloaded(arch, mod
         pair.close()
 
 
+def test_decode_offload_between_tensor_parallel_servers(model_dirs, oracles, tmp_path):
+    """TP=2 on both sides: each rank writes its shard of every page to its own store under the
+    shared directory (``tp2-rank0``, ``tp2-rank1``), and the prefill server's next turn hits the
+    decode server's pages on both ranks (rank 0 installs only what every rank read)."""
+    store = tmp_path / "store"
+    pair = PDPair(model_dirs["llama"], tensor_parallel_size=2, prefill_options=dict(disk_cache_dir=str(store)),
+                  decode_options=dict(disk_cache_dir=str(store), decode_offload=True), **ENGINE)
+    try:
+        converse(pair, oracles["llama"], random.Random(11), conversations=2, turns=2)
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
+    files = [sorted(path.name for path in (store / f"tp2-rank{rank}").rglob("*.page")) for rank in (0, 1)]
+    assert files[0] and files[0] == files[1]
+
+
 def test_without_decode_offload_the_decode_server_writes_nothing(model_dirs, oracles, tmp_path):
     pair = offload_pair(model_dirs["llama"], "llama", tmp_path / "store", offload=False)
     try:

@@ -478,6 +478,7 @@ class EngineCore:
             self.parallel.close()
 
     def check_health(self) -> None:
-        """Raises when a tensor-parallel rank has died (the engine cannot step any more)."""
+        """Raises when a tensor-parallel rank has died (the engine cannot step any more); an idle
+        engine's page operations since its last step reach the other ranks here."""
         if self.parallel is not None:
-            self.parallel.check()
+            self.parallel.flush()

@@ -31,7 +31,7 @@ from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import join, open_store, rank_device
-from tandem.parallel.plan import DISK, DRAFT, STOP, PageJournal, PlanChannel, StepPlan
+from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, PageJournal, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -131,6 +131,13 @@ class TensorParallel:
     def agree_on_count(self, count: int) -> int:
         return agree_on_count(count, self.groups.control)
 
+    def flush(self) -> None:
+        """Send the page operations journaled since the last plan now (an idle engine: its
+        tiers' writes reach the other ranks' stores without waiting for the next step)."""
+        self.check()
+        if self.journal.pending():
+            self.channel.send(StepPlan(PAGES, self.journal.take()))
+
     def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
         """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
         rank 0 broadcasts ``hidden`` (and its input ids, ``inputs_from_root``) right after."""
@@ -182,7 +189,7 @@ class TensorParallel:
         self._closing.set()
         if self.failed is None:
             try:
-                self.channel.send(StepPlan(STOP))
+                self.channel.send(StepPlan(STOP, self.journal.take()))  # (the last page operations: disk writes)
             except RuntimeError:  # a worker died meanwhile: it is killed below
                 logger.warning("tensor-parallel workers did not take the stop plan")
         for process in self.workers:

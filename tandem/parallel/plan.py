@@ -11,7 +11,8 @@ control group: a length, then the bytes (nothing is unpickled). A TRANSFER plan 
 pass: it carries page operations and the PD transfer operations of each rank's own agent
 (``pd_ranks.py``). A DISK plan runs none either: every rank counts how many leading pages of its
 ``disk_keys`` its own store gave it, and they all take the smallest count (``worker_tiers.py``).
-A DRAFT plan is a pass of a sharded draft (an MTP module) over its rows: rank 0 then broadcasts
+A PAGES plan carries page operations alone (rank 0 sends what it journaled once it is idle; a
+STOP plan carries the last of them). A DRAFT plan is a pass of a sharded draft (an MTP module) over its rows: rank 0 then broadcasts
 the rows' hidden inputs (and its device-resident input ids) before the pass.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from tandem.parallel.transfer_plan import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
-STEP, STOP, TRANSFER, DISK, DRAFT = "step", "stop", "transfer", "disk", "draft"
+STEP, STOP, TRANSFER, DISK, DRAFT, PAGES = "step", "stop", "transfer", "disk", "draft", "pages"
 
 
 class Array(msgspec.Struct, array_like=True):

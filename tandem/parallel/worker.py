@@ -58,7 +58,7 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     from tandem.kv.tiers.setup import host_page_count, open_disk_store
     from tandem.parallel.launcher import agree_on_count, agree_on_pages
     from tandem.parallel.pd_ranks import WorkerTransfers
-    from tandem.parallel.plan import DISK, DRAFT, STOP, TRANSFER, PlanChannel, replay
+    from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, PlanChannel, replay
     from tandem.parallel.worker_tiers import WorkerTiers
     from tandem.spec_decode import draft_state_specs, graph_rows, speculative_tokens
     from tandem.spec_decode.draft_batch import run_planned_rows
@@ -108,16 +108,18 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
     while True:
         plan = channel.receive()
+        replay(plan.page_operations, coordinator, tiers)
+        if tiers is not None:
+            tiers.poll()
         if plan.kind == STOP:
             runner.release_graphs()  # before the process group goes (runner.release_graphs)
             if transfers is not None:
                 transfers.close()
             if tiers is not None:
-                tiers.close()
+                tiers.close()  # (queued store writes finish first)
             return
-        replay(plan.page_operations, coordinator, tiers)
-        if tiers is not None:
-            tiers.poll()
+        if plan.kind == PAGES:
+            continue
         if plan.kind == TRANSFER:
             transfers.serve(plan.transfer_operations)
             continue

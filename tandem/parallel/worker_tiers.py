@@ -55,7 +55,8 @@ class WorkerTiers:
         self.last: Optional[Ticket] = None  # the latest copy's completion (the stream runs in order)
         self.copies = 0
         self.disk = disk if disk is not None and disk.available else None
-        self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-disk-read") if self.disk else None
+        self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-disk-read") \
+            if self.disk is not None else None
         self.reads: "OrderedDict[tuple[bytes, ...], Future]" = OrderedDict()  # keys -> their read
         self.payloads: dict[bytes, torch.Tensor] = {}  # the latest DISK plan's, counted
         self.agreed: dict[bytes, torch.Tensor] = {}  # payloads every rank has, until rank 0 installs them
