@@ -1,15 +1,15 @@
 """A worker rank (1 .. N-1): its shard of the model and of the state, driven by rank 0's plans.
 
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
-reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own
-(same config, its own rank), agrees on the page counts (and the host tier's), then loops: receive
-a plan, replay its page operations on this rank's buffers (and host tier: ``worker_tiers.py``), run
+reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own (same
+config, its own rank), agrees on the page counts (and the host tier's), then loops: receive a
+plan, replay its page operations on this rank's buffers (and host tier: ``worker_tiers.py``), run
 the forward pass (replaying the CUDA graph the plan names: every rank captures the same ones at
-start-up, ``graphs.py``). It samples nothing and keeps no
-scheduler: its page tables arrive in every plan. It exits on a STOP plan; if rank 0 dies, the
-kernel kills it (``PR_SET_PDEATHSIG``) and a pending collective fails. With a PD role it also
-has its own transfer agent, which TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
-With an MTP draft (sharded as the target) it runs the draft's passes too, as DRAFT plans name them.
+start-up, ``graphs.py``). It samples nothing and keeps no scheduler: its page tables arrive in
+every plan. It exits on a STOP plan; if rank 0 dies, the kernel kills it (``PR_SET_PDEATHSIG``)
+and a pending collective fails. With a PD role it also has its own transfer agent, which TRANSFER
+plans drive instead of a forward pass (``pd_ranks.py``). With an MTP draft (sharded as the
+target) it runs the draft's passes too, as DRAFT plans name them.
 """
 from __future__ import annotations
 
@@ -52,86 +52,109 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level:
 
 
 def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
-    from tandem.engine.state_setup import build_coordinator, register_state
-    from tandem.models.loader import build_model
-    from tandem.parallel.graphs import capture_on_every_rank
-    from tandem.kv.tiers.setup import host_page_count, open_disk_store
-    from tandem.parallel.launcher import agree_on_count, agree_on_pages
-    from tandem.parallel.pd_ranks import WorkerTransfers
-    from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, PlanChannel, replay
-    from tandem.parallel.worker_tiers import WorkerTiers
-    from tandem.spec_decode import draft_state_specs, graph_rows, speculative_tokens
-    from tandem.spec_decode.draft_batch import run_planned_rows
-    from tandem.spec_decode.networks import MTPNetwork
-    from tandem.worker.cuda_graphs import decode_graph_sizes
-    from tandem.worker.model_runner import ModelRunner
+    from tandem.parallel.plan import PlanChannel
 
-    torch.manual_seed(config.seed)
-    model, _, info = build_model(config.model, dtype=config.dtype, load_format=config.load_format, device=device,
-                                 max_model_len=config.max_model_len, seed=config.seed,
-                                 indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard)
-    registry = register_state(model, config.kv_cache_dtype)
-    target_layers = registry.layer_names()
-    speculating = config.speculative_method is not None
-    # A draft model runs on rank 0 alone: its groups exist here too (the same group ids), unused.
-    # An MTP module is sharded as the target is: this rank runs its passes (DRAFT plans).
-    network = MTPNetwork(model) if config.speculative_method == "mtp" else None
-    if speculating:
-        specs = network.state_specs() if network is not None else draft_state_specs(config, device, info.max_model_len)
-        for name, spec in specs.items():
-            registry.register(name, spec)
-    registry.finalize()
-    _, coordinator = build_coordinator(config, device, registry, info.max_model_len, speculating,
-                                       agree=lambda plan: agree_on_pages(plan, groups.control))
-    tiers = None
-    if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
-        host_pages = agree_on_count(host_page_count(config, coordinator), groups.control)
-        disk = open_disk_store(config, coordinator, groups.rank) if config.disk_cache_dir else None
-        tiers = WorkerTiers(coordinator, host_pages, device, disk)
-    runner = ModelRunner(model, coordinator, device)
-    if network is not None:
-        network.bind(runner, registry)
-    if not config.enforce_eager:  # the same sizes as rank 0's
-        rows = (graph_rows(config.max_num_seqs, speculative_tokens(config, model)) if speculating
-                else config.max_num_seqs)
-        capture_on_every_rank(runner, groups, decode_graph_sizes(config, rows), info.max_model_len,
+    rank = WorkerRank(config, groups, device)
+    channel = PlanChannel(groups.control, groups.rank)
+    logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
+    while rank.serve(channel.receive()):
+        pass
+
+
+class WorkerRank:
+    """This rank's shard of the model and of the state (built as rank 0 builds its own, the
+    collectives in the same order), and what each kind of plan makes it do."""
+
+    def __init__(self, config: EngineConfig, groups, device: torch.device) -> None:
+        from tandem.engine.state_setup import build_coordinator, register_state
+        from tandem.kv.tiers.setup import host_page_count, open_disk_store
+        from tandem.models.loader import build_model
+        from tandem.parallel.launcher import agree_on_count, agree_on_pages
+        from tandem.parallel.pd_ranks import WorkerTransfers
+        from tandem.parallel.worker_tiers import WorkerTiers
+        from tandem.spec_decode import draft_state_specs
+        from tandem.spec_decode.networks import MTPNetwork
+        from tandem.worker.model_runner import ModelRunner
+
+        self.groups = groups
+        torch.manual_seed(config.seed)
+        model, _, info = build_model(config.model, dtype=config.dtype, load_format=config.load_format, device=device,
+                                     max_model_len=config.max_model_len, seed=config.seed,
+                                     indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard)
+        registry = register_state(model, config.kv_cache_dtype)
+        target_layers = registry.layer_names()
+        speculating = config.speculative_method is not None
+        # A draft model runs on rank 0 alone: its state groups exist here too (the same group ids),
+        # unused. An MTP module is sharded as the target is: this rank runs its passes (DRAFT plans).
+        self.network = MTPNetwork(model) if config.speculative_method == "mtp" else None
+        if speculating:
+            specs = (self.network.state_specs() if self.network is not None
+                     else draft_state_specs(config, device, info.max_model_len))
+            for name, spec in specs.items():
+                registry.register(name, spec)
+        registry.finalize()
+        _, self.coordinator = build_coordinator(config, device, registry, info.max_model_len, speculating,
+                                                agree=lambda plan: agree_on_pages(plan, groups.control))
+        self.tiers = None
+        if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
+            host_pages = agree_on_count(host_page_count(config, self.coordinator), groups.control)
+            disk = open_disk_store(config, self.coordinator, groups.rank) if config.disk_cache_dir else None
+            self.tiers = WorkerTiers(self.coordinator, host_pages, device, disk)
+        self.runner = ModelRunner(model, self.coordinator, device)
+        if self.network is not None:
+            self.network.bind(self.runner, registry)
+        if not config.enforce_eager:
+            self._capture_graphs(config, model, info, registry, target_layers)
+        # The target's graphs read its own layers only; a draft model's layers (which loads register
+        # here too, though only rank 0 reads them) are waited for after each forward pass.
+        self.runner.graph_layers = frozenset(target_layers)
+        self.unread_layers = ([] if self.network is not None else
+                              [name for name in registry.layer_names() if name not in self.runner.graph_layers])
+        # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
+        self.transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
+
+    def _capture_graphs(self, config: EngineConfig, model, info, registry, target_layers: list[str]) -> None:
+        """The same decode graph sizes as rank 0's (``Speculator.graph_rows`` while speculating)."""
+        from tandem.parallel.graphs import capture_on_every_rank
+        from tandem.spec_decode import graph_rows, speculative_tokens
+        from tandem.worker.cuda_graphs import decode_graph_sizes
+
+        speculating = config.speculative_method is not None
+        rows = graph_rows(config.max_num_seqs, speculative_tokens(config, model)) if speculating else config.max_num_seqs
+        capture_on_every_rank(self.runner, self.groups, decode_graph_sizes(config, rows), info.max_model_len,
                               config.max_num_batched_tokens)
         if speculating:  # verification steps replay the target's graphs as rank 0 decides (Speculator)
             target_groups = sorted({registry.group_of(name) for name in target_layers})
-            runner.verify_as_decode_rows = not coordinator.speculation_copies(target_groups)
-    # The draft's layers: loads register them here too, but only rank 0 runs the draft (and reads them).
-    runner.graph_layers = frozenset(target_layers)
-    draft_layers = [name for name in registry.layer_names() if name not in runner.graph_layers]
-    channel = PlanChannel(groups.control, groups.rank)
-    # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
-    transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
-    logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
-    while True:
-        plan = channel.receive()
-        replay(plan.page_operations, coordinator, tiers)
-        if tiers is not None:
-            tiers.poll()
+            self.runner.verify_as_decode_rows = not self.coordinator.speculation_copies(target_groups)
+
+    def serve(self, plan) -> bool:
+        """Carry out one plan; False once it was the STOP plan."""
+        from tandem.parallel.launcher import agree_on_count
+        from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, replay
+        from tandem.spec_decode.draft_batch import run_planned_rows
+
+        replay(plan.page_operations, self.coordinator, self.tiers)
+        if self.tiers is not None:
+            self.tiers.poll()
         if plan.kind == STOP:
-            runner.release_graphs()  # before the process group goes (runner.release_graphs)
-            if transfers is not None:
-                transfers.close()
-            if tiers is not None:
-                tiers.close()  # (queued store writes finish first)
-            return
-        if plan.kind == PAGES:
-            continue
+            self.runner.release_graphs()  # before the process group goes (runner.release_graphs)
+            if self.transfers is not None:
+                self.transfers.close()
+            if self.tiers is not None:
+                self.tiers.close()  # (queued store writes finish first)
+            return False
         if plan.kind == TRANSFER:
-            transfers.serve(plan.transfer_operations)
-            continue
-        if plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
-            tiers.keep(agree_on_count(tiers.readable(plan.disk_keys), groups.control))
-            continue
-        if plan.kind == DRAFT:
-            run_planned_rows(runner, network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
-            continue
-        runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root, plan.graph_size)
-        for name in draft_layers:  # (after the forward pass: its own layers load first, in model order)
-            coordinator.pending_loads.wait(name)
+            self.transfers.serve(plan.transfer_operations)
+        elif plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
+            self.tiers.keep(agree_on_count(self.tiers.readable(plan.disk_keys), self.groups.control))
+        elif plan.kind == DRAFT:
+            run_planned_rows(self.runner, self.network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
+        elif plan.kind != PAGES:
+            self.runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root,
+                                     plan.graph_size)
+            for name in self.unread_layers:  # (after the forward pass: its own layers load first)
+                self.coordinator.pending_loads.wait(name)
+        return True
 
 
 if __name__ == "__main__":
