@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return 2
     model: Optional[str] = arguments.model
     if model is None and arguments.base_url is None:
-        from tandem.tools.make_model import ensure_demo_model
+        from tandem.tools.demo_model import ensure_demo_model
 
         model = str(ensure_demo_model())
     tokenizer = arguments.tokenizer or model

@@ -365,7 +365,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def resolve_model(arguments: argparse.Namespace) -> Optional[str]:
     if arguments.model is not None or arguments.base_url is not None:
         return arguments.model
-    from tandem.tools.make_model import ensure_demo_model
+    from tandem.tools.demo_model import ensure_demo_model
 
     return str(ensure_demo_model())
 

@@ -385,7 +385,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def prepare(arguments) -> tuple[str, dict, tuple]:
     """The model, the templates and their references (one offline engine, then released)."""
     from tandem import LLM
-    from tandem.tools.make_model import ensure_demo_model
+    from tandem.tools.demo_model import ensure_demo_model
 
     model = arguments.model or str(ensure_demo_model())
     llm = LLM(model=model, page_size=4, max_total_tokens=8192, max_model_len=1024, sanitize=False)

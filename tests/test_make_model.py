@@ -16,17 +16,15 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.tools import make_model as make_model_module
-from tandem.tools.make_model import (
+from tandem.tools.demo_model import ensure_demo_model
+from tandem.tools.make_model import add_cli_parser, architecture_names, make_model
+from tandem.tools.tokenizer_maker import (
     END_OF_TEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
     PAD_TOKEN,
-    add_cli_parser,
-    architecture_names,
-    ensure_demo_model,
-    make_model,
-    training_corpus,
     train_tokenizer,
+    training_corpus,
 )
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -133,7 +133,7 @@ def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:
         return arguments.model, False
     logger.warning("no --model given: using the built-in tiny demo model (random weights, so its text is "
                    "gibberish), built once into the cache directory ($TANDEM_CACHE_DIR, default ~/.cache/tandem)")
-    from tandem.tools.make_model import ensure_demo_model
+    from tandem.tools.demo_model import ensure_demo_model
 
     path = str(ensure_demo_model())
     logger.info("demo model: %s", path)

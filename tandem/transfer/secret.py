@@ -75,7 +75,7 @@ def check_secret(secret: bytes, origin: str) -> bytes:
 
 
 def generated_secret_path() -> pathlib.Path:
-    from tandem.tools.make_model import _cache_root
+    from tandem.tools.demo_model import _cache_root
 
     return _cache_root(None) / GENERATED_SECRET_NAME
 
