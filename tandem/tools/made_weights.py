@@ -40,14 +40,19 @@ def initialise_weights(
     """
     stds = matrix_stds(model, init_std)
     for name, parameter in model.named_parameters():
-        noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
-        if name.endswith("bias"):
-            value = noise * BIAS_STD
-        elif parameter.dim() == 1:
-            value = norm_center + noise * NORM_WEIGHT_STD
-        else:
-            value = noise * stds.get(id(parameter), MATRIX_GAIN / math.sqrt(parameter.shape[-1]))
-        parameter.copy_(value)
+        matrix_std = stds.get(id(parameter), MATRIX_GAIN / math.sqrt(parameter.shape[-1]))
+        parameter.copy_(draw(name, parameter.shape, generator, norm_center, matrix_std))
+
+
+def draw(name: str, shape, generator: torch.Generator, norm_center: float, matrix_std: float) -> torch.Tensor:
+    """One tensor of the wide init: a bias ~ N(0, BIAS_STD), a 1-D (norm) weight ~ N(norm_center,
+    NORM_WEIGHT_STD), a matrix ~ N(0, matrix_std)."""
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    if name.endswith("bias"):
+        return noise * BIAS_STD
+    if len(shape) == 1:
+        return norm_center + noise * NORM_WEIGHT_STD
+    return noise * matrix_std
 
 
 def matrix_stds(model: torch.nn.Module, init_std: float | None) -> dict[int, float]:
@@ -117,18 +122,10 @@ def write_mtp_weights(out_path: pathlib.Path, config, *, seed: int, norm_center:
                        "embed_tokens.weight": (vocab, hidden), "shared_head.norm.weight": (hidden,),
                        "shared_head.head.weight": (vocab, hidden)})
         for name, shape in sorted(shapes.items()):
-            noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-            if name.endswith("bias"):
-                value = noise * BIAS_STD
-            elif len(shape) == 1:
-                value = norm_center + noise * NORM_WEIGHT_STD
-            elif name == "embed_tokens.weight":
-                value = noise * EMBEDDING_STD
-            elif name == "shared_head.head.weight":
-                value = noise * (OUTPUT_HEAD_GAIN / math.sqrt(hidden))
-            else:
-                value = noise * (MATRIX_GAIN / math.sqrt(shape[-1]))
-            tensors[prefix + name] = value.contiguous()
+            matrix_std = {"embed_tokens.weight": EMBEDDING_STD,
+                          "shared_head.head.weight": OUTPUT_HEAD_GAIN / math.sqrt(hidden)}.get(
+                name, MATRIX_GAIN / math.sqrt(shape[-1]))
+            tensors[prefix + name] = draw(name, shape, generator, norm_center, matrix_std).contiguous()
     save_file(tensors, str(out_path / MTP_FILE_NAME), metadata={"format": "pt"})
     if index_path.is_file():
         index = json.loads(index_path.read_text())
