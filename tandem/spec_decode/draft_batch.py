@@ -92,8 +92,7 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         if planned:
             output = _planned_forward(runner, network, step, input_ids, hidden_in, feed is not None)
         else:
-            output = network.forward(input_ids, hidden_in, to_device(step.positions, device),
-                                     network.context(runner.group_metadata(step, network.groups)))
+            output = _forward(runner, network, step, input_ids, hidden_in)
         last_hidden = output.index_select(0, last_rows)
         logits = None
         if wanted:
@@ -108,6 +107,13 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     return result
 
 
+def _forward(runner, network: DraftNetwork, step, input_ids: torch.Tensor,
+             hidden_in: Optional[torch.Tensor]) -> torch.Tensor:
+    """The network's eager pass over the step's rows, reading only its own state groups."""
+    return network.forward(input_ids, hidden_in, to_device(step.positions, runner.device),
+                           network.context(runner.group_metadata(step, network.groups)))
+
+
 def _planned_forward(runner, network: DraftNetwork, step, input_ids: torch.Tensor,
                      hidden_in: Optional[torch.Tensor], inputs_from_root: bool) -> torch.Tensor:
     """Rank 0's side of a sharded draft's pass: the plan, the broadcasts, then the pass (every
@@ -120,8 +126,7 @@ def _planned_forward(runner, network: DraftNetwork, step, input_ids: torch.Tenso
             shard.broadcast(hidden_in)
         if inputs_from_root:
             shard.broadcast(input_ids)
-        return network.forward(input_ids, hidden_in, to_device(step.positions, runner.device),
-                               network.context(runner.group_metadata(step, network.groups)))
+        return _forward(runner, network, step, input_ids, hidden_in)
     except Exception as error:
         runner.plan_sender.fail(f"rank 0's draft pass failed ({type(error).__name__}: {error})")
         raise
@@ -141,8 +146,7 @@ def run_planned_rows(runner, network: DraftNetwork, step, inputs_from_root: bool
         shard.broadcast(hidden_in)
     if inputs_from_root:
         shard.broadcast(input_ids)
-    network.forward(input_ids, hidden_in, to_device(step.positions, device),
-                    network.context(runner.group_metadata(step, network.groups)))
+    _forward(runner, network, step, input_ids, hidden_in)
 
 
 def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):
