@@ -6,7 +6,7 @@ with the field's name, so the server can turn it into a 400 naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from tandem.validation import require
 
@@ -14,6 +14,46 @@ from tandem.validation import require
 # The parameters the sampler takes per row, in the order of ``SamplingParams.sampling_row``.
 SAMPLING_ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                        "repetition_penalty")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match, shaped like vLLM's ``StructuredOutputsParams``.
+
+    Exactly one of ``json`` (a JSON Schema, as a dict or its text), ``json_object`` (any JSON
+    object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, GBNF-style) is set.
+    ``disable_any_whitespace`` keeps JSON whitespace bounded (the default: no model can loop in
+    whitespace); ``False`` allows any whitespace between JSON tokens.
+    """
+
+    json: Union[None, str, dict[str, Any]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    disable_any_whitespace: bool = True
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
+        require(len(chosen) == 1, "structured_outputs",
+                f"exactly one of {', '.join(self.KINDS)} must be set, got {chosen or 'none'}")
+        if self.choice is not None:
+            require(isinstance(self.choice, list) and len(self.choice) > 0
+                    and all(isinstance(c, str) and c for c in self.choice),
+                    "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and value != ""),
+                    f"structured_outputs.{name}", "must be a non-empty string")
+        require(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
+                "must be a JSON Schema (an object, or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        return next(name for name in self.KINDS if getattr(self, name) not in (None, False))
 
 
 @dataclass
@@ -37,6 +77,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +86,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
