@@ -135,6 +135,22 @@ def architecture_table() -> Mapping[str, ArchitectureSpec]:
                 "Qwen3ForCausalLM",
                 {"attention_bias": False, "use_sliding_window": False},
             ),
+            # Qwen3 attention with softmax-routed experts (8, 2 per token, weights renormalised);
+            # every layer sparse except layer 1 (``mlp_only_layers``), which keeps a dense MLP.
+            "qwen3_moe": ArchitectureSpec(
+                "Qwen3MoeConfig",
+                "Qwen3MoeForCausalLM",
+                {
+                    "attention_bias": False,
+                    "use_sliding_window": False,
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "norm_topk_prob": True,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [1],
+                },
+            ),
             # Local (sliding window 24, rope base ``rope_theta``) and global (base 100x, with the
             # requested scaling) layers alternate from layer 0; non-default attention scale and
             # final logit soft-cap.
