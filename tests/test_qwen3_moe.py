@@ -6,8 +6,9 @@ transformers' with and without renormalised weights, through the per-expert loop
 kernel; invariant I1; and the made model's greedy choices (no near-ties, transformers' cached
 and uncached paths agree).
 
-PD, tiers (swap preemption, host and disk hits), speculation with a draft model and TP=2 run
-qwen3_moe in their own files' parametrizations (``ARCH_OPTIONS`` and the family lists there).
+Also here: preemption by swap and host-tier hits. PD, tier hits and the tier mover (I1),
+speculation with a draft model, TP=2 and CUDA-graph safety run qwen3_moe in their own files'
+parametrizations (``ARCH_OPTIONS`` and the family lists there).
 """
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def test_chunked_prefill_preemption_and_prefix_hits(model_dirs, oracles):
     llm = run_and_check(model_dirs[ARCH], oracles[ARCH], "chunked, preempted", max_total_tokens=384,
                         max_num_batched_tokens=32)
     assert llm.engine.stats().num_preemptions > 0
+
+
+def test_swap_preemption_and_host_hits(model_dirs, oracles):
+    """Preemption by swap (every page to the host tier and back), then host hits after the
+    device cache is flushed."""
+    llm = run_and_check(model_dirs[ARCH], oracles[ARCH], "swapped", max_total_tokens=384, max_num_batched_tokens=64,
+                        preemption_mode="swap", host_cache_size=0.05)
+    tiers = llm.engine.stats().tiers
+    assert tiers.swaps["out"] > 0 and tiers.swaps["in"] == tiers.swaps["out"], tiers.swaps
+    llm.engine.coordinator.tiers.drain()
+    llm.engine.reset_prefix_cache()  # the device copies (those the small pool kept) go; the host keeps them
+    (again,) = llm.generate(SECOND[:1], SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
+    assert llm.engine.stats().tiers.host_hit_tokens > tiers.host_hit_tokens and again.num_cached_tokens >= 64
+    assert_matches(again.outputs[0], oracles[ARCH].greedy(SECOND[0], MAX_TOKENS), context="host hit")
+    llm.engine.check_all_free()
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

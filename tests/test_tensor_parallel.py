@@ -56,7 +56,7 @@ def check_shard_registry(single, sharded, replicated: bool) -> None:
         assert all(shard[key] * 2 == whole[key] for key in whole), (shard, whole)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32", "qwen3_moe"])
 def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
     if arch == "llama":  # the overlapped loop: rank 0 broadcasts tokens still pending on its device
