@@ -135,6 +135,25 @@ def test_sparse_layer_options_match_transformers(model_dirs, oracles, sparse_opt
     assert sparse_layers(llm) == [1] and sparse_layers(default) == [0, 2]
 
 
+def test_yarn_rope_matches_transformers(model_dirs, tmp_path):
+    """YaRN as Qwen3-MoE model cards extend the context (factor 4 over the original length):
+    blended rotary frequencies and cos/sin scaled by the attention factor."""
+    directory = tmp_path / "yarn"
+    shutil.copytree(model_dirs[ARCH], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": config["max_position_embeddings"] // 4}
+    (directory / "config.json").write_text(json.dumps(config))
+    oracle = Oracle(str(directory))
+    assert oracle.model.model.rotary_emb.attention_scaling > 1.1
+    llm = LLM(model=str(directory), page_size=16, max_total_tokens=1024, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    outputs = llm.generate(FIRST[2:4], params, use_tqdm=False)
+    for number, (output, prompt) in enumerate(zip(outputs, FIRST[2:4])):
+        assert_matches(output.outputs[0], oracle.greedy(prompt, MAX_TOKENS), context=f"yarn prompt {number}")
+    llm.engine.check_all_free()
+
+
 def test_made_model_greedy_choices_do_not_tie(model_dirs, oracles):
     """Greedy rollouts of transformers' cached path (``generate``) equal its uncached forward
     pass over the whole sequence, and the best two logprobs are never near a tie."""
