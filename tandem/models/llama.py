@@ -44,15 +44,18 @@ class LlamaAttentionBlock(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        # Tensor parallelism: each rank computes its share of the query and key/value heads.
+        # Tensor parallelism: each rank computes its share of the query and key/value heads; with
+        # fewer key/value heads than ranks, each is replicated on ``kv_replicas`` ranks (one a rank).
+        kv_replicas = shard.replicas(num_kv_heads)
         self.num_heads = shard.split(num_heads, "num_attention_heads")
-        self.num_kv_heads = shard.split(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = shard.split(num_kv_heads * kv_replicas, "num_key_value_heads")
         bias = options.qkv_bias or getattr(config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = StackedLinear(hidden, {"q_proj": num_heads * self.head_dim,
                                                "k_proj": num_kv_heads * self.head_dim,
-                                               "v_proj": num_kv_heads * self.head_dim}, bias=bias, shard=shard)
+                                               "v_proj": num_kv_heads * self.head_dim}, bias=bias, shard=shard,
+                                      replicas={"k_proj": kv_replicas, "v_proj": kv_replicas})
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
                                         bias=options.output_bias or getattr(config, "attention_bias", False),
                                         shard=shard)

@@ -6,8 +6,9 @@ Which layers are sparse, as the checkpoint's config says and transformers decide
 ``i`` is an MoE layer when ``i`` is not in ``mlp_only_layers``, ``num_experts > 0`` and
 ``(i + 1) % decoder_sparse_step == 0``; the others keep a dense MLP of ``intermediate_size``.
 
-Under tensor parallelism attention shards by heads (as Qwen3), each expert by its intermediate
-size (``FusedExperts``, as DeepSeek-V3's routed experts), and the router is replicated.
+Under tensor parallelism attention shards by heads (as Qwen3; key/value heads fewer than the
+ranks, 4 in the released models, are replicated), each expert by its intermediate size
+(``FusedExperts``, as DeepSeek-V3's routed experts), and the router is replicated.
 """
 from __future__ import annotations
 
