@@ -52,7 +52,8 @@ for part in "${@:-tests}"; do
                run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1
              done ;;
     qwen3-moe) run qwen3_moe_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k qwen3_moe tests/test_gpu.py \
-                 tests/test_gpu_tiers.py
+                 tests/test_gpu_tiers.py tests/test_spec_decode.py
+               run kernels_moe python3 benchmarks/kernels_moe.py
                for preset in qwen3-30b-a3b-b64 qwen3-30b-a3b-b256; do
                  run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1 --skip-transformers
                done ;;
