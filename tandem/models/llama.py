@@ -45,7 +45,7 @@ class LlamaAttentionBlock(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         # Tensor parallelism: each rank computes its share of the query and key/value heads; with
-        # fewer key/value heads than ranks, each is replicated on ``kv_replicas`` ranks (one a rank).
+        # fewer key/value heads than ranks, each is replicated on ``kv_replicas`` ranks (one head a rank).
         kv_replicas = shard.replicas(num_kv_heads)
         self.num_heads = shard.split(num_heads, "num_attention_heads")
         self.num_kv_heads = shard.split(num_kv_heads * kv_replicas, "num_key_value_heads")
