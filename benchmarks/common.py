@@ -28,6 +28,13 @@ SHAPES = {
     "llama3-8b": ("llama", dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                 intermediate_size=14336, vocab_size=128256, rope_scaling="llama3",
                                 rope_theta=500000.0, max_position_embeddings=131072)),
+    # Qwen3-30B-A3B: 48 layers, every one sparse (128 experts of 768, 8 per token, renormalised).
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                        intermediate_size=6144, vocab_size=151936, rope_theta=1000000.0,
+                                        max_position_embeddings=40960,
+                                        config_overrides=dict(num_experts=128, num_experts_per_tok=8,
+                                                              moe_intermediate_size=768, norm_topk_prob=True,
+                                                              decoder_sparse_step=1, mlp_only_layers=[]))),
     # Draft shapes for benchmarks/spec_decode.py (the same vocabulary as their targets).
     "llama3.2-1b": ("llama", dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
@@ -154,13 +161,46 @@ def best_seconds(function, repeat: int = 10, warm_up: bool = True) -> float:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """A model's routed experts (``FusedExperts``), all layers together: their bytes, and how
+    many experts each layer has and each token picks."""
+    weight_bytes: int = 0
+    num_parameters: int = 0
+    num_experts: int = 1
+    top_k: int = 0
+
+    @classmethod
+    def of_model(cls, model, config) -> "RoutedExperts":
+        from tandem.layers.moe import FusedExperts
+
+        experts = [module for module in model.modules() if isinstance(module, FusedExperts)]
+        if not experts:
+            return cls()
+        parameters = [p for module in experts for p in module.parameters()]
+        return cls(sum(p.numel() * p.element_size() for p in parameters), sum(p.numel() for p in parameters),
+                   experts[0].num_experts, int(config.num_experts_per_tok))
+
+    def fraction_read(self, batch_size: int) -> float:
+        """Expected share of the experts a step of ``batch_size`` tokens reads, routing uniform
+        and independent (random weights route near uniformly; a trained router's skew reads fewer)."""
+        return 1.0 - (1.0 - self.top_k / self.num_experts) ** batch_size
+
+
+@dataclass(frozen=True)
 class ModelCost:
-    """What one token costs a model: weight bytes read by a decode step, matrix FLOPs per token,
-    attention FLOPs per (query, key) pair, and state bytes per cached token."""
+    """What one token costs a model: weight bytes every decode step reads (``weight_bytes``;
+    routed experts apart, in ``experts``: a step reads those its tokens pick), matrix FLOPs per
+    token (routed experts: a token's ``top_k``), attention FLOPs per (query, key) pair, and state
+    bytes per cached token."""
     weight_bytes: int
     flops_per_token: float
     attention_flops_per_pair: float
     state_bytes_per_token: float
+    experts: RoutedExperts = RoutedExperts()
+
+    def decode_weight_bytes(self, batch_size: int) -> float:
+        """Weight bytes a decode step of ``batch_size`` sequences reads."""
+        return self.weight_bytes + self.experts.weight_bytes * self.experts.fraction_read(batch_size)
 
     @classmethod
     def of_engine(cls, engine) -> "ModelCost":
@@ -175,10 +215,13 @@ class ModelCost:
             total -= embedding.numel() * embedding.element_size()
             count -= embedding.numel()
         config = engine.hf_config
+        experts = RoutedExperts.of_model(model, config)
+        total -= experts.weight_bytes
+        count -= experts.num_parameters * (1.0 - experts.top_k / experts.num_experts)  # a token runs top_k of them
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         attention = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim
         page_size = engine.coordinator.page_size
-        return cls(total, 2.0 * count, attention, bytes_per_page(engine.registry, page_size) / page_size)
+        return cls(total, 2.0 * count, attention, bytes_per_page(engine.registry, page_size) / page_size, experts)
 
     def roofline_seconds(self, ceilings: Ceilings, prompt_lengths: list[int], output_lengths: list[int]) -> float:
         """Fewest seconds for the workload: each prompt's FLOPs at the matrix rate, then each
@@ -191,7 +234,7 @@ class ModelCost:
             contexts = [prompt + step for prompt, output in zip(prompt_lengths, output_lengths) if output > step]
             if not contexts:
                 break
-            step_bytes = self.weight_bytes + self.state_bytes_per_token * sum(contexts)
+            step_bytes = self.decode_weight_bytes(len(contexts)) + self.state_bytes_per_token * sum(contexts)
             step_flops = len(contexts) * self.flops_per_token + self.attention_flops_per_pair * sum(contexts)
             seconds += max(step_bytes / ceilings.bandwidth, step_flops / ceilings.flops)
         return seconds

@@ -111,11 +111,11 @@ def main() -> None:
     first, tpot, prefill, cost = tandem_figures(model_dir, args, vocab_size, prefill_lengths)
     reference = None if args.skip_transformers else transformers_figures(model_dir, args, vocab_size,
                                                                          prefill_lengths)
-    floor_tpot = (cost.weight_bytes + cost.state_bytes_per_token * (args.prompt_len + args.output_len / 2)) \
+    floor_tpot = (cost.decode_weight_bytes(1) + cost.state_bytes_per_token * (args.prompt_len + args.output_len / 2)) \
         / ceilings.bandwidth
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}{' (tandem eager)' if args.enforce_eager else ''}")
     print(ceilings.describe())
-    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB; "
+    print(f"weights read per decode step {cost.decode_weight_bytes(1) / 1e9:.2f} GB; "
           f"{cost.flops_per_token / 1e9:.1f} GFLOP per token\n")
     print(f"batch 1, {args.prompt_len}-token prompt, {args.output_len} output tokens")
     print(f"{'':<28}{'tandem':>12}{'transformers':>14}{'roofline':>10}{'tandem/roof':>13}{'tandem/hf':>11}")

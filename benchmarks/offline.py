@@ -13,6 +13,10 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
     python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
+    python benchmarks/offline.py --preset qwen3-30b-a3b-b64 --skip-transformers    # MoE, batch 64 (and -b256)
+
+For MoE models a decode step's roofline reads the routed experts its batch is expected to pick
+(uniform routing), and a token's FLOPs count its ``top_k`` experts only.
 
 With ``--tensor-parallel-size N`` the roofline is one rank's: its shard's weights and state
 over one device's bandwidth (the ranks read theirs at once; collectives are not counted).
@@ -50,6 +54,12 @@ PRESETS = {
                           output_len=256),
     "llama3-8b-b256": dict(GPU, shape="llama3-8b", num_prompts=256, min_input_len=1000, max_input_len=1000,
                            output_len=1000, max_num_batched_tokens=16384),
+    # Qwen3-30B-A3B shape (bf16 weights: 61 GB; K/V 96 KiB a token): decode-bound, 128-token
+    # prompts and 256 output tokens each, all in the state pool of one 80 GB GPU at batch 256.
+    "qwen3-30b-a3b-b64": dict(GPU, shape="qwen3-30b-a3b", num_prompts=64, min_input_len=128, max_input_len=128,
+                              output_len=256, max_num_batched_tokens=8192),
+    "qwen3-30b-a3b-b256": dict(GPU, shape="qwen3-30b-a3b", num_prompts=256, min_input_len=128, max_input_len=128,
+                               output_len=256, max_num_batched_tokens=8192),
 }
 
 

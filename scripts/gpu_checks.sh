@@ -7,6 +7,7 @@
 #   bash scripts/gpu_checks.sh kernels      # kernel benchmarks
 #   bash scripts/gpu_checks.sh latency      # benchmarks/latency.py, Llama-3.1-8B shape
 #   bash scripts/gpu_checks.sh offline      # benchmarks/offline.py presets
+#   bash scripts/gpu_checks.sh qwen3-moe    # Qwen3-MoE GPU tests, Qwen3-30B-A3B shape decode at batch 64 and 256
 #   bash scripts/gpu_checks.sh tiers        # state-tier GPU tests and benchmarks/multiturn.py (8B shape)
 #   bash scripts/gpu_checks.sh page-major   # page-major pools: GPU tests, offline and latency beside layer-major
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
@@ -50,6 +51,12 @@ for part in "${@:-tests}"; do
     offline) for preset in llama3-8b-b1 llama3-8b-b32 qwen3-0.6b-nanovllm; do
                run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1
              done ;;
+    qwen3-moe) run qwen3_moe_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k qwen3_moe tests/test_gpu.py \
+                 tests/test_gpu_tiers.py tests/test_spec_decode.py
+               run kernels_moe python3 benchmarks/kernels_moe.py
+               for preset in qwen3-30b-a3b-b64 qwen3-30b-a3b-b256; do
+                 run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1 --skip-transformers
+               done ;;
     tiers) run tiers_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_tiers.py tests/test_kernels_page_copy.py
            run multiturn python3 benchmarks/multiturn.py --shape llama3-8b ;;
     page-major) run page_major_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k page-major tests

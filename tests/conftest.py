@@ -46,6 +46,8 @@ ARCH_OPTIONS = {
     "qwen3_next": dict(num_layers=3),
     "nemotron_h": dict(num_layers=5),
     "glm_moe_dsa": dict(num_layers=3),
+    # Qwen3-MoE: MoE, dense MLP (mlp_only_layers), MoE; 8 experts, 2 per token.
+    "qwen3_moe": dict(num_layers=3),
 }
 
 

@@ -106,7 +106,8 @@ def kernel_paths(runner, *extra_models):
 
 
 # The MoE, MLA/DSA and recurrent families, and two dense ones (sliding window and softcap: gemma3).
-FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "nemotron_h", "llama", "gemma3"]
+FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "nemotron_h", "qwen3_moe", "llama",
+            "gemma3"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

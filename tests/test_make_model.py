@@ -322,3 +322,13 @@ def test_demo_model_defaults_are_bigger_llama():
     options = make_model_module.DEMO_MODEL_OPTIONS
     assert options["arch"] == "llama"
     assert options["hidden_size"] > 64 and options["vocab_size"] > 512 and options["num_layers"] > 2
+
+
+def test_config_overrides_replace_the_architecture_defaults(tokenizer_source, tmp_path):
+    """A benchmark shape sets a released MoE's expert sizes over qwen3_moe's tiny defaults."""
+    path = make_model("qwen3_moe", tmp_path, tokenizer_dir=tokenizer_source, weights=False,
+                      config_overrides={"num_experts": 128, "num_experts_per_tok": 8, "mlp_only_layers": []})
+    config = read_config(path)
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["mlp_only_layers"]) == (128, 8, [])
+    assert read_config(make_model("qwen3_moe", tmp_path / "default", tokenizer_dir=tokenizer_source,
+                                  weights=False))["num_local_experts"] == 8

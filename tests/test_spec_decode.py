@@ -362,7 +362,7 @@ def test_rollback_in_every_group():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "qwen3_moe"])
 def test_cuda_speculation_matches_oracle(arch, enforce_eager, model_dirs, oracles, monkeypatch):
     """On CUDA (Triton kernels; CUDA graphs for verification and the draft's passes unless
     ``enforce_eager``; bfloat16 only runs): greedy speculation equals the oracle (logprobs

@@ -56,7 +56,7 @@ def check_shard_registry(single, sharded, replicated: bool) -> None:
         assert all(shard[key] * 2 == whole[key] for key in whole), (shard, whole)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32", "qwen3_moe"])
 def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
     if arch == "llama":  # the overlapped loop: rank 0 broadcasts tokens still pending on its device
@@ -254,8 +254,34 @@ def test_bad_tensor_parallel_size_is_named(model_dirs):
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide n_groups \(2\)"):
         LLM(model=model_dirs["nemotron_h"], tensor_parallel_size=4, **ENGINE)
     # The tiny llama has 4 query heads and 2 key/value heads.
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide num_key_value_heads \(2\)"):
-        LLM(model=model_dirs["llama"], tensor_parallel_size=4, **ENGINE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide num_attention_heads \(4\)"):
+        LLM(model=model_dirs["llama"], tensor_parallel_size=3, **ENGINE)
+
+
+def test_fewer_key_value_heads_than_ranks(model_dirs, oracles, tmp_path):
+    """With more ranks than key/value heads each head is replicated on ``size // heads`` ranks
+    (rank r holds head r // replicas, the one its query heads read): Qwen3-MoE's 2 key/value
+    heads on 4 ranks equal transformers, each rank's pages holding one head. Ranks that are not a
+    multiple of the heads are refused, naming num_key_value_heads."""
+    from tandem.tools.make_model import make_model
+
+    arch = "qwen3_moe"
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=4, **ENGINE)
+    try:
+        heads = {d.tensor.shape[-2] for d in llm.engine.registry.buffers()}
+        assert heads == {1}, heads
+        outputs, prompts = run_scenario(llm)
+        llm.engine.check_all_free()
+    finally:
+        llm.engine.shutdown()
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        for index, sequence in enumerate(output.outputs):
+            assert_matches(sequence, oracles[arch].greedy(prompt, MAX_TOKENS),
+                           context=f"{arch} TP=4 prompt {number} sequence {index}")
+    six_heads = make_model("llama", tmp_path / "six_heads", hidden_size=48, num_heads=6, num_kv_heads=2,
+                           tokenizer_dir=model_dirs["llama"], weights=False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide num_key_value_heads \(2\)"):
+        LLM(model=str(six_heads), tensor_parallel_size=3, load_format="dummy", **ENGINE)
 
 
 def test_pd_handshake_compares_tensor_parallel_size():

@@ -22,7 +22,7 @@ MAX_TOKENS = 12
 
 
 @pytest.mark.parametrize("arch,enforce_eager", [("llama", False), ("gemma3", False), ("qwen3_next", False),
-                                                ("nemotron_h", False),
+                                                ("nemotron_h", False), ("qwen3_moe", False),
                                                 ("deepseek_v32", False), ("llama", True)])
 def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, monkeypatch):
     import tests.oracle as oracle_module

@@ -42,11 +42,16 @@ def shard_of(tensor: torch.Tensor, axis: int, rank: int, size: int, segments: tu
 
 class StackedLinear(nn.Linear):
     """``parts`` are the checkpoint's full row counts; a rank of ``shard`` keeps its share of
-    each part (column parallel: no collective, the output stays split by rank)."""
+    each part (column parallel: no collective, the output stays split by rank). A part named in
+    ``replicas`` is held whole by groups of that many consecutive ranks (key/value heads fewer
+    than the ranks): rank ``r`` keeps slice ``r // replicas`` of ``size // replicas``."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, shard: TensorShard = SINGLE) -> None:
-        local = {name: shard.split(size, f"the rows of {name}") for name, size in parts.items()}
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, shard: TensorShard = SINGLE,
+                 replicas: Optional[dict[str, int]] = None) -> None:
+        part_replicas = {name: (replicas or {}).get(name, 1) for name in parts}
+        local = {name: shard.split(size * part_replicas[name], f"the rows of {name}") for name, size in parts.items()}
         super().__init__(in_features, sum(local.values()), bias=bias)
+        self.part_replicas = part_replicas
         self.parts: dict[str, tuple[int, int]] = {}
         self.full_sizes = dict(parts)
         self.shard = shard
@@ -54,6 +59,14 @@ class StackedLinear(nn.Linear):
         for name, size in local.items():
             self.parts[name] = (offset, size)
             offset += size
+
+    def part_shard(self, part: str) -> Optional[tuple]:
+        """``(axis, slice index, slices, segments)`` of checkpoint tensor ``part`` on this rank
+        (``_Target``), or None when unsharded."""
+        if not self.shard.is_parallel:
+            return None
+        copies = self.part_replicas[part]
+        return (0, self.shard.rank // copies, self.shard.size // copies, (self.full_sizes[part],))
 
 
 class _Target:
@@ -85,8 +98,7 @@ def _stacked_targets(model: nn.Module) -> dict[str, tuple]:
             continue
         parent = module_name.rsplit(".", 1)[0]
         for part, (offset, size) in module.parts.items():
-            shard = ((0, module.shard.rank, module.shard.size, (module.full_sizes[part],))
-                     if module.shard.is_parallel else None)
+            shard = module.part_shard(part)
             for kind in ("weight", "bias"):
                 if getattr(module, kind, None) is not None:
                     targets[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", offset, size, shard)

@@ -1,6 +1,6 @@
-"""Mixture-of-experts layers with DeepSeek-V3 / GLM-5 routing.
+"""Mixture-of-experts layers: DeepSeek-V3 / GLM-5 routing and Qwen3 softmax routing.
 
-Routing (``TopKRouter``), as the reference implementations compute it, in float32:
+DeepSeek routing (``TopKRouter``), as the reference implementations compute it, in float32:
 
     scores  = sigmoid(hidden @ gate.weight.T)                       [T, E]
     choice  = scores + e_score_correction_bias                      (bias steers the choice only)
@@ -8,6 +8,12 @@ Routing (``TopKRouter``), as the reference implementations compute it, in float3
     keep the ``topk_group`` best groups, then the ``top_k`` best experts among them (by choice)
     weights = scores of those experts, divided by their sum when ``norm_topk_prob``,
               times ``routed_scaling_factor``
+
+Qwen3 routing (``SoftmaxTopKRouter``; Qwen3-MoE, Qwen3-Next)::
+
+    probs   = softmax(hidden @ gate.weight.T) in float32                [T, E]
+    weights, experts = the ``top_k`` largest probs
+    weights divided by their sum when ``norm_topk_prob``, then rounded to the model dtype
 
 ``MoE`` adds the shared experts (one dense MLP of ``n_shared_experts * moe_intermediate_size``)
 to the weighted routed experts. Experts are stored fused (``FusedExperts``: ``gate_up_proj
@@ -65,6 +71,28 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, expert_ids
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Qwen3-MoE / Qwen3-Next routing (see the module docstring). Replicated under tensor
+    parallelism: every rank routes every token to the same experts."""
+
+    def __init__(self, num_experts: int, top_k: int, norm_topk_prob: bool, hidden_size: int) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({num_experts}), got {top_k}")
+        self.top_k = top_k
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden ``[T, H]`` → (weights ``[T, k]`` in hidden's dtype, expert ids ``[T, k]``)."""
+        logits = F.linear(hidden, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), expert_ids
 
 
 class FusedExperts(nn.Module):
@@ -166,6 +194,23 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden)
         return output
+
+
+class SoftmaxMoE(nn.Module):
+    """Routed experts without shared experts, softmax-routed (Qwen3-MoE's sparse block):
+    ``gate`` (``SoftmaxTopKRouter``) and ``experts`` (``FusedExperts``), named as the checkpoint
+    names them (``mlp.gate.weight``, ``mlp.experts.{e}.gate_proj.weight`` ...)."""
+
+    def __init__(self, config, shard: TensorShard = SINGLE) -> None:
+        super().__init__()
+        self.gate = SoftmaxTopKRouter(config.num_experts, config.num_experts_per_tok, config.norm_topk_prob,
+                                      config.hidden_size)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                    shard=shard)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(hidden)
+        return self.experts(hidden, expert_ids, weights)
 
 
 _PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")

@@ -1,6 +1,7 @@
 """Llama (incl. Llama-3.1 rope scaling). Parameter names follow the Hugging Face checkpoint
 layout so weights load by name. Qwen2 and Qwen3 reuse these blocks with their differences
-switched on through ``LlamaOptions``."""
+switched on through ``LlamaOptions``; Qwen3-MoE also swaps the decoder layer's MLP
+(``LlamaDecoderLayer.make_mlp``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,15 +44,18 @@ class LlamaAttentionBlock(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        # Tensor parallelism: each rank computes its share of the query and key/value heads.
+        # Tensor parallelism: each rank computes its share of the query and key/value heads; with
+        # fewer key/value heads than ranks, each is replicated on ``kv_replicas`` ranks (one head a rank).
+        kv_replicas = shard.replicas(num_kv_heads)
         self.num_heads = shard.split(num_heads, "num_attention_heads")
-        self.num_kv_heads = shard.split(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = shard.split(num_kv_heads * kv_replicas, "num_key_value_heads")
         bias = options.qkv_bias or getattr(config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = StackedLinear(hidden, {"q_proj": num_heads * self.head_dim,
                                                "k_proj": num_kv_heads * self.head_dim,
-                                               "v_proj": num_kv_heads * self.head_dim}, bias=bias, shard=shard)
+                                               "v_proj": num_kv_heads * self.head_dim}, bias=bias, shard=shard,
+                                      replicas={"k_proj": kv_replicas, "v_proj": kv_replicas})
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
                                         bias=options.output_bias or getattr(config, "attention_bias", False),
                                         shard=shard)
@@ -82,10 +86,15 @@ class LlamaDecoderLayer(nn.Module):
                  rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.self_attn = LlamaAttentionBlock(config, layer_index, options, state_dtype, rotary, shard)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            bias=options.mlp_bias or getattr(config, "mlp_bias", False), shard=shard)
+        self.mlp = self.make_mlp(config, layer_index, options, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_index: int, options: LlamaOptions, shard: TensorShard) -> nn.Module:
+        """The feed-forward block of layer ``layer_index`` (``hidden -> hidden``); families with
+        sparse layers override it."""
+        return GatedMLP(config.hidden_size, config.intermediate_size,
+                        bias=options.mlp_bias or getattr(config, "mlp_bias", False), shard=shard)
 
     def forward(self, hidden, residual, positions, context):
         """``(hidden, residual)`` in and out; the layer's output is their sum, which the next
@@ -101,13 +110,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, options: LlamaOptions, state_dtype: torch.dtype, max_positions: int,
-                 shard: TensorShard = SINGLE) -> None:
+                 shard: TensorShard = SINGLE, decoder_layer: type = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters_of(config), max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, index, options, state_dtype, self.rotary_emb, shard)
+            decoder_layer(config, index, options, state_dtype, self.rotary_emb, shard)
             for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -122,6 +131,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     options = LlamaOptions()
+    decoder_layer = LlamaDecoderLayer
     engine_options = ("tensor_shard",)
 
     def __init__(self, config, state_dtype: torch.dtype, max_positions: int,
@@ -129,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.tensor_shard = tensor_shard
-        self.model = LlamaModel(config, self.options, state_dtype, max_positions, tensor_shard)
+        self.model = LlamaModel(config, self.options, state_dtype, max_positions, tensor_shard, self.decoder_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tensor_shard)
         if self.tie_word_embeddings:

@@ -18,7 +18,7 @@ from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, mark_sharded
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import FusedExperts, load_with_experts
+from tandem.layers.moe import FusedExperts, SoftmaxTopKRouter, load_with_experts
 from tandem.layers.recurrent import chunk_gated_delta_rule, gated_delta_rule_step
 from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.layers.rotary import RotaryEmbedding
@@ -183,26 +183,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(tokens, self.value_dim))
 
 
-class Qwen3NextRouter(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-
-    def forward(self, hidden: torch.Tensor):
-        logits = F.linear(hidden, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
-
-
 class Qwen3NextSparseMoe(nn.Module):
     def __init__(self, config, shard: TensorShard = SINGLE) -> None:
         super().__init__()
-        self.gate = Qwen3NextRouter(config)
+        self.gate = SoftmaxTopKRouter(config.num_experts, config.num_experts_per_tok, config.norm_topk_prob,
+                                      config.hidden_size)
         # Checkpoints name them per expert (``experts.{e}.gate_proj`` ...): ``load_with_experts``.
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                     shard=shard)

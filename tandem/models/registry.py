@@ -7,6 +7,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tandem.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tandem.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tandem.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("tandem.models.qwen3_next", "Qwen3NextForCausalLM"),
     "NemotronHForCausalLM": ("tandem.models.nemotron_h", "NemotronHForCausalLM"),
     "DeepseekV3ForCausalLM": ("tandem.models.deepseek_v3", "DeepseekV3ForCausalLM"),

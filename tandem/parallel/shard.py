@@ -29,6 +29,15 @@ class TensorShard:
             raise ValueError(f"tensor_parallel_size: {self.size} does not divide {what} ({total})")
         return total // self.size
 
+    def replicas(self, total: int) -> int:
+        """How many ranks hold each of ``total`` heads: 1 where the ranks split them, ``size //
+        total`` where there are fewer heads than ranks and ``total`` divides ``size`` (rank ``r``
+        then holds head ``r // replicas``, the one its share of query heads reads under grouped-
+        query attention). Otherwise 1, and ``split`` names the size that does not divide."""
+        if total >= self.size or self.size % total:
+            return 1
+        return self.size // total
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (returned for chaining)."""
         if self.is_parallel:

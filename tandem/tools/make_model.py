@@ -135,6 +135,22 @@ def architecture_table() -> Mapping[str, ArchitectureSpec]:
                 "Qwen3ForCausalLM",
                 {"attention_bias": False, "use_sliding_window": False},
             ),
+            # Qwen3 attention with softmax-routed experts (8, 2 per token, weights renormalised);
+            # every layer sparse except layer 1 (``mlp_only_layers``), which keeps a dense MLP.
+            "qwen3_moe": ArchitectureSpec(
+                "Qwen3MoeConfig",
+                "Qwen3MoeForCausalLM",
+                {
+                    "attention_bias": False,
+                    "use_sliding_window": False,
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "norm_topk_prob": True,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [1],
+                },
+            ),
             # Local (sliding window 24, rope base ``rope_theta``) and global (base 100x, with the
             # requested scaling) layers alternate from layer 0; non-default attention scale and
             # final logit soft-cap.
@@ -248,6 +264,7 @@ def make_model(
     max_shard_size: int | str | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
     weights: bool = True,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a random-weight float32 checkpoint of ``arch`` plus a tokenizer to ``out_dir``.
 
@@ -260,7 +277,9 @@ def make_model(
     tokenizer files from a directory made by this function (with the same ``vocab_size``)
     instead of training one. ``weights=False`` writes the config and tokenizer only, for
     ``--load-format dummy`` (random weights made on the device at load time; large shapes).
-    Returns ``out_dir`` as a path.
+    ``config_overrides`` are config arguments set last, over the architecture's tiny defaults
+    (e.g. a released MoE's expert count and sizes for a benchmark shape). Returns ``out_dir`` as
+    a path.
 
     The config's ``eos_token_id``/``pad_token_id``/``bos_token_id`` equal the tokenizer's
     (bos is None) and every tokenizer id is below ``vocab_size``.
@@ -286,6 +305,7 @@ def make_model(
         tie_word_embeddings=tie_word_embeddings,
         rope_parameters=_rope_parameters(rope_scaling, rope_theta, max_position_embeddings),
         token_ids=token_ids,
+        overrides=config_overrides or {},
     )
     if not weights:
         config.architectures = [spec.model_class]
@@ -337,7 +357,8 @@ def _rope_parameters(rope_scaling: str | None, rope_theta: float, max_position_e
     raise ValueError(f"unknown rope_scaling {rope_scaling!r}; known: llama3")
 
 
-def _build_config(spec: ArchitectureSpec, *, token_ids: Mapping[str, int | None], **shape: Any):
+def _build_config(spec: ArchitectureSpec, *, token_ids: Mapping[str, int | None], overrides: Mapping[str, Any],
+                  **shape: Any):
     """Instantiate the architecture's transformers config from the shared shape arguments."""
     import transformers
 
@@ -361,6 +382,7 @@ def _build_config(spec: ArchitectureSpec, *, token_ids: Mapping[str, int | None]
     arguments.update(spec.config_kwargs)
     if spec.shape_kwargs is not None:
         arguments.update(spec.shape_kwargs(shape))
+    arguments.update(overrides)
     return config_class(**arguments)
 
 
