@@ -79,11 +79,11 @@ CASES = [
 
 def streamed_message(new_parser, text: str, cuts) -> dict:
     """Feed ``text`` cut at ``cuts`` through ``MessageStream``; the deltas, added up."""
-    parser, stream = new_parser(), MessageStream()
+    stream = MessageStream(new_parser())
     total = {"reasoning": "", "content": "", "calls": []}
     points = sorted(set(cuts)) + [len(text)]
     for index, cut in enumerate(points):
-        delta = stream.delta(parser.parse(text[:cut], final=index == len(points) - 1))
+        delta = stream.delta(text[:cut], final=index == len(points) - 1)
         total["reasoning"] += delta.get("reasoning_content", "")
         total["content"] += delta.get("content", "")
         for call in delta.get("tool_calls", []):

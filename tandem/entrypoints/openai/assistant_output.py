@@ -71,15 +71,16 @@ class StreamedCall:
 
 @dataclass
 class MessageStream:
-    """What one streamed choice has sent so far; ``delta`` turns a newer parse into a delta.
-
-    A tool call's first delta carries its id, type and name (once); later ones only arguments.
-    """
+    """What one streamed choice has sent so far; ``delta`` parses its newer text and returns what
+    that adds. A tool call's first delta carries its id, type and name (once); later ones only
+    arguments."""
+    parser: AssistantOutputParser
     reasoning: str = ""
     content: str = ""
     calls: list[StreamedCall] = field(default_factory=list)
 
-    def delta(self, message: ParsedMessage) -> dict[str, Any]:
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        message = self.parser.parse(text, final)
         result: dict[str, Any] = {}
         reasoning = self.advance("reasoning", message.reasoning or "")
         if reasoning:

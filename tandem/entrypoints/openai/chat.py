@@ -165,14 +165,13 @@ class ChatRenderer:
                   "finish_reason": None}
         return self.chunk([choice], prompt_token_ids=prompt_token_ids if self.body.return_token_ids else None)
 
-    def delta_choice(self, choice: CompletionOutput, cursor: ChoiceCursor, stream: Optional[MessageStream] = None,
-                     parser: Optional[AssistantOutputParser] = None) -> Optional[dict]:
+    def delta_choice(self, choice: CompletionOutput, cursor: ChoiceCursor,
+                     stream: Optional[MessageStream] = None) -> Optional[dict]:
         """The choice's news since ``cursor``; None when parsing holds all of it back for now."""
         delta, finish_reason = {"content": choice.text[cursor.sent_text:]}, choice.finish_reason
-        if parser is not None:
-            parsed = parser.parse(choice.text, final=choice.finish_reason is not None)
-            delta = stream.delta(parsed)
-            finish_reason = calls_finish(choice, parsed.calls)
+        if stream is not None:
+            delta = stream.delta(choice.text, final=choice.finish_reason is not None)
+            finish_reason = calls_finish(choice, stream.calls)
             if not delta and finish_reason is None and not self.wants_tokens:
                 return None
         entry = {"index": choice.index, "delta": delta,
@@ -220,18 +219,17 @@ async def stream_chat(state: ServerState, renderer: ChatRenderer, prompt: Prompt
     for index in range(params.n):
         yield sse_event(renderer.role_chunk(index, prompt.token_ids))
     cursors = [ChoiceCursor(echoed=True) for _ in range(params.n)]
-    parsing = renderer.new_output_parser is not None
-    streams = [MessageStream() if parsing else None for _ in range(params.n)]
-    parsers = [renderer.new_output_parser() if parsing else None for _ in range(params.n)]
+    streams = [MessageStream(renderer.new_output_parser()) if renderer.new_output_parser else None
+               for _ in range(params.n)]
     final: Optional[RequestOutput] = None
     try:
         async for _, output in merge_generations(state.client, renderer.request_id, [prompt], params,
                                                  transfer_params(renderer.body)):
             check_output_error(output)
             final = output
-            for choice, cursor, stream, parser in zip(output.outputs, cursors, streams, parsers):
+            for choice, cursor, stream in zip(output.outputs, cursors, streams):
                 if has_news(renderer.body, choice, cursor):
-                    entry = renderer.delta_choice(choice, cursor, stream, parser)
+                    entry = renderer.delta_choice(choice, cursor, stream)
                     if entry is not None:
                         yield sse_event(renderer.chunk([entry]))
         if renderer.body.include_usage_in_stream and final is not None:

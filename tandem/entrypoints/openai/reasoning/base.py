@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from tandem.entrypoints.openai.tool_parsers.base import partial_marker_start
-from tandem.entrypoints.openai.tool_parsers.json_prefix import skip_whitespace
+from tandem.entrypoints.openai.text_markers import partial_marker_start
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class ReasoningParser:
     def thinking_begin(self, text: str, final: bool) -> Optional[int]:
         """Where the thinking starts (after an opening marker the output writes); -1: the output
         does not think; None: not decided yet (only whitespace or part of the opening marker)."""
-        lead = skip_whitespace(text, 0)
+        lead = len(text) - len(text.lstrip())
         rest = text[lead:]
         if rest.startswith(self.start_marker):
             return lead + len(self.start_marker)

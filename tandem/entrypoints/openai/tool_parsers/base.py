@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from tandem.entrypoints.openai.text_markers import partial_marker_start
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -38,14 +40,6 @@ class RegionScan:
     after the region) once it is closed. A closed region without calls was not a tool call."""
     calls: tuple[ParsedCall, ...] = ()
     end: Optional[int] = None
-
-
-def partial_marker_start(text: str, marker: str) -> int:
-    """Where a trailing prefix of ``marker`` begins in ``text`` (``len(text)`` when none does)."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return len(text) - length
-    return len(text)
 
 
 def settle_content(content: str, has_calls: bool, final: bool) -> str:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tandem.entrypoints.openai.text_markers import partial_marker_start
 from tandem.entrypoints.openai.tool_parsers.base import (
     ParsedCall,
     RegionScan,
     RegionToolParser,
-    partial_marker_start,
 )
 from tandem.entrypoints.openai.tool_parsers.json_prefix import skip_whitespace
 

@@ -17,11 +17,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tandem.entrypoints.openai.text_markers import partial_marker_start
 from tandem.entrypoints.openai.tool_parsers.base import (
     ParsedCall,
     RegionScan,
     RegionToolParser,
-    partial_marker_start,
 )
 from tandem.entrypoints.openai.tool_parsers.json_prefix import skip_whitespace
 
