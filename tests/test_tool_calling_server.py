@@ -30,7 +30,7 @@ WEATHER = {"type": "function", "function": {
 NOW = {"type": "function", "function": {"name": "now", "description": "The time", "parameters": {"type": "object"}}}
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
+    {"role": "assistant", "content": None, "reasoning_content": "Paris it is.", "tool_calls": [
         {"id": "call_paris", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_paris", "content": "sunny, 21 C"},
 ]
@@ -95,7 +95,7 @@ def test_auto_tool_calls_and_reasoning(tokenizer_dir, parser_name):
     # the template saw the tools, the earlier call in this format and the tool's result
     prompt = state.client.prompts[0]
     assert json.dumps(WEATHER["function"]["description"]) in prompt and earlier_call in prompt
-    assert "sunny, 21 C" in prompt
+    assert "sunny, 21 C" in prompt and "<think>Paris it is.</think>" in prompt
 
     whole, streamed = results["text"]
     assert whole.choices[0].message.tool_calls is None and whole.choices[0].finish_reason == "stop"

@@ -84,7 +84,9 @@ GLM45_TEMPLATE = TOOLS_SYSTEM.replace("{{ tool_instruction }}", "Call a function
 
 def keep_newlines(template: str) -> str:
     """transformers renders templates with ``trim_blocks`` (a newline right after a block tag is
-    dropped): write those newlines as expressions."""
+    dropped): write those newlines as expressions. Earlier thinking is shown before the content."""
+    template = template.replace("{{ message.content }}", "{% if message.reasoning_content %}<think>"
+                                "{{ message.reasoning_content }}</think>{% endif %}{{ message.content }}")
     return template.replace("%}\n", "%}{{ '\\n' }}")
 
 

@@ -316,6 +316,8 @@ class ChatMessage(OpenAIBaseModel):
     name: Optional[Text] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant messages only")
     tool_call_id: Optional[NonEmptyText] = Field(None, description="tool messages: the call answered (required)")
+    reasoning_content: Optional[Text] = Field(None, description="assistant messages: the thinking a server "
+                                              "returned, for templates that show it again")
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to one string, tool-call
@@ -333,6 +335,8 @@ class ChatMessage(OpenAIBaseModel):
                                      for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
