@@ -232,17 +232,24 @@ def test_required_schema_accepts_exactly_valid_calls():
         "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"],
         "$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
                                                                          "items": {"$ref": "#/$defs/node"}}}}}}}}
-    schema = required_calls_schema([WEATHER, NOW, tree], parallel=True)
+    legacy = {"type": "function", "function": {"name": "legacy", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"unit": {"$ref": "#/definitions/unit"}, "next": {"$ref": "#"}},
+        "definitions": {"unit": {"enum": ["C", "F"]}}}}}
+    schema = required_calls_schema([WEATHER, NOW, tree, legacy], parallel=True)
     validator = jsonschema.Draft202012Validator(schema)
     validator.check_schema(schema)
     good = [[{"name": "get_weather", "parameters": {"city": "Oslo"}}],
             [{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": OSLO}],
-            [{"name": "plant", "parameters": {"root": {"children": [{"children": []}]}}}]]
+            [{"name": "plant", "parameters": {"root": {"children": [{"children": []}]}}}],
+            [{"name": "legacy", "parameters": {"unit": "C", "next": {"unit": "F", "next": {}}}}]]
     wrong = [[], {"name": "now", "parameters": {}}, [{"name": "later", "parameters": {}}],
              [{"name": "get_weather", "parameters": {"days": 2}}],
              [{"name": "get_weather", "parameters": {"city": 5}}],
              [{"name": "now", "parameters": {}, "extra": 1}],
-             [{"name": "plant", "parameters": {"root": {"children": [5]}}}]]
+             [{"name": "plant", "parameters": {"root": {"children": [5]}}}],
+             [{"name": "legacy", "parameters": {"unit": "K"}}],
+             [{"name": "legacy", "parameters": {"next": {"next": {"unit": "K"}}}}]]
     assert all(validator.is_valid(instance) for instance in good)
     assert not any(validator.is_valid(instance) for instance in wrong)
     single = jsonschema.Draft202012Validator(required_calls_schema([WEATHER, NOW], parallel=False))

@@ -21,6 +21,7 @@ from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from tandem.entrypoints.openai.tool_parsers.forced import NamedFunctionParser, RequiredCallsParser
 
 DEFINITION_KEYS = ("$defs", "definitions")
+ROOT_ONLY_KEYS = ("$schema", "$id")
 ANY_OBJECT = {"type": "object"}
 
 
@@ -136,6 +137,8 @@ def hoist_definitions(parameters: dict[str, Any], prefix: str, definitions: dict
     references (``#/$defs/X``, ``#/definitions/X``, and ``#`` for the parameters themselves) are
     rewritten to point there."""
     parameters = copy.deepcopy(parameters)
+    for key in ROOT_ONLY_KEYS:  # they belong to a schema's root; this one becomes a part
+        parameters.pop(key, None)
     renamed: dict[str, str] = {"#": f"#/$defs/{prefix}"}
     for key in DEFINITION_KEYS:
         for name, definition in (parameters.pop(key, None) or {}).items():
