@@ -225,9 +225,9 @@ def test_bad_tool_fields(tokenizer_dir):
         assert server.client.num_in_flight == 0 and not server.client.output_processor.has_unfinished()
 
 
-def test_required_schema_accepts_exactly_valid_calls():
-    """The ``required`` grammar's schema: a non-empty array of calls, each naming one tool with
-    arguments valid for that tool; definitions and references of each tool still resolve."""
+def forced_choice_cases():
+    """Tools with definitions and references (2020-12 and draft-07), and call arrays the
+    ``required`` schema must accept (``good``) and refuse (``wrong``)."""
     tree = {"type": "function", "function": {"name": "plant", "parameters": {
         "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"],
         "$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
@@ -236,9 +236,6 @@ def test_required_schema_accepts_exactly_valid_calls():
         "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
         "properties": {"unit": {"$ref": "#/definitions/unit"}, "next": {"$ref": "#"}},
         "definitions": {"unit": {"enum": ["C", "F"]}}}}}
-    schema = required_calls_schema([WEATHER, NOW, tree, legacy], parallel=True)
-    validator = jsonschema.Draft202012Validator(schema)
-    validator.check_schema(schema)
     good = [[{"name": "get_weather", "parameters": {"city": "Oslo"}}],
             [{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": OSLO}],
             [{"name": "plant", "parameters": {"root": {"children": [{"children": []}]}}}],
@@ -250,7 +247,38 @@ def test_required_schema_accepts_exactly_valid_calls():
              [{"name": "plant", "parameters": {"root": {"children": [5]}}}],
              [{"name": "legacy", "parameters": {"unit": "K"}}],
              [{"name": "legacy", "parameters": {"next": {"next": {"unit": "K"}}}}]]
+    return [WEATHER, NOW, tree, legacy], good, wrong
+
+
+def test_required_schema_accepts_exactly_valid_calls():
+    """The ``required`` grammar's schema: a non-empty array of calls, each naming one tool with
+    arguments valid for that tool; definitions and references of each tool still resolve."""
+    tools, good, wrong = forced_choice_cases()
+    schema = required_calls_schema(tools, parallel=True)
+    validator = jsonschema.Draft202012Validator(schema)
+    validator.check_schema(schema)
     assert all(validator.is_valid(instance) for instance in good)
     assert not any(validator.is_valid(instance) for instance in wrong)
     single = jsonschema.Draft202012Validator(required_calls_schema([WEATHER, NOW], parallel=False))
     assert single.is_valid(good[0]) and not single.is_valid(good[1])
+
+
+def test_forced_choice_schemas_compile_in_xgrammar(tokenizer_dir):
+    """The grammar engine (xgrammar) compiles the ``required`` and named schemas and its matcher
+    accepts exactly the valid calls, as the server writes them (``json.dumps``)."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from tandem.entrypoints.openai.tool_choice import named_function_schema
+    from tandem.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512))
+    tools, good, wrong = forced_choice_cases()
+
+    def accepts(schema, value) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+        return matcher.accept_string(json.dumps(value)) and matcher.accept_token(tokenizer.eos_token_id)
+
+    required = required_calls_schema(tools, parallel=True)
+    assert all(accepts(required, value) for value in good)
+    assert not any(accepts(required, value) for value in wrong)
+    assert accepts(named_function_schema(WEATHER), OSLO) and not accepts(named_function_schema(WEATHER), {"days": 1})
