@@ -225,6 +225,22 @@ def test_bad_tool_fields(tokenizer_dir):
         assert server.client.num_in_flight == 0 and not server.client.output_processor.has_unfinished()
 
 
+def test_serve_flags(capsys):
+    """The flags are listed with their parsers' names; auto tool choice without a parser is refused
+    before anything starts."""
+    from tandem.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for word in ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "hermes", "llama3_json",
+                 "deepseek_v3", "glm45", "deepseek_r1", "qwen3"):
+        assert word in help_text, word
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--model", "/nonexistent", "--enable-auto-tool-choice"])
+    assert "--tool-call-parser" in str(refused.value)
+
+
 def forced_choice_cases():
     """Tools with definitions and references (2020-12 and draft-07), and call arrays the
     ``required`` schema must accept (``good``) and refuse (``wrong``)."""

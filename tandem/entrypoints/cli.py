@@ -254,6 +254,7 @@ def transfer_config(arguments: argparse.Namespace):
 
 def run_serve(arguments: argparse.Namespace) -> int:
     configure_logging(arguments.log_level)
+    tool_calling = tool_calling_options(arguments)
     model, is_demo = resolve_model(arguments)
     from tandem.entrypoints.openai.server import ServerOptions, run_server
 
@@ -263,7 +264,7 @@ def run_serve(arguments: argparse.Namespace) -> int:
                             max_queued_requests=arguments.max_queued_requests,
                             shutdown_timeout=arguments.shutdown_timeout,
                             core_class_path=arguments.engine_core_class,
-                            tool_calling=tool_calling_options(arguments))
+                            tool_calling=tool_calling)
     config = engine_config(arguments, model).with_changes(transfer=transfer_config(arguments))
     return run_server(config, options)
 
