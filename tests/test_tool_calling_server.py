@@ -211,6 +211,7 @@ def test_bad_tool_fields(tokenizer_dir):
 
     async def work(http, cases):
         answers = [await http.post("/v1/chat/completions", json=body) for _, body, _, _ in cases]
+        answers.append(await http.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]}))
         answers.append(await http.post("/v1/chat/completions", json=request("Oslo?", tool_choice="none")))
         return answers
 
@@ -221,6 +222,7 @@ def test_bad_tool_fields(tokenizer_dir):
             assert answer.status_code == 400, (name, answer.text)
             error = answer.json()["error"]
             assert error["param"] == param and error["type"] == "invalid_request_error", (name, error)
+        assert answers[-2].status_code == 400 and answers[-2].json()["error"]["param"] == "tools"
         assert answers[-1].status_code == 200
         assert server.client.num_in_flight == 0 and not server.client.output_processor.has_unfinished()
 

@@ -133,6 +133,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, authorized, authentic
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if body.tools is not None and body.messages is None:
+            raise OpenAIError(400, "tools: only with messages (the chat template shows them)", "tools")
         if body.messages is not None:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             token_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt, None, tools).token_ids

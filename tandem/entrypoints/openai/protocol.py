@@ -383,7 +383,8 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     """Exactly one of ``prompt`` and ``messages`` (null counts as absent)."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
+                                                "tools": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
     model: ModelName = None
     prompt: Optional[Text] = None
