@@ -152,6 +152,23 @@ def test_required_and_named_tool_choice(tokenizer_dir):
     assert seen_params[4].structured_outputs.json["maxItems"] == 1
 
 
+def test_forced_choice_refuses_a_second_constraint():
+    """A required or named tool choice is itself the output's constraint: another one (from
+    response_format or structured_outputs) is a 400 naming tool_choice."""
+    from tandem.entrypoints.openai.chat import with_tool_constraint
+    from tandem.entrypoints.openai.errors import OpenAIError
+    from tandem.entrypoints.openai.tool_choice import ToolPlan
+    from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+
+    for plan in (ToolPlan([WEATHER], "required"), ToolPlan([WEATHER], "named", "get_weather")):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+        with pytest.raises(OpenAIError) as refused:
+            with_tool_constraint(params, plan)
+        assert refused.value.status_code == 400 and refused.value.param == "tool_choice"
+    unconstrained = with_tool_constraint(SamplingParams(), ToolPlan([WEATHER], "auto", parser_name="hermes"))
+    assert unconstrained.structured_outputs is None
+
+
 def test_tool_choice_none_reads_text(tokenizer_dir):
     """With ``tool_choice: none`` a call-shaped answer stays text."""
     answer = FORMATS["hermes"][2]
