@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: chat template, n, logprobs/top_logprobs, SSE streaming."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import AsyncIterator, Optional
 
@@ -87,8 +88,9 @@ def with_tool_constraint(params: SamplingParams, tool_plan: Optional[ToolPlan]) 
         raise OpenAIError(400, f"tool_choice: {tool_plan.choice!r} tool choice constrains the output; it cannot be "
                                "combined with another output constraint (response_format, structured_outputs)",
                           "tool_choice")
-    params.structured_outputs = StructuredOutputsParams(json=schema)
-    return params
+    # rebuilt, so the rules between a constraint and the other fields are checked (a 400 naming the field)
+    return build_sampling_params(lambda: dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
+        json=schema)))
 
 
 def output_parser_factory(state: ServerState, tool_plan: ToolPlan, prompt: PromptInput):
