@@ -284,7 +284,8 @@ class FunctionDefinition(OpenAIBaseModel):
     description: Optional[Text] = None
     parameters: Optional[Annotated[dict[str, Any], AfterValidator(check_parameters_schema)]] = Field(
         None, description="a JSON Schema of the arguments object")
-    strict: Optional[StrictBool] = None
+    strict: Optional[StrictBool] = Field(None, description="required and named tool choices match the schema "
+                                         "exactly either way; auto calls are written by the model")
 
 
 class ToolDefinition(OpenAIBaseModel):
