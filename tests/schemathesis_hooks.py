@@ -5,7 +5,9 @@ Two checks join schemathesis's own:
 ``positive_data_acceptance_or_documented_rule`` is schemathesis's ``positive_data_acceptance`` (a
 schema-valid request must not be rejected) except for the rules JSON Schema cannot state, listed
 in ``protocol.CROSS_FIELD_RULES`` and in the schema's descriptions: the prompt plus max_tokens must
-fit the context, min_tokens must not exceed max_tokens, best_of must equal n. A 400 passes only when
+fit the context, min_tokens must not exceed max_tokens, best_of must equal n, and the tool rules
+(a named tool_choice among the tools, unique tool names, valid parameter schemas, JSON call
+arguments). A 400 passes only when
 the request really breaks such a rule and the error names the field the rule names: the check
 counts the prompt's tokens itself (``/tokenize`` on the same server) and redoes the arithmetic. The
 test runs schemathesis with the built-in check excluded and this one in its place.
@@ -15,11 +17,13 @@ that only ever produces errors cannot pass.
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import httpx
+import jsonschema
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
@@ -33,9 +37,11 @@ def positive_data_acceptance_or_documented_rule(ctx, response, case) -> Optional
     try:
         return positive_data_acceptance(ctx, response, case)
     except AssertionError:
-        if response.status_code == 400 and case.path in GENERATION_PATHS and isinstance(case.body, dict):
+        if response.status_code == 400 and isinstance(case.body, dict):
             param = (response.json().get("error") or {}).get("param")
-            if param in broken_rules(case, response):
+            if case.path in GENERATION_PATHS and param in broken_rules(case, response):
+                return None
+            if case.path == "/tokenize" and case.body.get("messages") and param in tool_rules(case.body):
                 return None
         raise
 
@@ -55,7 +61,10 @@ def broken_rules(case, response) -> set[str]:
         if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
             broken.add("best_of")
     else:
-        counts = [server.count({"messages": body["messages"],
+        broken |= tool_rules(body)
+        if broken:  # the prompt cannot be rendered (nor counted) with them
+            return broken
+        counts = [server.count({"messages": body["messages"], "tools": body.get("tools"),
                                 "add_generation_prompt": body.get("add_generation_prompt", True)})]
         prompt_param = "messages"
         if body.get("max_completion_tokens") is not None:
@@ -71,6 +80,37 @@ def broken_rules(case, response) -> set[str]:
     if body.get("min_tokens", 0) > room:
         broken.add("min_tokens")
     return broken
+
+
+def tool_rules(body: dict[str, Any]) -> set[str]:
+    """The tool fields that break a rule JSON Schema cannot state (``protocol.CROSS_FIELD_RULES``)."""
+    broken: set[str] = set()
+    tools = body.get("tools") or []
+    names = [tool["function"]["name"] for tool in tools]
+    for index, tool in enumerate(tools):
+        if tool["function"]["name"] in names[:index]:
+            broken.add(f"tools[{index}].function.name")
+        parameters = tool["function"].get("parameters")
+        if parameters is not None and not is_json_schema(parameters):
+            broken.add(f"tools[{index}].function.parameters")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        broken.add("tool_choice")
+    for index, message in enumerate(body["messages"]):
+        for call_index, call in enumerate(message.get("tool_calls") or []):
+            try:
+                json.loads(call["function"]["arguments"])
+            except ValueError:
+                broken.add(f"messages[{index}].tool_calls[{call_index}].function.arguments")
+    return broken
+
+
+def is_json_schema(value) -> bool:
+    try:
+        jsonschema.validators.validator_for(value, default=jsonschema.Draft202012Validator).check_schema(value)
+    except Exception:  # noqa: BLE001 - whatever the checker raises, it is not a schema
+        return False
+    return True
 
 
 def is_token_id(value) -> bool:

@@ -163,8 +163,35 @@ def add_serve_parser(subparsers) -> None:
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"], default="info",
                        help="log level of the server and the engine (default: %(default)s)")
     group.add_argument("--engine-core-class", default=DEFAULT_CORE_CLASS, help=argparse.SUPPRESS)
+    add_tool_calling_arguments(parser)
     add_transfer_arguments(parser)
     parser.set_defaults(func=run_serve)
+
+
+def add_tool_calling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Chat flags for agents (vLLM's names): tool calls in the model's own format, and thinking."""
+    from tandem.entrypoints.openai.reasoning import REASONING_PARSERS
+    from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    group = parser.add_argument_group("tool calling and reasoning")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                       help='let the model decide when to call tools (tool_choice "auto", the default with tools); '
+                            "needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                            "(Llama 3.x), deepseek_v3 (DeepSeek-V3, R1-0528), glm45 (GLM-4.5, GLM-4.6)")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="put the model's thinking (<think>...</think>) in reasoning_content")
+
+
+def tool_calling_options(arguments: argparse.Namespace):
+    from tandem.entrypoints.openai.tool_choice import ToolCallingOptions
+
+    if arguments.enable_auto_tool_choice and arguments.tool_call_parser is None:
+        raise SystemExit("tandem serve: --enable-auto-tool-choice needs --tool-call-parser")
+    return ToolCallingOptions(enable_auto_tool_choice=arguments.enable_auto_tool_choice,
+                              tool_call_parser=arguments.tool_call_parser,
+                              reasoning_parser=arguments.reasoning_parser)
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +254,7 @@ def transfer_config(arguments: argparse.Namespace):
 
 def run_serve(arguments: argparse.Namespace) -> int:
     configure_logging(arguments.log_level)
+    tool_calling = tool_calling_options(arguments)
     model, is_demo = resolve_model(arguments)
     from tandem.entrypoints.openai.server import ServerOptions, run_server
 
@@ -235,7 +263,8 @@ def run_serve(arguments: argparse.Namespace) -> int:
                             served_model_names=tuple(names), log_level=arguments.log_level,
                             max_queued_requests=arguments.max_queued_requests,
                             shutdown_timeout=arguments.shutdown_timeout,
-                            core_class_path=arguments.engine_core_class)
+                            core_class_path=arguments.engine_core_class,
+                            tool_calling=tool_calling)
     config = engine_config(arguments, model).with_changes(transfer=transfer_config(arguments))
     return run_server(config, options)
 

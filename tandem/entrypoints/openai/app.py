@@ -60,7 +60,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.openapi = lambda: server_openapi(
         app, vocab_size=state.model_info.vocab_size, max_model_len=state.max_model_len,
         served_model_names=state.served_model_names, role=endpoint.role if endpoint is not None else "colocated",
-        api_key_routes=protected if authenticated else None)
+        api_key_routes=protected if authenticated else None,
+        auto_tool_choice=state.tool_calling.enable_auto_tool_choice)
     return app
 
 
@@ -132,8 +133,11 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState, authorized, authentic
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if body.tools is not None and body.messages is None:
+            raise OpenAIError(400, "tools: only with messages (the chat template shows them)", "tools")
         if body.messages is not None:
-            token_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt, None).token_ids
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            token_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt, None, tools).token_ids
         else:
             token_ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids}

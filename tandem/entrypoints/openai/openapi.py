@@ -78,7 +78,7 @@ def error_responses(*codes: int, authenticated: bool = False) -> dict[int, dict[
 
 
 def server_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, served_model_names: Iterable[str],
-                   role: str, api_key_routes: Optional[set[str]]) -> dict[str, Any]:
+                   role: str, api_key_routes: Optional[set[str]], auto_tool_choice: bool = False) -> dict[str, Any]:
     """Build (once) the schema this server serves; ``api_key_routes``: paths needing the key, or None."""
     if app.openapi_schema is not None:
         return app.openapi_schema
@@ -90,6 +90,8 @@ def server_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int, served_
     names = list(dict.fromkeys(served_model_names))
     fill_limits(schema.get("components", {}).get("schemas", {}), limits, names)
     set_transfer_role(schema.get("components", {}).get("schemas", {}), role)
+    if not auto_tool_choice:
+        forbid_auto_tool_choice(schema.get("components", {}).get("schemas", {}))
     if api_key_routes:
         schema.setdefault("components", {})["securitySchemes"] = {
             SECURITY_SCHEME: {"type": "http", "scheme": "bearer", "description": "the server's --api-key"}}
@@ -166,3 +168,15 @@ def set_transfer_role(components: dict[str, Any], role: str) -> None:
         if name in components:
             rule = {"if": leg, "then": {"allOf": [{"properties": {"n": {"const": 1}}}, *extra]}}
             components[name].setdefault("allOf", []).append(rule)
+
+
+def forbid_auto_tool_choice(components: dict[str, Any]) -> None:
+    """Without --enable-auto-tool-choice, tools need a tool_choice other than auto (absent or null
+    means auto when tools are given; answered 400 naming tool_choice)."""
+    chat = components.get("ChatCompletionRequest")
+    if chat is None:
+        return
+    with_tools = {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}
+    rule = {"if": with_tools, "then": {"properties": {"tool_choice": {"not": {"enum": ["auto", None]}}},
+                                      "required": ["tool_choice"]}}
+    chat.setdefault("allOf", []).append(rule)

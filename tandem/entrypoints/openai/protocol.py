@@ -13,8 +13,11 @@ dicts; their models here document them.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
+
+import jsonschema
 
 from pydantic import AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, StrictBool, StrictInt, StrictStr
@@ -46,6 +49,10 @@ CROSS_FIELD_RULES = (
     "absent (400 naming min_tokens)",
     "completions: best_of, when given, must equal n (400 naming best_of)",
     "chat: top_logprobs needs logprobs true (stated in the schema as well; 400 naming top_logprobs)",
+    "chat: a named tool_choice must name one of the tools, and tool names must be unique (400 naming "
+    "tool_choice or tools[i].function.name)",
+    "chat and tokenize: tools[i].function.parameters must be a valid JSON Schema, and "
+    "messages[i].tool_calls[j].function.arguments JSON text (400 naming the field)",
 )
 
 
@@ -235,19 +242,102 @@ class TextContentPart(OpenAIBaseModel):
     text: Text
 
 
+def check_json_text(value: str) -> str:
+    try:
+        json.loads(value)
+    except ValueError as error:
+        raise ValueError(f"must be JSON text: {error}") from None
+    return value
+
+
+def check_parameters_schema(value: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema (of its own ``$schema`` draft, else 2020-12), checked against its meta-schema."""
+    try:
+        jsonschema.validators.validator_for(value, default=jsonschema.Draft202012Validator).check_schema(value)
+    except jsonschema.SchemaError as error:
+        where = "".join(f"[{part!r}]" for part in error.path)
+        raise ValueError(f"not a valid JSON Schema{' at ' + where if where else ''}: {error.message}") from None
+    except Exception as error:  # noqa: BLE001 - a schema so odd the checker itself fails on it
+        raise ValueError(f"not a valid JSON Schema: {error}") from None
+    return value
+
+
+# OpenAI's rule for function names, with "." and ":" as namespaced tool names use them.
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: Text
+    arguments: Annotated[Text, AfterValidator(check_json_text)] = Field(
+        description="the arguments as JSON text (as the server returned them)")
+
+
+class ToolCall(OpenAIBaseModel):
+    """A call an earlier assistant turn made (``messages[].tool_calls``)."""
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[Annotated[dict[str, Any], AfterValidator(check_parameters_schema)]] = Field(
+        None, description="a JSON Schema of the arguments object")
+    strict: Optional[StrictBool] = Field(None, description="required and named tool choices match the schema "
+                                         "exactly either way; auto calls are written by the model")
+
+
+class ToolDefinition(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
 class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        # a tool result names the call it answers; only assistant turns carry calls
+        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+        {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+         "then": {"properties": {"role": {"const": "assistant"}}}}]})
     role: ChatRole
     content: Optional[Union[Text, list[TextContentPart]]] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant messages only")
+    tool_call_id: Optional[NonEmptyText] = Field(None, description="tool messages: the call answered (required)")
+    reasoning_content: Optional[Text] = Field(None, description="assistant messages: the thinking a server "
+                                              "returned, for templates that show it again")
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content flattened to one string."""
+        """The message as chat templates expect it: content flattened to one string, tool-call
+        arguments as objects (templates write them with ``tojson``)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type,
+                                      "function": {"name": call.function.name,
+                                                   "arguments": json.loads(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -267,7 +357,10 @@ class ChatCompletionRequest(SamplingFields):
         "description": "Rules JSON Schema cannot state: " + "; ".join(CROSS_FIELD_RULES[:2]) + ".",
         # top_logprobs needs logprobs true (what the route checks; the schema states it too)
         "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
-                  {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]})
+                  {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}],
+        # a tool_choice other than none needs tools
+        "allOf": [{"if": {"properties": {"tool_choice": {"not": {"enum": ["none", None]}}}, "required": ["tool_choice"]},
+                   "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]})
     messages: Annotated[list[ChatMessage], NonEmpty()]
     max_tokens: Optional[GenerationLength] = Field(None, description="null: what the prompt leaves of the "
                                                                      "context; max_completion_tokens wins")
@@ -278,6 +371,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: Optional[TemplateKwargs] = Field(None, description="extra variables for the chat "
                                                            "template; reserved keys are rejected")
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[ToolChoice] = Field(None, description="none, auto (the default with tools; needs "
+                                              "--enable-auto-tool-choice), required, or a named function")
+    parallel_tool_calls: StrictBool = Field(True, description="false: at most one call")
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -287,13 +384,15 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     """Exactly one of ``prompt`` and ``messages`` (null counts as absent)."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
+                                                "tools": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
     model: ModelName = None
     prompt: Optional[Text] = None
     messages: Optional[Annotated[list[ChatMessage], NonEmpty()]] = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    tools: Optional[list[ToolDefinition]] = Field(None, description="with messages: the tools the template shows")
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -382,7 +481,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = Field(description="null when only tool calls came out")
+    reasoning_content: Optional[str] = Field(None, description="with --reasoning-parser: the thinking")
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="the calls the model made")
 
 
 class ChatChoice(BaseModel):
@@ -404,9 +505,19 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: Optional[list[int]] = Field(None, description="with return_token_ids")
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: Optional[str] = Field(None, description="in the call's first delta, with type and name")
+    type: Optional[Literal["function"]] = None
+    function: dict[str, str] = Field(description="name (first delta only) and the next piece of arguments")
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = Field(None, description="in each choice's first chunk")
-    content: str
+    content: Optional[str] = Field(None, description="absent in a delta that carries only thinking or calls")
+    reasoning_content: Optional[str] = Field(None, description="with --reasoning-parser: the next piece "
+                                                                "of thinking")
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,6 +23,7 @@ from tandem.entrypoints.event_loop import DrainingServer
 from tandem.entrypoints.openai.app import create_app
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ServerState
+from tandem.entrypoints.openai.tool_choice import ToolCallingOptions
 from tandem.frontend.engine_client import DEFAULT_CORE_CLASS, EngineClient, EngineDeadError
 from tandem.frontend.tokenizer import load_tokenizer
 
@@ -41,6 +42,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     engine_ready_timeout: float = 600.0
     core_class_path: str = DEFAULT_CORE_CLASS
+    tool_calling: ToolCallingOptions = ToolCallingOptions()
 
 
 class StatsReader:
@@ -74,12 +76,37 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
         state = ServerState(client=client, tokenizer=tokenizer, model_info=model_info,
                             served_model_names=list(options.served_model_names or (config.model,)),
                             model_path=config.model, metrics=metrics, api_key=options.api_key,
-                            max_num_seqs=config.max_num_seqs, max_queued_requests=options.max_queued_requests)
+                            max_num_seqs=config.max_num_seqs, max_queued_requests=options.max_queued_requests,
+                            tool_calling=options.tool_calling)
+        warn_special_markers(tokenizer, options.tool_calling)
         return await run_http(create_app(state), client, options)
     finally:
         logger.info("stopping the engine process")
         await client.shutdown()
         logger.info("stopped")
+
+
+def warn_special_markers(tokenizer, tool_calling: ToolCallingOptions) -> None:
+    """The parsers read the detokenized text: a marker that is a special token of this tokenizer
+    is dropped from it unless the request sets ``skip_special_tokens: false``."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    for marker in tool_calling_markers(tool_calling):
+        if marker in special:
+            logger.warning("%r is a special token of this tokenizer: requests must set skip_special_tokens to "
+                           "false for the parsers to see it", marker)
+
+
+def tool_calling_markers(tool_calling: ToolCallingOptions) -> list[str]:
+    from tandem.entrypoints.openai.reasoning import REASONING_PARSERS
+    from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    markers: list[str] = []
+    if tool_calling.tool_call_parser:
+        markers.extend(TOOL_PARSERS[tool_calling.tool_call_parser].markers)
+    if tool_calling.reasoning_parser:
+        parser = REASONING_PARSERS[tool_calling.reasoning_parser]
+        markers.extend((parser.start_marker, parser.end_marker))
+    return markers
 
 
 async def run_http(app, client: EngineClient, options: ServerOptions) -> int:

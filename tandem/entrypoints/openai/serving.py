@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from tandem.engine.protocol import TransferParams
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.entrypoints.openai.tool_choice import ToolCallingOptions
 from tandem.frontend.engine_client import EngineClient, EngineDeadError, ModelInfo, RequestRejectedError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class ServerState:
     api_key: Optional[str] = None
     max_num_seqs: int = 256
     max_queued_requests: Optional[int] = None
+    tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
