@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+QUANTIZATION_CHOICES = ("fp8",)  # the quantization option (tandem/quantization)
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 KV_CACHE_LAYOUT_CHOICES = ("auto", "layer-major", "page-major")
@@ -32,6 +33,10 @@ class EngineConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     load_format: str = "auto"
+    # Weight quantization at load: "fp8" quantizes a bf16/fp32 checkpoint's linear weights per
+    # output channel (vLLM's --quantization fp8). None: as the checkpoint is (an FP8 checkpoint's
+    # quantization_config is read from config.json either way; tandem/quantization).
+    quantization: Optional[str] = None
     device: str = "auto"
     seed: int = 0
     # State system.
@@ -94,6 +99,8 @@ class EngineConfig:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         require(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
+        require(self.quantization is None or self.quantization in QUANTIZATION_CHOICES, "quantization",
+                f"must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}")
         require(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
         require(self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES, "kv_cache_dtype",
