@@ -235,7 +235,9 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     model.eval()
     info = ModelInfo(architecture=architecture, vocab_size=config.vocab_size, max_model_len=model_len,
                      eos_token_ids=eos_token_ids(model_dir, config), dtype=torch_dtype,
-                     hidden_size=config.hidden_size, quantization=describe(quantized),
+                     hidden_size=config.hidden_size,
+                     quantization=describe(quantized) + ("" if quantized is None else
+                                                         "/fp8" if fp8_compute else "/dequantized"),
                      weight_bytes=weight_bytes(model))
     logger.info("model weights: %.3f GiB (quantization %s)", info.weight_bytes / 2**30, info.quantization)
     return model, config, info

@@ -48,7 +48,10 @@ def model_identity(model_dir: str, load_format: str, seed: int) -> str:
 
 
 def layout_fingerprint_parts(config: "EngineConfig", coordinator: "StateCoordinator") -> list[object]:
+    # The quantization options: a checkpoint's own quantization is in the weights' identity, an
+    # online one (and how quantized weights compute) only here.
     return [model_identity(config.model, config.load_format, config.seed), config.dtype,
+            f"quantization={config.quantization}/{config.quantized_compute}",
             coordinator.page_size, coordinator.registry.describe()]
 
 
