@@ -119,7 +119,9 @@ class Ceilings:
     device: str
 
     @classmethod
-    def measure(cls, dtype: torch.dtype) -> "Ceilings":
+    def measure(cls, dtype: torch.dtype, fp8: bool = False) -> "Ceilings":
+        """``fp8``: the matrix rate is FP8's (``torch._scaled_mm``, CUDA), the rate FP8 weights'
+        products run at (the roofline then counts attention's FLOPs at it too)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         numel = (1 << 28) if device == "cuda" else (1 << 25)
         source = torch.randn(numel, device=device)
@@ -130,13 +132,40 @@ class Ceilings:
         left = torch.randn(size, size, device=device, dtype=matrix_dtype)
         right = torch.randn(size, size, device=device, dtype=matrix_dtype)
         matmul_seconds = best_seconds(lambda: left @ right)
+        if fp8 and device == "cuda":
+            matmul_seconds = fp8_matmul_seconds(size)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+        name += ", FP8 products" if fp8 and device == "cuda" else ""
         return cls(bandwidth=2 * source.numel() * source.element_size() / copy_seconds,
                    flops=2 * size ** 3 / matmul_seconds, device=name)
 
     def describe(self) -> str:
         return (f"{self.device}: measured copy bandwidth {self.bandwidth / 1e12:.2f} TB/s, "
                 f"matrix rate {self.flops / 1e12:.1f} TFLOP/s")
+
+
+def fp8_matmul_seconds(size: int) -> float:
+    """Seconds of one ``size``-cubed FP8 product (``torch._scaled_mm``, row-wise scales, bf16
+    out): the FP8 tensor rate the FP8 GEMMs are held against."""
+    left = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    right = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    left_scale = torch.ones(size, 1, device="cuda")
+    right_scale = torch.ones(1, size, device="cuda")
+    return best_seconds(lambda: torch._scaled_mm(left, right.t(), scale_a=left_scale, scale_b=right_scale,
+                                                 out_dtype=torch.bfloat16))
+
+
+def add_quantization_argument(parser) -> None:
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="tandem's weights: fp8 quantizes linear weights per output channel at load (with "
+                             "--load-format dummy: random FP8 weights); the roofline counts FP8 weight bytes and "
+                             "the measured FP8 matrix rate. An FP8 checkpoint (--model) is FP8 without it")
+
+
+def is_fp8_model(model_dir: str, quantization) -> bool:
+    """Whether tandem runs ``model_dir`` with FP8 weights (the flag, or its quantization_config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return quantization == "fp8" or "quantization_config" in config
 
 
 def best_seconds(function, repeat: int = 10, warm_up: bool = True) -> float:

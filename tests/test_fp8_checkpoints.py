@@ -258,3 +258,29 @@ def test_fp8_and_unquantized_engines_never_share_disk_pages(tmp_path, model_dirs
     assert disk_hits() == 0
     assert disk_hits(quantization="fp8") == 0
     assert disk_hits() >= 48  # the first engine's pages are there for an engine like it
+
+
+def test_tensor_parallel_fp8_weights_shard_with_their_scales(tmp_path, tokenizer_dir):
+    """16x16 blocks, FP8 products (per 1x16 activation group, so a rank's share of a row-parallel
+    input quantizes as the whole does): TP=2 equals TP=1. Column-parallel scales shard by row,
+    row-parallel ones by block column."""
+    model_dir = make_quantized("llama", tmp_path / "llama", tokenizer_dir, block=(16, 16))
+    prompts = prompts_with_shared_prefix(11)[:2]
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    options = dict(page_size=16, max_total_tokens=512, max_num_batched_tokens=32, quantized_compute="fp8")
+    single = LLM(model=model_dir, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=model_dir, tensor_parallel_size=2, **options)
+    try:
+        attention = llm.engine.model.model.layers[0].self_attn
+        assert attention.o_proj.weight.shape == (64, 32) and attention.o_proj.weight_scale.shape == (64, 2)
+        assert attention.qkv_proj.weight_scale.shape == (64, 4)  # (q 64 + k 32 + v 32) / 2 rows
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.check_all_free()
+    finally:
+        llm.engine.shutdown()
+    for output, expected in zip(outputs, single):
+        sequence, single_sequence = output.outputs[0], expected.outputs[0]
+        assert list(sequence.token_ids) == list(single_sequence.token_ids)
+        for entry, single_entry in zip(sequence.logprobs, single_sequence.logprobs):
+            for token, logprob in entry.items():
+                assert abs(logprob.logprob - single_entry[token].logprob) <= 1e-4

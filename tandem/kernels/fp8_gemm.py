@@ -118,7 +118,7 @@ def _tile_sizes(tokens: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps): few-token products (decode) are weight-read bound: small M
     tiles and more programs along N; large ones take square-ish tiles."""
     if tokens <= 16:
-        return 16, 64, 4
+        return 16, 32, 4
     if tokens <= 64:
         return 64, 64, 4
     return 128, 128, 8
