@@ -222,6 +222,26 @@ def test_fp8_layers_hold_fp8_weights_and_honour_modules_to_not_convert(tmp_path,
     assert 0 < (approximate - exact).abs().max() <= 0.1 * exact.abs().max()
 
 
+def test_fp8_experts_load_with_their_scales(tmp_path, tokenizer_dir):
+    """DeepSeek-V3.2's routed experts stay FP8 (per-expert weights and block scales fill the
+    stacked parameters); on a CPU they compute through the dequantizing reference, so the layer
+    equals the dequantized model's exactly."""
+    from tandem.models.loader import build_model
+
+    model_dir = make_quantized("deepseek_v32", tmp_path / "deepseek_v32", tokenizer_dir, block=(16, 16))
+    options = dict(dtype="float32", load_format="auto", device=torch.device("cpu"), max_model_len=256, seed=0)
+    fp8, _, _ = build_model(model_dir, fp8_compute=True, **options)
+    dequantized, _, _ = build_model(model_dir, **options)
+    experts, reference = fp8.model.layers[1].mlp.experts, dequantized.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.scale_groups == (16, 16)
+    assert experts.gate_up_proj_weight_scale.shape == (8, 64, 4) and experts.down_proj_weight_scale.shape == (8, 64, 2)
+    assert fp8.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float32  # dequantized at load
+    generator = torch.Generator().manual_seed(3)
+    hidden, expert_ids = torch.randn(6, 64, generator=generator), torch.randint(0, 8, (6, 2), generator=generator)
+    routing = torch.rand(6, 2, generator=generator)
+    assert torch.equal(experts(hidden, expert_ids, routing), reference(hidden, expert_ids, routing))
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq", "mxfp4", "bitsandbytes"])
 def test_other_quantization_methods_refuse_at_start(method, tmp_path, model_dirs):
     model_dir = tmp_path / method

@@ -63,8 +63,10 @@ def quantize_token_groups(hidden: torch.Tensor, group: int) -> tuple[torch.Tenso
     quantized = torch.empty(tokens, features, dtype=FP8_DTYPE, device=hidden.device)
     scales = torch.empty(tokens, groups, dtype=torch.float32, device=hidden.device)
     if tokens:
+        block = triton.next_power_of_2(group)
+        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16  # a whole 14336-feature token per program
         _quantize_groups_kernel[(tokens, groups)](hidden, hidden.stride(0), quantized, scales, features, groups,
-                                                  GROUP=group, BLOCK=triton.next_power_of_2(group))
+                                                  GROUP=group, BLOCK=block, num_warps=warps)
     return quantized, scales
 
 
@@ -159,10 +161,16 @@ def fp8_linear(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                group: Optional[int]) -> torch.Tensor:
     """``hidden [M, K]`` (16-bit or float32) @ the FP8 weight's transpose → ``[M, N]`` in
     ``hidden.dtype``. See the module docstring for the paths."""
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if hidden.shape[0] == 0:
+        return hidden.new_empty(0, weight.shape[0])
     if group is None and _takes_scaled_mm(hidden, weight):
         quantized, scales = quantize_token_groups(hidden, hidden.shape[-1])
-        return torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_scale.reshape(1, -1),
-                                out_dtype=hidden.dtype)
+        # Row-wise scaling writes bfloat16 only.
+        output = torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_scale.reshape(1, -1),
+                                  out_dtype=torch.bfloat16)
+        return output if hidden.dtype == torch.bfloat16 else output.to(hidden.dtype)
     if group is not None and hidden.is_cuda and group >= 16 and group & (group - 1) == 0:
         quantized, scales = quantize_token_groups(hidden, group)
         return block_scaled_matmul(quantized, scales, weight, weight_scale, group, hidden.dtype)

@@ -16,16 +16,26 @@ import torch
 from torch import nn
 
 from tandem.layers.linear import Linear, StackedLinear
+from tandem.layers.moe import FusedExperts
 from tandem.quantization.config import QuantizationConfig
 from tandem.quantization.fp8 import FP8_DTYPE
 from tandem.quantization.linear_method import Fp8LinearMethod
 
 
+def _expert_parts(name: str, module: FusedExperts) -> tuple[str, ...]:
+    parts = ("gate_proj", "up_proj", "down_proj") if module.gated else ("up_proj", "down_proj")
+    return tuple(f"{name}.{expert}.{part}" for expert in range(module.num_experts) for part in parts)
+
+
 def checkpoint_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Module name → the checkpoint module names whose weights it holds, for every linear layer
-    that may be quantized (a stacked layer holds several: ``qkv_proj`` ← q/k/v_proj)."""
+    that may be quantized (a stacked layer holds several: ``qkv_proj`` ← q/k/v_proj) and every
+    set of routed experts (``experts`` ← ``experts.{e}.{gate,up,down}_proj``)."""
     modules = {}
     for name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            modules[name] = _expert_parts(name, module)
+            continue
         if not isinstance(module, Linear) or not module.quantizable:
             continue
         if isinstance(module, StackedLinear):
@@ -41,9 +51,13 @@ def plan_conversion(model: nn.Module, quantization: QuantizationConfig,
     """The layers to convert (module name → its checkpoint module names): every quantizable
     linear layer none of whose parts is ignored and, for a quantized checkpoint, all of whose
     parts the checkpoint holds in FP8 (``quantized_in_checkpoint``; None: online or dummy
-    weights, where every such layer is converted)."""
+    weights, where every such layer is converted). Routed experts convert only from an FP8
+    checkpoint (online quantization leaves them 16-bit)."""
     plan = {}
+    modules = dict(model.named_modules())
     for name, parts in checkpoint_modules(model).items():
+        if isinstance(modules[name], FusedExperts) and quantization.method == "fp8-online":
+            continue
         if any(quantization.is_ignored(part) for part in parts):
             continue
         if quantized_in_checkpoint is not None and not all(part in quantized_in_checkpoint for part in parts):
@@ -95,7 +109,10 @@ def convert_model(model: nn.Module, quantization: QuantizationConfig, plan: dict
     to the allocator's cache, emptied on CUDA so the memory planner sees the real weight bytes."""
     modules = dict(model.named_modules())
     for name in plan:
-        convert_linear(modules[name], quantization.block_columns)
+        if isinstance(modules[name], FusedExperts):
+            modules[name].to_fp8(quantization.block_columns)
+        else:
+            convert_linear(modules[name], quantization.block_columns)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
