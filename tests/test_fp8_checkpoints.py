@@ -255,6 +255,11 @@ def test_other_quantization_methods_refuse_at_start(method, tmp_path, model_dirs
 
 
 def test_bad_quantization_options_name_the_field(model_dirs):
+    from tandem.entrypoints.cli import build_parser, engine_config
+
+    arguments = build_parser().parse_args(["serve", "--quantization", "fp8", "--quantized-compute", "fp8"])
+    config = engine_config(arguments, "/m")
+    assert (config.quantization, config.quantized_compute) == ("fp8", "fp8")
     with pytest.raises(ValueError, match="^quantization:"):
         LLM(model=model_dirs["llama"], quantization="int8")
     with pytest.raises(ValueError, match="^quantized_compute:"):
@@ -304,3 +309,12 @@ def test_tensor_parallel_fp8_weights_shard_with_their_scales(tmp_path, tokenizer
         for entry, single_entry in zip(sequence.logprobs, single_sequence.logprobs):
             for token, logprob in entry.items():
                 assert abs(logprob.logprob - single_entry[token].logprob) <= 1e-4
+
+
+def test_a_float_tensor_never_fills_an_fp8_weight():
+    """A layer the checkpoint announces as FP8 takes FP8 weights only: a float one would be cast
+    without its scale."""
+    from tandem.layers.linear import check_loadable
+
+    with pytest.raises(ValueError, match="^checkpoint tensor 'w' is torch.float32, but its parameter holds FP8"):
+        check_loadable("w", torch.ones(2, 3), torch.empty(2, 3, dtype=torch.float8_e4m3fn))

@@ -98,10 +98,19 @@ class _Target:
             if tensor.dim() == target.dim() and tensor.shape[axis] == sum(segments):
                 tensor = shard_of(tensor, axis, rank, size, segments)
                 target = target.narrow(axis, 0, tensor.shape[axis])  # a padded slice: its rows only
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
+        check_loadable(name, tensor, target)
         target.copy_(tensor)
+
+
+def check_loadable(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise ValueError naming checkpoint tensor ``name`` when it cannot fill ``target``: another
+    shape, or a float tensor for an FP8 parameter (which a copy would cast without its scale)."""
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(target.shape)}")
+    if target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but its parameter holds FP8 weights "
+                         "(an FP8 layer takes float8_e4m3fn weights with their scales)")
 
 
 def _stacked_targets(model: nn.Module) -> dict[str, tuple]:

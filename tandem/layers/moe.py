@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.fused_moe import ACTIVATIONS, dequantize_experts, fused_moe, fused_moe_reference
-from tandem.layers.linear import load_by_name, mark_sharded, shard_of
+from tandem.layers.linear import check_loadable, load_by_name, mark_sharded, shard_of
 from tandem.layers.mlp import GatedMLP  # noqa: F401  (re-exported for the MoE families)
 from tandem.parallel.shard import SINGLE, TensorShard
 
@@ -254,9 +254,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
                 kind = match.group("kind")
                 target = experts[module_name].expert_slice(expert, part, kind)
                 tensor = experts[module_name].expert_shard(part, tensor, kind)
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
+                check_loadable(name, tensor, target)
                 target.copy_(tensor)
                 seen[module_name].add((expert, part, kind))
                 continue

@@ -193,9 +193,13 @@ def _prepare_quantized(model, quantization: QuantizationConfig, model_dir: str, 
     """Convert the linear layers that compute in FP8 (``fp8_compute``) and return the
     checkpoint module names whose weights arrive as FP8 (``keep_fp8``) and, for online
     quantization, those quantized at load (``online``)."""
-    from_checkpoint = load_format != "dummy" and quantization.method != "fp8-online"
-    in_checkpoint = (quantized_modules(checkpoint_tensor_names(model_dir), quantization)
-                     if from_checkpoint else None)
+    in_checkpoint = None  # dummy weights: every layer that may be FP8 is
+    if load_format != "dummy":
+        names = checkpoint_tensor_names(model_dir)
+        # online: the layers whose weights the checkpoint holds under their own names (not, e.g.,
+        # multi-token-prediction layers loaded under other names, which stay 16-bit)
+        in_checkpoint = (quantized_modules(names, quantization) if quantization.method != "fp8-online" else
+                         {name[:-len(".weight")] for name in names if name.endswith(".weight")})
     plan = plan_conversion(model, quantization, in_checkpoint)
     parts = {part for names in plan.values() for part in names}
     if fp8_compute:
