@@ -55,16 +55,19 @@ def resolve_model_arguments(args) -> bool:
     return gpu
 
 
-def model_dir_for(shape: str, load_format: str) -> str:
+def model_dir_for(shape: str, load_format: str, quantize: str | None = None) -> str:
     """A model directory of ``shape``: with random float32 weights (``auto``), or config and
-    tokenizer only (``dummy``: the engine makes random weights on its device). Built once."""
+    tokenizer only (``dummy``: the engine makes random weights on its device). ``quantize``
+    (``make_model``'s formats, e.g. ``"fp8"``: 128x128 block-scaled): an FP8 checkpoint, or with
+    ``dummy`` a config announcing one (random FP8 weights). Built once."""
     from tandem.tools.make_model import make_model
 
     arch, options = SHAPES[shape]
-    out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{'dummy' if load_format == 'dummy' else 'weights'}"
+    kind = "dummy" if load_format == "dummy" else "weights"
+    out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{kind}{'-' + quantize if quantize else ''}"
     config = out / "config.json"
     if not config.is_file() or "architectures" not in json.loads(config.read_text()):
-        make_model(arch, out, seed=0, weights=load_format != "dummy", **options)
+        make_model(arch, out, seed=0, weights=load_format != "dummy", quantize=quantize, **options)
     return str(out)
 
 
@@ -155,17 +158,32 @@ def fp8_matmul_seconds(size: int) -> float:
                                                  out_dtype=torch.bfloat16))
 
 
+QUANTIZATION_MODES = ("fp8", "fp8-block")
+
+
 def add_quantization_argument(parser) -> None:
-    parser.add_argument("--quantization", choices=("fp8",), default=None,
-                        help="tandem's weights: fp8 quantizes linear weights per output channel at load (with "
-                             "--load-format dummy: random FP8 weights); the roofline counts FP8 weight bytes and "
-                             "the measured FP8 matrix rate. An FP8 checkpoint (--model) is FP8 without it")
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+                        help="tandem's weights: fp8 quantizes linear weights per output channel at load "
+                             "(scaled_mm products); fp8-block builds the shape as a 128x128 block-scaled FP8 "
+                             "checkpoint (Triton block GEMM, FP8 experts). With --load-format dummy: random FP8 "
+                             "weights. The roofline counts FP8 weight bytes and the measured FP8 matrix rate. An "
+                             "FP8 checkpoint (--model) is FP8 without it")
+
+
+def quantized_model_dir(args) -> tuple[str, str | None]:
+    """(model directory, tandem's ``quantization`` option) for ``--model``/``--shape`` and
+    ``--quantization``."""
+    if args.model:
+        return args.model, "fp8" if args.quantization == "fp8" else None
+    if args.quantization == "fp8-block":
+        return model_dir_for(args.shape, args.load_format, quantize="fp8"), None
+    return model_dir_for(args.shape, args.load_format), args.quantization
 
 
 def is_fp8_model(model_dir: str, quantization) -> bool:
-    """Whether tandem runs ``model_dir`` with FP8 weights (the flag, or its quantization_config)."""
+    """Whether tandem runs ``model_dir`` with FP8 weights (the option, or its quantization_config)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return quantization == "fp8" or "quantization_config" in config
+    return quantization is not None or "quantization_config" in config
 
 
 def best_seconds(function, repeat: int = 10, warm_up: bool = True) -> float:

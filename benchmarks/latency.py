@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (add_model_arguments, add_quantization_argument, is_fp8_model, resolve_model_arguments,  # noqa: E402
-                    Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of)
+                    Ceilings, ModelCost, best_seconds, quantized_model_dir, release, vocab_size_of)
 
 
 def parse_args():
@@ -108,7 +108,7 @@ def transformers_figures(model_dir, args, vocab_size, prefill_lengths):
 
 def main() -> None:
     args = parse_args()
-    model_dir = args.model or model_dir_for(args.shape, args.load_format)
+    model_dir, args.quantization = quantized_model_dir(args)
     vocab_size = vocab_size_of(model_dir)
     prefill_lengths = [int(length) for length in args.prefill_lengths.split(",")]
     fp8 = is_fp8_model(model_dir, args.quantization)
@@ -120,7 +120,7 @@ def main() -> None:
         / ceilings.bandwidth
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}{' (tandem eager)' if args.enforce_eager else ''}")
     print(ceilings.describe())
-    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB{' (FP8 weights and scales)' if fp8 else ''}; "
+    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB{' (FP8 weights and scales)' if fp8 and torch.cuda.is_available() else ''}; "
           f"{cost.flops_per_token / 1e9:.1f} GFLOP per token\n")
     print(f"batch 1, {args.prompt_len}-token prompt, {args.output_len} output tokens")
     print(f"{'':<28}{'tandem':>12}{'transformers':>14}{'roofline':>10}{'tandem/roof':>13}{'tandem/hf':>11}")

@@ -12,6 +12,7 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
     python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8  # FP8 weights
+    python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8-block
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
     python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
 from common import (Ceilings, ModelCost, add_quantization_argument, best_seconds, compiled_kernel_variants,  # noqa: E402
-                    is_fp8_model, model_dir_for, release, synchronize, vocab_size_of)
+                    is_fp8_model, quantized_model_dir, release, synchronize, vocab_size_of)
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -293,7 +294,7 @@ def run_transformers_continuous(model, prompts, args):
 
 def main() -> None:
     args = parse_args()
-    model_dir = args.model or model_dir_for(args.shape, args.load_format)
+    model_dir, args.quantization = quantized_model_dir(args)
     prompts = make_prompts(args, vocab_size_of(model_dir))
     output_lengths = make_output_lengths(args)
     output_tokens = sum(output_lengths)
@@ -316,7 +317,7 @@ def main() -> None:
     print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, "
           f"KV cache {args.kv_cache_dtype} ({cost.state_bytes_per_token / 1024:.0f} KiB per token)")
     print(ceilings.describe())
-    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB" + (" (FP8 weights and their scales)" if fp8 else ""))
+    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB" + (" (FP8 weights and their scales)" if fp8 and torch.cuda.is_available() else ""))
     lengths = (f"{args.output_len}" if args.min_output_len is None
                else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")
     print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {lengths} output tokens each\n")
