@@ -91,3 +91,35 @@ def test_online_fp8_with_dummy_weights_runs_in_cuda_graphs(tmp_path):
     outputs = llm.generate([list(range(3, 40))] * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert all(len(output.outputs[0].token_ids) == 32 for output in outputs)
     llm.engine.check_all_free()
+
+
+def test_memory_freed_by_fp8_weights_goes_to_the_state_pool(tmp_path):
+    """Under one ``gpu_memory_utilization``, the FP8 engine's state pool is larger than the bf16
+    one's by about the weight bytes FP8 saves (the planner sizes the pool from what the loaded
+    weights leave)."""
+    import gc
+
+    from tandem.kv.planner import bytes_per_page
+    from tandem.tools.make_model import make_model
+
+    model_dir = str(make_model("llama", tmp_path / "llama", seed=1, weights=False, hidden_size=2048, num_layers=8,
+                               num_heads=16, num_kv_heads=8, intermediate_size=8192, vocab_size=1024))
+
+    def pool_and_weights(**options) -> tuple[int, int]:
+        llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.5,
+                  enforce_eager=True, **options)
+        engine = llm.engine
+        pool = engine.coordinator.plan.num_pages * bytes_per_page(engine.registry, engine.coordinator.page_size)
+        weights = engine.model_info.weight_bytes
+        engine.shutdown()
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        return pool, weights
+
+    bf16_pool, bf16_weights = pool_and_weights()
+    fp8_pool, fp8_weights = pool_and_weights(quantization="fp8")
+    saved = bf16_weights - fp8_weights
+    print(f"\nweights {bf16_weights} -> {fp8_weights} bytes; state pool {bf16_pool} -> {fp8_pool} bytes")
+    assert saved > 0.4 * bf16_weights * 0.8  # the projections (most of the bytes) halve
+    assert abs((fp8_pool - bf16_pool) - saved) <= 0.1 * saved
