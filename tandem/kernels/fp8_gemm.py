@@ -138,8 +138,8 @@ def block_scaled_matmul(quantized: torch.Tensor, scales: torch.Tensor, weight: t
     grid = (triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))
     interpreted = not quantized.is_cuda
     _block_scaled_gemm[grid](quantized, scales, weight, weight_scale, output, tokens, rows,
-                             quantized.stride(0), weight.stride(0), output.stride(0), K=features, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted,
-                             num_warps=warps, num_stages=3)
+                             quantized.stride(0), weight.stride(0), output.stride(0), K=features, GROUP=group,
+                             BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted, num_warps=warps, num_stages=3)
     return output
 
 

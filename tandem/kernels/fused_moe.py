@@ -82,9 +82,9 @@ def _grouped_matmul_kernel(
         b = tl.load(b_block_ptr + depth[:, None] * stride_b_col, mask=depth_mask[:, None] & column_mask[None, :],
                     other=0.0)
         if SCALE_GROUP > 0:
-            scales = tl.load(b_scale_ptr + expert * stride_scale_expert + columns[None, :].to(tl.int64) * stride_scale_row
-                             + (depth // SCALE_GROUP)[:, None], mask=depth_mask[:, None] & column_mask[None, :],
-                             other=0.0)
+            scale_rows = b_scale_ptr + expert * stride_scale_expert + columns[None, :].to(tl.int64) * stride_scale_row
+            scales = tl.load(scale_rows + (depth // SCALE_GROUP)[:, None],
+                             mask=depth_mask[:, None] & column_mask[None, :], other=0.0)
             b = (b.to(tl.float32) * scales).to(input_dtype)
         if UPCAST_DOTS:
             a = a.to(tl.float32)

@@ -66,7 +66,7 @@ def plan_conversion(model: nn.Module, quantization: QuantizationConfig,
     return plan
 
 
-def _scale_shard(weight: torch.Tensor, columns: int, block_columns: Optional[int], in_features: int):
+def _scale_shard(weight: torch.Tensor, block_columns: Optional[int], in_features: int):
     """The scale's ``tensor_shard`` (see ``mark_sharded``) from the weight's: rows shard alike;
     a row-parallel weight's input features shard by scale block."""
     shard = getattr(weight, "tensor_shard", None)
@@ -96,7 +96,7 @@ def convert_linear(module: Linear, block_columns: Optional[int]) -> None:
     shard = getattr(module.weight, "tensor_shard", None)
     if shard is not None:
         weight.tensor_shard = shard
-    scale_shard = _scale_shard(module.weight, columns, block_columns, in_features)
+    scale_shard = _scale_shard(module.weight, block_columns, in_features)
     if scale_shard is not None:
         scale.tensor_shard = scale_shard
     module.weight = weight
