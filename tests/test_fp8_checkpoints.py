@@ -112,6 +112,13 @@ def test_block_scaled_checkpoint_equals_transformers(arch, tmp_path, tokenizer_d
     assert llm.engine.model_info.quantization == "fp8:block-128x128/dequantized"
 
 
+def test_per_tensor_checkpoint_equals_transformers(tmp_path, tokenizer_dir):
+    model_dir = make_quantized("llama", tmp_path / "llama", tokenizer_dir, form="fp8-per-tensor")
+    assert checkpoint_tensors(model_dir)["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == ()
+    llm = run_and_compare(model_dir, Oracle(model_dir), "per-tensor")
+    assert llm.engine.model_info.quantization == "fp8:tensor/dequantized"
+
+
 @pytest.mark.parametrize("arch, block", [("qwen3_next", (128, 128)), ("deepseek_v3", (16, 16))])
 def test_multi_block_partial_edges_equal_transformers_on_dequantized_weights(arch, block, tmp_path, tokenizer_dir):
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
