@@ -325,3 +325,16 @@ def test_a_float_tensor_never_fills_an_fp8_weight():
 
     with pytest.raises(ValueError, match="^checkpoint tensor 'w' is torch.float32, but its parameter holds FP8"):
         check_loadable("w", torch.ones(2, 3), torch.empty(2, 3, dtype=torch.float8_e4m3fn))
+
+
+def test_an_fp8_weight_without_its_scale_is_named(tmp_path, tokenizer_dir):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_quantized("llama", tmp_path / "llama", tokenizer_dir)
+    (file,) = Path(model_dir).glob("*.safetensors")
+    tensors = load_file(str(file))
+    del tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="^checkpoint tensor 'model.layers.0.mlp.up_proj.weight' is FP8 but the "
+                                         "checkpoint has no 'model.layers.0.mlp.up_proj.weight_scale_inv'"):
+        LLM(model=model_dir, max_total_tokens=256)

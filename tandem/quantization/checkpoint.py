@@ -59,10 +59,13 @@ class _Pairing:
         return [(module + WEIGHT_SUFFIX, dequantized)]
 
     def check_complete(self) -> None:
-        for module in sorted(self.weights):
+        """Raise naming the first FP8 weight left without its scale, or scale without its weight."""
+        if self.weights:
+            module = min(self.weights)
             raise ValueError(f"checkpoint tensor {module + WEIGHT_SUFFIX!r} is FP8 but the checkpoint has no "
                              f"{module + '.' + self.quantization.scale_suffix!r}")
-        for module in sorted(self.scales):
+        if self.scales:
+            module = min(self.scales)
             raise ValueError(f"checkpoint tensor {module + '.' + self.quantization.scale_suffix!r} scales "
                              f"no FP8 weight {module + WEIGHT_SUFFIX!r}")
 
