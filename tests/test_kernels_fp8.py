@@ -120,7 +120,7 @@ def test_gpu_fp8_products_replay_from_a_cuda_graph(group):
     assert torch.equal(output, eager)
 
 
-@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("group", [16, 32, None])  # None: one scale per row (per channel)
 def test_fused_moe_with_fp8_experts_equals_reference_on_dequantized_experts(group):
     from tandem.kernels.fused_moe import dequantize_experts, fused_moe, fused_moe_reference
 
@@ -128,17 +128,19 @@ def test_fused_moe_with_fp8_experts_equals_reference_on_dequantized_experts(grou
     generator = torch.Generator().manual_seed(10)
     w1 = torch.randn(experts, 2 * intermediate, hidden_size, generator=generator) * hidden_size ** -0.5
     w2 = torch.randn(experts, hidden_size, intermediate, generator=generator) * intermediate ** -0.5
-    quantized = []
+    quantized, groups = [], []
     for weights in (w1, w2):
-        pairs = [quantize_blocks(matrix, (1, group)) for matrix in weights]  # one scale per row and group
+        columns = group or weights.shape[-1]
+        pairs = [quantize_blocks(matrix, (1, columns)) for matrix in weights]  # one scale per row and group
         quantized.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
+        groups.append(columns)
     (w1_fp8, w1_scale), (w2_fp8, w2_scale) = quantized
     hidden = torch.randn(tokens, hidden_size, generator=generator)
     expert_ids = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=-1).indices
     routing = torch.rand(tokens, top_k, generator=generator)
-    expected = fused_moe_reference(hidden, dequantize_experts(w1_fp8, w1_scale, group, torch.float32),
-                                   dequantize_experts(w2_fp8, w2_scale, group, torch.float32), routing, expert_ids)
+    expected = fused_moe_reference(hidden, dequantize_experts(w1_fp8, w1_scale, groups[0], torch.float32),
+                                   dequantize_experts(w2_fp8, w2_scale, groups[1], torch.float32), routing, expert_ids)
     actual = fused_moe(hidden, w1_fp8, w2_fp8, routing, expert_ids, w1_scale=w1_scale, w2_scale=w2_scale,
-                       scale_group=group)
+                       scale_groups=tuple(groups))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, fused_moe_reference(hidden, w1, w2, routing, expert_ids), atol=1e-6)

@@ -182,12 +182,13 @@ def _check(hidden, w1, w2, weights, expert_ids, activation) -> None:
 
 def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               expert_ids: torch.Tensor, activation: str = "silu", w1_scale: Optional[torch.Tensor] = None,
-              w2_scale: Optional[torch.Tensor] = None, scale_group: int = 0) -> torch.Tensor:
+              w2_scale: Optional[torch.Tensor] = None, scale_groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The Triton kernels (see the module docstring): ``[T, H]`` in ``hidden``'s dtype.
 
-    FP8 experts: ``w1``/``w2`` float8_e4m3fn with float32 ``w1_scale [E, N1, ceil(H / g)]`` and
-    ``w2_scale [E, H, ceil(I / g)]`` (one scale per row and ``g = scale_group`` inputs), each
-    tile dequantized in the kernel (FP8 weight reads, 16-bit products)."""
+    FP8 experts: ``w1``/``w2`` float8_e4m3fn with float32 ``w1_scale [E, N1, ceil(H / g1)]`` and
+    ``w2_scale [E, H, ceil(I / g2)]`` (one scale per row and ``(g1, g2) = scale_groups`` inputs;
+    ``g = H`` or ``I``: per row), each tile dequantized in the kernel (FP8 weight reads, 16-bit
+    products)."""
     _check(hidden, w1, w2, weights, expert_ids, activation)
     tokens, top_k = expert_ids.shape
     out = torch.empty_like(hidden)
@@ -198,7 +199,7 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights:
     alignment = align_assignments(expert_ids, w1.shape[0], config["BLOCK_M"])
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     projected = hidden.new_empty((num_assignments, w1.shape[1]))
-    _grouped_matmul(hidden, w1, projected, alignment, config, top_k, None, w1_scale, scale_group)
+    _grouped_matmul(hidden, w1, projected, alignment, config, top_k, None, w1_scale, scale_groups[0])
     if activation == "silu":
         from tandem.kernels.activation import silu_and_mul
 
@@ -206,7 +207,8 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights:
     else:
         activated = torch.square(F.relu(projected))
     weighted = torch.empty((num_assignments, w2.shape[1]), dtype=torch.float32, device=hidden.device)
-    _grouped_matmul(activated, w2, weighted, alignment, config, 1, weights.reshape(-1).float(), w2_scale, scale_group)
+    _grouped_matmul(activated, w2, weighted, alignment, config, 1, weights.reshape(-1).float(), w2_scale,
+                    scale_groups[1])
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 

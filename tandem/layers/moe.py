@@ -152,13 +152,11 @@ class FusedExperts(nn.Module):
     def _fp8_forward(self, hidden, w1, expert_ids, weights, use_kernel: bool) -> torch.Tensor:
         w1_name = "gate_up_proj" if self.gated else "up_proj"
         w1_scale, w2_scale = getattr(self, f"{w1_name}_weight_scale"), self.down_proj_weight_scale
-        if use_kernel and self.scale_groups[0] == self.scale_groups[1]:
+        if use_kernel:
             return fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
-                             w1_scale=w1_scale, w2_scale=w2_scale, scale_group=self.scale_groups[0])
+                             w1_scale=w1_scale, w2_scale=w2_scale, scale_groups=self.scale_groups)
         w1 = dequantize_experts(w1, w1_scale, self.scale_groups[0], hidden.dtype)
         w2 = dequantize_experts(self.down_proj, w2_scale, self.scale_groups[1], hidden.dtype)
-        if use_kernel:
-            return fused_moe(hidden, w1, w2, weights, expert_ids, self.activation)
         return fused_moe_reference(hidden, w1, w2, weights, expert_ids, self.activation,
                                    accumulate_dtype=self.accumulate_dtype)
 
