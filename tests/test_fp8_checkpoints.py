@@ -271,6 +271,16 @@ def test_bad_quantization_options_name_the_field(model_dirs):
         LLM(model=model_dirs["llama"], quantization="int8")
     with pytest.raises(ValueError, match="^quantized_compute:"):
         LLM(model=model_dirs["llama"], quantized_compute="int8")
+    from types import SimpleNamespace
+
+    from tandem.quantization import quantization_config_of
+    from tandem.tools.quantized_checkpoint import quantization_section
+
+    compressed = SimpleNamespace(quantization_config=quantization_section("compressed-tensors", (128, 128), ()))
+    with pytest.raises(ValueError, match="^quantization: 'fp8' does not match the checkpoint's quantization_config"):
+        quantization_config_of(compressed, "fp8")
+    block = SimpleNamespace(quantization_config=quantization_section("fp8", (128, 128), ()))
+    assert quantization_config_of(block, "fp8").describe() == "fp8:block-128x128"  # already FP8: agrees
 
 
 def test_fp8_and_unquantized_engines_never_share_disk_pages(tmp_path, model_dirs):

@@ -124,5 +124,9 @@ def quantization_config_of(hf_config, requested: Optional[str]) -> Optional[Quan
     if method == "fp8":
         return _fp8_config(section)
     if method == "compressed-tensors":
+        if requested is not None:
+            raise ValueError(f"quantization: {requested!r} does not match the checkpoint's "
+                             "quantization_config.quant_method 'compressed-tensors' (leave it unset: the "
+                             "checkpoint's FP8 weights load as they are)")
         return _compressed_tensors_config(section)
     raise _unsupported(method)
