@@ -271,6 +271,8 @@ def test_bad_quantization_options_name_the_field(model_dirs):
         LLM(model=model_dirs["llama"], quantization="int8")
     with pytest.raises(ValueError, match="^quantized_compute:"):
         LLM(model=model_dirs["llama"], quantized_compute="int8")
+    with pytest.raises(ValueError, match="^quantized_compute: 'fp8' applies to quantized weights"):
+        LLM(model=model_dirs["llama"], quantized_compute="fp8", max_total_tokens=256)
     from types import SimpleNamespace
 
     from tandem.quantization import quantization_config_of

@@ -224,6 +224,9 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     config = load_config(model_dir)
     architecture, model_class = _model_class(config, model_dir, tensor_shard)
     quantized = quantization_config_of(config, quantization)
+    if quantized is None and fp8_compute is not None:
+        raise ValueError(f"quantized_compute: {'fp8' if fp8_compute else 'dequantized'!r} applies to quantized "
+                         "weights, and this model has none (quantization='fp8' quantizes it at load)")
     torch_dtype = resolve_dtype(dtype, config, device)
     model_len = _model_len(config, max_model_len)
     model = _construct(model_class, config, torch_dtype, model_len, device,
