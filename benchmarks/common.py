@@ -62,16 +62,19 @@ def resolve_model_arguments(args) -> bool:
     return gpu
 
 
-def model_dir_for(shape: str, load_format: str) -> str:
+def model_dir_for(shape: str, load_format: str, quantize: str | None = None) -> str:
     """A model directory of ``shape``: with random float32 weights (``auto``), or config and
-    tokenizer only (``dummy``: the engine makes random weights on its device). Built once."""
+    tokenizer only (``dummy``: the engine makes random weights on its device). ``quantize``
+    (``make_model``'s formats, e.g. ``"fp8"``: 128x128 block-scaled): an FP8 checkpoint, or with
+    ``dummy`` a config announcing one (random FP8 weights). Built once."""
     from tandem.tools.make_model import make_model
 
     arch, options = SHAPES[shape]
-    out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{'dummy' if load_format == 'dummy' else 'weights'}"
+    kind = "dummy" if load_format == "dummy" else "weights"
+    out = Path(tempfile.gettempdir()) / f"tandem-bench-{shape}-{kind}{'-' + quantize if quantize else ''}"
     config = out / "config.json"
     if not config.is_file() or "architectures" not in json.loads(config.read_text()):
-        make_model(arch, out, seed=0, weights=load_format != "dummy", **options)
+        make_model(arch, out, seed=0, weights=load_format != "dummy", quantize=quantize, **options)
     return str(out)
 
 
@@ -126,7 +129,9 @@ class Ceilings:
     device: str
 
     @classmethod
-    def measure(cls, dtype: torch.dtype) -> "Ceilings":
+    def measure(cls, dtype: torch.dtype, fp8: bool = False) -> "Ceilings":
+        """``fp8``: the matrix rate is FP8's (``torch._scaled_mm``, CUDA), the rate FP8 weights'
+        products run at (the roofline then counts attention's FLOPs at it too)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         numel = (1 << 28) if device == "cuda" else (1 << 25)
         source = torch.randn(numel, device=device)
@@ -137,13 +142,55 @@ class Ceilings:
         left = torch.randn(size, size, device=device, dtype=matrix_dtype)
         right = torch.randn(size, size, device=device, dtype=matrix_dtype)
         matmul_seconds = best_seconds(lambda: left @ right)
+        if fp8 and device == "cuda":
+            matmul_seconds = fp8_matmul_seconds(size)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+        name += ", FP8 products" if fp8 and device == "cuda" else ""
         return cls(bandwidth=2 * source.numel() * source.element_size() / copy_seconds,
                    flops=2 * size ** 3 / matmul_seconds, device=name)
 
     def describe(self) -> str:
         return (f"{self.device}: measured copy bandwidth {self.bandwidth / 1e12:.2f} TB/s, "
                 f"matrix rate {self.flops / 1e12:.1f} TFLOP/s")
+
+
+def fp8_matmul_seconds(size: int) -> float:
+    """Seconds of one ``size``-cubed FP8 product (``torch._scaled_mm``, row-wise scales, bf16
+    out): the FP8 tensor rate the FP8 GEMMs are held against."""
+    left = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    right = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    left_scale = torch.ones(size, 1, device="cuda")
+    right_scale = torch.ones(1, size, device="cuda")
+    return best_seconds(lambda: torch._scaled_mm(left, right.t(), scale_a=left_scale, scale_b=right_scale,
+                                                 out_dtype=torch.bfloat16))
+
+
+QUANTIZATION_MODES = ("fp8", "fp8-block")
+
+
+def add_quantization_argument(parser) -> None:
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
+                        help="tandem's weights: fp8 quantizes linear weights per output channel at load "
+                             "(scaled_mm products); fp8-block builds the shape as a 128x128 block-scaled FP8 "
+                             "checkpoint (Triton block GEMM, FP8 experts). With --load-format dummy: random FP8 "
+                             "weights. The roofline counts FP8 weight bytes and the measured FP8 matrix rate. An "
+                             "FP8 checkpoint (--model) is FP8 without it")
+
+
+def quantized_model_dir(args) -> tuple[str, str | None]:
+    """(model directory, tandem's ``quantization`` option) for ``--model``/``--shape`` and
+    ``--quantization``."""
+    if args.model:
+        return args.model, "fp8" if args.quantization == "fp8" else None
+    if args.quantization == "fp8-block":
+        return model_dir_for(args.shape, args.load_format, quantize="fp8"), None
+    return model_dir_for(args.shape, args.load_format), args.quantization
+
+
+def is_fp8_model(model_dir: str, quantization) -> bool:
+    """Whether tandem runs ``model_dir`` with FP8 weights (the option, or its quantization_config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return quantization is not None or "quantization_config" in config
 
 
 def best_seconds(function, repeat: int = 10, warm_up: bool = True) -> float:

@@ -3,6 +3,7 @@ tandem and ``transformers`` on the same model, each beside its roofline.
 
     python benchmarks/latency.py                         # tiny model on CPU
     python benchmarks/latency.py --shape llama3-8b       # Llama-3.1-8B shape, random bf16 weights (GPU)
+    python benchmarks/latency.py --shape llama3-8b --quantization fp8   # the same with FP8 weights
 
 TPOT: one request of ``--prompt-len`` tokens generating ``--output-len`` tokens, minus the time
 to its first token, over the remaining tokens; the roofline is the weights plus the state read by
@@ -21,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_model_arguments, resolve_model_arguments, Ceilings, ModelCost, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
+from common import (add_model_arguments, add_quantization_argument, is_fp8_model, resolve_model_arguments,  # noqa: E402
+                    Ceilings, ModelCost, best_seconds, quantized_model_dir, release, vocab_size_of)
 
 
 def parse_args():
@@ -36,6 +38,7 @@ def parse_args():
     parser.add_argument("--kv-cache-layout", choices=("auto", "layer-major", "page-major"), default="auto",
                         help="tandem's device pools (default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
+    add_quantization_argument(parser)
     args = parser.parse_args()
     resolve_model_arguments(args)
     return args
@@ -56,7 +59,8 @@ def tandem_figures(model_dir, args, vocab_size, prefill_lengths):
     longest = max(prefill_lengths + [args.prompt_len + args.output_len])
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-              max_num_seqs=256, enforce_eager=args.enforce_eager, kv_cache_layout=args.kv_cache_layout)
+              max_num_seqs=256, enforce_eager=args.enforce_eager, kv_cache_layout=args.kv_cache_layout,
+              quantization=args.quantization)
     generate = lambda prompts, tokens: llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     (prompt,) = random_prompts(1, args.prompt_len, vocab_size, seed=0)
@@ -104,18 +108,19 @@ def transformers_figures(model_dir, args, vocab_size, prefill_lengths):
 
 def main() -> None:
     args = parse_args()
-    model_dir = args.model or model_dir_for(args.shape, args.load_format)
+    model_dir, args.quantization = quantized_model_dir(args)
     vocab_size = vocab_size_of(model_dir)
     prefill_lengths = [int(length) for length in args.prefill_lengths.split(",")]
-    ceilings = Ceilings.measure(getattr(torch, args.dtype))
+    fp8 = is_fp8_model(model_dir, args.quantization)
+    ceilings = Ceilings.measure(getattr(torch, args.dtype), fp8=fp8)
     first, tpot, prefill, cost = tandem_figures(model_dir, args, vocab_size, prefill_lengths)
-    reference = None if args.skip_transformers else transformers_figures(model_dir, args, vocab_size,
+    reference = None if args.skip_transformers or fp8 else transformers_figures(model_dir, args, vocab_size,
                                                                          prefill_lengths)
     floor_tpot = (cost.decode_weight_bytes(1) + cost.state_bytes_per_token * (args.prompt_len + args.output_len / 2)) \
         / ceilings.bandwidth
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}{' (tandem eager)' if args.enforce_eager else ''}")
     print(ceilings.describe())
-    print(f"weights read per decode step {cost.decode_weight_bytes(1) / 1e9:.2f} GB; "
+    print(f"weights read per decode step {cost.decode_weight_bytes(1) / 1e9:.2f} GB{' (FP8 weights and scales)' if fp8 and torch.cuda.is_available() else ''}; "
           f"{cost.flops_per_token / 1e9:.1f} GFLOP per token\n")
     print(f"batch 1, {args.prompt_len}-token prompt, {args.output_len} output tokens")
     print(f"{'':<28}{'tandem':>12}{'transformers':>14}{'roofline':>10}{'tandem/roof':>13}{'tandem/hf':>11}")

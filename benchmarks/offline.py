@@ -11,6 +11,8 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b32
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
     python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
+    python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8  # FP8 weights
+    python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8-block
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
     python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
     python benchmarks/offline.py --preset qwen3-30b-a3b-b64 --skip-transformers    # MoE, batch 64 (and -b256)
@@ -36,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
-from common import (Ceilings, ModelCost, best_seconds, compiled_kernel_variants, model_dir_for, release,  # noqa: E402
-                    synchronize, vocab_size_of)
+from common import (Ceilings, ModelCost, add_quantization_argument, best_seconds, compiled_kernel_variants,  # noqa: E402
+                    is_fp8_model, quantized_model_dir, release, synchronize, vocab_size_of)
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)
 # name: model shape and workload (defaults of the command line, which still override them)
@@ -77,6 +79,7 @@ def parse_args():
                              "so they generate --output-len for every request; only requested tokens count")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--load-format", default="auto")
+    add_quantization_argument(parser)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
@@ -132,7 +135,7 @@ def timed(function, repeat: int) -> float:
 
 def optional_engine_arguments(args) -> dict:
     """The engine options this run sets only when asked, so the engine's defaults stay its own."""
-    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout")
+    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout", "quantization")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -301,12 +304,16 @@ def run_transformers_continuous(model, prompts, args):
 
 def main() -> None:
     args = parse_args()
-    model_dir = args.model or model_dir_for(args.shape, args.load_format)
+    model_dir, args.quantization = quantized_model_dir(args)
     prompts = make_prompts(args, vocab_size_of(model_dir))
     output_lengths = make_output_lengths(args)
     output_tokens = sum(output_lengths)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    ceilings = Ceilings.measure(dtype)
+    fp8 = is_fp8_model(model_dir, args.quantization)
+    if fp8 and not args.skip_transformers:
+        print("FP8 weights: transformers is not run (it has no FP8 products on this path)")
+        args.skip_transformers = True
+    ceilings = Ceilings.measure(dtype, fp8=fp8)
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
     name = "tandem" + (" (eager)" if args.enforce_eager else "")
     name += f" (TP={args.tensor_parallel_size})" if args.tensor_parallel_size > 1 else ""
@@ -320,6 +327,7 @@ def main() -> None:
     print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, "
           f"KV cache {args.kv_cache_dtype} ({cost.state_bytes_per_token / 1024:.0f} KiB per token)")
     print(ceilings.describe())
+    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB" + (" (FP8 weights and their scales)" if fp8 and torch.cuda.is_available() else ""))
     lengths = (f"{args.output_len}" if args.min_output_len is None
                else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")
     print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {lengths} output tokens each\n")

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+QUANTIZATION_CHOICES = ("fp8",)  # the quantization option (tandem/quantization)
+QUANTIZED_COMPUTE_CHOICES = ("auto", "fp8", "dequantized")
 INDEXER_CACHE_DTYPE_CHOICES = ("fp8", "float32")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 KV_CACHE_LAYOUT_CHOICES = ("auto", "layer-major", "page-major")
@@ -32,6 +34,15 @@ class EngineConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     load_format: str = "auto"
+    # Weight quantization at load: "fp8" quantizes a bf16/fp32 checkpoint's linear weights per
+    # output channel (vLLM's --quantization fp8). None: as the checkpoint is (an FP8 checkpoint's
+    # quantization_config is read from config.json either way; tandem/quantization).
+    quantization: Optional[str] = None
+    # How quantized weights compute: "fp8" (FP8 weights and FP8 products, activations quantized
+    # on the fly; on a CPU through the PyTorch references), "dequantized" (weights dequantized at
+    # load to the model dtype: the reference FP8 products are compared with), "auto": fp8 on
+    # CUDA, dequantized on a CPU.
+    quantized_compute: str = "auto"
     device: str = "auto"
     seed: int = 0
     # State system.
@@ -90,10 +101,19 @@ class EngineConfig:
     # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
     tensor_parallel_size: int = 1
 
+    @property
+    def fp8_compute(self) -> Optional[bool]:
+        """``quantized_compute`` for ``build_model``: None (auto: by device), True or False."""
+        return {"auto": None, "fp8": True, "dequantized": False}[self.quantized_compute]
+
     def __post_init__(self) -> None:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         require(self.load_format in LOAD_FORMAT_CHOICES, "load_format",
               f"must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
+        require(self.quantization is None or self.quantization in QUANTIZATION_CHOICES, "quantization",
+                f"must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}")
+        require(self.quantized_compute in QUANTIZED_COMPUTE_CHOICES, "quantized_compute",
+                f"must be one of {QUANTIZED_COMPUTE_CHOICES}, got {self.quantized_compute!r}")
         require(self.indexer_cache_dtype in INDEXER_CACHE_DTYPE_CHOICES, "indexer_cache_dtype",
               f"must be one of {INDEXER_CACHE_DTYPE_CHOICES}, got {self.indexer_cache_dtype!r}")
         require(self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES, "kv_cache_dtype",

@@ -425,3 +425,17 @@ def test_a_destination_that_arrived_before_a_stall_is_never_written(llama_pair):
     for descriptor in pair.decode.registry.buffers():
         assert torch.isnan(descriptor.tensor[pages]).all(), descriptor.key
     pair.assert_all_free()
+
+
+def test_fp8_and_unquantized_servers_never_pair(model_dirs):
+    pair = PDPair(model_dirs["llama"], prefill_options=dict(quantization="fp8"), **SMALL)
+    try:
+        pair.submit("r", SHORT_PROMPT)
+        pair.run_until(lambda: pair.finished("r"))
+        assert "PD handshake failed: quantization: the prefill server has 'fp8-online:channel/dequantized', the " \
+               "decode server has 'none'" in pair.error("r"), pair.error("r")
+        pair.prefill.abort_requests(["r"])
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()

@@ -91,7 +91,8 @@ class PDSide:
         self.backend.register(regions + [tensor_region(self.metadata.tensor), tensor_region(self.scratch)])
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
-                                      metadata_row_bytes=self.metadata.row_bytes)
+                                      metadata_row_bytes=self.metadata.row_bytes,
+                                      quantization=core.model_info.quantization)
         # tensor parallelism: the workers' agents, each writing (or receiving) its own shard
         self.ranks = RankFanOut(core.parallel) if core.parallel is not None else None
         self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())

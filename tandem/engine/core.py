@@ -45,7 +45,7 @@ class EngineCore:
         self.model, self.hf_config, self.model_info = build_model(
             config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
             max_model_len=config.max_model_len, seed=config.seed, indexer_cache_dtype=config.indexer_cache_dtype,
-            tensor_shard=self.parallel.shard if self.parallel is not None else SINGLE)
+            quantization=config.quantization, fp8_compute=config.fp8_compute, tensor_shard=self.parallel.shard if self.parallel is not None else SINGLE)
         self.registry = register_state(self.model, config.kv_cache_dtype)
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
         if config.speculative_method is not None:

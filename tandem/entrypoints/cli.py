@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
                            KV_CACHE_DTYPE_CHOICES, KV_CACHE_LAYOUT_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
+                           QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES,
                            SPECULATIVE_METHOD_CHOICES, EngineConfig)
 
 DEMO_MODEL_NAME = "demo"
@@ -34,6 +35,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default="auto",
                        help="how to load weights; dummy: random weights of the same architecture "
                             "(default: %(default)s)")
+    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                       help="fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 per output channel "
+                            "at load. FP8 checkpoints (block-scaled, per-tensor, compressed-tensors) load as "
+                            "FP8 without it (default: none)")
+    group.add_argument("--quantized-compute", choices=QUANTIZED_COMPUTE_CHOICES, default="auto",
+                       help="quantized weights: fp8 (FP8 products, activations quantized on the fly) or "
+                            "dequantized (weights dequantized at load); auto: fp8 on CUDA, dequantized on a "
+                            "CPU (default: %(default)s)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     group.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     group.add_argument("--page-size", type=int, default=16,
@@ -109,7 +118,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(
         model=model, tokenizer=arguments.tokenizer, dtype=arguments.dtype, load_format=arguments.load_format,
-        device=arguments.device, seed=arguments.seed, page_size=arguments.page_size,
+        quantization=arguments.quantization, quantized_compute=arguments.quantized_compute, device=arguments.device, seed=arguments.seed, page_size=arguments.page_size,
         max_total_tokens=arguments.max_total_tokens, kv_cache_memory_bytes=arguments.kv_cache_memory_bytes,
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,

@@ -50,13 +50,15 @@ def _grouped_matmul_kernel(
         a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
         num_assignments,
         stride_a_row, stride_a_col, stride_b_expert, stride_b_row, stride_b_col,
-        stride_c_row, stride_c_col,
+        stride_c_row, stride_c_col, b_scale_ptr, stride_scale_expert, stride_scale_row,
         N: tl.constexpr, K: tl.constexpr, A_ROWS_PER_ROW: tl.constexpr, MULTIPLY_WEIGHTS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """Program ``(block, column block)``: for the block's assignments ``a`` (one expert ``e``),
     ``c[a, cols] = a_matrix[a // A_ROWS_PER_ROW] . b[e, cols]^T`` rounded to ``a``'s dtype (times
-    ``weights[a]`` in float32 with ``MULTIPLY_WEIGHTS``), stored in ``c``'s dtype."""
+    ``weights[a]`` in float32 with ``MULTIPLY_WEIGHTS``), stored in ``c``'s dtype. ``SCALE_GROUP``
+    > 0: ``b`` is FP8, each value times ``b_scale[e, row, depth // SCALE_GROUP]`` (float32) and
+    rounded to ``a``'s dtype before the product (FP8 weights, 16-bit products)."""
     block = tl.program_id(0)
     column_block = tl.program_id(1)
     num_padded = tl.load(num_padded_ptr)
@@ -79,6 +81,11 @@ def _grouped_matmul_kernel(
                     other=0.0)
         b = tl.load(b_block_ptr + depth[:, None] * stride_b_col, mask=depth_mask[:, None] & column_mask[None, :],
                     other=0.0)
+        if SCALE_GROUP > 0:
+            scale_rows = b_scale_ptr + expert * stride_scale_expert + columns[None, :].to(tl.int64) * stride_scale_row
+            scales = tl.load(scale_rows + (depth // SCALE_GROUP)[:, None],
+                             mask=depth_mask[:, None] & column_mask[None, :], other=0.0)
+            b = (b.to(tl.float32) * scales).to(input_dtype)
         if UPCAST_DOTS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -144,15 +151,20 @@ def _config(num_assignments: int, num_experts: int, dtype: torch.dtype, device: 
 
 
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: tuple, config: dict,
-                    a_rows_per_row: int, weights: Optional[torch.Tensor]) -> None:
+                    a_rows_per_row: int, weights: Optional[torch.Tensor], b_scale: Optional[torch.Tensor] = None,
+                    scale_group: int = 0) -> None:
     sorted_ids, block_experts, num_padded = alignment
     n, k = b.shape[1], b.shape[2]
     grid = (block_experts.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    scale = b_scale if b_scale is not None else out
     _grouped_matmul_kernel[grid](
         a, b, out, weights if weights is not None else out, sorted_ids, block_experts, num_padded,
         out.shape[0], a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), N=n, K=k, A_ROWS_PER_ROW=a_rows_per_row, MULTIPLY_WEIGHTS=weights is not None,
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOTS=_upcast_dots(a), **config)
+        out.stride(0), out.stride(1), scale, scale.stride(0) if b_scale is not None else 0,
+        scale.stride(1) if b_scale is not None else 0,
+        N=n, K=k, A_ROWS_PER_ROW=a_rows_per_row, MULTIPLY_WEIGHTS=weights is not None,
+        DOT_PRECISION=_dot_precision(a.dtype), UPCAST_DOTS=_upcast_dots(a),
+        SCALE_GROUP=scale_group if b_scale is not None else 0, **config)
 
 
 def _check(hidden, w1, w2, weights, expert_ids, activation) -> None:
@@ -169,8 +181,14 @@ def _check(hidden, w1, w2, weights, expert_ids, activation) -> None:
 
 
 def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              expert_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """The Triton kernels (see the module docstring): ``[T, H]`` in ``hidden``'s dtype."""
+              expert_ids: torch.Tensor, activation: str = "silu", w1_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None, scale_groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """The Triton kernels (see the module docstring): ``[T, H]`` in ``hidden``'s dtype.
+
+    FP8 experts: ``w1``/``w2`` float8_e4m3fn with float32 ``w1_scale [E, N1, ceil(H / g1)]`` and
+    ``w2_scale [E, H, ceil(I / g2)]`` (one scale per row and ``(g1, g2) = scale_groups`` inputs;
+    ``g = H`` or ``I``: per row), each tile dequantized in the kernel (FP8 weight reads, 16-bit
+    products)."""
     _check(hidden, w1, w2, weights, expert_ids, activation)
     tokens, top_k = expert_ids.shape
     out = torch.empty_like(hidden)
@@ -181,7 +199,7 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights:
     alignment = align_assignments(expert_ids, w1.shape[0], config["BLOCK_M"])
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     projected = hidden.new_empty((num_assignments, w1.shape[1]))
-    _grouped_matmul(hidden, w1, projected, alignment, config, top_k, None)
+    _grouped_matmul(hidden, w1, projected, alignment, config, top_k, None, w1_scale, scale_groups[0])
     if activation == "silu":
         from tandem.kernels.activation import silu_and_mul
 
@@ -189,8 +207,15 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights:
     else:
         activated = torch.square(F.relu(projected))
     weighted = torch.empty((num_assignments, w2.shape[1]), dtype=torch.float32, device=hidden.device)
-    _grouped_matmul(activated, w2, weighted, alignment, config, 1, weights.reshape(-1).float())
+    _grouped_matmul(activated, w2, weighted, alignment, config, 1, weights.reshape(-1).float(), w2_scale,
+                    scale_groups[1])
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 experts ``[E, N, K]`` times their scales ``[E, N, ceil(K / group)]``, in ``dtype``."""
+    expanded = scale.float().repeat_interleave(group, dim=-1)[..., :weight.shape[-1]]
+    return (weight.float() * expanded).to(dtype)
 
 
 def fused_moe_reference(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

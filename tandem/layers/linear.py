@@ -4,12 +4,17 @@
 product; each checkpoint tensor is copied into its row slice when loading. Under tensor
 parallelism (``tandem/parallel``) each part keeps this rank's rows only (column parallel), and a
 parameter marked with ``mark_sharded`` loads its rank's slice of the checkpoint tensor.
+
+Every projection is a ``Linear`` (or a subclass): its product goes through ``linear_product``,
+which a quantized layer's ``weight_method`` (set by ``tandem/quantization``) replaces, so model
+code never knows whether a weight is FP8.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.parallel.shard import SINGLE, TensorShard
@@ -40,7 +45,29 @@ def shard_of(tensor: torch.Tensor, axis: int, rank: int, size: int, segments: tu
     return torch.cat(parts, dim=axis)
 
 
-class StackedLinear(nn.Linear):
+def linear_product(module: nn.Linear, hidden: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """``hidden @ weight.T (+ bias)`` of ``module``, computed by its ``weight_method`` when its
+    weight is quantized (``weight_method.apply(module, hidden, bias)``)."""
+    bias = module.bias if with_bias else None
+    method = getattr(module, "weight_method", None)
+    if method is None:
+        return F.linear(hidden, module.weight, bias)
+    return method.apply(module, hidden, bias)
+
+
+class Linear(nn.Linear):
+    """A projection whose weight may be quantized. ``quantizable = False`` on an instance keeps
+    it 16-bit whatever the checkpoint holds (a weight read as a matrix elsewhere, e.g. MLA's
+    ``kv_b_proj``, which is dequantized once at load)."""
+
+    quantizable = True
+    weight_method = None  # set by tandem.quantization when the weight is FP8
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear_product(self, hidden)
+
+
+class StackedLinear(Linear):
     """``parts`` are the checkpoint's full row counts; a rank of ``shard`` keeps its share of
     each part (column parallel: no collective, the output stays split by rank). A part named in
     ``replicas`` is held whole by groups of that many consecutive ranks (key/value heads fewer
@@ -84,10 +111,19 @@ class _Target:
             if tensor.dim() == target.dim() and tensor.shape[axis] == sum(segments):
                 tensor = shard_of(tensor, axis, rank, size, segments)
                 target = target.narrow(axis, 0, tensor.shape[axis])  # a padded slice: its rows only
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
+        check_loadable(name, tensor, target)
         target.copy_(tensor)
+
+
+def check_loadable(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise ValueError naming checkpoint tensor ``name`` when it cannot fill ``target``: another
+    shape, or a float tensor for an FP8 parameter (which a copy would cast without its scale)."""
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(target.shape)}")
+    if target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but its parameter holds FP8 weights "
+                         "(an FP8 layer takes float8_e4m3fn weights with their scales)")
 
 
 def _stacked_targets(model: nn.Module) -> dict[str, tuple]:
@@ -99,7 +135,7 @@ def _stacked_targets(model: nn.Module) -> dict[str, tuple]:
         parent = module_name.rsplit(".", 1)[0]
         for part, (offset, size) in module.parts.items():
             shard = module.part_shard(part)
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "weight_scale", "bias"):
                 if getattr(module, kind, None) is not None:
                     targets[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", offset, size, shard)
     return targets

@@ -30,6 +30,7 @@ from torch import nn
 from tandem.kv.spec import MLASpec
 from tandem.layers.attention import write_slots
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.sparse_indexer import LightningIndexer, TopKSelection
 from tandem.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -252,12 +253,15 @@ class MLAAttention(nn.Module):
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, full_heads * head_size, **by_head)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, full_heads * head_size, **by_head)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
         self.kv_b_proj = ColumnParallelLinear(self.rank, full_heads * (self.nope_dim + self.value_dim), **by_head)
+        # Read as a matrix by the absorbed attention (never through its product): an FP8
+        # checkpoint's kv_b_proj is dequantized once at load.
+        self.kv_b_proj.quantizable = False
         self.o_proj = RowParallelLinear(full_heads * self.value_dim, hidden, bias=bias, **by_head)
         self.rope_interleave = bool(getattr(config, "rope_interleave", True))
         self.scale = softmax_scale(config)

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.fused_moe import ACTIVATIONS, fused_moe, fused_moe_reference
-from tandem.layers.linear import load_by_name, mark_sharded, shard_of
+from tandem.kernels.fused_moe import ACTIVATIONS, dequantize_experts, fused_moe, fused_moe_reference
+from tandem.layers.linear import check_loadable, load_by_name, mark_sharded, shard_of
 from tandem.layers.mlp import GatedMLP  # noqa: F401  (re-exported for the MoE families)
 from tandem.parallel.shard import SINGLE, TensorShard
 
@@ -129,51 +129,110 @@ class FusedExperts(nn.Module):
         w1 = self.gate_up_proj if activation == "silu" else self.up_proj
         mark_sharded(w1, 1, shard, (full_intermediate,) * (2 if activation == "silu" else 1))
         mark_sharded(self.down_proj, 2, shard, full_intermediate)
+        # FP8 experts (to_fp8): inputs per scale column of w1 and of down_proj; None: 16-bit.
+        self.scale_groups: Optional[tuple[int, int]] = None
+
+    def to_fp8(self, block_columns: Optional[int]) -> None:
+        """Hold the experts as FP8 with float32 scales per row and ``block_columns`` inputs
+        (``<name>_weight_scale [E, rows, ceil(inputs / block_columns)]``; None: one scale per
+        row), filled by the checkpoint's per-expert tensors. The kernel dequantizes each tile."""
+        groups = []
+        for name in self.fused_parameter_names:
+            weight = getattr(self, name)
+            experts, rows, columns = weight.shape
+            group = columns if block_columns is None else block_columns
+            fp8 = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+                               requires_grad=False)
+            scale = nn.Parameter(torch.ones(experts, rows, -(-columns // group), dtype=torch.float32,
+                                            device=weight.device), requires_grad=False)
+            shard = getattr(weight, "tensor_shard", None)
+            if shard is not None:
+                fp8.tensor_shard = shard
+                scale_shard = self._scale_shard(shard, columns, block_columns)
+                if scale_shard is not None:
+                    scale.tensor_shard = scale_shard
+            setattr(self, name, fp8)
+            setattr(self, f"{name}_weight_scale", scale)
+            groups.append(group)
+        self.scale_groups = tuple(groups)
+
+    @staticmethod
+    def _scale_shard(shard, columns: int, block_columns: Optional[int]):
+        axis, rank, size, segments = shard
+        if axis != 2:
+            return shard  # rows: the scales' rows shard as the weight's
+        if block_columns is None:
+            return None
+        if columns % block_columns:
+            raise ValueError(f"tensor_parallel_size: {size} leaves {columns} expert inputs per rank, not a multiple "
+                             f"of the quantization_config.weight_block_size columns ({block_columns})")
+        return (2, rank, size, (-(-sum(segments) // block_columns),))
 
     @property
     def gated(self) -> bool:
         return self.activation == "silu"
 
     @property
-    def fused_parameter_names(self) -> tuple[str, str]:
-        return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
+    def fused_parameter_names(self) -> tuple[str, ...]:
+        names = ("gate_up_proj" if self.gated else "up_proj", "down_proj")
+        return names if self.scale_groups is None else names + tuple(f"{name}_weight_scale" for name in names)
+
+    def _fp8_forward(self, hidden, w1, expert_ids, weights, use_kernel: bool) -> torch.Tensor:
+        w1_name = "gate_up_proj" if self.gated else "up_proj"
+        w1_scale, w2_scale = getattr(self, f"{w1_name}_weight_scale"), self.down_proj_weight_scale
+        if use_kernel:
+            return fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
+                             w1_scale=w1_scale, w2_scale=w2_scale, scale_groups=self.scale_groups)
+        w1 = dequantize_experts(w1, w1_scale, self.scale_groups[0], hidden.dtype)
+        w2 = dequantize_experts(self.down_proj, w2_scale, self.scale_groups[1], hidden.dtype)
+        return fused_moe_reference(hidden, w1, w2, weights, expert_ids, self.activation,
+                                   accumulate_dtype=self.accumulate_dtype)
 
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         w1 = self.gate_up_proj if self.gated else self.up_proj
         use_kernel = hidden.is_cuda if self.use_kernel is None else self.use_kernel
-        if use_kernel:
+        if self.scale_groups is not None:
+            output = self._fp8_forward(hidden, w1, expert_ids, weights, use_kernel)
+        elif use_kernel:
             output = fused_moe(hidden, w1, self.down_proj, weights, expert_ids, self.activation)
         else:
             output = fused_moe_reference(hidden, w1, self.down_proj, weights, expert_ids, self.activation,
                                          accumulate_dtype=self.accumulate_dtype)
         return self.shard.all_reduce(output)
 
-    def expert_shard(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of checkpoint tensor ``experts.{e}.{part}.weight`` (gate/up rows,
-        down columns)."""
+    def expert_shard(self, part: str, tensor: torch.Tensor, kind: str = "weight") -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``experts.{e}.{part}.{kind}`` (gate/up rows,
+        down columns; a down scale's columns by block, or whole when it has one per row)."""
         if not self.shard.is_parallel:
             return tensor
         axis = 1 if part == "down_proj" else 0
+        if kind == "weight_scale" and axis == 1 and tensor.shape[1] == 1:
+            return tensor
         return shard_of(tensor, axis, self.shard.rank, self.shard.size, (tensor.shape[axis],))
 
-    def expert_slice(self, expert: int, part: str) -> torch.Tensor:
-        """The fused-parameter slice that checkpoint tensor ``experts.{expert}.{part}.weight`` fills."""
+    def expert_slice(self, expert: int, part: str, kind: str = "weight") -> torch.Tensor:
+        """The fused-parameter slice that checkpoint tensor ``experts.{expert}.{part}.{kind}``
+        fills (``kind``: ``weight``, or ``weight_scale`` of FP8 experts)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (n_routed_experts {self.num_experts})")
+        if kind == "weight_scale" and self.scale_groups is None:
+            raise ValueError(f"expert tensor {part}.weight_scale: these experts are not FP8")
+        suffix = "" if kind == "weight" else "_weight_scale"
         size = self.intermediate_size
         if self.gated:
-            slices = {"gate_proj": lambda: self.gate_up_proj.data[expert, :size],
-                      "up_proj": lambda: self.gate_up_proj.data[expert, size:]}
+            slices = {"gate_proj": lambda: getattr(self, "gate_up_proj" + suffix).data[expert, :size],
+                      "up_proj": lambda: getattr(self, "gate_up_proj" + suffix).data[expert, size:]}
         else:
-            slices = {"up_proj": lambda: self.up_proj.data[expert]}
-        slices["down_proj"] = lambda: self.down_proj.data[expert]
+            slices = {"up_proj": lambda: getattr(self, "up_proj" + suffix).data[expert]}
+        slices["down_proj"] = lambda: getattr(self, "down_proj" + suffix).data[expert]
         if part not in slices:
             raise ValueError(f"expert tensor {part!r} does not exist in {self.activation} experts")
         return slices[part]()
 
     @property
     def num_expert_tensors(self) -> int:
-        return (3 if self.gated else 2) * self.num_experts
+        """Per-expert checkpoint tensors: a weight per part (and its scale, FP8 experts)."""
+        return (3 if self.gated else 2) * self.num_experts * (1 if self.scale_groups is None else 2)
 
 
 class MoE(nn.Module):
@@ -213,7 +272,8 @@ class SoftmaxMoE(nn.Module):
         return self.experts(hidden, expert_ids, weights)
 
 
-_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)"
+                         r"\.(?P<kind>weight|weight_scale)$")
 
 
 def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -224,7 +284,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     ``experts.down_proj``) or by all ``3 * num_experts`` per-expert tensors; raises ValueError
     naming what is missing otherwise."""
     experts = {name: module for name, module in model.named_modules() if isinstance(module, FusedExperts)}
-    seen: dict[str, set[tuple[int, str]]] = {name: set() for name in experts}
+    seen: dict[str, set[tuple[int, str, str]]] = {name: set() for name in experts}
     fused_names = {f"{name}.{param}": name for name, module in experts.items()
                    for param in module.fused_parameter_names}
     fused_seen: set[str] = set()
@@ -234,13 +294,12 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             match = _PER_EXPERT.match(name)
             if match and match.group("module") in experts:
                 module_name, expert, part = match.group("module"), int(match.group("expert")), match.group("part")
-                target = experts[module_name].expert_slice(expert, part)
-                tensor = experts[module_name].expert_shard(part, tensor)
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
+                kind = match.group("kind")
+                target = experts[module_name].expert_slice(expert, part, kind)
+                tensor = experts[module_name].expert_shard(part, tensor, kind)
+                check_loadable(name, tensor, target)
                 target.copy_(tensor)
-                seen[module_name].add((expert, part))
+                seen[module_name].add((expert, part, kind))
                 continue
             if name in fused_names:
                 fused_seen.add(name)

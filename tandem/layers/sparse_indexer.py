@@ -30,6 +30,7 @@ from torch import nn
 from tandem.kv.spec import IndexerSpec
 from tandem.layers.attention import write_slots
 from tandem.layers.attention_metadata import AttentionMetadata, DecodeBucket
+from tandem.layers.linear import Linear
 
 if TYPE_CHECKING:
     from tandem.worker.forward_context import ForwardContext
@@ -173,8 +174,8 @@ class LightningIndexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.topk = config.index_topk
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # The head weights are computed in float32 whatever the model dtype (as the reference).
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False, dtype=torch.float32)

@@ -97,7 +97,7 @@ class TensorParallel:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(config.model, size, max_model_len=config.max_model_len,
-                              indexer_cache_dtype=config.indexer_cache_dtype)
+                              indexer_cache_dtype=config.indexer_cache_dtype, quantization=config.quantization)
         self.device = rank_device(device, 0)
         if self.device.type == "cuda":
             available = torch.cuda.device_count() - self.device.index

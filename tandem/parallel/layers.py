@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import mark_sharded
+from tandem.layers.linear import Linear, linear_product, mark_sharded
 from tandem.parallel.shard import SINGLE, TensorShard
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Output features split by rank (no collective: the output stays split). ``segments``: the
     checkpoint's output rows as consecutive segments, each split by rank (default: one)."""
 
@@ -35,7 +35,7 @@ class ColumnParallelLinear(nn.Linear):
             mark_sharded(self.bias, 0, shard, segments)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TensorShard = SINGLE,
                  what: str = "the input features of a row-parallel projection") -> None:
         super().__init__(shard.split(in_features, what), out_features, bias=bias)
@@ -44,8 +44,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.shard.is_parallel:
-            return F.linear(hidden, self.weight, self.bias)
-        output = self.shard.all_reduce(F.linear(hidden, self.weight))
+            return linear_product(self, hidden)
+        output = self.shard.all_reduce(linear_product(self, hidden, with_bias=False))
         return output if self.bias is None else output + self.bias
 
 

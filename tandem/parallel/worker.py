@@ -80,7 +80,8 @@ class WorkerRank:
         torch.manual_seed(config.seed)
         model, _, info = build_model(config.model, dtype=config.dtype, load_format=config.load_format, device=device,
                                      max_model_len=config.max_model_len, seed=config.seed,
-                                     indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard)
+                                     indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard,
+                                     quantization=config.quantization, fp8_compute=config.fp8_compute)
         registry = register_state(model, config.kv_cache_dtype)
         target_layers = registry.layer_names()
         speculating = config.speculative_method is not None

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tandem.tools.made_weights import initialise_weights, write_mtp_weights
+from tandem.tools.quantized_checkpoint import FORMATS, quantization_section, quantize_checkpoint
 from tandem.tools.tokenizer_maker import MINIMUM_VOCAB_SIZE, prepare_tokenizer, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -265,6 +266,8 @@ def make_model(
     tokenizer_dir: str | os.PathLike | None = None,
     weights: bool = True,
     config_overrides: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
+    weight_block_size: tuple[int, int] = (128, 128),
 ) -> pathlib.Path:
     """Write a random-weight float32 checkpoint of ``arch`` plus a tokenizer to ``out_dir``.
 
@@ -278,8 +281,10 @@ def make_model(
     instead of training one. ``weights=False`` writes the config and tokenizer only, for
     ``--load-format dummy`` (random weights made on the device at load time; large shapes).
     ``config_overrides`` are config arguments set last, over the architecture's tiny defaults
-    (e.g. a released MoE's expert count and sizes for a benchmark shape). Returns ``out_dir`` as
-    a path.
+    (e.g. a released MoE's expert count and sizes for a benchmark shape).
+    ``quantize`` rewrites the weights in an FP8 format (``quantized_checkpoint.FORMATS``:
+    ``"fp8"`` block-scaled in ``weight_block_size`` blocks, ``"fp8-per-tensor"``,
+    ``"compressed-tensors"`` per channel). Returns ``out_dir`` as a path.
 
     The config's ``eos_token_id``/``pad_token_id``/``bos_token_id`` equal the tokenizer's
     (bos is None) and every tokenizer id is below ``vocab_size``.
@@ -311,14 +316,29 @@ def make_model(
         config.architectures = [spec.model_class]
         config.save_pretrained(out_path)
         _write_generation_config(out_path, token_ids)
+        if quantize is not None:
+            _add_quantization_config(out_path, quantize, weight_block_size)
         return out_path
     model = _build_model(spec, config, seed=seed, init_std=init_std)
     _save_model(model, out_path, max_shard_size)
     if spec.mtp_weights:
         write_mtp_weights(out_path, config, seed=seed, norm_center=spec.norm_weight_center)
+    if quantize is not None:
+        quantize_checkpoint(out_path, quantize, weight_block_size)
     _write_generation_config(out_path, token_ids)
     logger.info("built %s model in %s (%.1f s)", arch, out_path, time.perf_counter() - started)
     return out_path
+
+
+def _add_quantization_config(out_path: pathlib.Path, form: str, block: tuple[int, int]) -> None:
+    """A config-only directory (``weights=False``) announcing FP8 weights: ``--load-format
+    dummy`` then makes random FP8 weights in that format."""
+    import json
+
+    config_file = out_path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = quantization_section(form, tuple(block), ())
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def _lookup_architecture(arch: str) -> ArchitectureSpec:
@@ -448,6 +468,11 @@ def add_cli_parser(subparsers) -> argparse.ArgumentParser:
     add("--rope-scaling", choices=["llama3"], default=None, help="rope scaling scheme (default: none)")
     add("--seed", type=int, default=0, help="random seed for the weights (default: %(default)s)")
     add("--max-shard-size", default=None, help="shard the weights, e.g. 200KB (default: one file)")
+    add("--quantize", choices=FORMATS, default=None,
+        help="write FP8 weights: fp8 (block-scaled float32 weight_scale_inv, as DeepSeek/GLM/Qwen ship), "
+             "fp8-per-tensor, or compressed-tensors (per-channel weight_scale) (default: float32)")
+    add("--weight-block-size", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLUMNS"),
+        help="block of one scale for --quantize fp8 (default: 128 128)")
     parser.set_defaults(func=run_cli)
     return parser
 
@@ -473,6 +498,8 @@ def run_cli(arguments: argparse.Namespace) -> int:
         rope_scaling=arguments.rope_scaling,
         seed=arguments.seed,
         max_shard_size=arguments.max_shard_size,
+        quantize=arguments.quantize,
+        weight_block_size=tuple(arguments.weight_block_size),
     )
     print(out_path)
     return 0

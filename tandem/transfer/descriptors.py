@@ -61,13 +61,13 @@ def buffer_addresses(registry: StateRegistry) -> list[int]:
 
 
 def describe_layout(registry: StateRegistry, *, architecture: str, model: dict[str, int], page_size: int,
-                    metadata_row_bytes: int) -> StateLayout:
+                    metadata_row_bytes: int, quantization: str = "none") -> StateLayout:
     buffers = [BufferInfo(d.group_id, d.layer_name, d.kind, d.item_size, str(d.tensor.dtype), d.page_bytes,
                           d.page_stride, d.offset)
                for d in registry.buffers()]
     return StateLayout(architecture=architecture, model=dict(model), page_size=page_size,
                        num_groups=len(registry.groups), buffers=buffers, metadata_row_bytes=metadata_row_bytes,
-                       kv_cache_layout=registry.kv_cache_layout)
+                       kv_cache_layout=registry.kv_cache_layout, quantization=quantization)
 
 
 def coalesce(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:

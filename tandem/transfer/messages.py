@@ -92,6 +92,9 @@ class StateLayout(msgspec.Struct, kw_only=True, frozen=True):
     buffers: list[BufferInfo]
     metadata_row_bytes: int
     kv_cache_layout: str = "layer-major"  # the device pools' layout (--kv-cache-layout)
+    # the weights' quantization and how it computes (ModelInfo.quantization): an FP8 and a bf16
+    # engine of one model compute different K/V, so their pages never mix
+    quantization: str = "none"
 
 
 def first_difference(local: StateLayout, remote: StateLayout, local_name: str = "local",
@@ -100,7 +103,7 @@ def first_difference(local: StateLayout, remote: StateLayout, local_name: str = 
     def differ(field: str, mine, theirs) -> str:
         return f"{field}: {local_name} has {mine!r}, {remote_name} has {theirs!r}"
 
-    for field in ("page_size", "architecture", "kv_cache_layout"):
+    for field in ("page_size", "architecture", "kv_cache_layout", "quantization"):
         if getattr(local, field) != getattr(remote, field):
             return differ(field, getattr(local, field), getattr(remote, field))
     for key in sorted(set(local.model) | set(remote.model)):

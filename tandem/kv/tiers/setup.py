@@ -3,7 +3,8 @@ and its layout fingerprint.
 
 The fingerprint names everything that makes a stored page meaningful: the model's identity
 (its ``config.json`` and a sample of its weight files, or the seed of dummy weights), the
-state dtype per buffer, the page size and the ordered buffer list. A disk page written under
+weights' quantization options (FP8 at load, FP8 or dequantized products: the K/V they compute
+differ), the state dtype per buffer, the page size and the ordered buffer list. A disk page written under
 another fingerprint never hits.
 """
 from __future__ import annotations
@@ -48,7 +49,10 @@ def model_identity(model_dir: str, load_format: str, seed: int) -> str:
 
 
 def layout_fingerprint_parts(config: "EngineConfig", coordinator: "StateCoordinator") -> list[object]:
+    # The quantization options: a checkpoint's own quantization is in the weights' identity, an
+    # online one (and how quantized weights compute) only here.
     return [model_identity(config.model, config.load_format, config.seed), config.dtype,
+            f"quantization={config.quantization}/{config.quantized_compute}",
             coordinator.page_size, coordinator.registry.describe()]
 
 

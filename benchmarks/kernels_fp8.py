@@ -1,0 +1,89 @@
+"""FP8 GEMMs (``tandem/kernels/fp8_gemm.py``) against bfloat16 ``torch.matmul`` at the
+Llama-3.1-8B projection shapes (GPU): median time (``triton.testing.do_bench``) of
+
+- ``bf16``: ``hidden @ weight.T`` in bfloat16;
+- ``channel``: FP8 per-output-channel weights, activations quantized per token, ``torch._scaled_mm``
+  with row-wise scales (what compressed-tensors and ``--quantization fp8`` run);
+- ``block``: FP8 128x128-block weights, activations per 1x128 token group, the Triton
+  block-scaled GEMM (what DeepSeek/GLM/Qwen ``-FP8`` checkpoints run);
+
+each whole (activation quantization included) and the GEMM alone, and each one's fraction of its
+roofline: the slower of the bytes it must move (weights, their scales, activations in and out)
+over the measured copy bandwidth and its FLOPs over the measured matrix rate (bfloat16's for
+bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products). Targets: >= 0.8 of the FP8 rate
+at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
+
+    python benchmarks/kernels_fp8.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Ceilings  # noqa: E402
+from tandem.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, quantize_token_groups  # noqa: E402
+from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = (1, 16, 512, 4096)
+
+
+def median_ms(function) -> float:
+    return triton.testing.do_bench(function, return_mode="median")
+
+
+def roofline_ms(tokens, rows, features, weight_bytes, activation_bytes, flops_rate, bandwidth) -> float:
+    moved = weight_bytes + tokens * features * activation_bytes + tokens * rows * 2
+    return max(moved / bandwidth, 2.0 * tokens * rows * features / flops_rate) * 1e3
+
+
+def main() -> None:
+    bf16_ceilings = Ceilings.measure(torch.bfloat16)
+    fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
+    print(bf16_ceilings.describe())
+    print(fp8_ceilings.describe())
+    print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}"
+          f"{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
+    for name, (rows, features) in SHAPES.items():
+        float_weight = torch.randn(rows, features, device="cuda") * 0.02
+        bf16_weight = float_weight.to(torch.bfloat16)
+        channel_weight, channel_scale = quantize_rows(float_weight)
+        block_weight, block_scale = quantize_blocks(float_weight.cpu(), (128, 128))
+        block_weight = block_weight.cuda()
+        block_scale = row_block_scales(block_scale, (rows, features), (128, 128)).cuda()
+        del float_weight
+        for tokens in TOKENS:
+            hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+            bf16 = median_ms(lambda: hidden @ bf16_weight.t())
+            channel = median_ms(lambda: fp8_linear(hidden, channel_weight, channel_scale, None))
+            quantized, scales = quantize_token_groups(hidden, features)
+            channel_gemm = median_ms(lambda: torch._scaled_mm(quantized, channel_weight.t(), scale_a=scales,
+                                                              scale_b=channel_scale.reshape(1, -1),
+                                                              out_dtype=torch.bfloat16))
+            block = median_ms(lambda: fp8_linear(hidden, block_weight, block_scale, 128))
+            grouped, group_scales = quantize_token_groups(hidden, 128)
+            block_gemm = median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
+                                                               128, torch.bfloat16))
+            bf16_roof = roofline_ms(tokens, rows, features, rows * features * 2, 2, bf16_ceilings.flops,
+                                    bf16_ceilings.bandwidth)
+            channel_roof = roofline_ms(tokens, rows, features, rows * features + rows * 4, 2, fp8_ceilings.flops,
+                                       fp8_ceilings.bandwidth)
+            block_roof = roofline_ms(tokens, rows, features, rows * features + block_scale.numel() * 4, 2,
+                                     fp8_ceilings.flops, fp8_ceilings.bandwidth)
+            print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
+                  f"{channel_roof / channel:>6.2f}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
+                  f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
+        del bf16_weight, channel_weight, block_weight
+        torch.cuda.empty_cache()
+    print("\nroof: the roofline's time over the measured time (1.00 = at the roofline); chan/bf16, "
+          "block/bf16: speed-up over bf16")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""FP8 matrix products with dynamically quantized activations, and their PyTorch references.
+
+``fp8_linear(hidden, weight, weight_scale, group)`` computes ``hidden @ W.T`` for an FP8 weight
+``W = weight * scale`` held in the row-block layout (``weight [N, K]`` float8_e4m3fn,
+``weight_scale [N, ceil(K / group)]`` float32; ``group=None``: one scale per row):
+
+- the activations are quantized per token (``group=None``) or per token and ``group``
+  consecutive features (1x128 for DeepSeek's 128x128 blocks), scale ``max|x| / 448``;
+- per-row weights on CUDA: ``torch._scaled_mm`` with row-wise scales (FP8 tensor cores);
+- block weights on CUDA: the Triton kernel ``_block_scaled_gemm`` below: per K group one FP8
+  ``tl.dot`` into float32, multiplied by the token's and the row's scales and accumulated;
+- elsewhere (CPU, or shapes ``_scaled_mm`` does not take): ``fp8_linear_reference``.
+
+Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tandem.kernels.triton_support import jit, tl, triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+# A floor under every computed scale, so that an all-zero row quantizes to zeros (not NaN).
+MINIMUM_SCALE = 1e-12
+
+
+def quantize_token_groups_reference(hidden: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [M, K]`` in groups of ``group`` consecutive features per token (``group = K``:
+    per token) → ``(fp8 [M, K], scale [M, ceil(K/group)] float32)``."""
+    tokens, features = hidden.shape
+    groups = -(-features // group)
+    padded = hidden.float()
+    if groups * group != features:
+        padded = torch.nn.functional.pad(padded, (0, groups * group - features))
+    grouped = padded.view(tokens, groups, group)
+    scale = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=MINIMUM_SCALE)
+    quantized = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(tokens, groups * group)[:, :features].contiguous(), scale
+
+
+@jit
+def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, scale_columns,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (token, group): amax, scale, quantize."""
+    token = tl.program_id(0)
+    group = tl.program_id(1)
+    columns = group * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (columns < features)
+    values = tl.load(hidden + token * stride_hidden + columns, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(values), axis=0) / 448.0, 1e-12)
+    quantized_values = tl.clamp(values / scale, -448.0, 448.0)
+    tl.store(quantized + token * features + columns, quantized_values.to(quantized.dtype.element_ty), mask=mask)
+    tl.store(scales + token * scale_columns + group, scale)
+
+
+def quantize_token_groups(hidden: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_token_groups_reference`` as one Triton launch (CUDA, or the interpreter)."""
+    tokens, features = hidden.shape
+    groups = -(-features // group)
+    quantized = torch.empty(tokens, features, dtype=FP8_DTYPE, device=hidden.device)
+    scales = torch.empty(tokens, groups, dtype=torch.float32, device=hidden.device)
+    if tokens:
+        block = triton.next_power_of_2(group)
+        warps = 4 if block <= 2048 else 8 if block <= 8192 else 16  # a whole 14336-feature token per program
+        _quantize_groups_kernel[(tokens, groups)](hidden, hidden.stride(0), quantized, scales, features, groups,
+                                                  GROUP=group, BLOCK=block, num_warps=warps)
+    return quantized, scales
+
+
+def _expand_columns(scale: torch.Tensor, group: int, features: int) -> torch.Tensor:
+    return scale.repeat_interleave(group, dim=1)[:, :features]
+
+
+def block_scaled_matmul_reference(quantized: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                                  weight_scale: torch.Tensor, group: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(quantized * scales) @ (weight * weight_scale).T`` in float32, each scale covering
+    ``group`` consecutive features (the last group may be partial)."""
+    features = quantized.shape[1]
+    activations = quantized.float() * _expand_columns(scales, group, features)
+    weights = weight.float() * _expand_columns(weight_scale.float(), group, features)
+    return (activations @ weights.t()).to(out_dtype)
+
+
+@jit(do_not_specialize=["M"])  # the step's token count
+def _block_scaled_gemm(a, a_scale, b, b_scale, c, M, N, stride_a, stride_b, stride_c,
+                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """``c[M, N] = sum over K groups g of (a[:, g] @ b[:, g].T) * a_scale[:, g] * b_scale[:, g]``:
+    a ``[M, K]`` and b ``[N, K]`` FP8 (row-major), a_scale ``[M, G]``, b_scale ``[N, G]``
+    float32 (``G = ceil(K / GROUP)``). ``UPCAST``: multiply in float32 (the interpreter's path)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inner = tl.arange(0, GROUP)
+    row_mask = rows < M
+    column_mask = columns < N
+    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scale_columns = (K + GROUP - 1) // GROUP
+    for start in range(0, K, GROUP):
+        group = start // GROUP
+        k = start + inner
+        k_mask = k < K
+        a_tile = tl.load(a + rows[:, None] * stride_a + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_tile = tl.load(b + columns[None, :] * stride_b + k[:, None], mask=column_mask[None, :] & k_mask[:, None],
+                         other=0.0)
+        a_scales = tl.load(a_scale + rows * scale_columns + group, mask=row_mask, other=0.0)
+        b_scales = tl.load(b_scale + columns * scale_columns + group, mask=column_mask, other=0.0)
+        if UPCAST:
+            partial = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32))
+        else:
+            partial = tl.dot(a_tile, b_tile)
+        accumulator += partial * a_scales[:, None] * b_scales[None, :]
+    tl.store(c + rows[:, None] * stride_c + columns[None, :], accumulator.to(c.dtype.element_ty),
+             mask=row_mask[:, None] & column_mask[None, :])
+
+
+def _tile_sizes(tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps): few-token products (decode) are weight-read bound: small M
+    tiles and more programs along N; large ones take square-ish tiles."""
+    if tokens <= 16:
+        return 16, 32, 4
+    if tokens <= 64:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def block_scaled_matmul(quantized: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                        weight_scale: torch.Tensor, group: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``block_scaled_matmul_reference`` as one Triton launch (``group`` ≥ 16, a power of two)."""
+    tokens, features = quantized.shape
+    rows = weight.shape[0]
+    output = torch.empty(tokens, rows, dtype=out_dtype, device=quantized.device)
+    if tokens == 0:
+        return output
+    block_m, block_n, warps = _tile_sizes(tokens)
+    grid = (triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))
+    interpreted = not quantized.is_cuda
+    _block_scaled_gemm[grid](quantized, scales, weight, weight_scale, output, tokens, rows,
+                             quantized.stride(0), weight.stride(0), output.stride(0), K=features, GROUP=group,
+                             BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted, num_warps=warps, num_stages=3)
+    return output
+
+
+def fp8_linear_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         group: Optional[int]) -> torch.Tensor:
+    """What ``fp8_linear`` computes, in plain PyTorch (float32 accumulation)."""
+    features = hidden.shape[-1]
+    size = features if group is None else group
+    quantized, scales = quantize_token_groups_reference(hidden, size)
+    return block_scaled_matmul_reference(quantized, scales, weight, weight_scale, size, hidden.dtype)
+
+
+def _takes_scaled_mm(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``torch._scaled_mm`` wants 16-aligned inner and output sizes (and a CUDA device)."""
+    return hidden.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               group: Optional[int]) -> torch.Tensor:
+    """``hidden [M, K]`` (16-bit or float32) @ the FP8 weight's transpose → ``[M, N]`` in
+    ``hidden.dtype``. See the module docstring for the paths."""
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if hidden.shape[0] == 0:
+        return hidden.new_empty(0, weight.shape[0])
+    if group is None and _takes_scaled_mm(hidden, weight):
+        quantized, scales = quantize_token_groups(hidden, hidden.shape[-1])
+        # Row-wise scaling writes bfloat16 only.
+        output = torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_scale.reshape(1, -1),
+                                  out_dtype=torch.bfloat16)
+        return output if hidden.dtype == torch.bfloat16 else output.to(hidden.dtype)
+    if group is not None and hidden.is_cuda and group >= 16 and group & (group - 1) == 0:
+        quantized, scales = quantize_token_groups(hidden, group)
+        return block_scaled_matmul(quantized, scales, weight, weight_scale, group, hidden.dtype)
+    return fp8_linear_reference(hidden, weight, weight_scale, group)
