@@ -99,7 +99,7 @@ def run_and_compare(model_dir, oracle, context, **options):
     return llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v32", "glm_moe_dsa", "qwen3_moe"])
 def test_block_scaled_checkpoint_equals_transformers(arch, tmp_path, tokenizer_dir):
     keep = (KEPT_MODULE,) if arch == "llama" else ()
     model_dir = make_quantized(arch, tmp_path / arch, tokenizer_dir, keep=keep)
