@@ -336,8 +336,11 @@ def test_rollback_in_every_group():
     assert plan.pages_of(1) == 2 * 2 + 1  # a working slot and a copy per sequence seat
     allocate_buffers(registry, plan, torch.device("cpu"))
     coordinator = StateCoordinator(registry, plan, enable_prefix_caching=False, sanitize=True)
+    coordinator.reserve_set_aside_slots([0, 1, 2])  # a slot per recurrent group, reserved with the pages
     state = coordinator.new_state("s#0")
+    assert coordinator.pages_needed(state, 10) == [3, 2, 2]
     coordinator.allocate(state, 10)
+    assert [pool.num_usable - pool.num_free for pool in coordinator.pools] == [3, 2, 2]
     ssm, draft_ssm = registry.layer_buffers("recurrent")["ssm"], registry.layer_buffers("draft.recurrent")["ssm"]
     working, draft_working = state.page_tables[1][0], state.page_tables[2][0]
     ssm[working].fill_(1.0)
@@ -354,7 +357,14 @@ def test_rollback_in_every_group():
     assert len(state.page_tables[0]) == 2
     assert torch.isnan(registry.layer_buffers("attention")["key"][released]).all()  # poisoned
     coordinator.sanitizer.check_books(coordinator, [state])
-    coordinator.release_inflight(owner)
+    coordinator.end_set_aside(owner)
+    assert coordinator.set_aside(state, [1]) == owner  # the slots serve the next set-aside
+    coordinator.end_set_aside(owner)
+    unreserved = coordinator.new_state("s#2")
+    unreserved.page_tables[1].extend(coordinator.pools[1].allocate(1, unreserved.owner))
+    with pytest.raises(RuntimeError, match="without slots reserved"):  # a step never allocates midway
+        coordinator.set_aside(unreserved, [1])
+    coordinator.free(unreserved)
     coordinator.free(state)
     coordinator.sanitizer.check_all_free(coordinator)
 
