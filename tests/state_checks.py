@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem import SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.kv.movers import HostMover
 
 

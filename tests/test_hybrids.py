@@ -11,7 +11,7 @@ import torch
 
 from tests.state_checks import check_movers_touch_registry
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.kv.planner import bytes_per_page, plan_pools
 from tandem.layers import recurrent
 from tests.oracle import assert_matches

@@ -285,7 +285,7 @@ def descendants(pid: int) -> list[int]:
 
 def is_worker(pid: int) -> bool:
     try:
-        return b"tandem.parallel.worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+        return b"tandem.engine.ranks.worker" in open(f"/proc/{pid}/cmdline", "rb").read()
     except FileNotFoundError:
         return False
 

@@ -22,7 +22,7 @@ import os
 from typing import Optional
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import RequestDelta, SpeculationStats
+from tandem.protocol import RequestDelta, SpeculationStats
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics
 from tandem.spec_decode.networks import DraftModelNetwork, MTPNetwork

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from tandem.engine.protocol import RequestDelta
+from tandem.protocol import RequestDelta
 from tandem.kv.block_pool import SanitizerError
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics

@@ -48,8 +48,8 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from tandem.parallel.plan import TRANSFER, StepPlan
-from tandem.parallel.transfer_plan import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
+from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES, compute_done_event
+from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import RankAgent
 
@@ -140,9 +140,8 @@ class RankFanOut:
         if not (force or self.pending()):
             return
         parallel = self.parallel
-        parallel.check()
         operations, self.operations = self.operations, []
-        parallel.channel.send(StepPlan(TRANSFER, parallel.journal.take(), transfer_operations=operations))
+        parallel.send_transfer(operations)
         for data in exchange(parallel.groups.control, b"")[1:]:
             for outcome in self.report_decoder.decode(data).outcomes:
                 if outcome.key in self.outcomes:
@@ -180,9 +179,8 @@ class WorkerTransfers:
 
     def __init__(self, config, groups, registry) -> None:
         from tandem.transfer.config import failure_seed_from_environment
-        from tandem.transfer.connector import create_backend
+        from tandem.transfer.backends import create_backend
         from tandem.transfer.control import advertised_host
-        from tandem.disagg.common import WARM_UP_BYTE, WARM_UP_BYTES
         from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
 
         transfer = config.transfer
@@ -249,7 +247,6 @@ class WorkerTransfers:
                 [(self.scratch.data_ptr(), agent.scratch_address, self.scratch.numel())], None, name, agent.device)
 
     def write(self, operation: TransferOperation) -> None:
-        from tandem.disagg.common import compute_done_event
         from tandem.transfer.descriptors import plan_page_writes
 
         peer = self.peers.get(operation.peer)

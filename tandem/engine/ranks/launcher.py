@@ -2,7 +2,7 @@
 runner a plan sender, watch the workers, stop them.
 
 Owner: the engine core (rank 0) creates one ``TensorParallel`` before it builds its model and
-closes it at shutdown. The workers are child processes (``python -m tandem.parallel.worker``); each
+closes it at shutdown. The workers are child processes (``python -m tandem.engine.ranks.worker``); each
 dies with its parent (``PR_SET_PDEATHSIG``) and is killed at close. Lifecycle when a worker dies: a watcher thread notices
 at once, kills the other workers and marks the group failed; rank 0's next (or pending)
 collective then fails (gloo: the peer's sockets are closed), the engine's step raises, and an
@@ -31,7 +31,7 @@ from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import join, open_store, rank_device
-from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, PageJournal, PlanChannel, StepPlan
+from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, PageJournal, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -138,6 +138,12 @@ class TensorParallel:
         if self.journal.pending():
             self.channel.send(StepPlan(PAGES, self.journal.take()))
 
+    def send_transfer(self, operations: list) -> None:
+        """A TRANSFER plan: the page operations so far and PD's transfer operations for the
+        workers' own agents (``tandem/disagg/pd_ranks.py``); no forward pass."""
+        self.check()
+        self.channel.send(StepPlan(TRANSFER, self.journal.take(), transfer_operations=operations))
+
     def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
         """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
         rank 0 broadcasts ``hidden`` (and its input ids, ``inputs_from_root``) right after."""
@@ -218,9 +224,9 @@ def _watch(owner: "weakref.ref[TensorParallel]", workers: list[subprocess.Popen]
 
 
 def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
-    """``python -m tandem.parallel.worker``, the config on its standard input (JSON)."""
+    """``python -m tandem.engine.ranks.worker``, the config on its standard input (JSON)."""
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    process = subprocess.Popen([sys.executable, "-m", "tandem.parallel.worker", str(rank), str(size), str(port),
+    process = subprocess.Popen([sys.executable, "-m", "tandem.engine.ranks.worker", str(rank), str(size), str(port),
                                 log_level], stdin=subprocess.PIPE)
     process.stdin.write(config_to_json(config))
     process.stdin.close()

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from tandem.parallel.transfer_plan import TransferOperation
+from tandem.transfer.rank_operations import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
 STEP, STOP, TRANSFER, DISK, DRAFT, PAGES = "step", "stop", "transfer", "disk", "draft", "pages"
