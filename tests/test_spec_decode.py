@@ -14,7 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tests.conftest import ARCH_OPTIONS
 from tests.oracle import assert_matches
-from tests.state_checks import check_movers_touch_registry
+from tests.state_checks import HOST_TIER, check_movers_touch_registry
 from tests.spec_helpers import differing_proposals, record_proposals
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -174,10 +174,11 @@ def test_sampled_outputs_follow_the_target_distribution(model_dirs, oracles, noi
                                               ("qwen3_next", dict(speculative_model="same", num_speculative_tokens=2))])
 def test_movers_carry_the_draft_state(arch, speculation, model_dirs):
     """I1 with a draft: its buffers are registry buffers (beside the target's), every mover
-    (host gather/scatter, the sanitizer's poison) touches them, and one step wrote them."""
+    (the host tier's swap out and in, the sanitizer's poison) touches them, and one step wrote them."""
     if speculation.get("speculative_model") == "same":
         speculation = {**speculation, "speculative_model": model_dirs[arch]}
-    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False, **speculation)
+    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False,
+              **HOST_TIER, **speculation)
     engine = llm.engine
     draft_layers = set(engine.speculator.network.layer_names)
     assert draft_layers and draft_layers <= set(engine.registry.layer_names())
