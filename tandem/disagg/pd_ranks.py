@@ -49,6 +49,7 @@ import msgspec
 import torch
 
 from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES, compute_done_event
+from tandem.parallel.group import exchange
 from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import RankAgent
@@ -57,21 +58,6 @@ logger = logging.getLogger("tandem.pd")
 
 RECEIVER_PROGRESS_SECONDS = 0.002  # a decode worker's agent progresses this often
 WARM_UP = "warm-up:"  # key prefix of a worker's warm-up write to a new decode engine
-
-
-def exchange(control, payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (an all-gather over the control group)."""
-    size = control.size()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    control.allgather([lengths], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
-    counts = [int(length.item()) for length in lengths]
-    longest = max(1, max(counts))
-    buffer = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    control.allgather([parts], [buffer]).wait()
-    return [part[:count].numpy().tobytes() for part, count in zip(parts, counts)]
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 
+import msgspec
 import torch
 
 from tandem.config import EngineConfig
@@ -130,7 +131,7 @@ class WorkerRank:
     def serve(self, plan) -> bool:
         """Carry out one plan; False once it was the STOP plan."""
         from tandem.engine.ranks.launcher import agree_on_count
-        from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, replay
+        from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, replay
         from tandem.spec_decode.draft_batch import run_planned_rows
 
         replay(plan.page_operations, self.coordinator, self.tiers)
@@ -147,6 +148,8 @@ class WorkerRank:
             self.transfers.serve(plan.transfer_operations)
         elif plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
             self.tiers.keep(agree_on_count(self.tiers.readable(plan.disk_keys), self.groups.control))
+        elif plan.kind == RPC:
+            self._answer(plan.rpc_method, msgspec.msgpack.decode(plan.rpc_arguments))
         elif plan.kind == DRAFT:
             run_planned_rows(self.runner, self.network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
         elif plan.kind != PAGES:
@@ -155,6 +158,14 @@ class WorkerRank:
             for name in self.unread_layers:  # (after the forward pass: its own layers load first)
                 self.coordinator.pending_loads.wait(name)
         return True
+
+    def _answer(self, method: str, arguments: list) -> None:
+        """This rank's answer to a ``collective_rpc`` (gathered by rank 0)."""
+        from tandem.engine.ranks.executor import RankContext, rank_call
+        from tandem.parallel.group import exchange
+
+        answer = rank_call(method)(RankContext(self.coordinator, self.runner), *arguments)
+        exchange(self.groups.control, msgspec.msgpack.encode(answer))
 
 
 if __name__ == "__main__":
