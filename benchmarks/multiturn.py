@@ -77,7 +77,7 @@ def make_llm(model_dir, args, pool_tokens: int, host_cache_size: float, max_mode
 def run_round(engine, prompts: list[list[int]], output_len: int, round_number: int):
     """Submit every prompt, step until all finish; per request TTFT and its output tokens."""
     from tandem import SamplingParams
-    from tandem.engine.protocol import EngineRequest
+    from tandem.protocol import EngineRequest
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     submitted = time.perf_counter()

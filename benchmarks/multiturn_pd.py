@@ -38,7 +38,7 @@ def make_pair(model_dir: str, args, store: str, offload: bool, longest: int):
 def run_round(prefill, decode, prompts: list[list[int]], output_len: int, round_number: int):
     """Both legs of every prompt; step both engines until the decode engine finished them all."""
     from tandem import SamplingParams
-    from tandem.engine.protocol import EngineRequest, TransferParams
+    from tandem.protocol import EngineRequest, TransferParams
     from tandem.transfer.messages import new_room
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

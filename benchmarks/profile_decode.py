@@ -38,7 +38,7 @@ def main() -> None:
                         help="also print the host's Python functions by time over a few steps (cProfile)")
     args = parser.parse_args()
     from tandem import LLM, SamplingParams
-    from tandem.engine.protocol import EngineRequest
+    from tandem.protocol import EngineRequest
 
     gpu = torch.cuda.is_available()
     model_dir = model_dir_for(args.shape, "dummy" if gpu else "auto")

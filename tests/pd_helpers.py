@@ -17,7 +17,7 @@ import httpx  # noqa: E402
 
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.core import EngineCore  # noqa: E402
-from tandem.engine.protocol import EngineRequest, RequestDelta, TransferParams  # noqa: E402
+from tandem.protocol import EngineRequest, RequestDelta, TransferParams  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402
 from tandem.transfer.config import TransferConfig  # noqa: E402
 from tandem.transfer.messages import new_room  # noqa: E402

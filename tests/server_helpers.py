@@ -24,7 +24,7 @@ from typing import Optional  # noqa: E402
 
 import httpx  # noqa: E402
 
-from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta  # noqa: E402
+from tandem.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta  # noqa: E402
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 FAKE_ENGINE_FILE = "fake_engine.json"

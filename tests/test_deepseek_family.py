@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.state_checks import check_movers_touch_registry
+from tests.state_checks import HOST_TIER, check_movers_touch_registry
 from tandem import LLM, SamplingParams
 from tandem.kv.spec import IndexerSpec
 from tandem.layers.sparse_indexer import (FP8_DTYPE, Fp8PageMajorIndexKeys, LightningIndexer,
@@ -254,7 +254,7 @@ def test_fp8_indexer_drift_against_unquantised(arch, model_dirs):
 
 @pytest.mark.parametrize("arch", FAMILY)
 def test_movers_touch_exactly_the_registry_buffers(arch, model_dirs):
-    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512)  # FP8 indexer (default)
+    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, **HOST_TIER)  # FP8 indexer (default)
     engine = llm.engine
     registry_keys = {d.key for d in engine.registry.buffers()}
     kinds = defaultdict(set)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from tandem.engine.process import EngineLoop
-from tandem.engine.protocol import EngineMessage, EngineStats, EngineStepMessage, RequestDelta
+from tandem.protocol import EngineMessage, EngineStats, EngineStepMessage, RequestDelta
 
 
 class RecordingSocket:

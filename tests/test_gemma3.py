@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.state_checks import check_movers_touch_registry
+from tests.state_checks import HOST_TIER, check_movers_touch_registry
 from tandem import LLM, SamplingParams
 from tandem.kv.planner import NULL_PAGE
 from tests.oracle import assert_matches
@@ -194,9 +194,9 @@ def test_long_generation_holds_a_window_of_sliding_pages(prefix_caching, model_d
 
 
 def test_movers_touch_exactly_the_registry_buffers(model_dirs):
-    """I1 with two groups: sanitizer poison and host gather/scatter touch every buffer the
-    registry holds, and no other; the round trip is exact (null entries included)."""
-    llm = make_llm(model_dirs[ARCH], page_size=8, max_total_tokens=512)
+    """I1 with two groups: sanitizer poison and the host tier's swap out and in touch every
+    buffer the registry holds, and no other; the round trip is exact (null entries included)."""
+    llm = make_llm(model_dirs[ARCH], page_size=8, max_total_tokens=512, **HOST_TIER)
     engine = llm.engine
     registry_keys = {d.key for d in engine.registry.buffers()}
     assert len(registry_keys) == 2 * engine.hf_config.num_hidden_layers

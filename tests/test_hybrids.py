@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.state_checks import check_movers_touch_registry
+from tests.state_checks import HOST_TIER, check_movers_touch_registry
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.kv.planner import bytes_per_page, plan_pools
 from tandem.layers import recurrent
 from tests.oracle import assert_matches
@@ -175,7 +175,7 @@ def test_requests_never_see_each_others_state(arch, prefix_caching, model_dirs, 
 # -- movers (I1), books and planning (I5) -------------------------------------------------------------
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_movers_touch_exactly_the_registry_buffers(arch, model_dirs):
-    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False)
+    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False, **HOST_TIER)
     engine = llm.engine
     kinds = Counter(d.kind for d in engine.registry.buffers())
     assert kinds["conv"] == kinds["ssm"] == 2 and kinds["key"] == kinds["value"] >= 1

@@ -279,7 +279,7 @@ def mla_layer_setup(device, sparse, seed=0):
     from tandem.kv.spec import IndexerSpec
     from tandem.layers.attention_metadata import AttentionMetadata
     from tandem.layers.mla import LatentRotary, MLAAttention
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
 
     torch.manual_seed(seed)
     config = DeepseekV32Config(hidden_size=64, num_attention_heads=8, kv_lora_rank=32, q_lora_rank=48,

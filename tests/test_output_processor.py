@@ -5,7 +5,7 @@ os.environ["TANDEM_SANITIZE"] = "1"
 
 import pytest  # noqa: E402
 
-from tandem.engine.protocol import PositionLogprobs, RequestDelta  # noqa: E402
+from tandem.protocol import PositionLogprobs, RequestDelta  # noqa: E402
 from tandem.frontend.detokenizer import IncrementalDetokenizer  # noqa: E402
 from tandem.frontend.output_processor import OutputProcessor  # noqa: E402
 from tandem.sampling_params import SamplingParams  # noqa: E402

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.kv.block_pool import CACHE_OWNER
 from tests.oracle import assert_matches
 

@@ -15,7 +15,7 @@ import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import zmq  # noqa: E402
 
-from tandem.engine.protocol import EngineRequest, TransferParams  # noqa: E402
+from tandem.protocol import EngineRequest, TransferParams  # noqa: E402
 from tandem.transfer.config import TransferConfig  # noqa: E402
 from tandem.transfer.frames import MAX_FRAME_BYTES, FrameCodec, RejectedFrame, derive_key, seal_frame  # noqa: E402
 from tandem.transfer.messages import Destination, Heartbeat, new_room  # noqa: E402

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from tandem import LLM  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.core import EngineCore  # noqa: E402
-from tandem.engine.protocol import EngineRequest, TransferParams  # noqa: E402
+from tandem.protocol import EngineRequest, TransferParams  # noqa: E402
 from tandem.transfer.config import TransferConfig  # noqa: E402
 from tandem.transfer.messages import new_room  # noqa: E402
 from tests.pd_helpers import FAST_TIMEOUTS, GREEDY, PDPair  # noqa: E402
@@ -124,7 +124,7 @@ def test_unequal_tensor_parallel_sizes_fail_the_handshake(tp_pair, model_dirs):
 
 def test_a_pd_config_reaches_the_workers_whole(model_dirs):
     """The workers build their agents from rank 0's config, sent as JSON (the secret as hex)."""
-    from tandem.parallel.launcher import config_from_json, config_to_json
+    from tandem.engine.ranks.launcher import config_from_json, config_to_json
 
     config = EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, **SMALL,
                           transfer=TransferConfig(role="prefill", backend="nccl", secret=bytes(range(32)),

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 
 
 @pytest.fixture(scope="module")

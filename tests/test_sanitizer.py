@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.kv.block_pool import BlockPool, SanitizerError
 from tandem.kv.sanitizer import Sanitizer
 

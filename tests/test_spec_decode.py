@@ -14,7 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tests.conftest import ARCH_OPTIONS
 from tests.oracle import assert_matches
-from tests.state_checks import check_movers_touch_registry
+from tests.state_checks import HOST_TIER, check_movers_touch_registry
 from tests.spec_helpers import differing_proposals, record_proposals
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -174,10 +174,11 @@ def test_sampled_outputs_follow_the_target_distribution(model_dirs, oracles, noi
                                               ("qwen3_next", dict(speculative_model="same", num_speculative_tokens=2))])
 def test_movers_carry_the_draft_state(arch, speculation, model_dirs):
     """I1 with a draft: its buffers are registry buffers (beside the target's), every mover
-    (host gather/scatter, the sanitizer's poison) touches them, and one step wrote them."""
+    (the host tier's swap out and in, the sanitizer's poison) touches them, and one step wrote them."""
     if speculation.get("speculative_model") == "same":
         speculation = {**speculation, "speculative_model": model_dirs[arch]}
-    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False, **speculation)
+    llm = LLM(model=model_dirs[arch], page_size=8, max_total_tokens=512, enable_prefix_caching=False,
+              **HOST_TIER, **speculation)
     engine = llm.engine
     draft_layers = set(engine.speculator.network.layer_names)
     assert draft_layers and draft_layers <= set(engine.registry.layer_names())
@@ -336,8 +337,11 @@ def test_rollback_in_every_group():
     assert plan.pages_of(1) == 2 * 2 + 1  # a working slot and a copy per sequence seat
     allocate_buffers(registry, plan, torch.device("cpu"))
     coordinator = StateCoordinator(registry, plan, enable_prefix_caching=False, sanitize=True)
+    coordinator.reserve_set_aside_slots([0, 1, 2])  # a slot per recurrent group, reserved with the pages
     state = coordinator.new_state("s#0")
+    assert coordinator.pages_needed(state, 10) == [3, 2, 2]
     coordinator.allocate(state, 10)
+    assert [pool.num_usable - pool.num_free for pool in coordinator.pools] == [3, 2, 2]
     ssm, draft_ssm = registry.layer_buffers("recurrent")["ssm"], registry.layer_buffers("draft.recurrent")["ssm"]
     working, draft_working = state.page_tables[1][0], state.page_tables[2][0]
     ssm[working].fill_(1.0)
@@ -354,7 +358,14 @@ def test_rollback_in_every_group():
     assert len(state.page_tables[0]) == 2
     assert torch.isnan(registry.layer_buffers("attention")["key"][released]).all()  # poisoned
     coordinator.sanitizer.check_books(coordinator, [state])
-    coordinator.release_inflight(owner)
+    coordinator.end_set_aside(owner)
+    assert coordinator.set_aside(state, [1]) == owner  # the slots serve the next set-aside
+    coordinator.end_set_aside(owner)
+    unreserved = coordinator.new_state("s#2")
+    unreserved.page_tables[1].extend(coordinator.pools[1].allocate(1, unreserved.owner))
+    with pytest.raises(RuntimeError, match="without slots reserved"):  # a step never allocates midway
+        coordinator.set_aside(unreserved, [1])
+    coordinator.free(unreserved)
     coordinator.free(state)
     coordinator.sanitizer.check_all_free(coordinator)
 

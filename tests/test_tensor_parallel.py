@@ -56,6 +56,23 @@ def check_shard_registry(single, sharded, replicated: bool) -> None:
         assert all(shard[key] * 2 == whole[key] for key in whole), (shard, whole)
 
 
+def check_collective_calls(single, sharded, replicated: bool) -> None:
+    """The executors' ``collective_rpc``: every rank answers, in rank order; each rank's pools
+    have the pages one rank alone has, and each holds its shard of the state's bytes (half, or
+    all of a replicated state)."""
+    from tandem.engine.ranks.executor import Executor, InProcessExecutor
+
+    assert isinstance(sharded.parallel, Executor) and sharded.parallel.world_size == 2
+    pages = [pool.num_pages for pool in sharded.coordinator.pools]
+    assert sharded.parallel.collective_rpc("pool_pages") == [pages, pages]
+    local = InProcessExecutor(single.device)
+    local.attach(single.coordinator, single.runner)
+    assert local.collective_rpc("pool_pages") == [pages]  # the same pools (a fixed token count)
+    (whole,) = local.collective_rpc("state_bytes")
+    shards = sharded.parallel.collective_rpc("state_bytes")
+    assert shards == [whole if replicated else whole // 2] * 2, (shards, whole)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32", "qwen3_moe"])
 def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
@@ -67,6 +84,7 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     try:
         assert llm.engine.overlap == (arch == "llama")
         check_shard_registry(single_llm.engine.registry, llm.engine.registry, replicated=arch == "deepseek_v32")
+        check_collective_calls(single_llm.engine, llm.engine, replicated=arch == "deepseek_v32")
         outputs, prompts = run_scenario(llm)
         llm.engine.check_all_free()
     finally:
@@ -311,7 +329,7 @@ def descendants(pid: int) -> list[int]:
 
 def is_worker(pid: int) -> bool:
     try:
-        return b"tandem.parallel.worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+        return b"tandem.engine.ranks.worker" in open(f"/proc/{pid}/cmdline", "rb").read()
     except FileNotFoundError:
         return False
 

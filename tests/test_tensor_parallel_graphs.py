@@ -17,7 +17,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.parallel.graphs import same_on_every_rank
 from tandem.parallel.group import join, open_store
-from tandem.parallel.plan import StepPlan
+from tandem.engine.ranks.plan import StepPlan
 from tandem.worker.cuda_graphs import CudaGraphRunner
 from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU
 from tandem.worker.step_inputs import StepInputs

@@ -118,7 +118,7 @@ def test_swapped_state_round_trip_restores_every_buffer(model_dirs):
     """A swap out and in moves every page of every group into fresh pages, byte for byte."""
     llm = make_llm(model_dirs["qwen3_next"], "qwen3_next")
     engine = llm.engine
-    from tandem.engine.protocol import EngineRequest
+    from tandem.protocol import EngineRequest
 
     engine.add_request(EngineRequest(request_id="r", prompt_token_ids=prompts_for(25, (40,))[0],
                                      sampling_params=SamplingParams(max_tokens=4, **GREEDY)))

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tandem.transfer.byte_views import Segment, plan_segments, widest_element  # noqa: E402
-from tandem.transfer.connector import WriteStatus, create_backend  # noqa: E402
+from tandem.transfer.backends import create_backend  # noqa: E402
+from tandem.transfer.connector import WriteStatus  # noqa: E402
 from tandem.transfer.descriptors import merge_adjacent, tensor_region  # noqa: E402
 from tests.pd_helpers import GREEDY, PDPair  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_pd_pair_decodes_exactly_after_a_warm_up(backend, model_dirs, oracles):
     """1P1D (``backend="nccl"`` runs over gloo on this CPU): the handshake's warm-up write landed
     in the decode engine's scratch; chunked prefill, the decode engine's tokens and logprobs
     equal ``transformers``; every page and row is free afterwards."""
-    from tandem.disagg.common import WARM_UP_BYTE
+    from tandem.disagg.agent_support import WARM_UP_BYTE
     from tests.test_pd_engine import LONG_PROMPT, SHORT_PROMPT, SMALL
 
     pair = PDPair(model_dirs["llama"], transfer=dict(backend=backend), **SMALL)

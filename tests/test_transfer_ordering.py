@@ -10,7 +10,8 @@ os.environ["TANDEM_SANITIZE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tandem.transfer.connector import WriteStatus, create_backend  # noqa: E402
+from tandem.transfer.backends import create_backend  # noqa: E402
+from tandem.transfer.connector import WriteStatus  # noqa: E402
 from tandem.transfer.descriptors import tensor_region  # noqa: E402
 from tests.pd_helpers import GREEDY, PDPair  # noqa: E402
 

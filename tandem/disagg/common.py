@@ -5,7 +5,7 @@ Owner: ``EngineCore`` builds one side (``create_pd``) when its config has a ``tr
 section, calls it at fixed points of a step (``poll`` first, ``after_computed`` after each
 chunk, ``filter_deltas`` after sampling) and on aborts, and closes it (backend, then channel).
 With tensor parallelism each rank moves its own shard, rank i to rank i (``ranks``:
-``tandem/parallel/pd_ranks.py``).
+``tandem/disagg/pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import uuid
 
 import torch
 
+from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES
 from tandem.disagg.metrics import TransferMetrics
-from tandem.engine.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
-from tandem.parallel.pd_ranks import RankFanOut
+from tandem.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
+from tandem.disagg.pd_ranks import RankFanOut
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig, failure_seed_from_environment
-from tandem.transfer.connector import TransferBackend, create_backend
+from tandem.transfer.backends import create_backend
+from tandem.transfer.connector import TransferBackend
 from tandem.transfer.control import ControlChannel, advertised_host
 from tandem.transfer.descriptors import buffer_regions, describe_layout, tensor_region
 from tandem.transfer.metadata import MetadataBuffer
@@ -32,8 +34,6 @@ logger = logging.getLogger("tandem.pd")
 ACTIVE_POLL_MILLISECONDS = 0.25
 IDLE_TICK_MILLISECONDS = 50  # otherwise (heartbeats, timeouts)
 EXTRA_METADATA_ROWS = 16
-WARM_UP_BYTES = 64
-WARM_UP_BYTE = 0x5A  # what the prefill side's scratch holds (the decode side's: zeros)
 
 
 def model_dimensions(core) -> dict[str, int]:
@@ -45,16 +45,6 @@ def model_dimensions(core) -> dict[str, int]:
             "draft_state_layers": speculator.num_state_layers if speculator is not None else 0,
             # each rank's state is its shard: rank i pairs with rank i of an equal group
             "tensor_parallel_size": int(core.config.tensor_parallel_size)}
-
-
-def compute_done_event(device: int):
-    """A CUDA event recorded on ``device``'s current stream (where the forward pass runs), so a
-    transfer of the pages it computes starts only after they are written; None in host memory."""
-    if device < 0:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 class PDSide:

@@ -8,7 +8,7 @@ returning here moves only its new pages). Cached pages are never transfer destin
 
 Tensor parallelism: every rank's shard of the pages is written by the prefill engine's same
 rank; only this rank hears the notification, sent after every rank's writes landed
-(``tandem/parallel/pd_ranks.py``).
+(``tandem/disagg/pd_ranks.py``).
 
 Lifetimes: destination pages stay with the request until committed. A failed or aborted
 transfer moves them to an in-flight hold released only on ``Drained``/``TransferFailed(drained)``,
@@ -25,7 +25,7 @@ import torch
 
 from tandem.disagg.common import PDSide
 from tandem.disagg.transfers import DecodeTransfer, PrefillLink
-from tandem.engine.protocol import PositionLogprobs, TransferParams
+from tandem.protocol import PositionLogprobs, TransferParams
 from tandem.kv.block_pool import OutOfPagesError
 from tandem.kv.planner import NULL_PAGE
 from tandem.scheduler.sequence import Sequence

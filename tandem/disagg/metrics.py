@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tandem.engine.protocol import HistogramSnapshot, TransferStats
+from tandem.protocol import HistogramSnapshot, TransferStats
 
 SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(12, 33, 2))  # 4 KiB .. 4 GiB
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

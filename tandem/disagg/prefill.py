@@ -6,7 +6,7 @@ write is done (so the notification means every page and the row landed: I7).
 
 Lifetimes: each write holds its source pages in flight until the backend reports it done or
 failed (or, after ``drain_timeout``, cancelled), on every rank with tensor parallelism
-(``tandem/parallel/pd_ranks.py``); then, if the decode side waits for it,
+(``tandem/disagg/pd_ranks.py``); then, if the decode side waits for it,
 ``Drained`` is sent. Nothing here knows model families: pages come from the coordinator
 (``final_page_indices``, answered by the managers) and bytes from the registry
 (``transfer/descriptors.py``).
@@ -19,7 +19,7 @@ import time
 from tandem.disagg.common import PDSide
 from tandem.disagg.prefill_writes import LAST_WRITE_SPIN_SECONDS, PrefillWrites
 from tandem.disagg.transfers import DecodePeer, PrefillTransfer
-from tandem.engine.protocol import TransferParams
+from tandem.protocol import TransferParams
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
 from tandem.transfer.connector import WriteStatus

@@ -11,9 +11,9 @@ import logging
 import time
 from typing import Optional
 
-from tandem.disagg.common import compute_done_event
+from tandem.disagg.agent_support import compute_done_event
 from tandem.disagg.transfers import PendingWrite, PrefillTransfer
-from tandem.engine.protocol import RequestDelta
+from tandem.protocol import RequestDelta
 from tandem.kv.planner import NULL_PAGE
 from tandem.transfer.connector import WriteHandle, WriteStatus
 from tandem.transfer.descriptors import plan_page_writes

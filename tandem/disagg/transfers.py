@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tandem.engine.protocol import RequestDelta
+from tandem.protocol import RequestDelta
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.connector import WriteHandle
 from tandem.transfer.messages import Destination

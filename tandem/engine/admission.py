@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 
 
 def check_prompt(prompt: list[int], vocab_size: int) -> None:

@@ -13,14 +13,14 @@ from typing import Optional
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
+from tandem.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.spec import KV_CACHE_DTYPES
 from tandem.engine.memory import resolve_device
 from tandem.engine.state_setup import build_coordinator, register_state
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
-from tandem.parallel.launcher import RankFailure, start_tensor_parallel
+from tandem.engine.ranks.launcher import RankFailure, start_tensor_parallel
 from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import (
+from tandem.protocol import (
     AbortRequestsMessage,
     AddRequestMessage,
     EngineFailedMessage,

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
-from tandem.engine.protocol import EngineRequest
+from tandem.protocol import EngineRequest
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 

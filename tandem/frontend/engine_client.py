@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import (
+from tandem.protocol import (
     AbortRequestsMessage,
     AddRequestMessage,
     EngineFailedMessage,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tandem.engine.protocol import PositionLogprobs, RequestDelta
+from tandem.protocol import PositionLogprobs, RequestDelta
 from tandem.frontend.detokenizer import IncrementalDetokenizer
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
 from tandem.sampling_params import SamplingParams

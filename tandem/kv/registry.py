@@ -2,7 +2,7 @@
 
 Owner: the engine builds one registry per model replica. Layers register their specs while the
 model is built (target and draft models alike); ``finalize`` forms the groups; the planner then
-attaches the buffers. Every mover (sanitizer poison, host gather/scatter, transfer) iterates
+attaches the buffers. Every mover (sanitizer poison, the tiers' page mover, PD transfer) iterates
 ``buffers()`` — that is what makes invariant I1 hold: a buffer that is not here does not
 exist, and a buffer that is here is moved by everyone.
 """

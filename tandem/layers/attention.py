@@ -20,7 +20,7 @@ from tandem.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from tandem.layers.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
 
 
 def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

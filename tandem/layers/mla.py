@@ -37,7 +37,7 @@ from tandem.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tandem.parallel.shard import SINGLE, TensorShard
 
 if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
 
 
 def rope_parameters(config) -> dict:

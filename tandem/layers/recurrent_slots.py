@@ -38,7 +38,7 @@ from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.recurrent import causal_conv1d_scan, causal_conv1d_step
 
 if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
 
 WORKING_COLUMN, CHECKPOINT_COLUMN = 0, 1
 

@@ -33,7 +33,7 @@ from tandem.layers.attention_metadata import AttentionMetadata, DecodeBucket
 from tandem.layers.linear import Linear
 
 if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -28,7 +28,7 @@ from tandem.layers.sparse_indexer import TopKSelection
 from tandem.models.base import CausalLM
 from tandem.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from tandem.parallel.shard import SINGLE, TensorShard
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from tandem.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParal
 from tandem.parallel.shard import SINGLE, TensorShard
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -18,7 +18,7 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.base import CausalLM
 from tandem.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tandem.parallel.shard import SINGLE, TensorShard
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)

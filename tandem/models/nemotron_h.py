@@ -29,7 +29,7 @@ from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.models.base import CausalLM
 from tandem.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tandem.parallel.shard import SINGLE, TensorShard
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -26,7 +26,7 @@ from tandem.models.base import CausalLM
 from tandem.models.llama import rope_parameters_of
 from tandem.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tandem.parallel.shard import SINGLE, TensorShard
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 
 class OffsetRMSNorm(nn.Module):

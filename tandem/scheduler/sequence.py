@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from tandem.engine.protocol import PositionLogprobs
+from tandem.protocol import PositionLogprobs
 from tandem.kv.coordinator import RequestState
 from tandem.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ import os
 from typing import Optional
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import RequestDelta, SpeculationStats
+from tandem.protocol import RequestDelta, SpeculationStats
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics
 from tandem.spec_decode.networks import DraftModelNetwork, MTPNetwork
@@ -151,6 +151,8 @@ class Speculator:
         else:
             self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
         self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
+        # Every page a speculative step copies aside is reserved when its sequence is scheduled.
+        core.coordinator.reserve_set_aside_slots(self.target_groups + list(self.network.groups))
         core.runner.graph_layers = frozenset(self.target_layers)  # the target's graphs read none of the draft's
         self.capture_graphs(core, self.target_groups)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),

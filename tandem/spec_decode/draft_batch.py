@@ -18,7 +18,7 @@ from typing import Optional, Protocol
 import torch
 
 from tandem.kv.block_pool import SanitizerError
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import as_decode_rows, layout_rows
 

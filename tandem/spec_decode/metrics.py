@@ -1,7 +1,7 @@
 """Speculative decoding's counters (engine stats, the server's ``/metrics``)."""
 from __future__ import annotations
 
-from tandem.engine.protocol import SpeculationStats
+from tandem.protocol import SpeculationStats
 
 
 class SpeculationMetrics:

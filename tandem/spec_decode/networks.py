@@ -14,7 +14,7 @@ import torch
 
 from tandem.kv.accessor import StateAccessor
 from tandem.models.base import collect_state_specs
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 
 
 class PrefixedAccessor:

@@ -17,8 +17,9 @@ The first draft token comes from the last of these rows that exists. Rows past `
 speculative: where the draft's state kind lets a speculative chain write in place (token
 slots, rewritten later) the catch-up and the ahead rows are one forward pass; where it does not
 (recurrent state), the ahead rows and the chain run on copies of the draft's state set aside by
-the coordinator (``set_aside``), dropped afterwards. Every proposal allocates the pages the next
-verification needs (``L + k`` tokens); a sequence whose pages cannot be had proposes nothing.
+the coordinator (``set_aside``, into slots the sequence reserved with its pages). Every proposal
+allocates the pages the next verification needs (``L + k`` tokens, those slots included); a
+sequence whose pages cannot be had proposes nothing.
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ class Proposer:
         finally:
             for plan in proposing:
                 if plan.owner is not None:
-                    self.coordinator.release_inflight(plan.owner)
+                    self.coordinator.end_set_aside(plan.owner)
         drawn = [token for plan in plans for token in plan.tokens]
         host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
         for plan in plans:

@@ -2,7 +2,8 @@
 
     propose for sequences whose state just arrived (PD decode), then schedule: a sampling
       chunk carries the sequence's drafts after its known tokens
-    set aside what a rollback may restore (recurrent working slots of the target's groups)
+    set aside what a rollback may restore (recurrent working slots of the target's groups), into
+      slots each sequence reserved with its pages when it was scheduled
     one target forward pass over every chunk (known tokens and drafts)
     chunks without drafts have computed their tokens; fork n > 1 siblings at the end of a prompt
     verify: accepted drafts plus one token of the target's, per sampling sequence
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from tandem.engine.protocol import RequestDelta
+from tandem.protocol import RequestDelta
 from tandem.kv.block_pool import SanitizerError
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics
@@ -66,7 +67,7 @@ class SpeculativeStep:
             logger.exception("forward pass failed")
             for owner in copies.values():
                 if owner is not None:
-                    coordinator.release_inflight(owner)
+                    coordinator.end_set_aside(owner)
             return core._fail(chunks, f"{type(error).__name__}: {error}")
         step = result.step
         for chunk in step.chunks:
@@ -141,7 +142,7 @@ class SpeculativeStep:
         exact = coordinator.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
                                       num_written=chunk.start + chunk.num_query_tokens)
         if owner is not None:
-            coordinator.release_inflight(owner)
+            coordinator.end_set_aside(owner)
         chunk.sequence.num_computed_tokens = num_valid if exact else chunk.start
         self.metrics.record(chunk.num_draft_tokens, verdict.num_accepted)
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from tandem.engine.protocol import PositionLogprobs
+from tandem.protocol import PositionLogprobs
 from tandem.scheduler.sequence import Sequence
 from tandem.worker.host_staging import to_device
 from tandem.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, greedy_mask

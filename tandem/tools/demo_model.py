@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import tempfile
 
+from tandem.cache_dir import cache_root
 from tandem.tools import make_model as builder
 from tandem.tools import made_weights, tokenizer_maker
 
@@ -25,7 +26,7 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> pathlib.Pat
     Safe against concurrent builders: each builds in its own temporary directory and renames
     it into place atomically; a builder that loses the race discards its copy.
     """
-    root = _cache_root(cache_dir)
+    root = cache_root(cache_dir)
     final = root / _demo_model_name()
     if final.is_dir():
         return final
@@ -39,16 +40,6 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> pathlib.Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
-
-
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
-    """Resolve the cache directory from the argument, ``$TANDEM_CACHE_DIR`` or the home cache."""
-    if cache_dir is not None:
-        return pathlib.Path(cache_dir)
-    from_environment = os.environ.get("TANDEM_CACHE_DIR")
-    if from_environment:
-        return pathlib.Path(from_environment)
-    return pathlib.Path.home() / ".cache" / "tandem"
 
 
 def _demo_model_name() -> str:

@@ -6,7 +6,7 @@ list of (local address, remote address, length) descriptors, optionally followed
 notification the peer receives once the write's bytes have landed. Completion is polled; the
 engine never blocks on a backend.
 
-Backends: ``nixl`` (NIXL over UCX; host or GPU memory; the default) and ``nccl``
+Backends (chosen by name in ``backends.py``): ``nixl`` (NIXL over UCX; host or GPU memory; the default) and ``nccl``
 (``torch.distributed`` point-to-point between the GPUs of one host, gloo between host memories:
 ``write`` is a send paired with a receive the peer's thread posts, announced by a small header
 tensor that also carries the notification; ``nccl_backend.py``).
@@ -130,24 +130,3 @@ class TransferBackend(abc.ABC):
                 return False
         handle.released = True
         return True
-
-
-def create_backend(name: str, agent_name: str, *, failure_probability: float = 0.0,
-                   seed: Optional[int] = None, progress_thread: bool = False, host: str = "127.0.0.1",
-                   connect_timeout: float = 30.0, timeout: float = 120.0, telemetry: bool = False) -> TransferBackend:
-    """``host``: the address peers reach this engine at (the NCCL backend's rendezvous);
-    ``connect_timeout``/``timeout``: pairing and per-write limits of the NCCL backend;
-    ``telemetry``: NIXL times each write itself (benchmarks)."""
-    if name == "nixl":
-        from tandem.transfer.nixl_backend import NixlBackend
-
-        backend: TransferBackend = NixlBackend(agent_name, progress_thread=progress_thread, telemetry=telemetry)
-    elif name == "nccl":
-        from tandem.transfer.nccl_backend import NcclBackend
-
-        backend = NcclBackend(agent_name, host=host, connect_timeout=connect_timeout, timeout=timeout)
-    else:
-        raise ValueError(f"transfer_backend: unknown backend {name!r}")
-    backend.failure_probability = failure_probability
-    backend._random = random.Random(seed)
-    return backend

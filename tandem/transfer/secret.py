@@ -29,6 +29,8 @@ import tempfile
 from typing import Optional
 from urllib.parse import urlsplit
 
+from tandem.cache_dir import cache_root
+
 logger = logging.getLogger("tandem.pd")
 
 SECRET_VARIABLE = "TANDEM_PD_SECRET"
@@ -75,9 +77,7 @@ def check_secret(secret: bytes, origin: str) -> bytes:
 
 
 def generated_secret_path() -> pathlib.Path:
-    from tandem.tools.demo_model import _cache_root
-
-    return _cache_root(None) / GENERATED_SECRET_NAME
+    return cache_root() / GENERATED_SECRET_NAME
 
 
 def local_secret(path: Optional[pathlib.Path] = None) -> bytes:

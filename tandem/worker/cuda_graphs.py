@@ -35,7 +35,7 @@ from tandem.worker.host_staging import copy_to_device
 from tandem.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from tandem.worker.forward_context import ForwardContext
+    from tandem.layers.forward_context import ForwardContext
     from tandem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -13,14 +13,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tandem.engine.protocol import PositionLogprobs
+from tandem.protocol import PositionLogprobs
 from tandem.kv.accessor import StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
-from tandem.worker.forward_context import ForwardContext
+from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, as_decode_rows, build_step_inputs
 from tandem.worker.sampler import compute_logprobs
@@ -69,7 +69,7 @@ class ModelRunner:
         self.verify_as_decode_rows = False
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
         # Tensor parallelism, rank 0: sends each step's plan to the other ranks before the
-        # forward pass (tandem/parallel/launcher.py); None with one rank.
+        # forward pass (tandem/engine/ranks/launcher.py); None with one rank.
         self.plan_sender = None
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from tandem.engine.protocol import EngineStats
+from tandem.protocol import EngineStats
 from tandem.outputs import RequestOutput
 
 PREFIX = "tandem:"

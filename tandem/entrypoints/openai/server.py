@@ -17,7 +17,7 @@ from typing import Optional
 import uvicorn
 
 from tandem.config import EngineConfig
-from tandem.engine.protocol import EngineStats
+from tandem.protocol import EngineStats
 from tandem.entrypoints import event_loop
 from tandem.entrypoints.event_loop import DrainingServer
 from tandem.entrypoints.openai.app import create_app

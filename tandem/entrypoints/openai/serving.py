@@ -12,7 +12,7 @@ import msgspec
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tandem.engine.protocol import TransferParams
+from tandem.protocol import TransferParams
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.tool_choice import ToolCallingOptions

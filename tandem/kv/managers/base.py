@@ -99,8 +99,13 @@ class StateManager:
     speculation_sets_aside: bool = False  # whether ``speculation_sources`` may name pages
 
     def speculation_sources(self, page_table: list[int]) -> list[int]:
-        """Pages to copy aside before a speculative step (the coordinator allocates the copies)."""
+        """Pages to copy aside before a speculative step (into slots the coordinator reserved)."""
         return []
+
+    def set_aside_slots(self, num_tokens: int) -> int:
+        """How many pages ``speculation_sources`` names for a table holding ``num_tokens``: the
+        slots a sequence reserves with its pages while speculation runs."""
+        return 0
 
     def chain_page_table(self, page_table: list[int], copies: list[int]) -> list[int]:
         """The table a draft's speculative chain reads and writes, given the copies set aside."""

@@ -27,7 +27,8 @@ Speculative decoding: before a verification the working slot is copied aside; if
 rejected, the copy (the state before the verified tokens) is written back and the sequence
 recomputes the accepted ones in its next step (the state after the rejected tokens cannot be
 taken apart). A draft model's speculative chain runs on such a copy instead of the working slot,
-with no checkpoint slot, so it leaves both untouched.
+with no checkpoint slot, so it leaves both untouched. The copy goes into a slot the sequence
+reserved with its other slots (``set_aside_slots``), so a step never allocates one midway.
 """
 from __future__ import annotations
 
@@ -120,6 +121,9 @@ class RecurrentManager(StateManager):
 
     def speculation_sources(self, page_table: list[int]) -> list[int]:
         return page_table[WORKING:WORKING + 1]
+
+    def set_aside_slots(self, num_tokens: int) -> int:
+        return 1 if num_tokens > 0 else 0
 
     def chain_page_table(self, page_table: list[int], copies: list[int]) -> list[int]:
         return list(copies)

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 
+import msgspec
 import torch
 
 from tandem.config import EngineConfig
@@ -26,8 +27,8 @@ logger = logging.getLogger("tandem.parallel")
 
 
 def main() -> None:
-    """``python -m tandem.parallel.worker RANK SIZE PORT LOG_LEVEL``, the config (JSON) on stdin."""
-    from tandem.parallel.launcher import config_from_json
+    """``python -m tandem.engine.ranks.worker RANK SIZE PORT LOG_LEVEL``, the config (JSON) on stdin."""
+    from tandem.engine.ranks.launcher import config_from_json
 
     rank, size, port = (int(value) for value in sys.argv[1:4])
     run_worker(config_from_json(sys.stdin.buffer.read()), rank, size, port, sys.argv[4])
@@ -52,7 +53,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level:
 
 
 def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
-    from tandem.parallel.plan import PlanChannel
+    from tandem.engine.ranks.plan import PlanChannel
 
     rank = WorkerRank(config, groups, device)
     channel = PlanChannel(groups.control, groups.rank)
@@ -69,9 +70,9 @@ class WorkerRank:
         from tandem.engine.state_setup import build_coordinator, register_state
         from tandem.kv.tiers.setup import host_page_count, open_disk_store
         from tandem.models.loader import build_model
-        from tandem.parallel.launcher import agree_on_count, agree_on_pages
-        from tandem.parallel.pd_ranks import WorkerTransfers
-        from tandem.parallel.worker_tiers import WorkerTiers
+        from tandem.engine.ranks.launcher import agree_on_count, agree_on_pages
+        from tandem.disagg.pd_ranks import WorkerTransfers
+        from tandem.engine.ranks.worker_tiers import WorkerTiers
         from tandem.spec_decode import draft_state_specs
         from tandem.spec_decode.networks import MTPNetwork
         from tandem.worker.model_runner import ModelRunner
@@ -130,8 +131,8 @@ class WorkerRank:
 
     def serve(self, plan) -> bool:
         """Carry out one plan; False once it was the STOP plan."""
-        from tandem.parallel.launcher import agree_on_count
-        from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, TRANSFER, replay
+        from tandem.engine.ranks.launcher import agree_on_count
+        from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, replay
         from tandem.spec_decode.draft_batch import run_planned_rows
 
         replay(plan.page_operations, self.coordinator, self.tiers)
@@ -148,6 +149,8 @@ class WorkerRank:
             self.transfers.serve(plan.transfer_operations)
         elif plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
             self.tiers.keep(agree_on_count(self.tiers.readable(plan.disk_keys), self.groups.control))
+        elif plan.kind == RPC:
+            self._answer(plan.rpc_method, msgspec.msgpack.decode(plan.rpc_arguments))
         elif plan.kind == DRAFT:
             run_planned_rows(self.runner, self.network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
         elif plan.kind != PAGES:
@@ -156,6 +159,14 @@ class WorkerRank:
             for name in self.unread_layers:  # (after the forward pass: its own layers load first)
                 self.coordinator.pending_loads.wait(name)
         return True
+
+    def _answer(self, method: str, arguments: list) -> None:
+        """This rank's answer to a ``collective_rpc`` (gathered by rank 0)."""
+        from tandem.engine.ranks.executor import RankContext, rank_call
+        from tandem.parallel.group import exchange
+
+        answer = rank_call(method)(RankContext(self.coordinator, self.runner), *arguments)
+        exchange(self.groups.control, msgspec.msgpack.encode(answer))
 
 
 if __name__ == "__main__":

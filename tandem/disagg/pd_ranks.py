@@ -48,8 +48,9 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from tandem.parallel.plan import TRANSFER, StepPlan
-from tandem.parallel.transfer_plan import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
+from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES, compute_done_event
+from tandem.parallel.group import exchange
+from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import RankAgent
 
@@ -57,21 +58,6 @@ logger = logging.getLogger("tandem.pd")
 
 RECEIVER_PROGRESS_SECONDS = 0.002  # a decode worker's agent progresses this often
 WARM_UP = "warm-up:"  # key prefix of a worker's warm-up write to a new decode engine
-
-
-def exchange(control, payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (an all-gather over the control group)."""
-    size = control.size()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    control.allgather([lengths], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
-    counts = [int(length.item()) for length in lengths]
-    longest = max(1, max(counts))
-    buffer = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    control.allgather([parts], [buffer]).wait()
-    return [part[:count].numpy().tobytes() for part, count in zip(parts, counts)]
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------
@@ -140,9 +126,8 @@ class RankFanOut:
         if not (force or self.pending()):
             return
         parallel = self.parallel
-        parallel.check()
         operations, self.operations = self.operations, []
-        parallel.channel.send(StepPlan(TRANSFER, parallel.journal.take(), transfer_operations=operations))
+        parallel.send_transfer(operations)
         for data in exchange(parallel.groups.control, b"")[1:]:
             for outcome in self.report_decoder.decode(data).outcomes:
                 if outcome.key in self.outcomes:
@@ -180,9 +165,8 @@ class WorkerTransfers:
 
     def __init__(self, config, groups, registry) -> None:
         from tandem.transfer.config import failure_seed_from_environment
-        from tandem.transfer.connector import create_backend
+        from tandem.transfer.backends import create_backend
         from tandem.transfer.control import advertised_host
-        from tandem.disagg.common import WARM_UP_BYTE, WARM_UP_BYTES
         from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
 
         transfer = config.transfer
@@ -249,7 +233,6 @@ class WorkerTransfers:
                 [(self.scratch.data_ptr(), agent.scratch_address, self.scratch.numel())], None, name, agent.device)
 
     def write(self, operation: TransferOperation) -> None:
-        from tandem.disagg.common import compute_done_event
         from tandem.transfer.descriptors import plan_page_writes
 
         peer = self.peers.get(operation.peer)

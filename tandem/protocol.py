@@ -1,6 +1,8 @@
 """Typed messages between the frontend and the engine core (msgspec structs).
 
-The same structs are used in-process (offline ``LLM``) and over ZMQ (``tandem serve``).
+The same structs are used in-process (offline ``LLM``) and over ZMQ (``tandem serve``). They
+sit here, above every package, because several floors speak them: the frontend, the engine,
+the scheduler's sequences, the model runner, speculative decoding and PD.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The PD part of a tensor-parallel plan: what rank 0 tells the workers to do with their own
-transfer agents, and what they answer (``pd_ranks.py`` says how both are used).
+transfer agents, and what they answer (``tandem/disagg/pd_ranks.py`` says how both are used).
 
 Operations travel in a ``StepPlan`` of kind TRANSFER (no forward pass); every worker answers
 such a plan with its ``TransferReport`` (msgpack, over the control group).

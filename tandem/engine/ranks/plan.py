@@ -12,7 +12,8 @@ pass: it carries page operations and the PD transfer operations of each rank's o
 (``pd_ranks.py``). A DISK plan runs none either: every rank counts how many leading pages of its
 ``disk_keys`` its own store gave it, and they all take the smallest count (``worker_tiers.py``).
 A PAGES plan carries page operations alone (rank 0 sends what it journaled once it is idle; a
-STOP plan carries the last of them). A DRAFT plan is a pass of a sharded draft (an MTP module) over its rows: rank 0 then broadcasts
+STOP plan carries the last of them). An RPC plan names a call every rank answers over the
+control group (``executor.py``'s ``collective_rpc``). A DRAFT plan is a pass of a sharded draft (an MTP module) over its rows: rank 0 then broadcasts
 the rows' hidden inputs (and its device-resident input ids) before the pass.
 """
 from __future__ import annotations
@@ -23,10 +24,10 @@ import msgspec
 import numpy as np
 import torch
 
-from tandem.parallel.transfer_plan import TransferOperation
+from tandem.transfer.rank_operations import TransferOperation
 from tandem.worker.step_inputs import StepInputs
 
-STEP, STOP, TRANSFER, DISK, DRAFT, PAGES = "step", "stop", "transfer", "disk", "draft", "pages"
+STEP, STOP, TRANSFER, DISK, DRAFT, PAGES, RPC = "step", "stop", "transfer", "disk", "draft", "pages", "rpc"
 
 
 class Array(msgspec.Struct, array_like=True):
@@ -78,6 +79,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     inputs_from_root: bool = False  # rank 0 broadcasts the input ids (tokens pending on its device)
     graph_size: int = 0  # the CUDA graph (its rows) every rank replays for the step; 0: eagerly
     transfer_operations: list[TransferOperation] = []  # TRANSFER plans only
+    rpc_method: str = ""  # RPC plans only: the rank call (``executor.RANK_CALLS``) every rank answers
+    rpc_arguments: bytes = b""  # its arguments (a msgpack list)
     disk_keys: list[bytes] = []  # DISK plans only: the store pages every rank reads and counts
     hidden_dtype: str = ""  # DRAFT plans: the dtype of the hidden inputs rank 0 broadcasts ("": none)
 

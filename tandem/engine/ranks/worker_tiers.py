@@ -37,7 +37,7 @@ from tandem.kv.tiers.disk_pages import copy_payload, encode_payload, payload_mas
 from tandem.kv.tiers.host_pool import HostPool, layouts_of
 from tandem.kv.tiers.page_mover import Move, TierMover
 from tandem.kv.tiers.prefetch import READ_THREADS, read_chain
-from tandem.parallel.plan import (DISK_INSTALL, DISK_PREFETCH, DISK_WRITE, FENCE, HOST_POISON, LOAD, SAVE,
+from tandem.engine.ranks.plan import (DISK_INSTALL, DISK_PREFETCH, DISK_WRITE, FENCE, HOST_POISON, LOAD, SAVE,
                                   PageOperation)
 
 logger = logging.getLogger("tandem.parallel")

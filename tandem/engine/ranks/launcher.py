@@ -1,8 +1,8 @@
 """Rank 0's side of tensor parallelism: start the workers, join the group, hand the model
 runner a plan sender, watch the workers, stop them.
 
-Owner: the engine core (rank 0) creates one ``TensorParallel`` before it builds its model and
-closes it at shutdown. The workers are child processes (``python -m tandem.parallel.worker``); each
+Owner: the engine core (rank 0) creates one ``MultiprocessExecutor`` (``executor.py``) before it
+builds its model and closes it at shutdown. The workers are child processes (``python -m tandem.engine.ranks.worker``); each
 dies with its parent (``PR_SET_PDEATHSIG``) and is killed at close. Lifecycle when a worker dies: a watcher thread notices
 at once, kills the other workers and marks the group failed; rank 0's next (or pending)
 collective then fails (gloo: the peer's sockets are closed), the engine's step raises, and an
@@ -24,14 +24,16 @@ import weakref
 from dataclasses import replace
 from typing import Optional
 
+import msgspec
 import torch
 
 from tandem.config import EngineConfig
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
-from tandem.parallel.group import join, open_store, rank_device
-from tandem.parallel.plan import DISK, DRAFT, PAGES, STOP, PageJournal, PlanChannel, StepPlan
+from tandem.parallel.group import exchange, join, open_store, rank_device
+from tandem.engine.ranks.executor import Executor, RankContext, rank_call
+from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, PageJournal, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -65,8 +67,8 @@ class RankFailure(RuntimeError):
     (the engine core lets this one end the engine instead of failing only the step's requests)."""
 
 
-def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "TensorParallel":
-    return TensorParallel(config, device)
+def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "MultiprocessExecutor":
+    return MultiprocessExecutor(config, device)
 
 
 def _stop_processes(processes: list[subprocess.Popen], closing: Optional[threading.Event] = None) -> None:
@@ -93,9 +95,13 @@ def _wait_any(processes: list[subprocess.Popen]) -> subprocess.Popen:
             os.close(descriptor)
 
 
-class TensorParallel:
+class MultiprocessExecutor(Executor):
+    """Ranks 1..N-1 as worker processes of this host (rank 0 is the engine core's process)."""
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         size = config.tensor_parallel_size
+        self.world_size = size
+        self.context: Optional[RankContext] = None
         check_tensor_parallel(config.model, size, max_model_len=config.max_model_len,
                               indexer_cache_dtype=config.indexer_cache_dtype, quantization=config.quantization)
         self.device = rank_device(device, 0)
@@ -121,6 +127,10 @@ class TensorParallel:
         self.journal = PageJournal()
         self.graph_sizes: list[int] = []  # the decode graphs every rank captured (equal on all)
 
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> "MultiprocessExecutor":
+        return cls(config, device)
+
     @property
     def worker_pids(self) -> list[int]:
         return [process.pid for process in self.workers]
@@ -137,6 +147,12 @@ class TensorParallel:
         self.check()
         if self.journal.pending():
             self.channel.send(StepPlan(PAGES, self.journal.take()))
+
+    def send_transfer(self, operations: list) -> None:
+        """A TRANSFER plan: the page operations so far and PD's transfer operations for the
+        workers' own agents (``tandem/disagg/pd_ranks.py``); no forward pass."""
+        self.check()
+        self.channel.send(StepPlan(TRANSFER, self.journal.take(), transfer_operations=operations))
 
     def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
         """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
@@ -158,6 +174,19 @@ class TensorParallel:
         """Record the coordinator's page operations and send a plan before each forward pass."""
         coordinator.mirror = self.journal
         runner.plan_sender = self
+        self.context = RankContext(coordinator, runner)
+
+    def collective_rpc(self, method: str, *arguments) -> list:
+        """An RPC plan (with the page operations so far) names the call; every rank answers
+        it, rank 0 here, and the answers are gathered over the control group (msgpack)."""
+        call = rank_call(method)
+        if self.context is None:
+            raise RuntimeError("collective_rpc: the executor is not attached to the engine's coordinator yet")
+        self.check()
+        self.channel.send(StepPlan(RPC, self.journal.take(), rpc_method=method,
+                                   rpc_arguments=msgspec.msgpack.encode(list(arguments))))
+        answers = exchange(self.groups.control, msgspec.msgpack.encode(call(self.context, *arguments)))
+        return [msgspec.msgpack.decode(answer) for answer in answers]
 
     def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
                   graph_size: int = 0) -> None:
@@ -200,7 +229,7 @@ class TensorParallel:
         self._finalizer()
 
 
-def _watch(owner: "weakref.ref[TensorParallel]", workers: list[subprocess.Popen], closing: threading.Event) -> None:
+def _watch(owner: "weakref.ref[MultiprocessExecutor]", workers: list[subprocess.Popen], closing: threading.Event) -> None:
     """The watcher thread: the first worker to exit, unless asked to, fails the group."""
     dead = _wait_any(workers)
     group = owner()
@@ -218,9 +247,9 @@ def _watch(owner: "weakref.ref[TensorParallel]", workers: list[subprocess.Popen]
 
 
 def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
-    """``python -m tandem.parallel.worker``, the config on its standard input (JSON)."""
+    """``python -m tandem.engine.ranks.worker``, the config on its standard input (JSON)."""
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    process = subprocess.Popen([sys.executable, "-m", "tandem.parallel.worker", str(rank), str(size), str(port),
+    process = subprocess.Popen([sys.executable, "-m", "tandem.engine.ranks.worker", str(rank), str(size), str(port),
                                 log_level], stdin=subprocess.PIPE)
     process.stdin.write(config_to_json(config))
     process.stdin.close()

@@ -1,0 +1,146 @@
+"""Executors: what connects the engine core to the ranks that execute its steps.
+
+    Executor               the interface, what every way of running the ranks implements
+      InProcessExecutor    one rank: the engine core's process is the whole group
+      MultiprocessExecutor one host: a worker process per further rank (``launcher.py``)
+      (a Ray executor)     many hosts: an actor per rank (a separate issue builds it)
+
+Rank 0 keeps the books and runs its own shard in process; an executor hands every other rank
+what rank 0 does: each step's message (``send_step``: the model runner's inputs and the page
+operations journaled since the last message), and named calls that every rank answers
+(``collective_rpc``, answers in rank order). In vLLM's words: ``send_step`` is
+``execute_model``, ``check`` is ``check_health``, ``close`` is ``shutdown``; ``start`` brings the
+ranks up before the engine core builds its model (every rank builds its shard in step).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Callable, Optional
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.kv.planner import PoolPlan
+from tandem.parallel.shard import SINGLE, TensorShard
+
+
+@dataclass
+class RankContext:
+    """What a rank's calls read: its coordinator (its shard's pools and buffers) and its model
+    runner. Rank 0's is the engine core's; a worker rank's its own."""
+    coordinator: Any
+    runner: Any
+
+
+def pool_pages(rank: RankContext) -> list[int]:
+    """Pages per state group (the null page included): equal on every rank by construction."""
+    return [pool.num_pages for pool in rank.coordinator.pools]
+
+
+def state_bytes(rank: RankContext) -> int:
+    """Bytes of this rank's state buffers (its shard of every registry buffer)."""
+    return sum(descriptor.tensor.numel() * descriptor.tensor.element_size()
+               for descriptor in rank.coordinator.registry.buffers())
+
+
+# The calls ``collective_rpc`` may name (nothing else runs on a rank's say-so: a worker looks the
+# name up here, it never resolves an attribute from a message).
+RANK_CALLS: "MappingProxyType[str, Callable[..., Any]]" = MappingProxyType({
+    "pool_pages": pool_pages,
+    "state_bytes": state_bytes,
+})
+
+
+def rank_call(method: str) -> Callable[..., Any]:
+    try:
+        return RANK_CALLS[method]
+    except KeyError:
+        raise ValueError(f"collective_rpc: unknown rank call {method!r} (known: {sorted(RANK_CALLS)})") from None
+
+
+class Executor(abc.ABC):
+    """The ranks of one model replica. Owner: the engine core, which starts one before it builds
+    its model (``start``) and closes it at shutdown."""
+
+    world_size: int
+    device: torch.device  # rank 0's
+    shard: TensorShard  # rank 0's place in the group (what its model is built with)
+
+    @classmethod
+    @abc.abstractmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> "Executor":
+        """Bring up every rank other than rank 0 (they build their shards as rank 0 builds its own)."""
+
+    @abc.abstractmethod
+    def attach(self, coordinator, runner) -> None:
+        """Rank 0's coordinator and model runner, once built: their page operations and steps
+        are handed on from now on, and rank 0 answers its own calls with them."""
+
+    @abc.abstractmethod
+    def agree_on_pages(self, plan: PoolPlan) -> PoolPlan:
+        """The pool plan every rank can hold (each rank proposes its own)."""
+
+    @abc.abstractmethod
+    def agree_on_count(self, count: int) -> int:
+        """The smallest ``count`` any rank proposes."""
+
+    @abc.abstractmethod
+    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
+                  graph_size: int = 0) -> None:
+        """Hand every other rank this step's message (rank 0 runs the step itself)."""
+
+    @abc.abstractmethod
+    def collective_rpc(self, method: str, *arguments) -> list:
+        """Every rank's answer to the named call (``RANK_CALLS``), in rank order."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise if a rank has failed (the engine cannot go on)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop every rank other than rank 0."""
+
+
+class InProcessExecutor(Executor):
+    """One rank: the engine core's own process. Nothing is handed on; calls run here."""
+
+    world_size = 1
+    shard = SINGLE
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.context: Optional[RankContext] = None
+
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> "InProcessExecutor":
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: the in-process executor runs 1 rank, not "
+                             f"{config.tensor_parallel_size}")
+        return cls(device)
+
+    def attach(self, coordinator, runner) -> None:
+        self.context = RankContext(coordinator, runner)
+
+    def agree_on_pages(self, plan: PoolPlan) -> PoolPlan:
+        return replace(plan)
+
+    def agree_on_count(self, count: int) -> int:
+        return count
+
+    def send_step(self, step, prompt_logit_ranges, inputs_from_root, graph_size=0) -> None:
+        return None  # no other rank
+
+    def collective_rpc(self, method: str, *arguments) -> list:
+        call = rank_call(method)
+        if self.context is None:
+            raise RuntimeError("collective_rpc: the executor is not attached to the engine's coordinator yet")
+        return [call(self.context, *arguments)]
+
+    def check(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
