@@ -89,6 +89,9 @@ class EngineConfig:
     # Tensor parallelism (tandem/parallel): one engine process per rank (rank i on cuda:i; on a
     # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
     tensor_parallel_size: int = 1
+    # Structured outputs: a request whose grammar has not compiled within this many seconds is
+    # rejected (the server answers 400).
+    structured_outputs_compile_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
@@ -131,6 +134,8 @@ class EngineConfig:
         require(self.preemption_mode != "swap" or self.has_host_tier, "preemption_mode",
                 "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
 
+        require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout",
+                f"must be > 0 seconds, got {self.structured_outputs_compile_timeout}")
         self._validate_speculation()
         self._validate_tensor_parallel()
 
