@@ -27,7 +27,6 @@ from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
-from tandem.config import MAX_SPECULATIVE_TOKENS
 from tandem.structured.matcher import GrammarViolation
 from tandem.worker.cuda_graphs import decode_graph_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
@@ -57,12 +56,9 @@ class EngineCore:
             self.config = config = engine_config_for_speculation(config, self.device.type)
             self.speculator = Speculator(self, config)  # registers the draft's state specs
         self.registry.finalize()
-        # Structured outputs: matchers may roll back as far as a verification rejects drafts.
         self.structured = StructuredOutputs(
             config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
-            config.structured_outputs_compile_timeout,
-            max_rollback_tokens=MAX_SPECULATIVE_TOKENS + 1 if self.speculator is not None else 0,
-            device=self.device)
+            config.structured_outputs_compile_timeout, device=self.device)
         self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         plan, self.coordinator = build_coordinator(
             config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,

@@ -20,7 +20,7 @@ import torch
 from tandem.engine.protocol import StructuredOutputsStats
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.scheduler.sequence import Sequence
-from tandem.structured.bitmask import fill_bitmask
+from tandem.structured.bitmask import allow_all, fill_bitmask
 from tandem.structured.matcher import RequestGrammar
 from tandem.structured.source import check
 from tandem.worker.host_staging import to_device
@@ -41,12 +41,11 @@ class _Waiting:
 
 class StructuredOutputs:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 compile_timeout: float, max_rollback_tokens: int, device: torch.device) -> None:
+                 compile_timeout: float, device: torch.device) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.compile_timeout = compile_timeout
-        self.max_rollback_tokens = max_rollback_tokens
         self.device = device
         self._pool = None
         self._waiting: list[_Waiting] = []
@@ -72,7 +71,7 @@ class StructuredOutputs:
         error = future.exception()
         if error is not None:
             raise ValueError(f"structured_outputs: the grammar failed to compile: {error}")
-        sequence.grammar = RequestGrammar(future.result(), self.max_rollback_tokens)
+        sequence.grammar = RequestGrammar(future.result())
 
     def wait(self, sequence: Sequence, admission: Any, future: concurrent.futures.Future) -> None:
         self._waiting.append(_Waiting(sequence, admission, future, time.monotonic() + self.compile_timeout))
@@ -114,14 +113,16 @@ class StructuredOutputs:
         return dropped
 
     # -- steps --------------------------------------------------------------------------------
-    def bitmask(self, sequences: Sequences[Sequence],
-                drafts: Optional[Sequences[Sequences[int]]] = None) -> Optional[torch.Tensor]:
+    def bitmask(self, sequences: Sequences[Sequence], drafts: Optional[Sequences[Sequences[int]]] = None,
+                count: bool = True) -> Optional[torch.Tensor]:
         """The device bitmask of one row per sequence (``None`` if no row is constrained).
 
         Each matcher is first brought level with its sequence's output tokens. With ``drafts``
         (verification), row ``i`` is after ``drafts[i]`` on top of the output: the matcher
         accepts them for the mask and rolls back (a draft the grammar forbids leaves the rows
         after it unconstrained: verification rejects at that draft, so they are never used).
+        ``count``: the step counts as a constrained step (a sampling or verification step; a
+        draft's proposal is not).
         """
         grammars = [sequence.grammar if not sequence.is_finished else None for sequence in sequences]
         if all(grammar is None for grammar in grammars):
@@ -133,12 +134,13 @@ class StructuredOutputs:
             host = fill_bitmask(grammars, self.vocab_size)
         else:
             host = self._draft_bitmask(sequences, grammars, drafts)
-        self.num_constrained_steps += 1
-        self.num_constrained_rows += sum(grammar is not None for grammar in grammars)
+        if count:
+            self.num_constrained_steps += 1
+            self.num_constrained_rows += sum(grammar is not None for grammar in grammars)
         return to_device(host, self.device)
 
     def _draft_bitmask(self, sequences, grammars, drafts) -> torch.Tensor:
-        rows = fill_bitmask([None] * len(sequences), self.vocab_size)
+        rows = allow_all(len(sequences), self.vocab_size)
         previous_key = None
         accepted = 0
         for row, (sequence, grammar, draft) in enumerate(zip(sequences, grammars, drafts)):

@@ -23,11 +23,16 @@ def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int) 
     has terminated allows every token: its sequence has finished and the token is discarded."""
     if all(grammar is None for grammar in grammars):
         return None
-    bitmask = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    bitmask = allow_all(len(grammars), vocab_size)
     for row, grammar in enumerate(grammars):
         if grammar is not None and not grammar.is_terminated:
             grammar.fill(bitmask, row)
     return bitmask
+
+
+def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host bitmask of ``rows`` rows that allows every token."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tandem.structured.source import GrammarSource
+from tandem.structured.source import GrammarSource, json_schema_ebnf
 
 MAX_CACHED_GRAMMARS = 1024
 COMPILE_THREADS = 2
@@ -64,7 +64,7 @@ class GrammarCompilerPool:
     def _compile(self, source: GrammarSource):
         start = time.perf_counter()
         if source.kind == "json":
-            compiled = self._compiler.compile_json_schema(source.text, any_whitespace=source.any_whitespace)
+            compiled = self._compiler.compile_grammar(json_schema_ebnf(source))
         elif source.kind == "regex":
             compiled = self._compiler.compile_regex(source.text)
         else:

@@ -21,18 +21,17 @@ class GrammarViolation(RuntimeError):
 
 
 class RequestGrammar:
-    def __init__(self, compiled, max_rollback_tokens: int = 0) -> None:
+    def __init__(self, compiled) -> None:
         import xgrammar
 
         self.compiled = compiled
-        self.max_rollback_tokens = max_rollback_tokens
-        self._matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+        self._matcher = xgrammar.GrammarMatcher(compiled)  # (it keeps its whole history: rollback is unlimited)
         self.consumed: list[int] = []  # the output tokens accepted so far, in order
 
     def fork(self) -> "RequestGrammar":
         """A sibling's matcher, in the same state (its output so far is the same)."""
         child = RequestGrammar.__new__(RequestGrammar)
-        child.compiled, child.max_rollback_tokens = self.compiled, self.max_rollback_tokens
+        child.compiled = self.compiled
         child._matcher = self._matcher.fork()
         child.consumed = list(self.consumed)
         return child
@@ -69,9 +68,6 @@ class RequestGrammar:
     def rollback(self, count: int) -> None:
         if count <= 0:
             return
-        if count > self.max_rollback_tokens:
-            raise GrammarViolation(f"cannot roll the matcher back {count} tokens (at most "
-                                   f"{self.max_rollback_tokens})")
         self._matcher.rollback(count)
         del self.consumed[len(self.consumed) - count:]
 

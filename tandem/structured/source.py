@@ -8,6 +8,7 @@ before the request reaches an engine.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from tandem.sampling_params import StructuredOutputsParams
@@ -79,11 +80,36 @@ def check(params: StructuredOutputsParams, field: str | None = None) -> GrammarS
     return source
 
 
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string as this class, which lets
+# raw control characters through (JSON forbids them: RFC 8259, section 7). JSON schemas are
+# compiled through their EBNF with the class replaced by one that excludes them.
+_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+_STRICT_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+# xgrammar prints code points below 256 as ``\xHH``, which its parser reads greedily ("\xe9a" is
+# U+0E9A): re-printed as ``\u00HH`` (always four digits), the text means what was printed.
+_HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
+def json_schema_ebnf(source: GrammarSource) -> str:
+    """The EBNF grammar of a JSON Schema source, its strings free of raw control characters."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(source.text, any_whitespace=source.any_whitespace)
+    text = str(grammar).replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
+    return _HEX_ESCAPE.sub(r"\1\\u00\2", text)
+
+
 def _what(kind: str) -> str:
     return {"json": "JSON Schema", "json_object": "JSON Schema", "regex": "regular expression",
             "choice": "choice", "grammar": "EBNF grammar"}[kind]
 
 
+# xgrammar's messages start with where in its C++ sources they were raised.
+_SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:500]
+    return _SOURCE_LOCATION.sub("", text.splitlines()[0])[:500]
