@@ -80,11 +80,12 @@ def check(params: StructuredOutputsParams, field: str | None = None) -> GrammarS
     return source
 
 
-# xgrammar 0.2.8 writes the characters of a length-bounded JSON string as this class, which lets
-# raw control characters through (JSON forbids them: RFC 8259, section 7). JSON schemas are
-# compiled through their EBNF with the class replaced by one that excludes them.
-_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
-_STRICT_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+# xgrammar 0.2.8 writes the characters of a JSON string as negated classes that let through raw
+# control characters (length-bounded strings; JSON forbids them: RFC 8259, section 7) and UTF-16
+# surrogates (U+D800..U+DFFF: no UTF-8 text holds them). JSON schemas are compiled through their
+# EBNF with both classes replaced by the characters JSON strings may hold unescaped.
+_LOOSE_STRING_CHARACTERS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_STRING_CHARACTER = r'[ !#-\[\]-\ud7ff\ue000-\U0010ffff]'
 
 
 # xgrammar prints code points below 256 as ``\xHH``, which its parser reads greedily ("\xe9a" is
@@ -93,11 +94,14 @@ _HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
 
 
 def json_schema_ebnf(source: GrammarSource) -> str:
-    """The EBNF grammar of a JSON Schema source, its strings free of raw control characters."""
+    """The EBNF grammar of a JSON Schema source, its strings holding only characters JSON allows
+    unescaped (no control characters, no surrogates)."""
     import xgrammar
 
     grammar = xgrammar.Grammar.from_json_schema(source.text, any_whitespace=source.any_whitespace)
-    text = str(grammar).replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
+    text = str(grammar)
+    for loose in _LOOSE_STRING_CHARACTERS:
+        text = text.replace(loose, _STRING_CHARACTER)
     return _HEX_ESCAPE.sub(r"\1\\u00\2", text)
 
 
