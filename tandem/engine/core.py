@@ -228,7 +228,9 @@ class EngineCore:
         completed (its tokens read back) only after the next one has been launched, so the
         host prepares step N+1 while the device runs step N; the next step then reads step N's
         tokens on the device. Where the next step needs step N's results first (a preemption,
-        a fork, penalties over output tokens), step N is completed before it is scheduled.
+        a fork, penalties over output tokens), step N is completed before it is scheduled; a
+        step with grammar-constrained rows completes step N between its forward pass and its
+        sampling (the masks need step N's tokens; ``_launch``).
         While speculating, the speculator runs the step (one at a time)."""
         if self.coordinator.tiers is not None:
             self.coordinator.tiers.poll()  # tier copies that completed release their pages

@@ -157,6 +157,14 @@ class TransferParamsModel(OpenAIBaseModel):
     prefill_address: Optional[Text] = None
 
 
+# Rules of the structured-outputs fields JSON Schema cannot state (each field's description).
+STRUCTURED_OUTPUTS_RULE = (
+    "structured_outputs sets exactly one of json, json_object (true), regex, choice, grammar; the JSON "
+    "Schema, regex or EBNF grammar must parse; response_format json_schema needs json_schema.schema; "
+    "response_format (other than text) and structured_outputs exclude each other, and either excludes "
+    "ignore_eos and min_tokens > 0 (400 naming the field)")
+
+
 class JsonSchemaFormat(OpenAIBaseModel):
     name: Text = "response"
     description: Optional[Text] = None
@@ -209,8 +217,8 @@ class SamplingFields(OpenAIBaseModel):
     kv_transfer_params: Optional[TransferParamsModel] = Field(
         None, description="set by tandem router on prefill/decode servers; clients never send it")
     # Structured outputs (either, not both): OpenAI's response_format, vLLM's structured_outputs.
-    response_format: Optional[ResponseFormat] = None
-    structured_outputs: Optional[StructuredOutputsModel] = None
+    response_format: Optional[ResponseFormat] = Field(None, description=STRUCTURED_OUTPUTS_RULE)
+    structured_outputs: Optional[StructuredOutputsModel] = Field(None, description=STRUCTURED_OUTPUTS_RULE)
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> SamplingParams:
         """Build (and so validate) the engine's parameters; raises ``ValueError("field: ...")``."""
