@@ -71,7 +71,7 @@ def schemas():
 
 
 # No shrinking: each example is one generate call of many requests; a failure prints its schema.
-@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(batch=st.lists(schemas(), min_size=24, max_size=24), temperatures=st.lists(st.sampled_from([0.0, 1.0]),

@@ -10,6 +10,7 @@ request, so engines that never see one never load it.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -141,25 +142,30 @@ class StructuredOutputs:
 
     def _draft_bitmask(self, sequences, grammars, drafts) -> torch.Tensor:
         rows = allow_all(len(sequences), self.vocab_size)
-        previous_key = None
-        accepted = 0
-        for row, (sequence, grammar, draft) in enumerate(zip(sequences, grammars, drafts)):
-            if grammar is None:
-                continue
-            key = id(sequence)
-            if key != previous_key:  # a new sequence: level with its output, no drafts taken yet
-                if previous_key is not None:
-                    previous_grammar.rollback(accepted)
-                grammar.sync(sequence.output_token_ids)
-                previous_key, previous_grammar, accepted, usable = key, grammar, 0, True
-            while usable and accepted < len(draft):
-                usable = grammar.try_accept(draft[accepted])
-                accepted += usable
-            if usable and not grammar.is_terminated:
-                grammar.fill(rows, row)
-        if previous_key is not None:
-            previous_grammar.rollback(accepted)
+        for _, group in itertools.groupby(range(len(sequences)), key=lambda index: id(sequences[index])):
+            indices = list(group)
+            if grammars[indices[0]] is not None:
+                self._fill_draft_rows(rows, indices, sequences[indices[0]], grammars[indices[0]], drafts)
         return rows
+
+    @staticmethod
+    def _fill_draft_rows(rows: torch.Tensor, indices: list[int], sequence: Sequence, grammar: RequestGrammar,
+                         drafts) -> None:
+        """One sequence's consecutive rows, each after a longer prefix of its drafts; the
+        matcher ends where it started (level with the output)."""
+        grammar.sync(sequence.output_token_ids)
+        accepted = 0
+        try:
+            for index in indices:
+                draft = drafts[index]
+                while accepted < len(draft) and grammar.try_accept(draft[accepted]):
+                    accepted += 1
+                if accepted < len(draft):
+                    return  # a draft the grammar forbids: the rows after it stay unconstrained
+                if not grammar.is_terminated:
+                    grammar.fill(rows, index)
+        finally:
+            grammar.rollback(accepted)
 
     def stats(self) -> Optional[StructuredOutputsStats]:
         if self._pool is None:
