@@ -264,11 +264,20 @@ def test_matchers_survive_preemption_and_the_overlapped_loop(model_dirs, referen
         if variant == "swap":
             options.update(host_cache_size=0.01)
     llm = LLM(model=model_dirs["llama"], **options)
+    launch, early = llm.engine._launch, []
+
+    def counting_launch(chunks, previous):  # steps whose masks waited for the previous step's tokens
+        step = launch(chunks, previous)
+        early.append(not isinstance(step, list) and bool(step.earlier_deltas))
+        return step
+
+    llm.engine._launch = counting_launch
     prompts, params = state_workload()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     check_valid(outputs, params)
     assert results_of(outputs) == reference_results
     stats = llm.engine.stats()
+    assert any(early) == (variant == "overlapped")
     if variant != "overlapped":
         assert stats.num_preemptions > 0
     if variant == "swap":
