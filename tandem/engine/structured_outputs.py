@@ -49,6 +49,7 @@ class StructuredOutputs:
         self.compile_timeout = compile_timeout
         self.device = device
         self._pool = None
+        self._batch_filler = None
         self._waiting: list[_Waiting] = []
         self.num_constrained_steps = 0  # steps that sampled at least one constrained row
         self.num_constrained_rows = 0
@@ -56,9 +57,12 @@ class StructuredOutputs:
     @property
     def pool(self):
         if self._pool is None:
+            import xgrammar
+
             from tandem.structured.compiler import GrammarCompilerPool
 
             self._pool = GrammarCompilerPool(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
+            self._batch_filler = xgrammar.BatchGrammarMatcher()  # fills a step's rows on several threads
         return self._pool
 
     # -- admission ------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ class StructuredOutputs:
             for sequence, grammar in zip(sequences, grammars):
                 if grammar is not None:
                     grammar.sync(sequence.output_token_ids)
-            host = fill_bitmask(grammars, self.vocab_size)
+            host = fill_bitmask(grammars, self.vocab_size, self._batch_filler)
         else:
             host = self._draft_bitmask(sequences, grammars, drafts)
         if count:

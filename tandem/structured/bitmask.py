@@ -18,15 +18,20 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int) -> Optional[torch.Tensor]:
+def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int,
+                 batch_filler=None) -> Optional[torch.Tensor]:
     """The host bitmask of these rows (``None`` when no row is constrained). A row whose matcher
-    has terminated allows every token: its sequence has finished and the token is discarded."""
+    has terminated allows every token: its sequence has finished and the token is discarded.
+    ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its threads."""
     if all(grammar is None for grammar in grammars):
         return None
     bitmask = allow_all(len(grammars), vocab_size)
-    for row, grammar in enumerate(grammars):
-        if grammar is not None and not grammar.is_terminated:
-            grammar.fill(bitmask, row)
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated]
+    if batch_filler is not None and len(rows) > 1:
+        batch_filler.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
+    else:
+        for row in rows:
+            grammars[row].fill(bitmask, row)
     return bitmask
 
 

@@ -37,6 +37,11 @@ class RequestGrammar:
         return child
 
     @property
+    def matcher(self):
+        """The xgrammar matcher (for filling many rows at once); advance it only through this object."""
+        return self._matcher
+
+    @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
