@@ -77,27 +77,21 @@ class StepCounter:
 
 
 def step_seconds(llm, counter: StepCounter, prompts, params, repeat: int) -> tuple[float, float]:
-    """(seconds per decode step, mean output tokens), best of ``repeat``: the whole run less its
-    first step (prefill) over the steps between."""
+    """(seconds per decode step, mean output tokens): the whole run less its first step
+    (prefill), each the best of ``repeat``, over the steps between."""
+    def timed(batch_params) -> tuple[float, int, list]:
+        synchronize()
+        counter.count = 0
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, batch_params, use_tqdm=False)
+        synchronize()
+        return time.perf_counter() - start, counter.count, outputs
+
     first_params = [p.clone(max_tokens=1) for p in params]
-    best, tokens = float("inf"), 0.0
-    for _ in range(repeat):
-        synchronize()
-        counter.count = 0
-        start = time.perf_counter()
-        llm.generate(prompts, first_params, use_tqdm=False)
-        synchronize()
-        first, first_steps = time.perf_counter() - start, counter.count
-        counter.count = 0
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        synchronize()
-        whole, steps = time.perf_counter() - start, counter.count
-        counter.count = 0
-        if steps > first_steps:
-            best = min(best, (whole - first) / (steps - first_steps))
-        tokens = statistics.mean(len(output.outputs[0].token_ids) for output in outputs)
-    return best, tokens
+    first = min((timed(first_params) for _ in range(repeat)), key=lambda result: result[0])
+    whole = min((timed(params) for _ in range(repeat)), key=lambda result: result[0])
+    tokens = statistics.mean(len(output.outputs[0].token_ids) for output in whole[2])
+    return (whole[0] - first[0]) / max(whole[1] - first[1], 1), tokens
 
 
 def decode_figures(llm, args, vocab_size: int) -> list[tuple]:
