@@ -13,6 +13,7 @@
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, TP=2 vs TP=1 decode at batch 64
+#   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -74,6 +75,8 @@ for part in "${@:-tests}"; do
           run "offline_tp$size" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
+    structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_structured_gpu.py
+                run structured python3 benchmarks/structured.py --shape llama3-8b ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

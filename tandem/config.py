@@ -100,6 +100,9 @@ class EngineConfig:
     # Tensor parallelism (tandem/parallel): one engine process per rank (rank i on cuda:i; on a
     # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
     tensor_parallel_size: int = 1
+    # Structured outputs: a request whose grammar has not compiled within this many seconds is
+    # rejected (the server answers 400).
+    structured_outputs_compile_timeout: float = 30.0
 
     @property
     def fp8_compute(self) -> Optional[bool]:
@@ -151,6 +154,8 @@ class EngineConfig:
         require(self.preemption_mode != "swap" or self.has_host_tier, "preemption_mode",
                 "swap needs a host tier: set host_cache_size (or disk_cache_dir)")
 
+        require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout",
+                f"must be > 0 seconds, got {self.structured_outputs_compile_timeout}")
         self._validate_speculation()
         self._validate_tensor_parallel()
 

@@ -67,6 +67,16 @@ class SpeculationStats(msgspec.Struct, kw_only=True):
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class StructuredOutputsStats(msgspec.Struct, kw_only=True):
+    """Grammar-constrained decoding (engines that have seen a constrained request)."""
+    num_compiled: int = 0  # grammars compiled
+    compile_seconds: float = 0.0  # summed over those compilations
+    num_cache_hits: int = 0  # requests whose grammar was already compiled (or compiling)
+    num_constrained_steps: int = 0  # steps that masked at least one row
+    num_constrained_rows: int = 0  # rows masked, over those steps
+    num_waiting: int = 0  # requests waiting for their grammar to compile
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -79,6 +89,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     transfer: Optional["TransferStats"] = None  # PD engines only
     tiers: Optional["TierStats"] = None  # engines with a host (and disk) tier
     speculation: Optional[SpeculationStats] = None  # engines that speculate only
+    structured_outputs: Optional[StructuredOutputsStats] = None  # once a constrained request arrived
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -119,6 +119,14 @@ class SamplingParams:
         require(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         require(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a non-empty string or a list of non-empty strings")
+        require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
+        if self.structured_outputs is not None:
+            # The grammar decides where the output ends (end of sequence only where it may end).
+            require(not self.ignore_eos, "ignore_eos", "cannot be combined with structured outputs: the "
+                                                       "grammar decides where the output ends")
+            require(self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs: the "
+                                                        "grammar decides where the output ends")
 
     @property
     def sampling_row(self) -> tuple[float, ...]:

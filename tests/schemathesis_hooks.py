@@ -5,9 +5,10 @@ Two checks join schemathesis's own:
 ``positive_data_acceptance_or_documented_rule`` is schemathesis's ``positive_data_acceptance`` (a
 schema-valid request must not be rejected) except for the rules JSON Schema cannot state, listed
 in ``protocol.CROSS_FIELD_RULES`` and in the schema's descriptions: the prompt plus max_tokens must
-fit the context, min_tokens must not exceed max_tokens, best_of must equal n, and the tool rules
+fit the context, min_tokens must not exceed max_tokens, best_of must equal n, the tool rules
 (a named tool_choice among the tools, unique tool names, valid parameter schemas, JSON call
-arguments). A 400 passes only when
+arguments), and a structured output's grammar must parse (``protocol.STRUCTURED_OUTPUTS_RULE``).
+A 400 passes only when
 the request really breaks such a rule and the error names the field the rule names: the check
 counts the prompt's tokens itself (``/tokenize`` on the same server) and redoes the arithmetic. The
 test runs schemathesis with the built-in check excluded and this one in its place.
@@ -79,7 +80,29 @@ def broken_rules(case, response) -> set[str]:
     room = requested if requested is not None else min(limit - count for count in counts)
     if body.get("min_tokens", 0) > room:
         broken.add("min_tokens")
-    return broken
+    return broken | broken_structured_outputs_rule(case)
+
+
+def broken_structured_outputs_rule(case) -> set[str]:
+    """The field the structured-outputs rule (``protocol.STRUCTURED_OUTPUTS_RULE``) names as
+    broken: whether a schema, regex or grammar parses only xgrammar can tell, so the request's
+    constraint is built as the server builds it and checked with the engine's parameters."""
+    from tandem.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from tandem.sampling_params import SamplingParams
+
+    model = CompletionRequest if case.path == "/v1/completions" else ChatCompletionRequest
+    try:
+        request = model.model_validate(case.body)
+    except ValueError:
+        return set()
+    try:
+        constraint = request.structured_constraint()
+        if constraint is not None:
+            SamplingParams(structured_outputs=constraint, ignore_eos=request.ignore_eos,
+                           min_tokens=request.min_tokens, max_tokens=None)
+    except ValueError as error:
+        return {str(error).partition(":")[0]}
+    return set()
 
 
 def tool_rules(body: dict[str, Any]) -> set[str]:

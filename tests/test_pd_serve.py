@@ -153,6 +153,36 @@ def test_streamed_chat_through_the_router(cluster, colocated):
     assert routers["one"].metric("router_time_to_first_token_seconds_sum") > 0
 
 
+def test_structured_outputs_through_the_router(cluster, colocated):
+    """The prefill server samples the first token under the grammar, the decode server's matcher
+    catches up with it: the answers match their grammar and equal a colocated engine's."""
+    import json
+    import re
+
+    from tandem.sampling_params import StructuredOutputsParams
+
+    servers, routers = cluster
+    client = client_for(routers["one"])
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "w": {"enum": ["alpha", "beta"]}}, "required": ["n", "w"]}
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=60, temperature=0.0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "a", "schema": schema}})
+    reference = colocated.chat(messages, SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=
+                                                        StructuredOutputsParams(json=schema)), use_tqdm=False)[0]
+    assert chat.choices[0].message.content == reference.outputs[0].text
+    assert set(json.loads(chat.choices[0].message.content)) == {"n", "w"} and chat.choices[0].finish_reason == "stop"
+    regex = r"[a-e]{2,6}( [0-9]{1,3}){1,3}"
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=60, temperature=0.9,
+                                           seed=4, extra_body={"structured_outputs": {"regex": regex}})
+    reference = colocated.generate([PROMPTS[0]], SamplingParams(max_tokens=60, temperature=0.9, seed=4,
+                                                                structured_outputs=StructuredOutputsParams(
+                                                                    regex=regex)), use_tqdm=False)[0]
+    assert completion.choices[0].text == reference.outputs[0].text
+    assert re.fullmatch(regex, completion.choices[0].text) and completion.choices[0].finish_reason == "stop"
+
+
 def test_two_prefill_servers_share_the_work(cluster, colocated):
     servers, routers = cluster
     client = client_for(routers["two"])

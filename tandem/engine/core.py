@@ -26,6 +26,8 @@ from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
+from tandem.engine.structured_outputs import StructuredOutputs
+from tandem.structured.matcher import GrammarViolation
 from tandem.worker.cuda_graphs import decode_graph_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
@@ -54,6 +56,10 @@ class EngineCore:
             self.config = config = engine_config_for_speculation(config, self.device.type)
             self.speculator = Speculator(self, config)  # registers the draft's state specs
         self.registry.finalize()
+        self.structured = StructuredOutputs(
+            config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
+            config.structured_outputs_compile_timeout, device=self.device)
+        self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         plan, self.coordinator = build_coordinator(
             config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
             agree=self.parallel.agree_on_pages if self.parallel is not None else None)
@@ -107,19 +113,55 @@ class EngineCore:
         check_prompt(prompt, self.model_info.vocab_size)
         max_tokens = resolve_max_tokens(len(prompt), params.max_tokens, self.model_info.max_model_len,
                                         self.coordinator.max_tokens_per_request())
-        sequences = [self._new_sequence(request.request_id, 0, prompt, params, max_tokens)]
-        sequences[0].pending_forks = params.n - 1
+        sequence = self._new_sequence(request.request_id, 0, prompt, params, max_tokens)
+        sequence.pending_forks = params.n - 1
         if request.transfer is not None:
             check_transfer_leg(request, self.pd.role if self.pd is not None else None)
-            self._sequences[request.request_id] = sequences
+        self._sequences[request.request_id] = [sequence]
+        try:
+            if params.structured_outputs is not None and not self._grammar_ready(sequence, request.transfer):
+                return  # admitted once its grammar has compiled (``_admit_compiled``)
+            self._admit(sequence, request.transfer)
+        except ValueError:
+            del self._sequences[request.request_id]
+            raise
+
+    def _admit(self, sequence: Sequence, transfer) -> None:
+        if transfer is not None:
+            self.pd.add(sequence, transfer)  # held until its state or destination is known
+        else:
+            self.scheduler.add(sequence)
+
+    def _grammar_ready(self, sequence: Sequence, transfer) -> bool:
+        """Start compiling the sequence's grammar; give it its matcher if the grammar is already
+        compiled, else park it until it is. Raises ``ValueError`` for an invalid grammar."""
+        future = self.structured.compile(sequence.params.structured_outputs)
+        if future.done():
+            self.structured.attach(sequence, future)
+            return True
+        self.structured.wait(sequence, transfer, future)
+        return False
+
+    def _admit_compiled(self) -> None:
+        """Admit the requests whose grammar has compiled; reject those whose compilation failed
+        or timed out. An engine with nothing else to do waits a moment for a compilation."""
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        ready, failed = self.structured.compiled(block=idle)
+        for sequence, transfer in ready:
             try:
-                self.pd.add(sequences[0], request.transfer)  # held until its state or destination is known
-            except ValueError:
-                del self._sequences[request.request_id]
-                raise
-            return
-        self._sequences[request.request_id] = sequences
-        self.scheduler.add(sequences[0])
+                self._admit(sequence, transfer)
+            except ValueError as error:
+                failed.append((sequence, str(error)))
+        for sequence, error in failed:
+            self._end(sequence, "abort")
+            self._sequences.pop(sequence.request_id, None)
+            self._rejections.append((sequence.request_id, error))
+
+    def take_rejections(self) -> list[tuple[str, str]]:
+        """Requests refused after ``add_request`` returned (their grammar failed to compile or
+        timed out): ``(request id, "field: why")``, each reported once."""
+        rejections, self._rejections = self._rejections, []
+        return rejections
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params, max_tokens: int) -> Sequence:
         generator = None
@@ -133,6 +175,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """End every sequence of these requests and free their pages at once (no deltas)."""
         for request_id in request_ids:
+            self.structured.forget(request_id)  # (a request still waiting for its grammar)
             if self.pd is not None:
                 self.pd.on_abort_request(request_id)  # in-flight transfers end before pages go
             for sequence in self._sequences.pop(request_id, []):
@@ -155,7 +198,7 @@ class EngineCore:
             del self._sequences[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or self._in_flight is not None or self.structured.has_waiting()
                 or (self.pd is not None and self.pd.has_work()))
 
     # PD engines: the process loop waits on these between steps instead of spinning.
@@ -185,10 +228,14 @@ class EngineCore:
         completed (its tokens read back) only after the next one has been launched, so the
         host prepares step N+1 while the device runs step N; the next step then reads step N's
         tokens on the device. Where the next step needs step N's results first (a preemption,
-        a fork, penalties over output tokens), step N is completed before it is scheduled.
+        a fork, penalties over output tokens), step N is completed before it is scheduled; a
+        step with grammar-constrained rows completes step N between its forward pass and its
+        sampling (the masks need step N's tokens; ``_launch``).
         While speculating, the speculator runs the step (one at a time)."""
         if self.coordinator.tiers is not None:
             self.coordinator.tiers.poll()  # tier copies that completed release their pages
+        if self.structured.has_waiting():
+            self._admit_compiled()
         if self.speculator is not None:
             return self.speculator.run_step()
         previous = self._in_flight
@@ -206,6 +253,7 @@ class EngineCore:
             self._in_flight = current
             deltas += self._complete(previous)
             if current is not None:
+                deltas = current.earlier_deltas + deltas
                 self._after_computed(current)
         elif current is not None:
             self._after_computed(current)
@@ -247,6 +295,12 @@ class EngineCore:
             for chunk in chunks:
                 self.scheduler.on_computed(chunk)
             step.computed = True
+        elif any(chunk.sequence.grammar is not None for chunk in result.sampling_chunks):
+            # A grammar's mask needs the previous step's tokens: read them back now, while the
+            # device runs this step's forward pass (this step is the one in flight from here on,
+            # so sequences that finish hold their pages until it completes).
+            self._in_flight = step
+            step.earlier_deltas = self._complete(previous)
         self._sample(step, result)
         return step
 
@@ -289,6 +343,7 @@ class EngineCore:
             return
         logits = result.logits if rows is None else result.logits[rows]
         params = [s.params for s in sequences]
+        bitmask = self.structured.bitmask(sequences)
         table = self._parameter_tables.get(params, self.device)
         # Token ids are gathered only when some row's penalties read them, banned ids only
         # while some row is below its min_tokens.
@@ -298,21 +353,24 @@ class EngineCore:
             empty if table.no_penalties else [s.prompt_token_ids for s in sequences],
             empty if table.no_penalties else [s.output_token_ids for s in sequences],
             [self._banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
-            self.device, table)
+            self.device, table, token_bitmask=bitmask)
         step.sampled = self.sampler(logits, metadata)
         step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
         positions = step.positions
         for sequence in sequences:
             token_ids = sequence.token_ids
             positions.append(len(token_ids))
-            token_ids.append(PENDING_TOKEN)
+            if not sequence.is_finished:  # (it finished as the previous step completed: see _launch)
+                token_ids.append(PENDING_TOKEN)
 
     def _complete(self, step: "LaunchedStep") -> list[RequestDelta]:
-        """Read the step's tokens back, write them over the pending ones, finish sequences."""
-        if step.host is None:
+        """Read the step's tokens back, write them over the pending ones, finish sequences (a
+        step already completed gives nothing)."""
+        host, step.host = step.host, None
+        if host is None:
             self._release_held(step)
             return []
-        sampled = step.host.wait()
+        sampled = host.wait()
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
         logprobs = self._sampled_logprobs(step.sequences, sampled)
@@ -358,6 +416,7 @@ class EngineCore:
             child = self._new_sequence(parent.request_id, index, parent.prompt_token_ids,
                                        parent.params, parent.max_tokens)
             child.num_cached_tokens = parent.num_cached_tokens
+            child.grammar = parent.grammar.fork() if parent.grammar is not None else None
             forked = self.coordinator.fork(parent.state, child.state, parent.num_computed_tokens)
             child.num_computed_tokens = parent.num_computed_tokens if forked else 0
             self.scheduler.place_fork(child, forked)
@@ -390,8 +449,17 @@ class EngineCore:
 
     def _append_token(self, sequence: Sequence, token: int,
                       logprobs: Optional[PositionLogprobs]) -> RequestDelta:
-        """Append a token known on the host (PD: the first token, from the prefill server)."""
+        """Append a token known on the host (PD: the first token, from the prefill server). A
+        token the sequence's grammar forbids ends it with an error."""
         sequence.token_ids.append(token)
+        if sequence.grammar is not None:
+            try:
+                sequence.grammar.sync(sequence.output_token_ids)
+            except GrammarViolation as error:
+                self._end(sequence, "error")
+                self._forget_if_done(sequence.request_id)
+                return RequestDelta(request_id=sequence.request_id, index=sequence.index,
+                                    finish_reason="error", error=f"structured_outputs: {error}")
         return self._token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
 
     def _token_delta(self, sequence: Sequence, position: int, token: int,
@@ -446,7 +514,8 @@ class EngineCore:
                            page_size=self.coordinator.page_size,
                            transfer=self.pd.stats() if self.pd is not None else None,
                            tiers=tier_stats(self.coordinator.tiers) if self.coordinator.tiers is not None else None,
-                           speculation=self.speculator.stats() if self.speculator is not None else None)
+                           speculation=self.speculator.stats() if self.speculator is not None else None,
+                           structured_outputs=self.structured.stats())
 
     def reset_prefix_cache(self) -> int:
         return self.coordinator.reset_prefix_cache()
@@ -469,6 +538,7 @@ class EngineCore:
     def shutdown(self) -> None:
         self.finish_in_flight()
         self._sequences.clear()
+        self.structured.close()
         if self.pd is not None:
             self.pd.close()
         if self.coordinator.tiers is not None:

@@ -26,6 +26,9 @@ class LaunchedStep:
     host: Optional[HostSamplerOutput] = None  # its copy to the host, in flight
     held: list[Sequence] = field(default_factory=list)
     computed: bool = False  # the scheduler has booked its chunks as computed
+    # The previous step's deltas, when it was completed during this step's launch (a grammar's
+    # mask needed its tokens).
+    earlier_deltas: list = field(default_factory=list)
     _members: Optional[set[int]] = field(default=None, repr=False)  # ids, built on first use
 
     def includes(self, sequence: Sequence) -> bool:

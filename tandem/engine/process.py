@@ -127,11 +127,16 @@ class EngineLoop:
         """The core's step; a PD engine's transfer deltas (a decode engine's first tokens) are
         sent before it, so a first token never waits for the step that follows it."""
         if not self.waits_between_steps():
-            return self.core.step()
-        early = self.core.poll_transfers()
-        if early:
-            self.send_step(early)
-        return self.core.step(poll_transfers=False)
+            deltas = self.core.step()
+        else:
+            early = self.core.poll_transfers()
+            if early:
+                self.send_step(early)
+            deltas = self.core.step(poll_transfers=False)
+        take_rejections = getattr(self.core, "take_rejections", None)
+        for request_id, error in take_rejections() if take_rejections is not None else ():
+            self.rejected.append(RequestRejectedMessage(request_id=request_id, error=error))
+        return deltas
 
     def send_step(self, deltas: list[RequestDelta]) -> None:
         stats = self.core.stats()

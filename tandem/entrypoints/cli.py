@@ -92,6 +92,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard the model over this many ranks, one engine process each (rank i on "
                             "cuda:i; on a CPU over gloo) (default: %(default)s)")
+    group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request whose grammar (response_format, structured_outputs) has not compiled "
+                            "within this many seconds is rejected with 400 (default: %(default)s)")
     tiers = parser.add_argument_group("state tiers (host memory and disk behind the prefix cache)")
     tiers.add_argument("--host-cache-size", type=float, default=0.0, metavar="GB",
                        help="host-memory tier in GB (2^30 bytes; pinned on CUDA); 0: off (default: %(default)s)")
@@ -130,7 +133,8 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
         decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
-        speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size)
+        speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size,
+        structured_outputs_compile_timeout=arguments.structured_outputs_compile_timeout)
 
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:

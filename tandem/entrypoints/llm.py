@@ -108,6 +108,8 @@ class LLM:
         with progress:
             while len(finished) < len(request_ids):
                 outputs, stopped = processor.process(self.engine.step(), finished_only=True)
+                for request_id, error in self.engine.take_rejections():
+                    raise ValueError(error)  # (a grammar that failed to compile or timed out)
                 if stopped:
                     self.engine.finish_sequences(stopped)
                 for output in outputs:

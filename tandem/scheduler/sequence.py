@@ -51,6 +51,9 @@ class Sequence:
     # (``tandem/spec_decode``), and that package's per-sequence state.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: Optional[Any] = None
+    # Structured outputs: the matcher of the request's grammar (``tandem/structured/matcher.py``),
+    # kept level with ``output_token_ids``; None for an unconstrained sequence.
+    grammar: Optional[Any] = None
 
     @property
     def key(self) -> tuple[str, int]:

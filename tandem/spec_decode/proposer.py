@@ -31,6 +31,7 @@ import torch
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.draft_batch import DraftNetwork, DraftRow, run_rows
 from tandem.spec_decode.state import SpeculationState
+from tandem.structured.bitmask import apply_bitmask
 from tandem.worker.sampler import GREEDY_TEMPERATURE_EPSILON, Sampler, SamplingMetadata, greedy_mask
 
 
@@ -188,6 +189,7 @@ class Proposer:
         distribution under the request's temperature, top-k, top-p and min-p (kept: the
         verification's rejection sampling needs it)."""
         sequences = [plan.work.sequence for plan in plans]
+        logits = self._under_grammars(plans, logits)
         tokens = logits.argmax(dim=-1)
         probs = None
         if any(s.params.temperature >= GREEDY_TEMPERATURE_EPSILON for s in sequences):
@@ -201,6 +203,17 @@ class Proposer:
             plan.tokens.append(token)  # on the device until the chain ends
             if probs is not None and plan.work.sequence.params.temperature >= GREEDY_TEMPERATURE_EPSILON:
                 plan.probs.append(probs[index])
+
+
+    def _under_grammars(self, plans: list[_Plan], logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits masked by each constrained request's grammar after its output and
+        its drafts so far, so that drafts are ones the target may accept (the drafts so far are
+        read back for that: only when some request is constrained)."""
+        if all(plan.work.sequence.grammar is None for plan in plans):
+            return logits
+        drafts = [[int(token) for token in plan.tokens] for plan in plans]
+        bitmask = self.core.structured.bitmask([plan.work.sequence for plan in plans], drafts, count=False)
+        return logits if bitmask is None else apply_bitmask(logits.clone(), bitmask)
 
 
 class DraftModelProposer(Proposer):

@@ -81,7 +81,11 @@ class SpeculativeStep:
             item.sequence.token_ids.extend(emitted[id(item.sequence)][0])
         for chunk, verdict in zip(result.sampling_chunks, self._chunk_verdicts(items, verdicts)):
             if chunk.num_draft_tokens:
-                self._roll_back(chunk, verdict, len(emitted[id(chunk.sequence)][0]), copies.pop(id(chunk)))
+                tokens, _, finished = emitted[id(chunk.sequence)]
+                # A sequence that ends on an accepted draft (an end of sequence a grammar made
+                # likely) books it uncomputed, as the target's own last token always is: an MTP
+                # layer's state at a position needs the token after it, which never comes.
+                self._roll_back(chunk, verdict, len(tokens) - finished, copies.pop(id(chunk)))
         self.proposer.run(self._draft_works(result, children, emitted))
         for chunk in step.chunks:
             # Only now is every group's state of the computed tokens written (the draft's too):

@@ -13,6 +13,9 @@ position — so a row's distribution is the one the target would sample from at 
   token is drawn from ``max(0, p - q)`` normalised, and after ``k`` acceptances from row
   ``k``'s ``p``. Each output token is then distributed exactly as the target's ``p``.
 
+A structured output's grammar masks each row as the sampler would after the output and the
+row's drafts: a draft the grammar forbids has probability 0 under its row, so it is rejected.
+
 Rows without drafts (a prompt's first token, forked siblings) go through the same code and
 draw exactly as ``Sampler`` does. Draws use the request's own generator when it has a seed.
 
@@ -105,7 +108,11 @@ class Verifier:
             [item.sequence.prompt_token_ids if penalised else [] for item in row_items],
             [item.sequence.output_token_ids + item.draft_token_ids[:offset] if penalised else []
              for item, offset in zip(row_items, ahead)],
-            [core._banned_tokens(item.sequence, offset) for item, offset in zip(row_items, ahead)], self.device)
+            [core._banned_tokens(item.sequence, offset) for item, offset in zip(row_items, ahead)], self.device,
+            # the grammar's mask of each row: after the output and the row's drafts
+            token_bitmask=core.structured.bitmask([item.sequence for item in row_items],
+                                                  [item.draft_token_ids[:offset] for item, offset in
+                                                   zip(row_items, ahead)]))
 
     def _accepted_counts(self, items, rows: "_Rows", greedy_tokens, probs, greedy, item_of_row, offset_of_row,
                          draft_of_row) -> torch.Tensor:

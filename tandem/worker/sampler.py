@@ -5,8 +5,8 @@ and the meaning of every parameter follow vLLM)::
 
     raw logits [B, V] ──┬──────────────────────────────────────────────► logprobs, ranks, top-k
                         │                                                 (raw distribution)
-                        └─► penalties ─► banned ids ─┬─► greedy rows: argmax
-                                                     └─► sampled rows: temperature ─► top-k
+                        └─► penalties ─► grammar mask ─► banned ids ─┬─► greedy rows: argmax
+                                                                     └─► sampled rows: temperature ─► top-k
                                                          ─► top-p ─► min-p ─► exponential race
 
 Reproducibility contract: a row with its own ``torch.Generator`` gets a token that depends only
@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from tandem.sampling_params import SAMPLING_ROW_FIELDS, SamplingParams
+from tandem.structured.bitmask import apply_bitmask
 from tandem.worker.host_staging import to_device
 
 PARAMETER_COLUMNS = SAMPLING_ROW_FIELDS
@@ -59,6 +60,9 @@ class SamplingMetadata:
     # Fast-path flags; the defaults are the safe choice (apply the step).
     no_top_k_top_p: bool = False
     no_min_p: bool = False
+    # Structured outputs: [B, ceil(V / 32)] int32 on the device, bit t of row r set where token t
+    # is allowed (tandem/structured/bitmask.py); None when no row is constrained.
+    token_bitmask: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -74,6 +78,7 @@ class SamplingMetadata:
         banned_token_ids: Sequence[Sequence[int]],
         device: torch.device | str,
         table: Optional["ParameterTable"] = None,
+        token_bitmask: Optional[torch.Tensor] = None,
     ) -> "SamplingMetadata":
         """Gather the rows' parameters into batch tensors on ``device`` (or take them from
         ``table``, made for these ``params``: see ``ParameterTables``).
@@ -95,7 +100,7 @@ class SamplingMetadata:
             output_token_ids=list(output_token_ids),
             banned_token_ids=list(banned_token_ids),
             num_logprobs=table.num_logprobs, all_greedy=table.all_greedy, no_penalties=table.no_penalties,
-            no_top_k_top_p=table.no_top_k_top_p, no_min_p=table.no_min_p,
+            no_top_k_top_p=table.no_top_k_top_p, no_min_p=table.no_min_p, token_bitmask=token_bitmask,
         )
 
 
@@ -355,9 +360,12 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Penalties then banned ids, in place on a float32 copy; what greedy rows take the argmax of."""
+        """Penalties, the grammar's mask, then banned ids, in place on a float32 copy; what greedy
+        rows take the argmax of."""
         if not metadata.no_penalties:
             apply_penalties(logits, metadata)
+        if metadata.token_bitmask is not None:
+            apply_bitmask(logits, metadata.token_bitmask)
         return apply_banned_tokens(logits, metadata.banned_token_ids)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

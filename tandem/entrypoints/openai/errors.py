@@ -23,7 +23,7 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
-FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")  # "n", "response_format.type"
 # Entries pydantic puts in an error location that name a type (a union member), not a field.
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 

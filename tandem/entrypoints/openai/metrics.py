@@ -51,6 +51,8 @@ class EngineStatsCollector:
             yield from tier_metric_families(stats)
         if stats.speculation is not None:
             yield from speculation_metric_families(stats.speculation)
+        if stats.structured_outputs is not None:
+            yield from structured_outputs_metric_families(stats.structured_outputs)
 
 
 def labelled_counter(name: str, documentation: str, label: str, values: dict) -> CounterMetricFamily:
@@ -111,6 +113,24 @@ def speculation_metric_families(speculation):
     yield GaugeMetricFamily(PREFIX + "spec_decode_mean_acceptance_length",
                             "Tokens per verification: accepted drafts plus the target's own (0 before any).",
                             value=speculation.mean_acceptance_length)
+
+
+def structured_outputs_metric_families(structured):
+    """Grammar-constrained decoding: compilations and their seconds, cache hits, masked steps."""
+    counters = {
+        "structured_outputs_compiled": ("Grammars compiled.", structured.num_compiled),
+        "structured_outputs_compile_seconds": ("Seconds spent compiling grammars.", structured.compile_seconds),
+        "structured_outputs_cache_hits": ("Constrained requests whose grammar was already compiled.",
+                                          structured.num_cache_hits),
+        "structured_outputs_constrained_steps": ("Steps that masked at least one row by a grammar.",
+                                                 structured.num_constrained_steps),
+        "structured_outputs_constrained_rows": ("Rows masked by a grammar, over all steps.",
+                                                structured.num_constrained_rows),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+    yield GaugeMetricFamily(PREFIX + "structured_outputs_waiting",
+                            "Requests waiting for their grammar to compile.", value=structured.num_waiting)
 
 
 def histogram_buckets(snapshot) -> list[tuple[str, int]]:

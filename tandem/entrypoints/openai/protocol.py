@@ -24,7 +24,7 @@ from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, StrictBool, Str
 from pydantic_core import core_schema
 from typing_extensions import Annotated
 
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -164,6 +164,38 @@ class TransferParamsModel(OpenAIBaseModel):
     prefill_address: Optional[Text] = None
 
 
+# Rules of the structured-outputs fields JSON Schema cannot state (each field's description).
+STRUCTURED_OUTPUTS_RULE = (
+    "structured_outputs sets exactly one of json, json_object (true), regex, choice, grammar; the JSON "
+    "Schema, regex or EBNF grammar must parse; response_format json_schema needs json_schema.schema; "
+    "response_format (other than text) and structured_outputs exclude each other, and either excludes "
+    "ignore_eos and min_tokens > 0 (400 naming the field)")
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Text = "response"
+    description: Optional[Text] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON Schema the answer must match")
+    strict: Optional[StrictBool] = Field(None, description="the schema is enforced exactly either way")
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="with type json_schema (required there)")
+
+
+class StructuredOutputsModel(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
+    json_: Optional[Union[dict[str, Any], Text]] = Field(None, alias="json", description="a JSON Schema")
+    json_object: Optional[StrictBool] = None
+    regex: Optional[NonEmptyText] = None
+    choice: Optional[Annotated[list[NonEmptyText], NonEmpty()]] = None
+    grammar: Optional[NonEmptyText] = Field(None, description="an EBNF grammar (GBNF style; root rule: root)")
+    disable_any_whitespace: StrictBool = Field(True, description="JSON: bounded whitespace between tokens "
+                                                                 "(false: any whitespace)")
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
     model: ModelName = Field(None, description="one of the served model names; absent, null or empty: the first")
@@ -191,6 +223,9 @@ class SamplingFields(OpenAIBaseModel):
     # A colocated server accepts only null (its schema says so).
     kv_transfer_params: Optional[TransferParamsModel] = Field(
         None, description="set by tandem router on prefill/decode servers; clients never send it")
+    # Structured outputs (either, not both): OpenAI's response_format, vLLM's structured_outputs.
+    response_format: Optional[ResponseFormat] = Field(None, description=STRUCTURED_OUTPUTS_RULE)
+    structured_outputs: Optional[StructuredOutputsModel] = Field(None, description=STRUCTURED_OUTPUTS_RULE)
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> SamplingParams:
         """Build (and so validate) the engine's parameters; raises ``ValueError("field: ...")``."""
@@ -213,7 +248,34 @@ class SamplingFields(OpenAIBaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_constraint(),
         )
+
+    def structured_constraint(self) -> Optional[StructuredOutputsParams]:
+        """The constraint ``response_format`` or ``structured_outputs`` asks for, its grammar
+        checked; raises ``ValueError("field: ...")`` naming the field at fault."""
+        from tandem.structured.source import check
+
+        response_format = self.response_format
+        wants_format = response_format is not None and response_format.type != "text"
+        if wants_format and self.structured_outputs is not None:
+            raise ValueError("structured_outputs: cannot be combined with response_format (give one of them)")
+        if wants_format:
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema: a schema is required with type json_schema")
+            constraint = StructuredOutputsParams(json=response_format.json_schema.schema_)
+            check(constraint, "response_format.json_schema.schema")
+            return constraint
+        fields = self.structured_outputs
+        if fields is None:
+            return None
+        constraint = StructuredOutputsParams(json=fields.json_, json_object=bool(fields.json_object),
+                                             regex=fields.regex, choice=fields.choice, grammar=fields.grammar,
+                                             disable_any_whitespace=fields.disable_any_whitespace)
+        check(constraint)
+        return constraint
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -1,0 +1,62 @@
+"""The token bitmask of a step: one row per sampled row, bit ``t`` of row ``r`` set when token
+``t`` is allowed there (xgrammar's layout: ``[rows, ceil(vocab / 32)]`` int32).
+
+Filled on the host from the rows' matchers (unconstrained rows allow every token), copied to
+the device with the step's other sampling inputs, applied to the logits there by one kernel
+(``apply_bitmask``): nothing waits for the device.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from tandem.structured.matcher import RequestGrammar
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int,
+                 batch_filler=None) -> Optional[torch.Tensor]:
+    """The host bitmask of these rows (``None`` when no row is constrained). A row whose matcher
+    has terminated allows every token: its sequence has finished and the token is discarded.
+    ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its threads."""
+    if all(grammar is None for grammar in grammars):
+        return None
+    bitmask = allow_all(len(grammars), vocab_size)
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated]
+    if batch_filler is not None and len(rows) > 1:
+        batch_filler.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
+    else:
+        for row in rows:
+            grammars[row].fill(bitmask, row)
+    return bitmask
+
+
+def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host bitmask of ``rows`` rows that allows every token."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to -inf, in place (``bitmask`` on the logits' device).
+    CUDA: xgrammar's kernel; elsewhere the plain-PyTorch reference."""
+    if logits.device.type == "cuda":
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+        return logits
+    return apply_bitmask_reference(logits, bitmask)
+
+
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: unpack the bits to ``[rows, vocab]`` booleans and mask."""
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    if allowed.shape[1] < vocab_size:  # logits wider than the mask: ids past it are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return logits.masked_fill_(~allowed, float("-inf"))
