@@ -116,8 +116,6 @@ def test_bad_tool_request_then_serving(server, client):
     assert server.wait_for_metric("num_requests_running", 0) == 0
 
 
-@pytest.mark.xfail(strict=False, reason="needs the grammar engine (branch grammar): until it enforces "
-                                        "structured_outputs, a random model's answer is no call")
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_forced_tool_calls_validate_against_parameters(client, tool_choice):

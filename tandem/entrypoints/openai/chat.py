@@ -31,6 +31,7 @@ from tandem.entrypoints.openai.serving import (
 from tandem.frontend.tokenizer import apply_chat_template
 from tandem.outputs import CompletionOutput, PositionLogprobDict, RequestOutput
 from tandem.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.structured.source import check as check_grammar
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:
@@ -88,9 +89,14 @@ def with_tool_constraint(params: SamplingParams, tool_plan: Optional[ToolPlan]) 
         raise OpenAIError(400, f"tool_choice: {tool_plan.choice!r} tool choice constrains the output; it cannot be "
                                "combined with another output constraint (response_format, structured_outputs)",
                           "tool_choice")
+    constraint = StructuredOutputsParams(json=schema)
+
+    def constrained() -> SamplingParams:
+        check_grammar(constraint, "tools")  # a parameter schema the grammar engine cannot take: a 400 now
+        return dataclasses.replace(params, structured_outputs=constraint)
+
     # rebuilt, so the rules between a constraint and the other fields are checked (a 400 naming the field)
-    return build_sampling_params(lambda: dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
-        json=schema)))
+    return build_sampling_params(constrained)
 
 
 def output_parser_factory(state: ServerState, tool_plan: ToolPlan, prompt: PromptInput):
