@@ -88,6 +88,11 @@ CASES = [
     ("missing API key", "/v1/completions", completion(), {}, 401, None, ["API key"]),
     ("wrong API key", "/v1/chat/completions", chat(), {"Authorization": "Bearer wrong"}, 401, None, []),
     ("models without API key", "/v1/models", None, {}, 401, None, []),
+    ("empty prompt list", "/v1/completions", completion(prompt=[]), AUTH, 400, "prompt", ["prompt: must not be empty"]),
+    ("empty token list in a batch", "/v1/completions", completion(prompt=[[]]), AUTH, 400, "prompt",
+     ["prompt[0]: must not be empty"]),
+    ("body not an object", "/v1/completions", b"[1, 2]", AUTH, 400, "body", ["body: must be a JSON object"]),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', AUTH, 400, "body", ["UTF-8", "0xff"]),
     ("detokenize outside vocabulary", "/detokenize", {"tokens": [1, 100000]}, AUTH, 400, "tokens", []),
     ("tokenize nothing", "/tokenize", {}, AUTH, 400, "prompt", []),
 ]
@@ -108,6 +113,28 @@ def test_bad_input(server, name, path, body, headers, status, param, words):
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_json_without_its_content_type_is_named(server, content_type):
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    response = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                          headers=headers, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "body" and "Content-Type: application/json" in error["message"], error
+    assert (repr(content_type) if content_type else "got none") in error["message"], error
+
+
+def test_prompt_longer_than_the_tokenizer_limit_is_our_error_not_a_warning(server):
+    """The checkpoint's tokenizer says 4096 tokens; a longer prompt gets the server's own 400
+    naming the context length, and transformers' "Token indices sequence length" warning stays
+    out of the log."""
+    response = httpx.post(server.base_url + "/v1/completions", json=completion("hello " * 5000, max_tokens=1),
+                          headers=AUTH, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert str(MAX_MODEL_LEN) in response.json()["error"]["message"]
+    assert "Token indices" not in server.log()
 
 
 def test_request_id_is_echoed(server):
