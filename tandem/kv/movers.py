@@ -1,7 +1,7 @@
 """Movers that copy a request's state between the device pools and host memory.
 
 A mover works on ``(group, page ids)`` lists and on the registry's buffer descriptors only; it
-never knows what kind of state a buffer holds (DESIGN.md, state system point 4). Every buffer
+never knows what kind of state a buffer holds (docs/design.md, state system point 4). Every buffer
 the registry holds is moved (I1): ``touched`` records which ones, for the I1 tests.
 """
 from __future__ import annotations
