@@ -248,6 +248,19 @@ def test_router_answers_client_errors_once(cluster):
     assert answer.headers["x-request-id"] == "client-7"
     assert len(answer.parse().choices[0].model_dump()["token_ids"]) == 2
     assert_idle_and_free(decode, servers["prefill_a"])
+    assert_series_documented(router, decode, servers["prefill_a"])
+
+
+def assert_series_documented(*processes) -> None:
+    """Every series a router or a PD server exposes is in the metrics reference; no ``_created``."""
+    from tests.docs_blocks import ROOT
+
+    reference = (ROOT / "docs" / "metrics.md").read_text()
+    for process in processes:
+        text = httpx.get(process.base_url + "/metrics", headers=AUTHORIZATION, timeout=10).text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("tandem:")}
+        assert names and not [name for name in names if name.endswith("_created")], process.base_url
+        assert not [name for name in names if f"`{name}`" not in reference], (process.base_url, names)
 
 
 def test_client_disconnect_mid_stream(cluster):

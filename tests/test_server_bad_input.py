@@ -245,3 +245,35 @@ def test_server_healthy_and_idle_after_everything(server):
     assert server.wait_for_metric("kv_pages_used", 0) == 0
     assert server.metric("num_requests_running") == 0
     assert server.metric("kv_pages_total") > 0
+
+
+def test_documented_requests_run_against_a_live_server(server):
+    """Every curl body of the README and the docs, and the README's OpenAI-client example, run
+    against a live server (its model name and API key swapped in): the documented requests are
+    requests this server answers with 200."""
+    from tests.docs_blocks import ROOT, blocks, curl_calls
+
+    for call in curl_calls():
+        if call.body is None:
+            continue
+        response = httpx.post(server.base_url + call.path, json={**call.body, "model": "fake"}, headers=AUTH,
+                              timeout=60)
+        assert response.status_code == 200, (call.source.name, call.body, response.text)
+    (readme_client,) = [text for path, text in blocks("python")
+                        if path == ROOT / "README.md" and "OpenAI(base_url=" in text]
+    code = (readme_client.replace('"http://localhost:8000/v1"', repr(server.base_url + "/v1"))
+            .replace('api_key="unused"', f'api_key="{API_KEY}"').replace('model="demo"', 'model="fake"'))
+    assert code != readme_client
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_every_series_the_server_exposes_is_documented(server):
+    """Each series on a live server's /metrics is in the metrics reference; no ``_created`` series."""
+    from tests.docs_blocks import ROOT
+
+    reference = (ROOT / "docs" / "metrics.md").read_text()
+    names = {line.split("{")[0].split(" ")[0] for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+             if line.startswith("tandem:")}
+    assert len(names) >= 15
+    assert not [name for name in names if name.endswith("_created")]
+    assert not [name for name in names if f"`{name}`" not in reference]
