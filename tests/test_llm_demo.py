@@ -1,13 +1,17 @@
 """The offline ``LLM`` without a model serves the built-in demo model, as ``tandem serve`` does:
 ``LLM()`` and ``LLM(model="demo")`` load the same cached checkpoint, and its output matches
-``transformers`` on it; a model that is neither a directory nor ``demo`` is an error naming ``model``."""
+``transformers`` on it; a model that is neither a directory nor ``demo`` is an error naming ``model``
+(``--model`` for the command line, which resolves models by the same rule)."""
 import os
 
 os.environ["TANDEM_SANITIZE"] = "1"
 
+from argparse import Namespace  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.entrypoints.cli import resolve_model  # noqa: E402
 from tests.oracle import Oracle, assert_matches  # noqa: E402
 
 
@@ -28,3 +32,7 @@ def test_llm_without_model_uses_the_demo_model(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="^model 'no-such-dir' is not a directory"):
         LLM(model="no-such-dir")
+    # tandem serve and generate follow the same rule: --model demo is the demo model
+    assert resolve_model(Namespace(model="demo")) == (demo_dir, True)
+    with pytest.raises(SystemExit, match="--model 'no-such-dir' is not a directory"):
+        resolve_model(Namespace(model="no-such-dir"))
