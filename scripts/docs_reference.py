@@ -31,7 +31,6 @@ def cli_page() -> str:
     helps = {choice.dest: choice.help for choice in subparsers._choices_actions}
     for name, command in subparsers.choices.items():
         lines += [f"## `tandem {name}`", "", command.description or helps.get(name) or "", ""]
-        lines += ["```text", command.format_usage().strip(), "```", ""]
         for group in command._action_groups:
             actions = [action for action in group._group_actions
                        if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)]
