@@ -24,7 +24,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 def sanitize_enabled() -> bool:
-    """Sanitizer mode (DESIGN.md I5, I6) is on when ``TANDEM_SANITIZE=1``."""
+    """Sanitizer mode (docs/design.md I5, I6) is on when ``TANDEM_SANITIZE=1``."""
     return os.environ.get("TANDEM_SANITIZE", "0") not in ("", "0", "false", "False")
 
 

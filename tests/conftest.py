@@ -1,4 +1,4 @@
-"""Shared test setup: the sanitizer is on in every test (DESIGN.md I5, I6), tiny models are
+"""Shared test setup: the sanitizer is on in every test (docs/design.md I5, I6), tiny models are
 built once per session with ``transformers``' own classes, and ``transformers`` is the oracle."""
 from __future__ import annotations
 

@@ -1,86 +1,95 @@
 """Schemathesis hooks for ``test_openapi_contract.py`` (loaded through ``SCHEMATHESIS_HOOKS``).
 
-Two checks join schemathesis's own:
-
-``positive_data_acceptance_or_documented_rule`` is schemathesis's ``positive_data_acceptance`` (a
-schema-valid request must not be rejected) except for the rules JSON Schema cannot state, listed
-in ``protocol.CROSS_FIELD_RULES`` and in the schema's descriptions: the prompt plus max_tokens must
-fit the context, min_tokens must not exceed max_tokens, best_of must equal n, the tool rules
-(a named tool_choice among the tools, unique tool names, valid parameter schemas, JSON call
-arguments), and a structured output's grammar must parse (``protocol.STRUCTURED_OUTPUTS_RULE``).
-A 400 passes only when
-the request really breaks such a rule and the error names the field the rule names: the check
-counts the prompt's tokens itself (``/tokenize`` on the same server) and redoes the arithmetic. The
-test runs schemathesis with the built-in check excluded and this one in its place.
+The run uses every check schemathesis has, ``positive_data_acceptance`` included (a schema-valid
+request must not be rejected). JSON Schema cannot state the rules between fields that the server
+enforces (``protocol.CROSS_FIELD_RULES``, written into the schema's descriptions): the prompt plus
+max_tokens must fit the context, min_tokens must not exceed max_tokens (or what the prompt leaves),
+best_of must equal n, the tool rules (a named tool_choice among the tools, unique tool names,
+valid parameter schemas, JSON call arguments), a structured output's grammar must parse
+(``protocol.STRUCTURED_OUTPUTS_RULE``). ``keep_documented_rules`` (a ``map_case`` hook) makes the *positive* cases of
+the two generation routes keep them too, as a client that read the descriptions would: best_of
+becomes n, max_tokens (or max_completion_tokens) and min_tokens shrink to what the prompt leaves
+(counted by the server's own ``/tokenize``), and ``prompt_fits`` (a ``filter_case`` hook) drops a
+positive case whose prompt alone fills the context, or that breaks a tool rule or the structured-output
+rule (neither can be mended by a client: a schema or grammar that does not parse stays one). Negative cases are left alone, and the 400s
+these rules give are tested field by field elsewhere (``tests/test_server_bad_input.py``).
 
 ``every_operation_succeeds`` fails the run when an operation never answered 2xx, so a contract
 that only ever produces errors cannot pass.
+
+The server is named by ``TANDEM_CONTRACT_BASE_URL`` and ``TANDEM_CONTRACT_API_KEY``.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 import threading
-from typing import Any, Optional
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 import jsonschema
 import schemathesis
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": None}
-_max_model_len: dict[str, int] = {}
 
 
-@schemathesis.check
-def positive_data_acceptance_or_documented_rule(ctx, response, case) -> Optional[bool]:
-    try:
-        return positive_data_acceptance(ctx, response, case)
-    except AssertionError:
-        if response.status_code == 400 and isinstance(case.body, dict):
-            param = (response.json().get("error") or {}).get("param")
-            if case.path in GENERATION_PATHS and param in broken_rules(case, response):
-                return None
-            if case.path == "/tokenize" and case.body.get("messages") and param in tool_rules(case.body):
-                return None
-        raise
+def is_positive(case) -> bool:
+    return case.meta is not None and case.meta.generation.mode.is_positive and isinstance(case.body, dict)
 
 
-def broken_rules(case, response) -> set[str]:
-    """The fields that the request's documented cross-field rules name as broken."""
+def is_positive_generation_case(case) -> bool:
+    return is_positive(case) and case.path in GENERATION_PATHS
+
+
+@schemathesis.hook
+def filter_case(ctx, case) -> bool:
+    """Positive cases that break a documented rule no client could mend (a tool rule, a
+    constraint that does not parse, a prompt that alone fills the context): not sent."""
+    if is_positive(case) and case.path == "/tokenize" and case.body.get("messages"):
+        return not tool_rules(case.body)
+    if not is_positive_generation_case(case):
+        return True
+    if case.path == "/v1/chat/completions" and tool_rules(case.body):
+        return False
+    if broken_structured_outputs_rule(case):
+        return False
+    return max(prompt_token_counts(case)) < server().max_model_len()
+
+
+@schemathesis.hook
+def map_case(ctx, case):
+    """Positive cases keep the rules between fields that the schema's descriptions state."""
+    if is_positive_generation_case(case):
+        keep_documented_rules(case)
+    return case
+
+
+def keep_documented_rules(case) -> None:
     body: dict[str, Any] = case.body
-    server = Server(response)
-    limit = server.max_model_len()
-    broken: set[str] = set()
+    room = server().max_model_len() - max(prompt_token_counts(case))
+    if case.path == "/v1/completions" and body.get("best_of") is not None:
+        body["best_of"] = body.get("n", 1)
+    length_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    requested = body.get(length_field, DEFAULT_MAX_TOKENS[case.path])
+    if requested is not None and requested > room:
+        body[length_field] = room
+        requested = room
+    allowed = requested if requested is not None else room
+    if body.get("min_tokens", 0) > allowed:
+        body["min_tokens"] = allowed
+
+
+def prompt_token_counts(case) -> list[int]:
+    """Tokens of each prompt of the case, after the chat template for chat."""
+    body = case.body
     if case.path == "/v1/completions":
         prompt = body["prompt"]
         prompts = [prompt] if isinstance(prompt, str) or is_token_id(prompt[0]) else prompt
-        counts = [server.count({"prompt": item}) if isinstance(item, str) else len(item) for item in prompts]
-        prompt_param, length_param = "prompt", "max_tokens"
-        requested = body.get("max_tokens", DEFAULT_MAX_TOKENS[case.path])
-        if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
-            broken.add("best_of")
-    else:
-        broken |= tool_rules(body)
-        if broken:  # the prompt cannot be rendered (nor counted) with them
-            return broken
-        counts = [server.count({"messages": body["messages"], "tools": body.get("tools"),
-                                "add_generation_prompt": body.get("add_generation_prompt", True)})]
-        prompt_param = "messages"
-        if body.get("max_completion_tokens") is not None:
-            length_param, requested = "max_completion_tokens", body["max_completion_tokens"]
-        else:
-            length_param, requested = "max_tokens", body.get("max_tokens")
-    for count in counts:
-        if count >= limit:
-            broken.add(prompt_param)
-        elif requested is not None and count + requested > limit:
-            broken.add(length_param)
-    room = requested if requested is not None else min(limit - count for count in counts)
-    if body.get("min_tokens", 0) > room:
-        broken.add("min_tokens")
-    return broken | broken_structured_outputs_rule(case)
+        return [server().count({"prompt": item}) if isinstance(item, str) else len(item) for item in prompts]
+    return [server().count({"messages": body["messages"], "tools": body.get("tools"),
+                            "add_generation_prompt": body.get("add_generation_prompt", True)})]
 
 
 def broken_structured_outputs_rule(case) -> set[str]:
@@ -141,25 +150,33 @@ def is_token_id(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class Server:
-    """The server that answered ``response``, asked with the same credentials."""
+@functools.lru_cache(maxsize=1)
+def server() -> "Server":
+    return Server(os.environ["TANDEM_CONTRACT_BASE_URL"], os.environ.get("TANDEM_CONTRACT_API_KEY"))
 
-    def __init__(self, response):
-        parts = urlsplit(response.request.url)
-        self.base_url = f"{parts.scheme}://{parts.netloc}"
-        authorization = response.request.headers.get("Authorization")
-        self.headers = {"Authorization": authorization} if authorization else {}
+
+class Server:
+    """The server under test, asked with the run's credentials; answers are remembered."""
+
+    def __init__(self, base_url: str, api_key: str | None):
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.counts: dict[str, int] = {}
+        self._max_model_len: int | None = None
 
     def max_model_len(self) -> int:
-        if self.base_url not in _max_model_len:
+        if self._max_model_len is None:
             models = httpx.get(self.base_url + "/v1/models", headers=self.headers, timeout=30).json()
-            _max_model_len[self.base_url] = models["data"][0]["max_model_len"]
-        return _max_model_len[self.base_url]
+            self._max_model_len = models["data"][0]["max_model_len"]
+        return self._max_model_len
 
     def count(self, body: dict) -> int:
-        answer = httpx.post(self.base_url + "/tokenize", json=body, headers=self.headers, timeout=30)
-        answer.raise_for_status()
-        return answer.json()["count"]
+        key = json.dumps(body, sort_keys=True)
+        if key not in self.counts:
+            answer = httpx.post(self.base_url + "/tokenize", json=body, headers=self.headers, timeout=30)
+            answer.raise_for_status()
+            self.counts[key] = answer.json()["count"]
+        return self.counts[key]
 
 
 @schemathesis.check

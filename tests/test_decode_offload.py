@@ -9,8 +9,10 @@ conversation's next turn.
   every step; once idle, everything is free or cached.
 - Multi-turn conversations per family: every turn equals ``transformers`` on the whole
   conversation; from turn 2 on, the prefill server's store hits written by the decode server
-  cover the pages the previous turn completed while decoding (sliding window: none once the
-  prompt outgrows the window, see README).
+  cover the pages the previous turn completed while decoding.
+- Sliding window past the window (Gemma 3, page 16, window 24): the decode server holds only the
+  window's pages of a long prompt, yet caches and offloads the pages it completes, and the next
+  turn hits them as far as llama's does (64 of a 70-token prompt, 32 of them the decode server's).
 - A decode server's own prefix cache: a prompt whose prefix it holds moves only the rest.
 """
 from __future__ import annotations
@@ -31,10 +33,10 @@ ENGINE = dict(page_size=4, max_total_tokens=512, max_num_seqs=4, max_num_batched
 EXACT = {"deepseek_v32": dict(indexer_cache_dtype="float32")}
 TOKENS = 6  # generated per turn
 PARAMS = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=3)
-# Families whose decode server caches (and offloads) every page it completes. A sliding-window
-# group drops the pages before its window when the state arrives, so its decode server caches
-# nothing once a prompt outgrows the window: still exact, the prefill server recomputes.
-DECODE_HITS = ("llama", "deepseek_v32", "qwen3_next")
+# Families whose decode server caches (and offloads) every page it completes: all of them (a
+# sliding-window group's cache nodes may lack the pages before its window, see
+# kv/managers/sliding_window.py).
+DECODE_HITS = ("llama", "gemma3", "deepseek_v32", "qwen3_next")
 
 
 def offload_pair(model_dir: str, arch: str, store, *, offload: bool = True, **decode_options) -> PDPair:
@@ -150,6 +152,41 @@ def test_multi_turn_conversations_hit_what_the_decode_server_offloaded(arch, mod
         assert pair.decode.stats().tiers.offloaded_pages > 0 or arch not in DECODE_HITS
     finally:
         pair.close()
+
+
+def test_sliding_window_turns_hit_the_pages_the_decode_server_completed(model_dirs, oracles, tmp_path):
+    """The issue's shape: a 45-token prompt (past the window of 24: the decode server receives
+    only the pages from token 22 on), 20 generated tokens, then a 70-token second turn. The
+    decode server completed pages 2 and 3 (tokens 32..63) while decoding; the prefill server's
+    second turn hits 64 tokens, pages 0-1 from its own cache and 2-3 from the decode server's
+    store writes, as llama's does, and both turns equal ``transformers``."""
+    page_size, generated = 16, 20
+    params = SamplingParams(temperature=0.0, max_tokens=generated, ignore_eos=True, logprobs=3)
+    rng = random.Random(27)
+    first = random_tokens(rng, 45)
+    hits = {}
+    for arch in ("llama", "gemma3"):
+        pair = PDPair(model_dirs[arch], prefill_options=dict(disk_cache_dir=str(tmp_path / arch)),
+                      decode_options=dict(disk_cache_dir=str(tmp_path / arch), decode_offload=True),
+                      **{**ENGINE, "page_size": page_size})
+        try:
+            # the decode server binds first, as a server does: the store holds none of the prompt yet
+            pair.submit_destination_first("turn1", first, params)
+            pair.run_until(lambda: pair.finished("turn1"))
+            pair.decode.coordinator.tiers.drain()
+            second = first + pair.tokens("turn1") + random_tokens(rng, 5)
+            before = pair.prefill.stats().prefix_cache_hit_tokens, decode_origin_hits(pair)
+            pair.submit_destination_first("turn2", second, params)
+            pair.run_until(lambda: pair.finished("turn2"))
+            hits[arch] = (pair.prefill.stats().prefix_cache_hit_tokens - before[0],
+                          decode_origin_hits(pair) - before[1])
+            pair.assert_matches("turn1", oracles[arch].greedy(first, generated))
+            pair.assert_matches("turn2", oracles[arch].greedy(second, generated))
+            pair.settle()
+            pair.assert_all_free()
+        finally:
+            pair.close()
+    assert hits["gemma3"] == hits["llama"] == (64, 32), hits
 
 
 def test_decode_offload_between_tensor_parallel_servers(model_dirs, oracles, tmp_path):

@@ -3,8 +3,8 @@
 multi-turn conversations through the routers: every turn equals ``transformers`` on the whole
 conversation, and from turn 2 on the prefill servers report store hits written by the decode
 server covering the pages the previous turn completed while decoding — gemma3 included: its
-decode server's own prefix cache keeps nothing once a prompt outgrows the window (README), but the
-pages it completes while decoding lie inside the window and are offloaded all the same. Then a
+decode server receives only the window's pages of a long prompt, and caches and offloads the pages
+it completes all the same (kv/managers/sliding_window.py: sparse entries before the window). Then a
 decode server is killed while its store writes are in flight: every page file in the store is
 complete and verifies, and the next turn (on a restarted decode server) is exact and hits what it
 wrote. Servers start once per family.

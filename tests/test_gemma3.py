@@ -129,6 +129,27 @@ def test_prefix_hit_takes_only_the_last_window_of_sliding_pages(model_dirs):
     llm.engine.check_all_free()
 
 
+def test_sliding_window_hit_rule_on_hand_built_paths():
+    """A cache path may lack this group's pages (null entries); a hit of ``k`` pages is usable
+    when the pages of the last window before token ``k * page_size`` are all there, and the
+    hit's table keeps those pages only (the entries before them null)."""
+    from types import SimpleNamespace
+
+    from tandem.kv.managers.sliding_window import SlidingWindowManager
+
+    manager = SlidingWindowManager(SimpleNamespace(spec=SimpleNamespace(window=6)), pool=None, page_size=4)
+    N = NULL_PAGE
+    # the sketch in sliding_window.py: page 4, window 6; a hit of k pages reads entries k-2, k-1
+    assert manager.usable_prefix_pages_on_path([N, N, 7, 9, 4]) == 5
+    assert manager.usable_prefix_pages_on_path([N, N, 7, 9, N]) == 4  # 5 needs entry 4
+    assert manager.usable_prefix_pages_on_path([N, N, 7, N, 4]) == 0  # every hit needs a null entry
+    assert manager.usable_prefix_pages_on_path([5, N, N, N]) == 1
+    assert manager.usable_prefix_pages_on_path([N, N, N]) == 0
+    assert manager.usable_prefix_pages_on_path([]) == 0
+    assert manager.hit_page_table([3, 5, 7, 9, 4]) == [N, N, N, 9, 4]
+    assert manager.hit_page_table([3]) == [3]
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_page_sizes(page_size, model_dirs, oracles):
     rng = random.Random(5)

@@ -2,7 +2,7 @@
 references: through Triton's interpreter on CPU with tiny shapes, and on a GPU (``-m gpu``)
 with Llama-3.1-8B attention shapes.
 
-Every cache starts as NaN poison (DESIGN.md I6) and only the slots a query may see are filled,
+Every cache starts as NaN poison (docs/design.md I6) and only the slots a query may see are filled,
 so each comparison also proves that invisible slots (past a sequence's length, before its
 window, null pages) never reach the output; ``out`` starts as NaN too, so every element must
 be written.

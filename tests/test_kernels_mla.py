@@ -2,7 +2,7 @@
 references: through Triton's interpreter on CPU with tiny shapes, and on a GPU (``-m gpu``) with
 DeepSeek-V3 shapes (128 heads, kv_lora_rank 512, rope dim 64).
 
-Every latent cache starts as NaN poison (DESIGN.md I6) and only the slots a row may read are
+Every latent cache starts as NaN poison (docs/design.md I6) and only the slots a row may read are
 filled (dense: its context; sparse: its selected positions), so each comparison also proves
 that nothing else is loaded; ``out`` starts as NaN too, so every element must be written.
 """

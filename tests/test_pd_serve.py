@@ -212,25 +212,85 @@ def test_a_full_decode_pool_holds_requests_back(cluster, colocated):
     assert_idle_and_free(servers["decode_a"], servers["prefill_a"], servers["prefill_b"])
 
 
-@pytest.mark.parametrize("content, words", [(b'{"prompt": "hi", "max_tokens": ', ["malformed JSON"]),
-                                             (b'[1, 2]', ["must be a JSON object"]),
-                                             (b'{"model": "no-such-model", "prompt": "hi"}', ["model", "no-such-model"])])
-def test_router_answers_bad_input_with_a_clear_error(cluster, content, words):
-    """Bad bodies get a 4xx naming the problem before any server sees them; the router keeps routing."""
+JSON = {"Content-Type": "application/json"}
+# (what the client sends, its headers, the param the 400 names, words of the message): each refused
+# by the router itself, before any server sees it
+ROUTER_REFUSES = [
+    (b'{"prompt": "hi", "max_tokens": ', JSON, "body", ["malformed JSON"]),
+    (b'[1, 2]', JSON, "body", ["body: must be a JSON object"]),
+    (b'{"prompt": "\xff"}', JSON, "body", ["UTF-8"]),
+    (b'{"prompt": "hi"}', {"Content-Type": "text/plain"}, "body", ["Content-Type: application/json", "text/plain"]),
+    (b'{"model": "no-such-model", "prompt": "hi"}', JSON, "model", ["no-such-model"]),
+    (b'{"prompt": "hi", "temperature": -1}', JSON, "temperature", [">= 0"]),
+    (b'{"prompt": [], "max_tokens": 2}', JSON, "prompt", ["must not be empty"]),
+    (b'{"prompt": "hi", "n": 2}', JSON, "n", ["n=1"]),
+    (b'{"prompt": "hi", "echo": true, "logprobs": 1}', JSON, "echo", ["prompt logprobs"]),
+]
+
+
+def router_outcomes(router) -> dict[str, float]:
+    return {outcome: router.metric("router_requests_total", f'outcome="{outcome}"')
+            for outcome in ("client_error", "prefill_failed", "decode_failed", "error")}
+
+
+def test_router_answers_client_errors_once(cluster):
+    """Bad requests get the servers' 400 naming the field, once: the router's own checks refuse
+    what it can check before any server sees it; what needs the model (a prompt past the context,
+    a token id outside the vocabulary) reaches the servers, and their 400 comes back as it was.
+    Each counts as outcome="client_error" (never a leg failure) and is logged at info, not as a
+    warning; the router keeps routing, with X-Request-Id on every answer."""
     servers, routers = cluster
-    dispatched = routers["one"].metric("router_backend_dispatched", f'role="decode",url="{servers["decode_a"].base_url}"')
-    response = httpx.post(routers["one"].base_url + "/v1/completions", content=content, timeout=30,
-                          headers={**AUTHORIZATION, "Content-Type": "application/json"})
-    assert 400 <= response.status_code < 500, response.text
-    message = response.json()["error"]["message"]
-    assert all(word in message for word in words), message
-    assert routers["one"].metric("router_backend_dispatched",
-                                 f'role="decode",url="{servers["decode_a"].base_url}"') == dispatched
-    assert response.headers["x-request-id"]  # made by the router
-    answer = client_for(routers["one"]).completions.with_raw_response.create(
+    router, decode = routers["one"], servers["decode_a"]
+
+    def dispatched() -> float:
+        return router.metric("router_backend_dispatched", f'role="decode",url="{decode.base_url}"')
+
+    before, sent = router_outcomes(router), dispatched()
+    for number, (content, headers, param, words) in enumerate(ROUTER_REFUSES):
+        response = httpx.post(router.base_url + "/v1/completions", content=content, timeout=30,
+                              headers={**AUTHORIZATION, **headers, "X-Request-Id": f"bad-{number}"})
+        assert response.status_code in (400, 404), response.text
+        error = response.json()["error"]
+        assert error["param"] == param and all(word in error["message"] for word in words), (content, error)
+        assert response.headers["x-request-id"] == f"bad-{number}"
+    assert dispatched() == sent, "a request the router can check reached a server"
+    # The servers' words for the same bodies (a body that is not an object, a schema bound).
+    for content in (b'[1, 2]', b'{"prompt": "hi", "temperature": -1}'):
+        server_answer = httpx.post(servers["prefill_a"].base_url + "/v1/completions", content=content, timeout=30,
+                                   headers={**AUTHORIZATION, **JSON}).json()["error"]
+        router_answer = httpx.post(router.base_url + "/v1/completions", content=content, timeout=30,
+                                   headers={**AUTHORIZATION, **JSON}).json()["error"]
+        assert router_answer == server_answer
+    passed_through = [({"prompt": "hi " * 5000, "max_tokens": 4}, "prompt"),  # past max_model_len (4096)
+                      ({"prompt": [1, 2, 10 ** 6], "max_tokens": 2}, "prompt")]  # outside the vocabulary
+    for number, (fields, param) in enumerate(passed_through):
+        response = httpx.post(router.base_url + "/v1/completions", json={"model": MODEL_NAME, **fields}, timeout=30,
+                              headers={**AUTHORIZATION, "X-Request-Id": f"server-bad-{number}"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    after = router_outcomes(router)
+    refused = len(ROUTER_REFUSES) + 2 + len(passed_through)
+    assert after == {**before, "client_error": before["client_error"] + refused}, (before, after)
+    log = router.log()
+    assert "request bad-7 refused" in log and "request server-bad-0 refused by the" in log
+    assert not [line for line in log.splitlines() if "WARNING" in line and "bad-" in line]
+    answer = client_for(router).completions.with_raw_response.create(
         model=MODEL_NAME, prompt="Hi", max_tokens=2, **GREEDY, extra_headers={"X-Request-Id": "client-7"})
     assert answer.headers["x-request-id"] == "client-7"
     assert len(answer.parse().choices[0].model_dump()["token_ids"]) == 2
+    assert_idle_and_free(decode, servers["prefill_a"])
+    assert_series_documented(router, decode, servers["prefill_a"])
+
+
+def assert_series_documented(*processes) -> None:
+    """Every series a router or a PD server exposes is in the metrics reference; no ``_created``."""
+    from tests.docs_blocks import ROOT
+
+    reference = (ROOT / "docs" / "metrics.md").read_text()
+    for process in processes:
+        text = httpx.get(process.base_url + "/metrics", headers=AUTHORIZATION, timeout=10).text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("tandem:")}
+        assert names and not [name for name in names if name.endswith("_created")], process.base_url
+        assert not [name for name in names if f"`{name}`" not in reference], (process.base_url, names)
 
 
 def test_client_disconnect_mid_stream(cluster):

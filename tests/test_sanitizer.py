@@ -1,5 +1,5 @@
 """Sanitizer tests that fail on purpose: a leaked page, a read of a freed page and a double
-free are each caught (DESIGN.md I2, I5, I6)."""
+free are each caught (docs/design.md I2, I5, I6)."""
 from __future__ import annotations
 
 import pytest

@@ -88,6 +88,11 @@ CASES = [
     ("missing API key", "/v1/completions", completion(), {}, 401, None, ["API key"]),
     ("wrong API key", "/v1/chat/completions", chat(), {"Authorization": "Bearer wrong"}, 401, None, []),
     ("models without API key", "/v1/models", None, {}, 401, None, []),
+    ("empty prompt list", "/v1/completions", completion(prompt=[]), AUTH, 400, "prompt", ["prompt: must not be empty"]),
+    ("empty token list in a batch", "/v1/completions", completion(prompt=[[]]), AUTH, 400, "prompt",
+     ["prompt[0]: must not be empty"]),
+    ("body not an object", "/v1/completions", b"[1, 2]", AUTH, 400, "body", ["body: must be a JSON object"]),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', AUTH, 400, "body", ["UTF-8", "0xff"]),
     ("detokenize outside vocabulary", "/detokenize", {"tokens": [1, 100000]}, AUTH, 400, "tokens", []),
     ("tokenize nothing", "/tokenize", {}, AUTH, 400, "prompt", []),
 ]
@@ -108,6 +113,28 @@ def test_bad_input(server, name, path, body, headers, status, param, words):
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_json_without_its_content_type_is_named(server, content_type):
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    response = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                          headers=headers, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "body" and "Content-Type: application/json" in error["message"], error
+    assert (repr(content_type) if content_type else "got none") in error["message"], error
+
+
+def test_prompt_longer_than_the_tokenizer_limit_is_our_error_not_a_warning(server):
+    """The checkpoint's tokenizer says 4096 tokens; a longer prompt gets the server's own 400
+    naming the context length, and transformers' "Token indices sequence length" warning stays
+    out of the log."""
+    response = httpx.post(server.base_url + "/v1/completions", json=completion("hello " * 5000, max_tokens=1),
+                          headers=AUTH, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert str(MAX_MODEL_LEN) in response.json()["error"]["message"]
+    assert "Token indices" not in server.log()
 
 
 def test_request_id_is_echoed(server):
@@ -218,3 +245,35 @@ def test_server_healthy_and_idle_after_everything(server):
     assert server.wait_for_metric("kv_pages_used", 0) == 0
     assert server.metric("num_requests_running") == 0
     assert server.metric("kv_pages_total") > 0
+
+
+def test_documented_requests_run_against_a_live_server(server):
+    """Every curl body of the README and the docs, and the README's OpenAI-client example, run
+    against a live server (its model name and API key swapped in): the documented requests are
+    requests this server answers with 200."""
+    from tests.docs_blocks import ROOT, blocks, curl_calls
+
+    for call in curl_calls():
+        if call.body is None:
+            continue
+        response = httpx.post(server.base_url + call.path, json={**call.body, "model": "fake"}, headers=AUTH,
+                              timeout=60)
+        assert response.status_code == 200, (call.source.name, call.body, response.text)
+    (readme_client,) = [text for path, text in blocks("python")
+                        if path == ROOT / "README.md" and "OpenAI(base_url=" in text]
+    code = (readme_client.replace('"http://localhost:8000/v1"', repr(server.base_url + "/v1"))
+            .replace('api_key="unused"', f'api_key="{API_KEY}"').replace('model="demo"', 'model="fake"'))
+    assert code != readme_client
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_every_series_the_server_exposes_is_documented(server):
+    """Each series on a live server's /metrics is in the metrics reference; no ``_created`` series."""
+    from tests.docs_blocks import ROOT
+
+    reference = (ROOT / "docs" / "metrics.md").read_text()
+    names = {line.split("{")[0].split(" ")[0] for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+             if line.startswith("tandem:")}
+    assert len(names) >= 15
+    assert not [name for name in names if name.endswith("_created")]
+    assert not [name for name in names if f"`{name}`" not in reference]

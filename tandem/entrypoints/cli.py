@@ -16,8 +16,8 @@ from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CAC
                            KV_CACHE_DTYPE_CHOICES, KV_CACHE_LAYOUT_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
                            QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES,
                            SPECULATIVE_METHOD_CHOICES, EngineConfig)
+from tandem.entrypoints.model_choice import DEMO_MODEL_NAME
 
-DEMO_MODEL_NAME = "demo"
 DEFAULT_CORE_CLASS = "tandem.engine.core:EngineCore"
 logger = logging.getLogger("tandem")
 
@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and engine")
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory (config.json, safetensors, tokenizer files). "
-                            "Default: the built-in tiny demo model, built once into $TANDEM_CACHE_DIR "
+                            "Default (or 'demo'): the built-in tiny demo model, built once into $TANDEM_CACHE_DIR "
                             "(default ~/.cache/tandem).")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -139,18 +139,12 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
 
 def resolve_model(arguments: argparse.Namespace) -> tuple[str, bool]:
     """The model directory to use, and whether it is the built-in demo model (built on first use)."""
-    if arguments.model is not None:
-        if not os.path.isdir(arguments.model):
-            raise SystemExit(f"tandem: --model {arguments.model!r} is not a directory (a Hugging Face model "
-                             "directory is expected; nothing is downloaded)")
-        return arguments.model, False
-    logger.warning("no --model given: using the built-in tiny demo model (random weights, so its text is "
-                   "gibberish), built once into the cache directory ($TANDEM_CACHE_DIR, default ~/.cache/tandem)")
-    from tandem.tools.demo_model import ensure_demo_model
+    from tandem.entrypoints.model_choice import resolve_model as resolve_model_path
 
-    path = str(ensure_demo_model())
-    logger.info("demo model: %s", path)
-    return path, True
+    try:
+        return resolve_model_path(arguments.model)
+    except ValueError as error:
+        raise SystemExit(f"tandem: {error}") from None
 
 
 def add_serve_parser(subparsers) -> None:

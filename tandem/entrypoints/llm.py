@@ -19,9 +19,13 @@ PromptType = Union[str, list[int], dict]
 
 
 class LLM:
-    def __init__(self, model: str, tokenizer: Optional[str] = None, **engine_options) -> None:
+    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, **engine_options) -> None:
+        """``model``: a Hugging Face model directory; none (or ``"demo"``): the built-in tiny
+        demo model, as ``tandem serve`` uses without ``--model``."""
+        from tandem.entrypoints.model_choice import resolve_model
         from tandem.frontend.tokenizer import load_tokenizer
 
+        model, _ = resolve_model(model, flag="model")
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(tokenizer or model)

@@ -4,16 +4,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
+UNLIMITED_LENGTH = int(1e30)  # what transformers itself sets for a tokenizer without a limit
+
 
 def load_tokenizer(path: Union[str, Path]):
     """Return the fast (Rust-backed) tokenizer stored in the model directory ``path``.
 
-    Only local files are read. Raises ``OSError`` when the directory holds no tokenizer.
+    Only local files are read. Raises ``OSError`` when the directory holds no tokenizer. Its
+    ``model_max_length`` is lifted: tandem checks lengths itself (``max_model_len``, an error
+    naming the field) and never truncates, so the checkpoint's value would only make
+    ``transformers`` log a warning about long prompts.
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), use_fast=True, local_files_only=True,
-                                         trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), use_fast=True, local_files_only=True,
+                                              trust_remote_code=False)
+    tokenizer.model_max_length = UNLIMITED_LENGTH
+    return tokenizer
 
 
 def eos_token_ids(tokenizer) -> list[int]:

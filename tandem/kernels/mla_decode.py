@@ -23,7 +23,7 @@ positions at or past the row's context length are skipped; listed positions must
 
 A row with ``context_length == 0`` is padding: it reads nothing and its output is zeros. Slots a
 row cannot see (past its length, unselected, null pages) are never loaded, so NaN poison there
-(sanitizer mode, DESIGN.md I6) never reaches the output; a NaN in a visible slot does. No host
+(sanitizer mode, docs/design.md I6) never reaches the output; a NaN in a visible slot does. No host
 synchronisation and only shape-dependent temporaries: capturable in a CUDA graph.
 """
 from __future__ import annotations

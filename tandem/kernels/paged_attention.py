@@ -15,7 +15,7 @@ Visibility: a query at position ``q`` sees key positions ``k <= q`` and, with a 
 only ``k > q - window`` (transformers' sliding-window mask). ``softcap`` turns a scaled score
 ``s`` into ``softcap * tanh(s / softcap)`` before masking.
 
-Sanitizer contract (DESIGN.md I6): slots a query cannot see (past the sequence's length,
+Sanitizer contract (docs/design.md I6): slots a query cannot see (past the sequence's length,
 before its window, whole null pages) may hold NaN poison. The kernels never load them (masked
 loads fill zeros) and mask their scores to -inf, so they never reach the output. A NaN in a
 visible slot is a stale read and propagates to the output.

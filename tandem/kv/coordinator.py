@@ -309,7 +309,7 @@ class StateCoordinator:
                    for manager, table in zip(self.managers, state.page_tables)]
         remote_pages = state.remote_tokens // self.page_size
         for entry, manager in zip(entries, self.managers):
-            if manager.sparse_prefix_entries:  # a transfer brought the state, not these entries
+            if not manager.caches_transferred_entries:  # a transfer brought the state, not these entries
                 entry[:remote_pages] = [NULL_PAGE] * len(entry[:remote_pages])
         # Insert only pages the sequence still holds in every group: a node never holds null,
         # except in groups whose entries are sparse by design (recurrent checkpoints).

@@ -1,4 +1,4 @@
-"""Sanitizer mode (DESIGN.md I5, I6): poison freed pages, balance the books after every step,
+"""Sanitizer mode (docs/design.md I5, I6): poison freed pages, balance the books after every step,
 check owner tags on gather, and prove everything is free once idle.
 
 Owner: the coordinator creates one; it is a no-op when disabled except for the checks that

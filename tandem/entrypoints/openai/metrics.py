@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tandem.protocol import EngineStats
@@ -18,6 +18,13 @@ PREFIX = "tandem:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry for one server's or router's series, without ``*_created`` series (a process-wide
+    prometheus_client setting: no tandem process exposes them; scrapers record series' starts)."""
+    disable_created_metrics()
+    return CollectorRegistry(auto_describe=True)
 
 
 class EngineStatsCollector:
@@ -220,7 +227,7 @@ class ServerMetrics:
     """All series of one server; also the engine client's request observer."""
 
     def __init__(self, read_stats: Callable[[], EngineStats]):
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         self.requests = Counter(PREFIX + "requests", "Requests by outcome (finish reason, abort, error, rejected).",
                                 ["outcome"], registry=self.registry)
         for outcome in REQUEST_OUTCOMES:

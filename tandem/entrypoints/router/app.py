@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,6 +14,7 @@ from tandem.entrypoints.openai.app import api_key_checker
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from tandem.entrypoints.openai.request_id import RequestIdMiddleware
 from tandem.entrypoints.router.routing import Router
+from tandem.entrypoints.router.validation import read_request
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -26,11 +26,10 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(path: str, request: Request) -> Response:
         arrival = time.perf_counter()
         try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError as error:
-            raise OpenAIError(400, f"malformed JSON body: {error}", "body") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "body: must be a JSON object", "body")
+            body = read_request(path, await request.body(), request.headers.get("content-type"))
+        except OpenAIError as error:
+            router.count_client_error(request, error.message)
+            raise
         return await router.dispatch(path, body, request, arrival)
 
     @app.post("/v1/completions", dependencies=authorized)

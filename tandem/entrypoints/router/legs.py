@@ -55,6 +55,16 @@ class LegFailed(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=headers)
 
 
+def is_client_error(status: int) -> bool:
+    """A 4xx: the request's own fault (a 499 is the client leaving, not an error of its request)."""
+    return 400 <= status < 500 and status != 499
+
+
+def failure_outcome(role: str, status: int) -> str:
+    """The ``tandem:router_requests_total`` outcome of a request whose ``role`` leg answered ``status``."""
+    return "client_error" if is_client_error(status) else f"{role}_failed"
+
+
 def unreachable_error(role: str, backend: Backend, error: BaseException) -> LegFailed:
     """The leg's server failed at the connection level; connect errors mean it never got the request."""
     return LegFailed(502, error_body(502, f"the {role} server {backend.url} failed: {type(error).__name__}: {error}"),
@@ -140,9 +150,14 @@ class Legs:
                             retry_after=response.retry_after)
         return response
 
-    def log_failure(self, role: str, body: dict) -> None:
-        """One line per failed request: its id, its room (the servers' logs name rooms), both servers."""
+    def log_failure(self, role: str, body: dict, status: int = 500) -> None:
+        """One line per failed request: its id, its room (the servers' logs name rooms), both
+        servers; at info for a client error (the request's fault, answered as the server did)."""
         message = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
+        if is_client_error(status):
+            logger.info("request %s refused by the %s server %s (room %s): %s", self.request_id, role,
+                        self.prefill.url if role == "prefill" else self.decode.url, self.room, message)
+            return
         logger.warning("request %s failed on the %s leg (room %s, prefill %s, decode %s): %s", self.request_id, role,
                        self.room, self.prefill.url, self.decode.url, message)
 
@@ -178,8 +193,8 @@ class Legs:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done and prefill_task.exception() is not None and read_task in pending:
                     failure = prefill_task.exception()
-                    self.router.requests.labels(outcome="prefill_failed").inc()
-                    self.log_failure("prefill", failure.body)
+                    self.router.requests.labels(outcome=failure_outcome("prefill", failure.status)).inc()
+                    self.log_failure("prefill", failure.body, failure.status)
                     return failure.response()
             try:
                 content = read_task.result()
@@ -233,8 +248,9 @@ class Legs:
                 waiting = {next_event} if prefill_task.done() else {next_event, prefill_task}
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done and prefill_task.exception() is not None and not next_event.done():
-                    outcome = "prefill_failed"
-                    self.log_failure("prefill", prefill_task.exception().body)
+                    failure = prefill_task.exception()
+                    outcome = failure_outcome("prefill", failure.status)
+                    self.log_failure("prefill", failure.body, failure.status)
                     yield sse_event(prefill_task.exception().body)
                     yield SSE_DONE
                     return

@@ -12,6 +12,10 @@ with ``Retry-After`` (a busy server's own advice when it answered last). A strea
 committed at the decode leg's first event, so failures before it (the prefill leg's too) keep
 their own status and may be retried. Calls to the servers carry the server API key when one is
 set.
+
+Client errors are answered once: the router checks the body before sending it
+(``validation.py``), and a leg a server answers with a 4xx (a rule that needs the model) ends both
+legs and goes back to the client as it came, counted as ``client_error`` and logged at info.
 """
 from __future__ import annotations
 
@@ -23,23 +27,26 @@ from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.metrics import new_registry
 from tandem.entrypoints.openai.request_id import request_id_of
 from tandem.entrypoints.openai.serving import run_until_disconnected, streaming_response
 from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key, conversation_keys
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
 from tandem.entrypoints.router.http import HttpClient
-from tandem.entrypoints.router.legs import LegFailed, Legs
+from tandem.entrypoints.router.legs import LegFailed, Legs, failure_outcome
 from tandem.transfer.messages import new_room
 
 logger = logging.getLogger("tandem.router")
 POLICIES = ("least-loaded", "round-robin")
 MAX_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 2
-OUTCOMES = ("ok", "error", "prefill_failed", "decode_failed", "disconnected")
+# client_error: the request itself was at fault (a 4xx, from the router's own checks or passed
+# through from a server); the others are the router's and the servers' own failures.
+OUTCOMES = ("ok", "client_error", "error", "prefill_failed", "decode_failed", "disconnected")
 
 
 FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -64,7 +71,7 @@ class Router:
         self.client = client or HttpClient(headers)
         self.monitor = BackendMonitor(self.backends, self.client, health_interval)
         self.pools: dict[str, ModelPool] = {}
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         self.requests = Counter("tandem:router_requests", "Requests by outcome.", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
@@ -137,11 +144,21 @@ class Router:
         return backend
 
     # -- dispatching -----------------------------------------------------------------------------------
+    def count_client_error(self, request: Request, message: str) -> None:
+        """A request refused for its own fault: counted apart from failures, logged at info."""
+        self.requests.labels(outcome="client_error").inc()
+        logger.info("request %s refused: %s", request_id_of(request.scope), message)
+
     async def dispatch(self, path: str, body: dict, request: Request, arrival: Optional[float] = None) -> Response:
         """Both legs of one request (``arrival``: its ``time.perf_counter()`` at the router)."""
         arrival = arrival if arrival is not None else time.perf_counter()
         request_id = request_id_of(request.scope)
-        pool = self.pool_for(body.get("model"))
+        try:
+            pool = self.pool_for(body.get("model"))
+        except OpenAIError as error:
+            if error.status_code < 500:
+                self.count_client_error(request, error.message)
+            raise
         busy: frozenset = frozenset()  # servers that turned this request away (503)
         prefill = decode = None  # a retry picks again only the leg that failed
         for attempt in range(MAX_ATTEMPTS):
@@ -174,8 +191,8 @@ class Router:
                     else:
                         decode = None
                     continue  # that server is unhealthy now, or busy: pick again
-                self.requests.labels(outcome="decode_failed" if role == "decode" else "prefill_failed").inc()
-                legs.log_failure(role, failure.body)
+                self.requests.labels(outcome=failure_outcome(role, failure.status)).inc()
+                legs.log_failure(role, failure.body, failure.status)
                 return failure.response()
             except BaseException as error:
                 await legs.cancel(prefill_task)

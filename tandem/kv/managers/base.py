@@ -38,6 +38,10 @@ class StateManager:
     # ``usable_prefix_pages_on_path`` allows, and under page pressure the coordinator may drop
     # a node's page of this group (least recently used first) while keeping the node.
     sparse_prefix_entries: bool = False
+    # Whether the entries a PD transfer filled may be cached like computed ones. A sparse group
+    # whose entries are not per-token pages (a recurrent checkpoint) says no: the transfer
+    # brought the state at the prompt's end, not the checkpoints the cache would name.
+    caches_transferred_entries: bool = True
     # Set by the coordinator: whether a prefix cache exists.
     prefix_caching: bool = False
 

@@ -42,6 +42,7 @@ WORKING, CHECKPOINT = 0, 1
 
 class RecurrentManager(StateManager):
     sparse_prefix_entries = True
+    caches_transferred_entries = False
 
     def _slots_per_sequence(self) -> int:
         return 2 if self.prefix_caching else 1

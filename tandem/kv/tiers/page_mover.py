@@ -1,7 +1,7 @@
 """The tier mover: copies pages of every registry buffer between the device pools and the host
 tier's blocks, on the tier stream.
 
-It knows groups, pages and byte ranges only (DESIGN.md, state system point 4): a group's host
+It knows groups, pages and byte ranges only (docs/design.md, state system point 4): a group's host
 block is its buffers' pages one after another (``GroupLayout``); buffers that continue on both
 sides (a page-major device pool) move in one copy (``Span``). Saves (device → host) go in one
 submission; loads (host → device) go layer by layer in the model's order, each layer's
