@@ -79,7 +79,7 @@ SECTIONS = (
 
 def metric_families() -> dict[str, list]:
     """Section -> the metric families it adds, read from the registries themselves."""
-    from tandem.engine.protocol import EngineStats, HistogramSnapshot, SpeculationStats, TierStats, TransferStats
+    from tandem.protocol import EngineStats, HistogramSnapshot, SpeculationStats, TierStats, TransferStats
     from tandem.entrypoints.openai.metrics import ServerMetrics
     from tandem.entrypoints.router.routing import Router
 

@@ -17,7 +17,7 @@ import jsonschema  # noqa: E402
 import pytest  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
-from tandem.engine.protocol import EngineRequest, TransferParams  # noqa: E402
+from tandem.protocol import EngineRequest, TransferParams  # noqa: E402
 from tandem.sampling_params import StructuredOutputsParams  # noqa: E402
 from tandem.transfer.messages import new_room  # noqa: E402
 from tests.pd_helpers import PDPair  # noqa: E402

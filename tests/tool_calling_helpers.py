@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import httpx
 import openai
 
-from tandem.engine.protocol import EngineStats, RequestDelta
+from tandem.protocol import EngineStats, RequestDelta
 from tandem.entrypoints.openai.app import create_app
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ServerState

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence as Sequences
 
 import torch
 
-from tandem.engine.protocol import StructuredOutputsStats
+from tandem.protocol import StructuredOutputsStats
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.scheduler.sequence import Sequence
 from tandem.structured.bitmask import allow_all, fill_bitmask
