@@ -26,6 +26,7 @@ class LaunchedStep:
     host: Optional[HostSamplerOutput] = None  # its copy to the host, in flight
     held: list[Sequence] = field(default_factory=list)
     computed: bool = False  # the scheduler has booked its chunks as computed
+    started: float = 0.0  # time.perf_counter() when the step began to be scheduled
     _members: Optional[set[int]] = field(default=None, repr=False)  # ids, built on first use
 
     def includes(self, sequence: Sequence) -> bool:
