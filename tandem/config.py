@@ -110,8 +110,8 @@ class EngineConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               f"must be >= 1, got {self.max_num_batched_tokens}")
-        require(self.max_itl_ms is None or self.max_itl_ms > 0, "max_itl_ms",
-                f"must be > 0 milliseconds, got {self.max_itl_ms}")
+        require(self.max_itl_ms is None or 0 < self.max_itl_ms < float("inf"), "max_itl_ms",
+                f"must be a finite number of milliseconds > 0, got {self.max_itl_ms}")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.cuda_graph_sizes is None or all(size >= 1 for size in self.cuda_graph_sizes),

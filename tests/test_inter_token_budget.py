@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.entrypoints.cli import build_parser
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, plan_pools
 from tandem.kv.registry import StateRegistry
@@ -61,8 +63,14 @@ def test_prefill_allowance():
     assert budget.prefill_tokens(num_decode_tokens=20, token_budget=32) == 32
     # the decodes alone are over the target: prefill still gets one page
     assert budget.prefill_tokens(num_decode_tokens=500, token_budget=512) == PAGE_SIZE
-    with pytest.raises(ValueError, match="max_itl_ms"):
-        InterTokenBudget(0.0, PAGE_SIZE)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_itl_ms"):
+            InterTokenBudget(bad, PAGE_SIZE)
+        with pytest.raises(ValueError, match="max_itl_ms"):
+            EngineConfig(model="unused", max_itl_ms=bad)
+    with pytest.raises(SystemExit):  # the serve flag: argparse names it
+        build_parser().parse_args(["serve", "--max-itl-ms", "0"])
+    assert build_parser().parse_args(["serve", "--max-itl-ms", "25"]).max_itl_ms == 25.0
 
 
 def make_scheduler(max_itl_ms, max_num_batched_tokens: int = 512) -> Scheduler:

@@ -48,7 +48,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most sequences running at once (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="most tokens computed in one step (default: %(default)s)")
-    group.add_argument("--max-itl-ms", type=float, default=None, metavar="MS",
+    group.add_argument("--max-itl-ms", type=positive_milliseconds, default=None, metavar="MS",
                        help="inter-token gap target for running decodes: a step with running decodes takes only "
                             "as many prefill tokens as keep its predicted time (learnt online from step times) "
                             "within MS milliseconds, at least one page; prefill takes what is left (default: "
@@ -109,6 +109,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="swap: a preempted request's state goes to the host tier and comes back; "
                             "recompute: it is recomputed (default: swap with a host tier, else recompute; "
                             "recompute also when the host tier is full)")
+
+
+def positive_milliseconds(text: str) -> float:
+    """A duration flag in milliseconds: a number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds > 0, got {text}")
+    return value
 
 
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:

@@ -89,8 +89,9 @@ class InterTokenBudget:
     ``max_itl_seconds`` (the scheduler asks once per step)."""
 
     def __init__(self, max_itl_seconds: float, min_prefill_tokens: int) -> None:
-        if max_itl_seconds <= 0:
-            raise ValueError(f"max_itl_ms: must be > 0, got {max_itl_seconds * 1e3:g}")
+        if not 0 < max_itl_seconds < float("inf"):
+            raise ValueError("max_itl_ms: must be a finite number of milliseconds > 0, "
+                             f"got {max_itl_seconds * 1e3:g}")
         self.max_itl_seconds = max_itl_seconds
         self.min_prefill_tokens = max(1, min_prefill_tokens)
         self.model = StepTimeModel()
