@@ -1,7 +1,7 @@
 """The router's HTTP face: the OpenAI generation routes (forwarded as two legs, or whole to one
 colocated server, ``routing.py``), ``/v1/models``, ``/health`` (from the health monitor's view:
-503 while a role has no healthy server) and ``/metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
-exactly as on ``tandem serve``."""
+503 while a role has no healthy server) and ``/metrics``. With an API key, the ``/v1`` routes
+need ``Authorization: Bearer KEY`` exactly as on ``tandem serve``."""
 from __future__ import annotations
 
 import time
