@@ -189,9 +189,12 @@ def run_capped_engine(model_dir, oracle, **options) -> tuple[list, list]:
     return steps, measured
 
 
-def test_engine_stays_exact_with_the_cap_on(model_dirs, oracles):
-    """The cap changes chunking only: tokens and logprobs still match transformers."""
-    steps, measured = run_capped_engine(model_dirs["llama"], oracles["llama"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["one-step", "overlapped"])
+def test_engine_stays_exact_with_the_cap_on(overlapped, model_dirs, oracles):
+    """The cap changes chunking only: tokens and logprobs still match transformers, with the
+    plain loop and with the overlapped one (step N+1 scheduled before step N is read back, as on
+    CUDA)."""
+    steps, measured = run_capped_engine(model_dirs["llama"], oracles["llama"], async_scheduling=overlapped)
     assert [tokens for tokens, _ in measured] == [tokens for _, _, tokens in steps]  # every step, timed
 
 
