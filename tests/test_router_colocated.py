@@ -17,6 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tandem.entrypoints.router.backends import Backend, BackendMonitor, RouterSetupError
 from tandem.entrypoints.router.cli import add_router_parser, check_servers
 from benchmarks.stand_ins import stand_in_app
 from tests.pd_helpers import BalancingRouterProcess, start_all
@@ -179,3 +180,16 @@ def test_server_flags_exclude_pd_flags(flags, message):
         check_servers(parse(*flags))
     check_servers(parse("--server", "http://a", "http://b"))
     check_servers(parse("--prefill", "http://a", "--decode", "http://b"))
+
+
+def test_a_server_of_the_other_kind_is_named_at_start_up():
+    """A colocated server given as a PD leg, or a PD server given as --server, stops the router at
+    start with the flag it belongs under."""
+    monitor = BackendMonitor([], client=None)
+    with pytest.raises(RouterSetupError, match="runs with role 'colocated'.*as --server"):
+        monitor.apply_info(Backend("http://a", "prefill"), {"role": "colocated", "served_model_names": ["m"]})
+    with pytest.raises(RouterSetupError, match="runs with role 'decode'.*as --decode"):
+        monitor.apply_info(Backend("http://a", "colocated"), {"role": "decode", "served_model_names": ["m"]})
+    server = Backend("http://a", "colocated")
+    monitor.apply_info(server, {"role": "colocated", "served_model_names": ["m"]})  # no layout: nothing to agree on
+    assert server.model_names == ["m"] and server.layout is None
