@@ -312,6 +312,8 @@ def engine_options(arguments: argparse.Namespace) -> dict:
                "load_format": arguments.load_format}
     if arguments.max_total_tokens is not None:
         options["max_total_tokens"] = arguments.max_total_tokens
+    if arguments.max_itl_ms is not None:
+        options["max_itl_ms"] = arguments.max_itl_ms
     return options
 
 
@@ -355,6 +357,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-itl-ms", type=float, default=None,
+                        help="the server's (and the offline run's) inter-token gap target (tandem serve --max-itl-ms)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                         help="off by default so that repeated prompts do not turn into cache hits")
     parser.add_argument("--dtype", default="auto")

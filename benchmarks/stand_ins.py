@@ -1,4 +1,4 @@
-"""Stand-in PD servers: HTTP apps that answer as a prefill or a decode server would (``/pd/info``,
+"""Stand-in servers: HTTP apps that answer as a prefill, decode or colocated server would (``/pd/info``,
 ``/health``, ``/v1/models``, ``POST /v1/completions``) with no engine behind them, for measuring
 and testing the router alone. Each waits ``answer_seconds`` before answering; one made ``busy``
 turns every generation request away with 503 and ``Retry-After`` as a server whose queue is full
@@ -6,6 +6,7 @@ does. Each answer names the server (``system_fingerprint``), so a test can see w
 ``/served`` counts the generation requests it served.
 
     python benchmarks/stand_ins.py ROLE PORT [--answer-ms MS] [--token-ms MS] [--busy]
+        (ROLE: prefill, decode or colocated)
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def stand_in_app(role: str, answer_seconds: float = 0.0, busy: bool = False, nam
 
     @app.get("/pd/info")
     async def info():
+        if role == "colocated":
+            return {"role": role, "served_model_names": [MODEL]}
         return {"role": role, "backend": "nixl", "bootstrap_address": "tcp://127.0.0.1:1", "layout": LAYOUT,
                 "served_model_names": [MODEL]}
 
@@ -74,7 +77,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("role", choices=("prefill", "decode"))
+    parser.add_argument("role", choices=("prefill", "decode", "colocated"))
     parser.add_argument("port", type=int)
     parser.add_argument("--answer-ms", type=float, default=0.0)
     parser.add_argument("--token-ms", type=float, default=0.0, help="between streamed tokens")

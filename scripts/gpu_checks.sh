@@ -14,6 +14,10 @@
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, TP=2 vs TP=1 decode at batch 64
 #   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
+#   bash scripts/gpu_checks.sh itl-slo      # one GPU: --max-itl-ms test; ITL at concurrency 16 with and without it
+#   bash scripts/gpu_checks.sh goodput-colocated  # two GPUs: goodput of two colocated replicas behind the router
+#   bash scripts/gpu_checks.sh goodput-slo  # the same with --max-itl-ms 25
+#   bash scripts/gpu_checks.sh goodput-pd   # two GPUs: goodput of 1P1D behind the router
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -77,6 +81,21 @@ for part in "${@:-tests}"; do
         done ;;
     structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_structured_gpu.py
                 run structured python3 benchmarks/structured.py --shape llama3-8b ;;
+    itl-slo) run itl_slo_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_inter_token_budget.py
+             model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir_for; \
+print(model_dir_for('llama3-8b', 'dummy'))")
+             for target in none 25; do
+               flags=(); [ "$target" = none ] || flags=(--max-itl-ms "$target")
+               run "serve_c16_itl_$target" python3 benchmarks/serve.py --model "$model" --load-format dummy \
+                 --dtype bfloat16 --input-len 2048 --output-len 256 --concurrency 16 --requests-per-level 96 \
+                 --no-offline "${flags[@]}"
+             done ;;
+    goodput-colocated) run goodput_colocated2 python3 benchmarks/goodput_deployments.py --deployment colocated:2 \
+                         --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
+    goodput-slo) run goodput_colocated2_itl25 python3 benchmarks/goodput_deployments.py --deployment colocated:2 \
+                   --max-itl-ms 25 --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
+    goodput-pd) run goodput_1p1d python3 benchmarks/goodput_deployments.py --deployment 1p1d \
+                  --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

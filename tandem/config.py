@@ -79,6 +79,10 @@ class EngineConfig:
     preemption_mode: Optional[str] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # SLO-aware chunked prefill: in a step with running decodes, prefill takes only as many tokens
+    # as keep the predicted step time (the decodes' inter-token gap) within this many
+    # milliseconds (scheduler/step_time.py); None: prefill takes the whole token budget.
+    max_itl_ms: Optional[float] = None
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     # CUDA graphs for decode steps (CUDA only): off with enforce_eager; captured at these batch
     # sizes (None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs, see worker/cuda_graphs.py).
@@ -129,6 +133,8 @@ class EngineConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               f"must be >= 1, got {self.max_num_batched_tokens}")
+        require(self.max_itl_ms is None or 0 < self.max_itl_ms < float("inf"), "max_itl_ms",
+                f"must be a finite number of milliseconds > 0, got {self.max_itl_ms}")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.cuda_graph_sizes is None or all(size >= 1 for size in self.cuda_graph_sizes),

@@ -150,6 +150,16 @@ class RouterProcess(ServerProcess):
                           *extra]
 
 
+class BalancingRouterProcess(ServerProcess):
+    """``tandem router --server URL...`` (load balancing over colocated servers) as a child
+    process; ready once it has read every server's /pd/info."""
+    ready_path = "/health"
+    kind = "router"
+
+    def __init__(self, server_urls: list[str], log_path: Path, extra: tuple = (), environment: Optional[dict] = None):
+        super().__init__([], log_path, environment)
+        self.arguments = ["router", "--port", str(self.port), "--server", *server_urls, *extra]
+
 
 def start_all(processes: list[ServerProcess], timeout: float = 180.0) -> None:
     """Start servers concurrently (their start-up overlaps), then wait for each to be healthy."""
@@ -181,4 +191,5 @@ def wait_for(condition: Callable[[], bool], timeout: float, message: str) -> Non
         time.sleep(0.1)
 
 
-__all__ = ["GREEDY", "PDPair", "RouterProcess", "ServerProcess", "free_port", "serve_flags", "start_all", "wait_for"]
+__all__ = ["GREEDY", "BalancingRouterProcess", "PDPair", "RouterProcess", "ServerProcess", "free_port", "serve_flags",
+           "start_all", "wait_for"]

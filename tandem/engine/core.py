@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -69,7 +70,7 @@ class EngineCore:
             self.coordinator.attach_tiers(tiers)
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   preemption_mode=config.resolved_preemption_mode)
+                                   preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
         self.runner = ModelRunner(self.model, self.coordinator, self.device)
         if self.parallel is not None:
             self.parallel.attach(self.coordinator, self.runner)
@@ -88,6 +89,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
+        self._last_read_back = 0.0  # time.perf_counter() when the last step's tokens were read back
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -239,6 +241,7 @@ class EngineCore:
         if self.speculator is not None:
             return self.speculator.run_step()
         previous = self._in_flight
+        started = time.perf_counter()
         output = self.scheduler.schedule(allow_preemption=previous is None)
         if previous is not None and (output is None or not self._can_overlap(output)):
             self._in_flight = None
@@ -246,7 +249,7 @@ class EngineCore:
             self._check_books()
             return deltas
         deltas: list[RequestDelta] = []
-        current = self._launch(output.chunks, previous) if output.chunks else None
+        current = self._launch(output.chunks, previous, started) if output.chunks else None
         if isinstance(current, list):  # the forward pass failed: its sequences ended
             current, deltas = None, current
         if previous is not None:
@@ -279,7 +282,7 @@ class EngineCore:
         return not any(chunk.sequence.pending_forks or chunk.sequence.params.uses_penalties
                        for chunk in output.chunks)
 
-    def _launch(self, chunks, previous: Optional["LaunchedStep"]):
+    def _launch(self, chunks, previous: Optional["LaunchedStep"], started: float = 0.0):
         """Run the forward pass and the sampler (on the device, not waited for); each sampled
         sequence gets a pending token. Returns the launched step, or the error deltas."""
         pending = previous.pending_tokens() if previous is not None else None
@@ -290,7 +293,7 @@ class EngineCore:
         except Exception as error:  # a failed forward ends its sequences, not the engine
             logger.exception("forward pass failed")
             return self._fail(chunks, f"{type(error).__name__}: {error}")
-        step = LaunchedStep(chunks=chunks, prompt_logprobs=result.prompt_logprobs)
+        step = LaunchedStep(chunks=chunks, prompt_logprobs=result.prompt_logprobs, started=started)
         if previous is None:  # forks copy computed state: only without a step in flight
             for chunk in chunks:
                 self.scheduler.on_computed(chunk)
@@ -371,6 +374,7 @@ class EngineCore:
             self._release_held(step)
             return []
         sampled = host.wait()
+        self._record_step_time(step)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
         logprobs = self._sampled_logprobs(step.sequences, sampled)
@@ -382,6 +386,15 @@ class EngineCore:
             sequence.token_ids[position] = token
             deltas.append(self._token_delta(sequence, position, token, position_logprobs))
         return deltas
+
+    def _record_step_time(self, step: "LaunchedStep") -> None:
+        """Give the scheduler the step's duration as a running decode saw it: from the step's
+        scheduling, or the previous read-back if that came later (the steps ran back to back on
+        the device), to this read-back."""
+        now = time.perf_counter()
+        self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks),
+                                   now - max(step.started, self._last_read_back))
+        self._last_read_back = now
 
     def _release_held(self, step: "LaunchedStep") -> None:
         for sequence in step.held:

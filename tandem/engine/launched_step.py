@@ -29,6 +29,7 @@ class LaunchedStep:
     # The previous step's deltas, when it was completed during this step's launch (a grammar's
     # mask needed its tokens).
     earlier_deltas: list = field(default_factory=list)
+    started: float = 0.0  # time.perf_counter() when the step began to be scheduled
     _members: Optional[set[int]] = field(default=None, repr=False)  # ids, built on first use
 
     def includes(self, sequence: Sequence) -> bool:

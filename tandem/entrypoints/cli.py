@@ -57,6 +57,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most sequences running at once (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="most tokens computed in one step (default: %(default)s)")
+    group.add_argument("--max-itl-ms", type=positive_milliseconds, default=None, metavar="MS",
+                       help="inter-token gap target for running decodes: a step with running decodes takes only "
+                            "as many prefill tokens as keep its predicted time (learnt online from step times) "
+                            "within MS milliseconds, at least one page; prefill takes what is left (default: "
+                            "off: prefill takes the whole --max-num-batched-tokens)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt plus output, in tokens (default: the model's context length)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -118,6 +123,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "recompute also when the host tier is full)")
 
 
+def positive_milliseconds(text: str) -> float:
+    """A duration flag in milliseconds: a number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds > 0, got {text}")
+    return value
+
+
 def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(
         model=model, tokenizer=arguments.tokenizer, dtype=arguments.dtype, load_format=arguments.load_format,
@@ -125,6 +141,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         max_total_tokens=arguments.max_total_tokens, kv_cache_memory_bytes=arguments.kv_cache_memory_bytes,
         gpu_memory_utilization=arguments.gpu_memory_utilization, enable_prefix_caching=arguments.enable_prefix_caching,
         max_num_seqs=arguments.max_num_seqs, max_num_batched_tokens=arguments.max_num_batched_tokens,
+        max_itl_ms=arguments.max_itl_ms,
         max_model_len=arguments.max_model_len, indexer_cache_dtype=arguments.indexer_cache_dtype,
         kv_cache_dtype=arguments.kv_cache_dtype, kv_cache_layout=arguments.kv_cache_layout,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,

@@ -14,6 +14,11 @@ host tier is full): it recomputes its prompt and outputs later (prefix hits make
 ends that step's scheduling. The oldest running sequence is never preempted by a younger one,
 and every sequence's prompt plus ``max_tokens`` fits in the pool (checked at admission), so the
 oldest always progresses: no deadlock, no livelock.
+
+Inter-token gap target (``max_itl_ms``, ``step_time.py``): in a step with running decodes, the
+prefill chunks together take at most the tokens that keep the predicted step time within the
+target (at least one page); decodes are never cut. The cap changes how prompts are chunked,
+never what is computed.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tandem.kv.coordinator import StateCoordinator
 from tandem.scheduler.sequence import Sequence, SequenceStatus
+from tandem.scheduler.step_time import InterTokenBudget
 
 
 @dataclass
@@ -53,7 +59,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, coordinator: StateCoordinator, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, preemption_mode: str = "recompute") -> None:
+                 max_num_batched_tokens: int, preemption_mode: str = "recompute",
+                 max_itl_ms: float | None = None) -> None:
         self.coordinator = coordinator
         self.swap = preemption_mode == "swap"
         self.max_num_seqs = max_num_seqs
@@ -64,6 +71,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.inter_token_budget = None if max_itl_ms is None else InterTokenBudget(
+            max_itl_ms / 1e3, min_prefill_tokens=coordinator.page_size)
+        # Prefill tokens the step being scheduled may still take (None: no cap); set by schedule().
+        self._prefill_tokens_left: int | None = None
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, sequence: Sequence) -> None:
@@ -117,6 +128,7 @@ class Scheduler:
         preemption would be needed; pages allocated so far stay with their sequences."""
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._prefill_tokens_left = self._prefill_allowance(budget)
         budget = self._schedule_running(output, budget, allow_preemption)
         if budget is None:
             return None
@@ -124,8 +136,29 @@ class Scheduler:
             self._admit_waiting(output, budget)
         return output
 
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A completed step's tokens and duration (from its start, or the previous step's
+        completion if later, to its tokens' read-back: what a running decode waited)."""
+        if self.inter_token_budget is not None:
+            self.inter_token_budget.observe(num_tokens, seconds)
+
+    def _prefill_allowance(self, budget: int) -> int | None:
+        """The prefill tokens this step may take under the inter-token gap target (None: no cap)."""
+        if self.inter_token_budget is None:
+            return None
+        decode_tokens = sum(1 + len(sequence.draft_token_ids) for sequence in self.running
+                            if self._is_decoding(sequence) and not sequence.awaits_final_token)
+        return self.inter_token_budget.prefill_tokens(decode_tokens, budget)
+
+    @staticmethod
+    def _is_decoding(sequence: Sequence) -> bool:
+        """Its next chunk is one token (a decode), not part of a prompt or of a recomputation."""
+        return sequence.num_tokens - sequence.num_computed_tokens <= 1
+
     def _chunk(self, sequence: Sequence, budget: int) -> ScheduledChunk:
         start = sequence.num_computed_tokens
+        if self._prefill_tokens_left is not None and not self._is_decoding(sequence):
+            budget = min(budget, self._prefill_tokens_left)
         num_new = min(sequence.num_tokens - start, budget)
         samples = start + num_new == sequence.num_tokens
         return ScheduledChunk(sequence=sequence, start=start, num_new_tokens=num_new, samples=samples,
@@ -141,6 +174,8 @@ class Scheduler:
             if sequence.awaits_final_token:
                 continue
             chunk = self._chunk(sequence, budget)
+            if chunk.num_new_tokens == 0:
+                continue  # a prompt chunk, and this step's prefill tokens are spent
             target = chunk.start + chunk.num_query_tokens
             while not self.coordinator.try_allocate(sequence.state, target):
                 if not allow_preemption:
@@ -152,10 +187,12 @@ class Scheduler:
                     return budget
             output.chunks.append(chunk)
             budget -= chunk.num_query_tokens
+            self._take_prefill(sequence, chunk)
         return budget
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and self._prefill_tokens_left != 0:
             sequence = self.waiting[0]
             swapped = sequence.state.swapped
             if swapped is not None:
@@ -188,6 +225,12 @@ class Scheduler:
             self.running.append(sequence)
             output.chunks.append(chunk)
             budget -= chunk.num_query_tokens
+            self._take_prefill(sequence, chunk)
+
+    def _take_prefill(self, sequence: Sequence, chunk: ScheduledChunk) -> None:
+        """Count a scheduled chunk against the step's prefill cap (decodes do not count)."""
+        if self._prefill_tokens_left is not None and not self._is_decoding(sequence):
+            self._prefill_tokens_left = max(0, self._prefill_tokens_left - chunk.num_new_tokens)
 
     def _wait_for_tier_copies(self) -> bool:
         """With nothing running, pages still held by tier copies are the only ones that can

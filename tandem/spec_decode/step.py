@@ -23,6 +23,7 @@ draft's passes replay the draft's own graphs; other steps (prefill chunks) run e
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 from tandem.protocol import RequestDelta
@@ -50,8 +51,11 @@ class SpeculativeStep:
                    if sequence.speculation is not None and sequence.speculation.pending]
         if pending:
             self.proposer.run([DraftWork(sequence, propose=True) for sequence in pending])
+        started = time.perf_counter()
         output = core.scheduler.schedule()
         deltas = self._run(output.chunks) if output.chunks else []
+        if output.chunks:  # the step is synchronous: its tokens are on the host now
+            core.scheduler.record_step(output.num_tokens, time.perf_counter() - started)
         core._check_books()
         return deltas
 

@@ -1,9 +1,11 @@
-"""``tandem router``: one OpenAI-compatible endpoint in front of prefill and decode servers.
+"""``tandem router``: one OpenAI-compatible endpoint in front of prefill and decode servers, or
+of colocated servers (``--server``: load balancing, each request whole to one server).
 
 A router fronts the servers of one model. ``backends.py``: which servers there are, the pools
 they form, and each one's health (probes, failures, readmission); ``routing.py``: choosing a
-healthy pair and dispatching both legs (retrying once a server cannot be reached);
-``legs.py``: the two legs of one request, relayed and cancelled together; ``http.py``: the
+healthy pair (or server) and dispatching (retrying once a server cannot be reached or is busy);
+``legs.py``: the two legs of one request, relayed and cancelled together; ``single_leg.py``: a
+request on one colocated server, relayed; ``http.py``: the
 client towards the servers (kept-alive connections); ``app.py``: the HTTP routes; ``cli.py``:
 the command.
 """

@@ -1,7 +1,7 @@
-"""The router's HTTP face: the OpenAI generation routes (forwarded as two legs, ``routing.py``),
-``/v1/models``, ``/health`` (from the health monitor's view: 503 while a role has no healthy
-server) and ``/metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
-exactly as on ``tandem serve``."""
+"""The router's HTTP face: the OpenAI generation routes (forwarded as two legs, or whole to one
+colocated server, ``routing.py``), ``/v1/models``, ``/health`` (from the health monitor's view:
+503 while a role has no healthy server) and ``/metrics``. With an API key, the ``/v1`` routes
+need ``Authorization: Bearer KEY`` exactly as on ``tandem serve``."""
 from __future__ import annotations
 
 import time
@@ -26,7 +26,8 @@ def create_router_app(router: Router) -> FastAPI:
     async def forward(path: str, request: Request) -> Response:
         arrival = time.perf_counter()
         try:
-            body = read_request(path, await request.body(), request.headers.get("content-type"))
+            body = read_request(path, await request.body(), request.headers.get("content-type"),
+                                disaggregated=router.roles != ("colocated",))
         except OpenAIError as error:
             router.count_client_error(request, error.message)
             raise
@@ -50,7 +51,7 @@ def create_router_app(router: Router) -> FastAPI:
     async def health():
         servers = [{"url": backend.url, "role": backend.role, "healthy": backend.healthy,
                     **({"problem": backend.problem} if not backend.healthy else {})} for backend in router.backends]
-        missing = [role for role in ("prefill", "decode")
+        missing = [role for role in router.roles
                    if not any(backend.healthy for backend in router.backends if backend.role == role)]
         if missing:
             return JSONResponse({"status": "unhealthy", "reason": f"no healthy {' or '.join(missing)} server",

@@ -28,7 +28,8 @@ DEFAULT_HEALTH_INTERVAL = 2.0
 
 
 class RouterSetupError(RuntimeError):
-    """The servers cannot form PD pairs (wrong role, no pair, different state layout, wrong key)."""
+    """The servers cannot be routed to: they cannot form PD pairs (wrong role, no pair, different
+    state layout), share no model, or want a key the router does not send."""
 
 
 @dataclass(eq=False)
@@ -51,6 +52,11 @@ class ModelPool:
     prefills: list[Backend] = field(default_factory=list)
     decodes: list[Backend] = field(default_factory=list)
     turns: dict[str, Any] = field(default_factory=dict)
+    servers: list[Backend] = field(default_factory=list)  # colocated servers (load balancing, no PD)
+
+    def members(self, role: str) -> list[Backend]:
+        """The pool's servers of one role ("prefill", "decode" or "colocated")."""
+        return {"prefill": self.prefills, "decode": self.decodes, "colocated": self.servers}[role]
 
 
 def form_pools(backends: list[Backend]) -> dict[str, ModelPool]:
@@ -58,6 +64,7 @@ def form_pools(backends: list[Backend]) -> dict[str, ModelPool]:
     prefill/decode pair must have equal state layouts."""
     prefills = [backend for backend in backends if backend.role == "prefill"]
     decodes = [backend for backend in backends if backend.role == "decode"]
+    servers = [backend for backend in backends if backend.role == "colocated"]
     for prefill in prefills:
         difference = layout_difference(prefill, decodes)
         if difference is not None:
@@ -67,7 +74,7 @@ def form_pools(backends: list[Backend]) -> dict[str, ModelPool]:
         names &= set(backend.model_names)
     if not names:
         raise RouterSetupError("the servers share no served model name (give them a common --served-model-name)")
-    return {name: ModelPool(name, list(prefills), list(decodes)) for name in sorted(names)}
+    return {name: ModelPool(name, list(prefills), list(decodes), servers=list(servers)) for name in sorted(names)}
 
 
 def layout_difference(backend: Backend, others: list[Backend]) -> Optional[str]:
@@ -113,11 +120,14 @@ class BackendMonitor:
 
     def apply_info(self, backend: Backend, info: dict) -> None:
         if info.get("role") != backend.role:
+            flag = "--server" if info.get("role") == "colocated" else f"--{info.get('role')}"
             raise RouterSetupError(f"{backend.url} was given as a {backend.role} server but runs with role "
-                                   f"{info.get('role')!r} (start it with --role {backend.role})")
+                                   f"{info.get('role')!r} (start it with --role {backend.role}, or give it to the "
+                                   f"router as {flag})")
         backend.model_names = list(info.get("served_model_names") or [])
         backend.bootstrap_address = info.get("bootstrap_address")
-        backend.layout = msgspec.convert(info["layout"], StateLayout)
+        if backend.role != "colocated":  # a colocated server moves no state: it has no layout to agree on
+            backend.layout = msgspec.convert(info["layout"], StateLayout)
 
     async def check_api_key(self, backend: Backend) -> None:
         """The server takes the router's key (``/v1/models`` needs it when the server has one)."""

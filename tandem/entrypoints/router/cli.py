@@ -15,15 +15,20 @@ logger = logging.getLogger("tandem.router")
 
 def add_router_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "router", help="serve the OpenAI API in front of prefill and decode servers",
+        "router", help="serve the OpenAI API in front of prefill and decode servers, or of colocated servers",
         description="Route each request to a prefill server and a decode server at once (disaggregated "
-                    "prefill/decode) and stream the decode server's answer back.")
-    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                        help="base URLs of prefill servers (tandem serve --role prefill)")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                        help="base URLs of decode servers (tandem serve --role decode)")
+                    "prefill/decode) and stream the decode server's answer back; or (--server) balance "
+                    "requests over colocated servers, each request sent whole to one of them.")
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                        help="base URLs of prefill servers (tandem serve --role prefill); with --decode")
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                        help="base URLs of decode servers (tandem serve --role decode); with --prefill")
+    parser.add_argument("--server", nargs="+", default=[], metavar="URL",
+                        help="base URLs of colocated servers (tandem serve) to balance requests over; instead of "
+                             "--prefill/--decode")
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded",
-                        help="how a server is chosen for each leg (default: %(default)s)")
+                        help="how a server is chosen for each leg (least-loaded: fewest requests in flight) "
+                             "(default: %(default)s)")
     parser.add_argument("--prefill-affinity", action="store_true", default=False,
                         help="send a conversation's next turn to the prefill server that served its start (its "
                              "prefix cache still holds it), when that server is healthy (default: off)")
@@ -48,6 +53,20 @@ def add_router_parser(subparsers) -> None:
     parser.set_defaults(func=run_router)
 
 
+def check_servers(arguments: argparse.Namespace) -> None:
+    """Either colocated servers (--server) or PD pairs (--prefill and --decode), never both."""
+    if arguments.server and (arguments.prefill or arguments.decode):
+        raise SystemExit("tandem router: --server (load balancing over colocated servers) cannot be combined with "
+                         "--prefill/--decode (PD); give one or the other")
+    if not arguments.server and not (arguments.prefill and arguments.decode):
+        missing = ("--decode" if arguments.prefill else "--prefill" if arguments.decode
+                   else "--server, or --prefill and --decode")
+        raise SystemExit(f"tandem router: {missing} is required (colocated servers: --server URL...; PD: "
+                         "--prefill URL... --decode URL...)")
+    if arguments.server and arguments.prefill_affinity:
+        raise SystemExit("tandem router: --prefill-affinity applies to PD (--prefill servers), not to --server")
+
+
 def run_router(arguments: argparse.Namespace) -> int:
     import uvicorn
 
@@ -58,12 +77,13 @@ def run_router(arguments: argparse.Namespace) -> int:
         raise SystemExit(f"tandem router: --health-interval must be > 0, got {arguments.health_interval}")
     if arguments.shutdown_timeout < 0:
         raise SystemExit(f"tandem router: --shutdown-timeout must be >= 0, got {arguments.shutdown_timeout}")
+    check_servers(arguments)
     api_key = arguments.api_key or os.environ.get("TANDEM_API_KEY") or None
 
     async def serve() -> int:
         router = Router(arguments.prefill, arguments.decode, arguments.policy, api_key=api_key,
                         server_api_key=arguments.server_api_key or api_key, health_interval=arguments.health_interval,
-                        prefill_affinity=arguments.prefill_affinity)
+                        prefill_affinity=arguments.prefill_affinity, server_urls=tuple(arguments.server))
         try:
             try:
                 await router.discover(arguments.startup_timeout)
@@ -71,8 +91,12 @@ def run_router(arguments: argparse.Namespace) -> int:
                 logger.error("%s", error)
                 print(f"tandem router: {error}", flush=True)
                 return 2
-            logger.info("routing %s over %d prefill and %d decode servers (%s)", ", ".join(sorted(router.pools)),
-                        len(arguments.prefill), len(arguments.decode), arguments.policy)
+            if arguments.server:
+                logger.info("balancing %s over %d colocated servers (%s)", ", ".join(sorted(router.pools)),
+                            len(arguments.server), arguments.policy)
+            else:
+                logger.info("routing %s over %d prefill and %d decode servers (%s)", ", ".join(sorted(router.pools)),
+                            len(arguments.prefill), len(arguments.decode), arguments.policy)
             config = uvicorn.Config(create_router_app(router), host=arguments.host, port=arguments.port,
                                     log_level=arguments.log_level, access_log=arguments.log_level == "debug",
                                     timeout_graceful_shutdown=arguments.shutdown_timeout)

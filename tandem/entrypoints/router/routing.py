@@ -1,5 +1,7 @@
 """Routing one request: pick a healthy prefill and decode server of the requested model (least
-loaded, or round robin), make a 128-bit room id, send both legs at once (``legs.py``).
+loaded, or round robin), make a 128-bit room id, send both legs at once (``legs.py``). A router
+over colocated servers (``--server``) instead sends each request whole to one of them, picked the
+same way (``single_leg.py``), with the same retries.
 
     client --> router --(kv_transfer_params: room, role=prefill)--> prefill server  (not streamed)
                       --(kv_transfer_params: room, role=decode,  --> decode server   (streamed back)
@@ -38,6 +40,7 @@ from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
 from tandem.entrypoints.router.http import HttpClient
 from tandem.entrypoints.router.legs import LegFailed, Legs, failure_outcome
+from tandem.entrypoints.router.single_leg import OUTCOME_FAILED, SingleLeg
 from tandem.transfer.messages import new_room
 
 logger = logging.getLogger("tandem.router")
@@ -46,7 +49,7 @@ MAX_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 2
 # client_error: the request itself was at fault (a 4xx, from the router's own checks or passed
 # through from a server); the others are the router's and the servers' own failures.
-OUTCOMES = ("ok", "client_error", "error", "prefill_failed", "decode_failed", "disconnected")
+OUTCOMES = ("ok", "client_error", "error", "prefill_failed", "decode_failed", OUTCOME_FAILED, "disconnected")
 
 
 FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -61,9 +64,13 @@ class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
                  client: Optional[HttpClient] = None, *, api_key: Optional[str] = None,
                  server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL,
-                 prefill_affinity: bool = False):
+                 prefill_affinity: bool = False, server_urls: tuple[str, ...] = ()):
+        if server_urls and (prefill_urls or decode_urls):
+            raise ValueError("a router balances colocated servers or routes PD pairs, not both")
         self.backends = [Backend(url.rstrip("/"), "prefill") for url in prefill_urls] + \
-                        [Backend(url.rstrip("/"), "decode") for url in decode_urls]
+                        [Backend(url.rstrip("/"), "decode") for url in decode_urls] + \
+                        [Backend(url.rstrip("/"), "colocated") for url in server_urls]
+        self.roles = ("colocated",) if server_urls else ("prefill", "decode")
         self.policy = policy
         self.affinity = PrefillAffinity() if prefill_affinity else None
         self.api_key = api_key
@@ -77,7 +84,7 @@ class Router:
             self.requests.labels(outcome=outcome)
         self.retries = Counter("tandem:router_retries", "Requests sent again because a server could not be reached "
                                "or was busy (503).", ["role"], registry=self.registry)
-        for role in ("prefill", "decode"):
+        for role in self.roles:
             self.retries.labels(role=role)
         self.affinity_hits = Counter("tandem:router_prefill_affinity_hits",
                                      "Requests sent to the prefill server that served their conversation's start "
@@ -114,7 +121,7 @@ class Router:
         """A healthy server for one leg, not one of ``busy`` (they turned this request away);
         503 when there is none."""
         candidates = self.candidates(pool, role, busy)
-        backends = pool.prefills if role == "prefill" else pool.decodes
+        backends = pool.members(role)
         if not candidates:
             problems = "; ".join(f"{backend.url}: {backend.problem}" for backend in backends)
             raise OpenAIError(503, f"no healthy {role} server for model {pool.name!r} ({problems})",
@@ -126,8 +133,7 @@ class Router:
 
     @staticmethod
     def candidates(pool: ModelPool, role: str, busy: frozenset = frozenset()) -> list[Backend]:
-        backends = pool.prefills if role == "prefill" else pool.decodes
-        return [backend for backend in backends if backend.healthy and backend.url not in busy]
+        return [backend for backend in pool.members(role) if backend.healthy and backend.url not in busy]
 
     def pick_prefill(self, pool: ModelPool, body: dict, busy: frozenset = frozenset()) -> Backend:
         """With prefill affinity, the healthy prefill server that served this conversation last;
@@ -159,6 +165,8 @@ class Router:
             if error.status_code < 500:
                 self.count_client_error(request, error.message)
             raise
+        if pool.servers:
+            return await self.dispatch_colocated(path, body, request, pool, arrival, request_id)
         busy: frozenset = frozenset()  # servers that turned this request away (503)
         prefill = decode = None  # a retry picks again only the leg that failed
         for attempt in range(MAX_ATTEMPTS):
@@ -203,6 +211,36 @@ class Router:
             if body.get("stream"):
                 return streaming_response(legs.relay(decode_response, prefill_task, first))
             return await run_until_disconnected(request, legs.collect(decode_response, prefill_task))
+        raise AssertionError("unreachable")
+
+    async def dispatch_colocated(self, path: str, body: dict, request: Request, pool: ModelPool, arrival: float,
+                                 request_id: str) -> Response:
+        """The whole request to one colocated server; sent again to another (at most
+        ``MAX_ATTEMPTS`` in all) when the server cannot be reached or is busy (503)."""
+        busy: frozenset = frozenset()
+        for attempt in range(MAX_ATTEMPTS):
+            leg = SingleLeg(self, self.pick(pool, "colocated", busy), arrival, request_id)
+            try:
+                await run_until_disconnected(request, leg.open(path, body))
+            except LegFailed as failure:
+                if failure.busy:
+                    busy |= {leg.server.url}
+                retry = failure.unreachable or (failure.busy and self.candidates(pool, "colocated", busy))
+                if retry and attempt + 1 < MAX_ATTEMPTS:
+                    self.retries.labels(role="colocated").inc()
+                    logger.info("request %s: %s; sending it again", request_id, failure)
+                    continue
+                self.requests.labels(outcome=OUTCOME_FAILED).inc()
+                leg.log_failure(failure.body)
+                return failure.response()
+            except BaseException as error:
+                leg.close()
+                if isinstance(error, OpenAIError) and error.status_code == 499:
+                    self.requests.labels(outcome="disconnected").inc()
+                raise
+            if body.get("stream"):
+                return streaming_response(leg.relay())
+            return await run_until_disconnected(request, leg.collect())
         raise AssertionError("unreachable")
 
     def keep(self, task: asyncio.Task) -> None:

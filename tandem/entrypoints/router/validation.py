@@ -26,8 +26,9 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
-def read_request(path: str, raw: bytes, content_type: Optional[str]) -> dict:
-    """The request body of ``path`` as a dict, checked; raises ``OpenAIError`` (400) otherwise."""
+def read_request(path: str, raw: bytes, content_type: Optional[str], disaggregated: bool = True) -> dict:
+    """The request body of ``path`` as a dict, checked (and, in front of prefill/decode pairs,
+    held to what a pair serves); raises ``OpenAIError`` (400) otherwise."""
     if not is_json_content_type(content_type):
         raise content_type_error(content_type)
     try:
@@ -43,7 +44,8 @@ def read_request(path: str, raw: bytes, content_type: Optional[str]) -> dict:
     except ValidationError as error:
         located = [{**item, "loc": ("body", *item["loc"])} for item in error.errors()]
         raise validation_error(RequestValidationError(located)) from None
-    check_disaggregated(request)
+    if disaggregated:
+        check_disaggregated(request)
     return body
 
 

@@ -1,0 +1,110 @@
+"""Step time against tokens in the step, learnt online, and the prefill budget it implies under
+an inter-token-gap target (``max_itl_ms``: SLO-aware colocated scheduling).
+
+A running decode waits one whole step for each of its tokens, so its inter-token gap is the step
+time. A step's time grows with the tokens it computes, and most of them are prefill chunks: the
+scheduler caps the prefill tokens of a step that has running decodes so that the predicted step
+time stays under the target; prefill takes what is left. With no running decode, nothing waits on
+the step: prefill takes the whole budget. Prefill is never starved: it may always take at least
+``min_prefill_tokens`` (one page) per step, even when the decodes alone are predicted over target.
+
+The model is a straight line, seconds = intercept + slope x tokens, fitted by least squares to
+one point per token-count bucket (powers of two). Each bucket holds an exponentially weighted
+mean of the steps that fell in it, so a long run of decode-only steps refreshes the small
+buckets without forgetting what prefill steps cost, and the fit follows drift (context growing,
+batch mix changing). Until two buckets hold steps (or while the fitted slope is not positive),
+there is no prediction and no cap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Weight of a new step in its bucket's running mean: about the last ten steps of that size count.
+BUCKET_WEIGHT = 0.2
+
+
+@dataclass
+class Bucket:
+    """Running means of the steps whose token count falls in one power-of-two range."""
+    tokens: float
+    seconds: float
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += BUCKET_WEIGHT * (tokens - self.tokens)
+        self.seconds += BUCKET_WEIGHT * (seconds - self.seconds)
+
+
+class StepTimeModel:
+    """An online fit of step seconds against scheduled tokens. Owned by the scheduler; fed by the
+    engine core once per completed step (``observe``)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, Bucket] = {}
+        self.num_steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds < 0:
+            return
+        self.num_steps += 1
+        bucket = self.buckets.get(num_tokens.bit_length())
+        if bucket is None:
+            self.buckets[num_tokens.bit_length()] = Bucket(float(num_tokens), seconds)
+        else:
+            bucket.add(num_tokens, seconds)
+
+    def line(self) -> Optional[tuple[float, float]]:
+        """``(intercept, slope)`` in seconds and seconds per token; None while the buckets cannot
+        determine a rising line."""
+        points = list(self.buckets.values())
+        if len(points) < 2:
+            return None
+        mean_tokens = sum(point.tokens for point in points) / len(points)
+        mean_seconds = sum(point.seconds for point in points) / len(points)
+        spread = sum((point.tokens - mean_tokens) ** 2 for point in points)
+        if spread <= 0:
+            return None
+        slope = sum((point.tokens - mean_tokens) * (point.seconds - mean_seconds) for point in points) / spread
+        if slope <= 0:
+            return None
+        return mean_seconds - slope * mean_tokens, slope
+
+    def predict(self, num_tokens: int) -> Optional[float]:
+        """Predicted seconds of a step of ``num_tokens`` tokens (None: no prediction yet)."""
+        line = self.line()
+        return None if line is None else line[0] + line[1] * num_tokens
+
+    def max_tokens_within(self, seconds: float) -> Optional[int]:
+        """The most tokens a step may hold to be predicted within ``seconds`` (None: no prediction;
+        0 when even an empty step is predicted over)."""
+        line = self.line()
+        if line is None:
+            return None
+        intercept, slope = line
+        return max(0, int((seconds - intercept) / slope))
+
+
+class InterTokenBudget:
+    """The prefill tokens a step may take so that its running decodes' next token comes within
+    ``max_itl_seconds`` (the scheduler asks once per step)."""
+
+    def __init__(self, max_itl_seconds: float, min_prefill_tokens: int) -> None:
+        if not 0 < max_itl_seconds < float("inf"):
+            raise ValueError("max_itl_ms: must be a finite number of milliseconds > 0, "
+                             f"got {max_itl_seconds * 1e3:g}")
+        self.max_itl_seconds = max_itl_seconds
+        self.min_prefill_tokens = max(1, min_prefill_tokens)
+        self.model = StepTimeModel()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.model.observe(num_tokens, seconds)
+
+    def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
+        """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
+        (decodes and their draft tokens), within the step's ``token_budget``."""
+        if num_decode_tokens == 0:
+            return token_budget
+        step_tokens = self.model.max_tokens_within(self.max_itl_seconds)
+        if step_tokens is None:
+            return token_budget
+        return min(token_budget, max(self.min_prefill_tokens, step_tokens - num_decode_tokens))
