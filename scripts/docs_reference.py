@@ -72,6 +72,9 @@ SECTIONS = (
      "Prefix hits by tier, copies between tiers, swaps, and the shared store."),
     ("speculation", "Speculative decoding (`--speculative-method`, `--speculative-model`)",
      "Drafts verified and accepted."),
+    ("structured", "Structured outputs (`response_format`, `structured_outputs`, forced tool calls)",
+     "Grammars compiled and reused, and the rows and steps a grammar masked; shown once a constrained "
+     "request arrived."),
     ("router", "The router (`tandem router`)",
      "Routed requests by outcome, retries, time to the first event, and each server's state."),
 )
@@ -79,7 +82,8 @@ SECTIONS = (
 
 def metric_families() -> dict[str, list]:
     """Section -> the metric families it adds, read from the registries themselves."""
-    from tandem.protocol import EngineStats, HistogramSnapshot, SpeculationStats, TierStats, TransferStats
+    from tandem.protocol import (EngineStats, HistogramSnapshot, SpeculationStats, StructuredOutputsStats, TierStats,
+                                 TransferStats)
     from tandem.entrypoints.openai.metrics import ServerMetrics
     from tandem.entrypoints.router.routing import Router
 
@@ -87,14 +91,16 @@ def metric_families() -> dict[str, list]:
     everything = EngineStats(
         transfer=TransferStats(role="prefill", size_bytes=snapshot, duration_seconds=snapshot,
                                bandwidth_bytes_per_second=snapshot, phase_seconds={"compute": snapshot}),
-        tiers=TierStats(), speculation=SpeculationStats(method="draft", num_speculative_tokens=1))
+        tiers=TierStats(), speculation=SpeculationStats(method="draft", num_speculative_tokens=1),
+        structured_outputs=StructuredOutputsStats())
     server = list(ServerMetrics(EngineStats).registry.collect())
     names = {family.name for family in server}
     full = [family for family in ServerMetrics(lambda: everything).registry.collect() if family.name not in names]
     sections = {"server": server}
     for section, probe in (("transfer", EngineStats(transfer=everything.transfer)),
                            ("tiers", EngineStats(tiers=everything.tiers)),
-                           ("speculation", EngineStats(speculation=everything.speculation))):
+                           ("speculation", EngineStats(speculation=everything.speculation)),
+                           ("structured", EngineStats(structured_outputs=everything.structured_outputs))):
         added = {family.name for family in ServerMetrics(lambda probe=probe: probe).registry.collect()} - names
         sections[section] = [family for family in full if family.name in added]
     sections["router"] = list(Router(["http://prefill"], ["http://decode"]).registry.collect())

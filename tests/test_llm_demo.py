@@ -30,9 +30,9 @@ def test_llm_without_model_uses_the_demo_model(tmp_path, monkeypatch):
     assert named.config.model == demo_dir, "LLM(model='demo') must load the same cached demo model"
     del named
 
-    with pytest.raises(ValueError, match="^model 'no-such-dir' is not a directory"):
+    with pytest.raises(ValueError, match="^model: 'no-such-dir' is not a directory"):
         LLM(model="no-such-dir")
     # tandem serve and generate follow the same rule: --model demo is the demo model
     assert resolve_model(Namespace(model="demo")) == (demo_dir, True)
-    with pytest.raises(SystemExit, match="--model 'no-such-dir' is not a directory"):
+    with pytest.raises(SystemExit, match="--model: 'no-such-dir' is not a directory"):
         resolve_model(Namespace(model="no-such-dir"))

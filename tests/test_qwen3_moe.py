@@ -221,7 +221,7 @@ def test_bad_configs_are_refused_naming_the_field(model_dirs, tmp_path):
 # -- invariant I1 --------------------------------------------------------------------------------
 
 def test_movers_touch_exactly_the_registry_buffers(model_dirs):
-    llm = LLM(model=model_dirs[ARCH], page_size=8, max_total_tokens=512)
+    llm = LLM(model=model_dirs[ARCH], page_size=8, max_total_tokens=512, host_cache_size=0.01)
     engine = llm.engine
     assert len({d.key for d in engine.registry.buffers()}) == 2 * engine.hf_config.num_hidden_layers  # K and V
     assert sum(isinstance(module, FusedExperts) for module in engine.model.modules()) == 2

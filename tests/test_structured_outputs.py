@@ -266,8 +266,8 @@ def test_matchers_survive_preemption_and_the_overlapped_loop(model_dirs, referen
     llm = LLM(model=model_dirs["llama"], **options)
     launch, early = llm.engine._launch, []
 
-    def counting_launch(chunks, previous):  # steps whose masks waited for the previous step's tokens
-        step = launch(chunks, previous)
+    def counting_launch(chunks, previous, *rest):  # steps whose masks waited for the previous step's tokens
+        step = launch(chunks, previous, *rest)
         early.append(not isinstance(step, list) and bool(step.earlier_deltas))
         return step
 

@@ -21,7 +21,7 @@ def resolve_model(model: Optional[str], flag: str = "--model") -> tuple[str, boo
     if model is not None and os.path.isdir(model):
         return model, False
     if model is not None and model != DEMO_MODEL_NAME:
-        raise ValueError(f"{flag} {model!r} is not a directory (a Hugging Face model directory is "
+        raise ValueError(f"{flag}: {model!r} is not a directory (a Hugging Face model directory is "
                          f"expected, or '{DEMO_MODEL_NAME}' for the built-in demo model; nothing is downloaded)")
     logger.warning("no model given: using the built-in tiny demo model (random weights, so its text is "
                    "gibberish), built once into the cache directory ($TANDEM_CACHE_DIR, default ~/.cache/tandem)")
