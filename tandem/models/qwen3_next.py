@@ -18,7 +18,7 @@ from tandem.kv.spec import RecurrentSpec
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, mark_sharded
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import FusedExperts, SoftmaxTopKRouter, load_with_experts
+from tandem.layers.moe import SoftmaxMoE, load_with_experts
 from tandem.layers.recurrent import chunk_gated_delta_rule, gated_delta_rule_step
 from tandem.layers.recurrent_slots import RecurrentSlots
 from tandem.layers.rotary import RotaryEmbedding
@@ -183,21 +183,17 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(tokens, self.value_dim))
 
 
-class Qwen3NextSparseMoe(nn.Module):
+class Qwen3NextSparseMoe(SoftmaxMoE):
+    """Qwen3-MoE's routed experts plus a shared expert behind a sigmoid gate."""
+
     def __init__(self, config, shard: TensorShard = SINGLE) -> None:
-        super().__init__()
-        self.gate = SoftmaxTopKRouter(config.num_experts, config.num_experts_per_tok, config.norm_topk_prob,
-                                      config.hidden_size)
-        # Checkpoints name them per expert (``experts.{e}.gate_proj`` ...): ``load_with_experts``.
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                    shard=shard)
+        super().__init__(config, shard)
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, shard=shard)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(hidden)
         shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return self.experts(hidden, experts, weights) + shared
+        return super().forward(hidden) + shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
