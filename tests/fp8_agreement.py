@@ -15,8 +15,10 @@ tokens lie within about twice that of each other.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -45,6 +47,12 @@ class Comparison:
         exceeds ``margin`` (not a near tie)."""
         return sum(flip > margin for flip in self.flips) / self.positions
 
+    def agreement_noise(self, other: "Comparison") -> float:
+        """Three standard errors of the difference between two agreement fractions (each
+        position a coin with this one's agreement): what sampling alone may move it by."""
+        p = self.agreement
+        return 3 * math.sqrt(max(p * (1 - p), 0.01) * (1 / self.positions + 1 / other.positions))
+
     def quantile(self, q: float) -> float:
         return float(torch.tensor(self.errors).quantile(q))
 
@@ -71,13 +79,14 @@ def top_token(entry: dict) -> int:
 
 
 def compare(candidate: list[list[dict]], reference: list[list[dict]], sequences: list[list[int]],
-            start: int = 0) -> Comparison:
-    """Position by position from ``start`` (0: every scored position): the sequence's token's
+            starts: Optional[list[int]] = None) -> Comparison:
+    """Position by position from ``starts`` (per sequence; None: every scored position; ``len(prompt) - 1``:
+    the positions that predict a continuation of ``prompt``): the sequence's token's
     logprob error, and where the two top-1 tokens differ, the reference's margin between its
     top-1 and the candidate's (infinite when the candidate's is not among the reference's top)."""
     result = Comparison()
-    for scored, expected, sequence in zip(candidate, reference, sequences):
-        for position in range(start, len(sequence) - 1):
+    for number, (scored, expected, sequence) in enumerate(zip(candidate, reference, sequences)):
+        for position in range(0 if starts is None else starts[number], len(sequence) - 1):
             token = sequence[position + 1]
             mine, theirs = scored[position], expected[position]
             result.errors.append(abs(mine[token].logprob - theirs[token].logprob))
