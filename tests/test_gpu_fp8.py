@@ -123,7 +123,8 @@ def test_memory_freed_by_fp8_weights_goes_to_the_state_pool(tmp_path, monkeypatc
     ``gpu_memory_utilization`` leaves), so the only other difference can be what the caching
     allocator holds unused at that moment: loading releases its temporaries and the conversion
     allocates FP8 weights only after every 16-bit one is freed (``convert_model``), so that
-    slack stays within one 20 MiB segment of either engine's."""
+    slack stays within a couple of the allocator's 20 MiB segments (weights under 10 MB share
+    them: a 4 MiB embedding, 8 MiB o_proj, 4 MiB FP8 o_proj) in either engine."""
     import gc
 
     import tandem.engine.state_setup as state_setup
@@ -165,7 +166,7 @@ def test_memory_freed_by_fp8_weights_goes_to_the_state_pool(tmp_path, monkeypatc
     assert saved > 0.4 * bf16_weights * 0.8  # the projections (most of the bytes) halve
     # Allocated at planning: the weights, and nothing else that differs (the scales are in weight_bytes).
     assert abs((bf16["allocated"] - fp8["allocated"]) - saved) <= 1 << 20
-    assert max(slack.values()) <= 20 << 20
+    assert max(slack.values()) <= 40 << 20
     # The pool takes what the device's used memory leaves, to the page.
     assert abs((fp8_pool - bf16_pool) - (bf16["used"] - fp8["used"])) <= 2 * bf16["page"] + (2 << 20)
     assert abs((fp8_pool - bf16_pool) - saved) <= 0.05 * saved
