@@ -82,10 +82,10 @@ def _sub_k(block_k: int, group: Optional[int]) -> int:
     return block_k if group is None else min(group, block_k)
 
 
-@jit(do_not_specialize=["M"])  # the step's token count
-def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns,
+@jit(do_not_specialize=["M", "K_PER_SPLIT"])  # the step's token count; K per program (one compile per tile set)
+def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
+                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
                       UPCAST: tl.constexpr):
     """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
     ``UPCAST``: multiply in float32 (the interpreter's path); ``ATOMIC``: add into float32 ``out``."""
@@ -139,8 +139,8 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
         return output.to(hidden.dtype)
     grid = (triton.cdiv(rows, config.block_n), config.split)
     _weight_only_gemm[grid](hidden, weight, weight_scale, output, tokens, rows, features, hidden.stride(0),
-                            weight.stride(0), output.stride(0), weight_scale.shape[1],
+                            weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
                             GROUP=WHOLE_ROW if group is None else group, BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n,
-                            BLOCK_K=config.block_k, SUB_K=sub_k, K_PER_SPLIT=k_per_split, ATOMIC=atomic,
+                            BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic,
                             UPCAST=not hidden.is_cuda, num_warps=config.warps, num_stages=config.stages)
     return output.to(hidden.dtype) if atomic else output
