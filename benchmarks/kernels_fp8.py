@@ -13,13 +13,14 @@ each whole (activation quantization included) and the GEMM alone; at M <= 16 als
   (``tandem/kernels/fp8_weight_only.py``: 16-bit activations, FP8 weights dequantized in
   registers, split-K for small N), its fraction of the weight-read roofline;
 
-and each one's fraction of its roofline: the slower of the bytes it must move (weights, their scales, activations in and out)
-over the measured copy bandwidth and its FLOPs over the measured matrix rate (bfloat16's for
-bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products). Targets: >= 0.8 of the FP8 rate
-at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
+and each one's fraction of its roofline: the slower of the bytes it must move (weights, their
+scales, activations in and out) over the measured copy bandwidth and its FLOPs over the measured
+matrix rate (bfloat16's for bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products).
+Targets: >= 0.8 of the FP8 rate at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
 
     python benchmarks/kernels_fp8.py            # the table
-    python benchmarks/kernels_fp8.py --sweep    # also: weight-only tiles tried at M = 1 (~1 min)
+    python benchmarks/kernels_fp8.py --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
+                                                # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Ceilings  # noqa: E402
-from tandem.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, quantize_token_groups  # noqa: E402
+from tandem.kernels.fp8_gemm import (BlockGemmConfig, block_gemm_config, block_scaled_matmul,  # noqa: E402
+                                     fp8_linear, quantize_token_groups)
 from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,  # noqa: E402
                                             weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales  # noqa: E402
@@ -85,9 +87,40 @@ def sweep(name, rows, features, weights, bandwidth) -> None:
             print(f"sweep {name:<8} M={tokens:<3} {'block' if group else 'channel':<8} {best}")
 
 
+BLOCK_GEMM_TILES = [BlockGemmConfig(64, 128, 4, 3), BlockGemmConfig(64, 128, 4, 4), BlockGemmConfig(128, 128, 8, 3),
+                    BlockGemmConfig(128, 128, 8, 4), BlockGemmConfig(128, 64, 4, 3), BlockGemmConfig(64, 256, 8, 3)]
+
+
+def sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, flops_rate) -> None:
+    """The block-scaled GEMM's tiles at M = 512 and 4096, best first, and ``torch._scaled_mm``'s
+    block-wise scaling (1x128 activations, 128x128 weights) where this torch takes it."""
+    for tokens in (512, 4096):
+        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+        grouped, group_scales = quantize_token_groups(hidden, 128)
+        results = []
+        for config in BLOCK_GEMM_TILES:
+            results.append((median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
+                                                                  128, torch.bfloat16, config)), config))
+        results.sort(key=lambda item: item[0])
+        roof = 2.0 * tokens * rows * features / flops_rate * 1e3
+        best = ", ".join(f"{ms:.4f} ms ({roof / ms:.2f}) m{c.block_m} n{c.block_n} w{c.warps} st{c.stages}"
+                         for ms, c in results[:3])
+        print(f"sweep {name:<8} M={tokens:<5} block GEMM (default {block_gemm_config(tokens)}): {best}")
+        for layout, scale_a in (("row-major", group_scales), ("M-major", group_scales.t().contiguous().t())):
+            try:
+                milliseconds = median_ms(lambda: torch._scaled_mm(grouped, block_weight.t(), scale_a=scale_a,
+                                                                  scale_b=blocks.t().contiguous(),
+                                                                  out_dtype=torch.bfloat16))
+                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout} activation scales): "
+                      f"{milliseconds:.4f} ms ({roof / milliseconds:.2f})")
+            except (RuntimeError, ValueError) as error:
+                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout}): not taken: "
+                      f"{str(error).splitlines()[0][:160]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also try weight-only tiles at M = 1")
+    parser.add_argument("--sweep", action="store_true", help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
     arguments = parser.parse_args()
     bf16_ceilings = Ceilings.measure(torch.bfloat16)
     fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
@@ -100,9 +133,9 @@ def main() -> None:
         float_weight = torch.randn(rows, features, device="cuda") * 0.02
         bf16_weight = float_weight.to(torch.bfloat16)
         channel_weight, channel_scale = quantize_rows(float_weight)
-        block_weight, block_scale = quantize_blocks(float_weight.cpu(), (128, 128))
-        block_weight = block_weight.cuda()
-        block_scale = row_block_scales(block_scale, (rows, features), (128, 128)).cuda()
+        block_weight, blocks = quantize_blocks(float_weight.cpu(), (128, 128))
+        block_weight, blocks = block_weight.cuda(), blocks.cuda()
+        block_scale = row_block_scales(blocks, (rows, features), (128, 128))
         del float_weight
         for tokens in TOKENS:
             hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
@@ -130,6 +163,7 @@ def main() -> None:
             weight_only_rows.append(weight_only_row(name, rows, features, tokens, fp8_weights, fp8_ceilings.bandwidth))
         if arguments.sweep:
             sweep(name, rows, features, fp8_weights, fp8_ceilings.bandwidth)
+            sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
         del bf16_weight, channel_weight, block_weight
         torch.cuda.empty_cache()
     print(f"\nweight-only path (M <= 16)\n{'shape':<9}{'M':>6}{'chan ms':>9}{'roof':>6}{'':<22}{'block ms':>9}"

@@ -56,8 +56,9 @@ def algorithm_error(model_dir: str, sequences: list[list[int]], continued: list[
 def assert_like_the_algorithm(measured: Comparison, algorithm: Comparison, context: str) -> None:
     """Within the CPU reference's error, with room for bfloat16 rounding and sampling noise:
     mean and 99th-percentile logprob errors at most 1.5x (plus 0.02 and 0.05), top-1 agreement
-    lower by at most 2 points plus three standard errors, and flips away from near ties (reference margin above twice the
-    reference path's 99th-percentile error) at most 1% of positions more often."""
+    lower by at most 2 points plus three standard errors, and flips away from near ties
+    (reference margin above twice the reference path's 99th-percentile error) at most 1% of
+    positions more often."""
     message = f"{context}: {measured.describe()}\n  CPU reference: {algorithm.describe()}"
     near_tie = 2 * max(algorithm.quantile(0.99), 0.05)
     assert measured.positions >= 1000 or context.endswith("decoded"), message

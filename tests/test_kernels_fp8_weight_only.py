@@ -50,7 +50,8 @@ def test_weight_only_tiles_fill_an_h100():
             config = weight_only_config(rows, features, group, 132)
             programs = -(-rows // config.block_n) * config.split
             assert programs >= 198, (rows, features, group, config)
-            assert config.block_k >= 128 and (group is None or group % config.block_k == 0 or config.block_k % group == 0)
+            assert config.block_k >= 128
+            assert group is None or group % config.block_k == 0 or config.block_k % group == 0
 
 
 def test_weight_only_refuses_more_than_its_tokens():
