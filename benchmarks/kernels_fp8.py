@@ -120,7 +120,8 @@ def sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
     arguments = parser.parse_args()
     bf16_ceilings = Ceilings.measure(torch.bfloat16)
     fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
