@@ -83,14 +83,11 @@ def test_fp8_products_with_cuda_graphs_track_dequantized_weights(arch, form, tmp
     decoded = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=DECODED_TOKENS, logprobs=1,
                                                    ignore_eos=True))
     fp8.engine.check_all_free()
-    fp8_bytes = fp8.engine.model_info.weight_bytes
-    fp8.engine.shutdown()
-    del fp8
     reference = LLM(model=model_dir, quantized_compute="dequantized", enforce_eager=True, **options)
     reference_scores = score(reference, sequences)
     continued = [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompts, decoded)]
     reference_continued = score(reference, continued)
-    assert fp8_bytes < reference.engine.model_info.weight_bytes
+    assert fp8.engine.model_info.weight_bytes < reference.engine.model_info.weight_bytes
     reference.engine.shutdown()
     del reference
 
@@ -103,6 +100,16 @@ def test_fp8_products_with_cuda_graphs_track_dequantized_weights(arch, form, tmp
     assert decode.positions == algorithm_decoded.positions == len(prompts) * DECODED_TOKENS
     assert_like_the_algorithm(scored, algorithm_scored, f"{arch} {form} scored")
     assert_like_the_algorithm(decode, algorithm_decoded, f"{arch} {form} decoded")
+
+    # The same kernels reading every linear weight unscaled: far outside the bounds.
+    for module in fp8.engine.model.modules():
+        if getattr(module, "weight_method", None) is not None:
+            module.weight_scale.fill_(1.0)
+    with pytest.raises(AssertionError):
+        assert_like_the_algorithm(compare(score(fp8, sequences), reference_scores, sequences), algorithm_scored,
+                                  f"{arch} {form} unscaled")
+    fp8.engine.check_all_free()
+    fp8.engine.shutdown()
 
 
 def test_online_fp8_with_dummy_weights_runs_in_cuda_graphs(tmp_path):
