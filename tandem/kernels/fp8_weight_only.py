@@ -82,7 +82,7 @@ def _sub_k(block_k: int, group: Optional[int]) -> int:
     return block_k if group is None else min(group, block_k)
 
 
-@jit(do_not_specialize=["M", "K_PER_SPLIT"])  # the step's token count; K per program (one compile per tile set)
+@jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
 def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
