@@ -105,3 +105,35 @@ def test_gpu_linear_method_takes_the_weight_only_path_at_decode_sizes_in_a_graph
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(output, eager, rtol=1e-3, atol=1e-3 * float(eager.abs().max()))
+
+
+def weight_only_request(group, atomic, unaligned=("M",)) -> dict:
+    from tandem.kernels.fp8_weight_only import WHOLE_ROW
+    from tests.triton_aot import compile_request
+
+    signature = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*fp32" if atomic else "*bf16",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_out": "i32",
+                 "scale_columns": "i32", "K_PER_SPLIT": "i32"}
+    constexprs = {"GROUP": group or WHOLE_ROW, "BLOCK_M": MAX_TOKENS, "BLOCK_N": 16, "BLOCK_K": 256,
+                  "SUB_K": min(group or 256, 256), "ATOMIC": atomic, "UPCAST": False}
+    return compile_request("tandem.kernels.fp8_weight_only", "_weight_only_gemm", signature, constexprs, warps=4,
+                           stages=4, unaligned=unaligned)
+
+
+def test_weight_only_kernel_streams_the_weight_with_pipelined_16_byte_copies_on_h100():
+    """What the bandwidth target rests on, checked without a GPU (``tests/triton_aot.py``): the
+    weight reaches shared memory through asynchronous 16-byte copies several steps ahead
+    (software pipelining), for block and per-row scales, plain and split-K; not byte by byte,
+    which is what the kernel compiles to when a program's K range is of unknown alignment (the
+    JIT then specialises nothing on it: why ``K_PER_SPLIT`` is specialised)."""
+    pytest.importorskip("triton")
+    from tests.triton_aot import ptx_for_h100
+
+    *aligned, unaligned = ptx_for_h100([weight_only_request(128, False), weight_only_request(None, True),
+                                        weight_only_request(128, False, unaligned=("M", "K_PER_SPLIT"))])
+    for ptx in aligned:
+        copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
+        assert copies and all(", 0x10" in line for line in copies), copies[:3]
+        assert ptx.count("cp.async.commit_group") >= 4  # several steps in flight
+        assert "ld.global.b8" not in ptx and "mma.sync" in ptx
+    assert "cp.async" not in unaligned and "ld.global.b8" in unaligned
