@@ -82,34 +82,63 @@ def _sub_k(block_k: int, group: Optional[int]) -> int:
     return block_k if group is None else min(group, block_k)
 
 
+@jit
+def _step_scales(w_scale, columns, column_mask, scale_columns, start, K, GROUP: tl.constexpr,
+                 SUB_K: tl.constexpr, PARTS: tl.constexpr):
+    """The weight scales of one K step: ``[BLOCK_N, PARTS]``, one column per sub-tile."""
+    offsets = start + tl.arange(0, PARTS) * SUB_K
+    return tl.load(w_scale + columns[:, None] * scale_columns + (offsets // GROUP)[None, :],
+                   mask=column_mask[:, None] & (offsets < K)[None, :], other=0.0)
+
+
 @jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
 def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
                       UPCAST: tl.constexpr):
     """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
-    ``UPCAST``: multiply in float32 (the interpreter's path); ``ATOMIC``: add into float32 ``out``."""
+    ``UPCAST``: multiply in float32 (the interpreter's path); ``ATOMIC``: add into float32 ``out``.
+
+    The weight tiles are software-pipelined by the compiler (``num_stages``); the scales are
+    loaded by hand one step ahead (a load waited on in the step that issues it would stall
+    every step), or, per-row (``GROUP`` = ``WHOLE_ROW``), once, applied after the loop."""
+    PARTS: tl.constexpr = BLOCK_K // SUB_K
+    PER_ROW: tl.constexpr = GROUP >= (1 << 30)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(1) * K_PER_SPLIT
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     column_mask = columns < N
+    parts = tl.arange(0, PARTS)
     accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PER_ROW:
+        row_scales = tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
+    else:
+        scales = _step_scales(w_scale, columns, column_mask, scale_columns, k_begin, K, GROUP, SUB_K, PARTS)
     for start in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        for part in tl.static_range(BLOCK_K // SUB_K):
+        if not PER_ROW:
+            next_scales = _step_scales(w_scale, columns, column_mask, scale_columns, start + BLOCK_K, K, GROUP,
+                                       SUB_K, PARTS)
+        for part in tl.static_range(PARTS):
             k = start + part * SUB_K + tl.arange(0, SUB_K)
             k_mask = k < K
             x_tile = tl.load(x + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
                              other=0.0)
             w_tile = tl.load(w + columns[None, :] * stride_w + k[:, None],
                              mask=column_mask[None, :] & k_mask[:, None], other=0.0)
-            scale = tl.load(w_scale + columns * scale_columns + (start + part * SUB_K) // GROUP,
-                            mask=column_mask & (start + part * SUB_K < K), other=0.0)
             if UPCAST:
                 partial = tl.dot(x_tile.to(tl.float32), w_tile.to(tl.float32))
             else:
                 partial = tl.dot(x_tile, w_tile.to(x_tile.dtype))
-            accumulator += partial * scale[None, :]
+            if PER_ROW:
+                accumulator += partial
+            else:
+                scale = tl.sum(tl.where(parts[None, :] == part, scales, 0.0), axis=1)
+                accumulator += partial * scale[None, :]
+        if not PER_ROW:
+            scales = next_scales
+    if PER_ROW:
+        accumulator *= row_scales[None, :]
     pointers = out + rows[:, None] * stride_out + columns[None, :]
     mask = row_mask[:, None] & column_mask[None, :]
     if ATOMIC:
