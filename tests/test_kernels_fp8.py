@@ -149,3 +149,22 @@ def test_fused_moe_with_fp8_experts_equals_reference_on_dequantized_experts(grou
                        scale_groups=tuple(groups))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, fused_moe_reference(hidden, w1, w2, routing, expert_ids), atol=1e-6)
+
+
+def test_block_scaled_gemm_compiles_to_pipelined_wgmma_on_h100():
+    """Checked without a GPU (``tests/triton_aot.py``): at large M the block-scaled GEMM's FP8
+    tiles stream through pipelined 16-byte asynchronous copies into Hopper's warp-group MMA."""
+    pytest.importorskip("triton")
+    from tandem.kernels.fp8_gemm import block_gemm_config
+    from tests.triton_aot import compile_request, ptx_for_h100
+
+    config = block_gemm_config(4096)
+    signature = {"a": "*fp8e4nv", "a_scale": "*fp32", "b": "*fp8e4nv", "b_scale": "*fp32", "c": "*bf16",
+                 "M": "i32", "N": "i32", "stride_a": "i32", "stride_b": "i32", "stride_c": "i32"}
+    constexprs = {"K": 4096, "GROUP": 128, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                  "SWIZZLE_M": config.swizzle_m, "UPCAST": False}
+    ptx, = ptx_for_h100([compile_request("tandem.kernels.fp8_gemm", "_block_scaled_gemm", signature, constexprs,
+                                         warps=config.warps, stages=config.stages, unaligned=("M",))])
+    copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
+    assert copies and all(", 0x10" in line for line in copies), copies[:3]
+    assert "wgmma.mma_async" in ptx and "e4m3" in ptx

@@ -110,20 +110,27 @@ def _block_scaled_gemm(a, a_scale, b, b_scale, c, M, N, stride_a, stride_b, stri
     column_mask = columns < N
     accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     scale_columns = (K + GROUP - 1) // GROUP
+    # The scales are loaded one group ahead: the tiles are software-pipelined by the compiler,
+    # but a load waited on in the step that issues it would stall every step.
+    a_scales = tl.load(a_scale + rows * scale_columns, mask=row_mask, other=0.0)
+    b_scales = tl.load(b_scale + columns * scale_columns, mask=column_mask, other=0.0)
     for start in range(0, K, GROUP):
-        group = start // GROUP
+        following = start // GROUP + 1
+        next_a_scales = tl.load(a_scale + rows * scale_columns + following, mask=row_mask & (following < scale_columns),
+                                other=0.0)
+        next_b_scales = tl.load(b_scale + columns * scale_columns + following,
+                                mask=column_mask & (following < scale_columns), other=0.0)
         k = start + inner
         k_mask = k < K
         a_tile = tl.load(a + rows[:, None] * stride_a + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b_tile = tl.load(b + columns[None, :] * stride_b + k[:, None], mask=column_mask[None, :] & k_mask[:, None],
                          other=0.0)
-        a_scales = tl.load(a_scale + rows * scale_columns + group, mask=row_mask, other=0.0)
-        b_scales = tl.load(b_scale + columns * scale_columns + group, mask=column_mask, other=0.0)
         if UPCAST:
             partial = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32))
         else:
             partial = tl.dot(a_tile, b_tile)
         accumulator += partial * a_scales[:, None] * b_scales[None, :]
+        a_scales, b_scales = next_a_scales, next_b_scales
     tl.store(c + rows[:, None] * stride_c + columns[None, :], accumulator.to(c.dtype.element_ty),
              mask=row_mask[:, None] & column_mask[None, :])
 
