@@ -32,7 +32,7 @@ import torch
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
-# A scale group larger than any K: per-row scales read column 0 at every step.
+# A scale group larger than any K: per-row scales (read once, applied after the K loop).
 WHOLE_ROW = 1 << 30
 
 
@@ -61,10 +61,12 @@ def _multiprocessors(device_index: int) -> int:
 
 def weight_only_config(rows: int, features: int, group: Optional[int], multiprocessors: int) -> WeightOnlyConfig:
     """Tiles for H100-class GPUs (132 SMs, ~3 TB/s): a strip of 64 rows, narrowed to 16 while
-    fewer than two programs per SM result; then split K (in halves, down to 2 steps per
-    program) until there are. Each step reads ``BLOCK_N x 256`` FP8 bytes, four steps in
-    flight: with two or more programs per SM that keeps ~30 KB of weight reads in flight per
-    SM, what its latency-bandwidth product asks for."""
+    fewer than two programs per SM result; then K split in halves (keeping two or more steps
+    per program) while fewer than 1.5 programs per SM remain, since split-K costs two extra
+    launches (the Llama-3.1-8B projections need none). Each step reads ``BLOCK_N x 256`` FP8
+    bytes, three steps ahead: with two or more programs per SM that keeps ~30 KB of weight
+    reads in flight per SM, what its latency-bandwidth product asks for. ``group`` (the scale
+    block) does not change the tiles: a step spans whole scale groups or lies within one."""
     wanted = 2 * multiprocessors
     block_k = min(256, max(16, triton.next_power_of_2(features)))
     block_n = 64
