@@ -7,16 +7,24 @@ Llama-3.1-8B projection shapes (GPU): median time (``triton.testing.do_bench``) 
 - ``block``: FP8 128x128-block weights, activations per 1x128 token group, the Triton
   block-scaled GEMM (what DeepSeek/GLM/Qwen ``-FP8`` checkpoints run);
 
-each whole (activation quantization included) and the GEMM alone, and each one's fraction of its
-roofline: the slower of the bytes it must move (weights, their scales, activations in and out)
-over the measured copy bandwidth and its FLOPs over the measured matrix rate (bfloat16's for
-bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products). Targets: >= 0.8 of the FP8 rate
-at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
+each whole (activation quantization included) and the GEMM alone; at M <= 16 also
 
-    python benchmarks/kernels_fp8.py
+- ``w-only chan``, ``w-only block``: the weight-only path the FP8 linear method takes there
+  (``tandem/kernels/fp8_weight_only.py``: 16-bit activations, FP8 weights dequantized in
+  registers, split-K for small N), its fraction of the weight-read roofline;
+
+and each one's fraction of its roofline: the slower of the bytes it must move (weights, their
+scales, activations in and out) over the measured copy bandwidth and its FLOPs over the measured
+matrix rate (bfloat16's for bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products).
+Targets: >= 0.8 of the FP8 rate at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
+
+    python benchmarks/kernels_fp8.py            # the table
+    python benchmarks/kernels_fp8.py --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
+                                                # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -27,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Ceilings  # noqa: E402
-from tandem.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, quantize_token_groups  # noqa: E402
+from tandem.kernels.fp8_gemm import (BlockGemmConfig, block_gemm_config, block_scaled_matmul,  # noqa: E402
+                                     fp8_linear, quantize_token_groups)
+from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,  # noqa: E402
+                                            weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -43,20 +54,89 @@ def roofline_ms(tokens, rows, features, weight_bytes, activation_bytes, flops_ra
     return max(moved / bandwidth, 2.0 * tokens * rows * features / flops_rate) * 1e3
 
 
+def weight_only_row(name, rows, features, tokens, weights, bandwidth) -> str:
+    """The weight-only path at ``tokens`` for per-row and block weights: ms and roof each."""
+    hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+    cells = []
+    for weight, scale, group in weights:
+        milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group))
+        moved = weight.numel() + scale.numel() * 4 + tokens * (features + rows) * 2
+        config = weight_only_config(rows, features, group, torch.cuda.get_device_properties(0).multi_processor_count)
+        cells.append(f"{milliseconds:>9.4f}{moved / bandwidth * 1e3 / milliseconds:>6.2f}"
+                     f"  (n{config.block_n} k{config.block_k} s{config.split})")
+    return f"{name:<9}{tokens:>6}" + "".join(cells)
+
+
+def sweep(name, rows, features, weights, bandwidth) -> None:
+    """Weight-only tiles around the chosen ones, best first (for tuning ``weight_only_config``)."""
+    for tokens in (1,):
+        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+        for weight, scale, group in weights:
+            results = []
+            for block_n in (16, 32, 64):
+                for block_k in (256, 512):
+                    for split in (1, 2):
+                        for warps, stages in ((4, 4), (4, 6)):
+                            config = WeightOnlyConfig(block_n, block_k, split, warps, stages)
+                            milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group, config))
+                            results.append((milliseconds, config))
+            results.sort(key=lambda item: item[0])
+            moved = weight.numel() + scale.numel() * 4
+            best = ", ".join(f"{ms:.4f} ms ({moved / bandwidth * 1e3 / ms:.2f}) n{c.block_n} k{c.block_k} "
+                             f"s{c.split} w{c.warps} st{c.stages}" for ms, c in results[:3])
+            print(f"sweep {name:<8} M={tokens:<3} {'block' if group else 'channel':<8} {best}")
+
+
+BLOCK_GEMM_TILES = [BlockGemmConfig(64, 128, 4, 3), BlockGemmConfig(64, 128, 4, 4), BlockGemmConfig(128, 128, 8, 3),
+                    BlockGemmConfig(128, 128, 8, 4), BlockGemmConfig(128, 64, 4, 3), BlockGemmConfig(64, 256, 8, 3)]
+
+
+def sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, flops_rate) -> None:
+    """The block-scaled GEMM's tiles at M = 512 and 4096, best first, and ``torch._scaled_mm``'s
+    block-wise scaling (1x128 activations, 128x128 weights) where this torch takes it."""
+    for tokens in (512, 4096):
+        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+        grouped, group_scales = quantize_token_groups(hidden, 128)
+        results = []
+        for config in BLOCK_GEMM_TILES:
+            results.append((median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
+                                                                  128, torch.bfloat16, config)), config))
+        results.sort(key=lambda item: item[0])
+        roof = 2.0 * tokens * rows * features / flops_rate * 1e3
+        best = ", ".join(f"{ms:.4f} ms ({roof / ms:.2f}) m{c.block_m} n{c.block_n} w{c.warps} st{c.stages}"
+                         for ms, c in results[:3])
+        print(f"sweep {name:<8} M={tokens:<5} block GEMM (default {block_gemm_config(tokens)}): {best}")
+        for layout, scale_a in (("row-major", group_scales), ("M-major", group_scales.t().contiguous().t())):
+            try:
+                milliseconds = median_ms(lambda: torch._scaled_mm(grouped, block_weight.t(), scale_a=scale_a,
+                                                                  scale_b=blocks.t().contiguous(),
+                                                                  out_dtype=torch.bfloat16))
+                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout} activation scales): "
+                      f"{milliseconds:.4f} ms ({roof / milliseconds:.2f})")
+            except (RuntimeError, ValueError) as error:
+                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout}): not taken: "
+                      f"{str(error).splitlines()[0][:160]}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true",
+                        help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
+    arguments = parser.parse_args()
     bf16_ceilings = Ceilings.measure(torch.bfloat16)
     fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
     print(bf16_ceilings.describe())
     print(fp8_ceilings.describe())
+    weight_only_rows = []
     print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}"
           f"{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
     for name, (rows, features) in SHAPES.items():
         float_weight = torch.randn(rows, features, device="cuda") * 0.02
         bf16_weight = float_weight.to(torch.bfloat16)
         channel_weight, channel_scale = quantize_rows(float_weight)
-        block_weight, block_scale = quantize_blocks(float_weight.cpu(), (128, 128))
-        block_weight = block_weight.cuda()
-        block_scale = row_block_scales(block_scale, (rows, features), (128, 128)).cuda()
+        block_weight, blocks = quantize_blocks(float_weight.cpu(), (128, 128))
+        block_weight, blocks = block_weight.cuda(), blocks.cuda()
+        block_scale = row_block_scales(blocks, (rows, features), (128, 128))
         del float_weight
         for tokens in TOKENS:
             hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
@@ -79,8 +159,17 @@ def main() -> None:
             print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
                   f"{channel_roof / channel:>6.2f}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
                   f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
+        fp8_weights = [(channel_weight, channel_scale, None), (block_weight, block_scale, 128)]
+        for tokens in (1, 4, 16):
+            weight_only_rows.append(weight_only_row(name, rows, features, tokens, fp8_weights, fp8_ceilings.bandwidth))
+        if arguments.sweep:
+            sweep(name, rows, features, fp8_weights, fp8_ceilings.bandwidth)
+            sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
         del bf16_weight, channel_weight, block_weight
         torch.cuda.empty_cache()
+    print(f"\nweight-only path (M <= 16)\n{'shape':<9}{'M':>6}{'chan ms':>9}{'roof':>6}{'':<22}{'block ms':>9}"
+          f"{'roof':>6}")
+    print("\n".join(weight_only_rows))
     print("\nroof: the roofline's time over the measured time (1.00 = at the roofline); chan/bf16, "
           "block/bf16: speed-up over bf16")
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.fp8_gemm import (FP8_DTYPE, block_scaled_matmul, block_scaled_matmul_reference, fp8_linear,
-                                     fp8_linear_reference, quantize_token_groups, quantize_token_groups_reference)
+from tandem.kernels.fp8_gemm import (FP8_DTYPE, BlockGemmConfig, block_scaled_matmul, block_scaled_matmul_reference,
+                                     fp8_linear, fp8_linear_reference, quantize_token_groups,
+                                     quantize_token_groups_reference)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 from tests.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 
@@ -53,13 +54,17 @@ def test_reference_quantization_rounds_to_nearest_within_half_a_step():
     assert (error <= hidden.abs() * 2 ** -4 + groups * 2 ** -9).all()  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("tokens, rows, features, group", [(5, 24, 40, 16), (1, 72, 48, 16), (33, 20, 64, 32)])
-def test_block_scaled_gemm_equals_reference(tokens, rows, features, group):
+@pytest.mark.parametrize("tokens, rows, features, group, config", [
+    (5, 24, 40, 16, None), (1, 72, 48, 16, None), (33, 20, 64, 32, None),
+    # 3 row tiles x 5 column tiles walked in bands of 2 row tiles (the last band partial)
+    (40, 72, 48, 16, BlockGemmConfig(block_m=16, block_n=16, warps=4, stages=2, swizzle_m=2)),
+])
+def test_block_scaled_gemm_equals_reference(tokens, rows, features, group, config):
     weight, weight_scale = quantize_blocks(random(rows, features, seed=2), (group, group))
     row_scales = row_block_scales(weight_scale, (rows, features), (group, group))
     quantized, scales = quantize_token_groups_reference(random(tokens, features, seed=3), group)
     expected = block_scaled_matmul_reference(quantized, scales, weight, row_scales, group, torch.float32)
-    actual = block_scaled_matmul(quantized, scales, weight, row_scales, group, torch.float32)
+    actual = block_scaled_matmul(quantized, scales, weight, row_scales, group, torch.float32, config)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
@@ -144,3 +149,22 @@ def test_fused_moe_with_fp8_experts_equals_reference_on_dequantized_experts(grou
                        scale_groups=tuple(groups))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, fused_moe_reference(hidden, w1, w2, routing, expert_ids), atol=1e-6)
+
+
+def test_block_scaled_gemm_compiles_to_pipelined_wgmma_on_h100():
+    """Checked without a GPU (``tests/triton_aot.py``): at large M the block-scaled GEMM's FP8
+    tiles stream through pipelined 16-byte asynchronous copies into Hopper's warp-group MMA."""
+    pytest.importorskip("triton")
+    from tandem.kernels.fp8_gemm import block_gemm_config
+    from tests.triton_aot import compile_request, ptx_for_h100
+
+    config = block_gemm_config(4096)
+    signature = {"a": "*fp8e4nv", "a_scale": "*fp32", "b": "*fp8e4nv", "b_scale": "*fp32", "c": "*bf16",
+                 "M": "i32", "N": "i32", "stride_a": "i32", "stride_b": "i32", "stride_c": "i32"}
+    constexprs = {"K": 4096, "GROUP": 128, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                  "SWIZZLE_M": config.swizzle_m, "UPCAST": False}
+    ptx, = ptx_for_h100([compile_request("tandem.kernels.fp8_gemm", "_block_scaled_gemm", signature, constexprs,
+                                         warps=config.warps, stages=config.stages, unaligned=("M",))])
+    copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
+    assert copies and all(", 0x10" in line for line in copies), copies[:3]
+    assert "wgmma.mma_async" in ptx and "e4m3" in ptx

@@ -15,6 +15,7 @@ Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -87,59 +88,93 @@ def block_scaled_matmul_reference(quantized: torch.Tensor, scales: torch.Tensor,
 @jit(do_not_specialize=["M"])  # the step's token count
 def _block_scaled_gemm(a, a_scale, b, b_scale, c, M, N, stride_a, stride_b, stride_c,
                        K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       SWIZZLE_M: tl.constexpr, UPCAST: tl.constexpr):
     """``c[M, N] = sum over K groups g of (a[:, g] @ b[:, g].T) * a_scale[:, g] * b_scale[:, g]``:
     a ``[M, K]`` and b ``[N, K]`` FP8 (row-major), a_scale ``[M, G]``, b_scale ``[N, G]``
-    float32 (``G = ceil(K / GROUP)``). ``UPCAST``: multiply in float32 (the interpreter's path)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    float32 (``G = ceil(K / GROUP)``). ``UPCAST``: multiply in float32 (the interpreter's path).
+
+    One program per output tile, numbered down ``SWIZZLE_M`` row tiles before moving to the
+    next column tile, so programs running together share their weight tiles in L2."""
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    column_tiles = tl.cdiv(N, BLOCK_N)
+    program = tl.program_id(0)
+    band = program // (SWIZZLE_M * column_tiles)
+    first_row_tile = band * SWIZZLE_M
+    band_rows = tl.minimum(row_tiles - first_row_tile, SWIZZLE_M)
+    row_tile = first_row_tile + (program % (SWIZZLE_M * column_tiles)) % band_rows
+    column_tile = (program % (SWIZZLE_M * column_tiles)) // band_rows
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     inner = tl.arange(0, GROUP)
     row_mask = rows < M
     column_mask = columns < N
     accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     scale_columns = (K + GROUP - 1) // GROUP
+    # The scales are loaded one group ahead: the tiles are software-pipelined by the compiler,
+    # but a load waited on in the step that issues it would stall every step.
+    a_scales = tl.load(a_scale + rows * scale_columns, mask=row_mask, other=0.0)
+    b_scales = tl.load(b_scale + columns * scale_columns, mask=column_mask, other=0.0)
     for start in range(0, K, GROUP):
-        group = start // GROUP
+        following = start // GROUP + 1
+        next_a_scales = tl.load(a_scale + rows * scale_columns + following, mask=row_mask & (following < scale_columns),
+                                other=0.0)
+        next_b_scales = tl.load(b_scale + columns * scale_columns + following,
+                                mask=column_mask & (following < scale_columns), other=0.0)
         k = start + inner
         k_mask = k < K
         a_tile = tl.load(a + rows[:, None] * stride_a + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b_tile = tl.load(b + columns[None, :] * stride_b + k[:, None], mask=column_mask[None, :] & k_mask[:, None],
                          other=0.0)
-        a_scales = tl.load(a_scale + rows * scale_columns + group, mask=row_mask, other=0.0)
-        b_scales = tl.load(b_scale + columns * scale_columns + group, mask=column_mask, other=0.0)
         if UPCAST:
             partial = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32))
         else:
             partial = tl.dot(a_tile, b_tile)
         accumulator += partial * a_scales[:, None] * b_scales[None, :]
+        a_scales, b_scales = next_a_scales, next_b_scales
     tl.store(c + rows[:, None] * stride_c + columns[None, :], accumulator.to(c.dtype.element_ty),
              mask=row_mask[:, None] & column_mask[None, :])
 
 
-def _tile_sizes(tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps): few-token products (decode) are weight-read bound: small M
-    tiles and more programs along N; large ones take square-ish tiles."""
+@dataclass(frozen=True)
+class BlockGemmConfig:
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    swizzle_m: int = 8  # row tiles walked before the next column tile (L2 reuse of weight tiles)
+
+
+def block_gemm_config(tokens: int) -> BlockGemmConfig:
+    """Few-token products (decode) are weight-read bound: small M tiles and more programs
+    along N. Large ones: 64x128 tiles of one warp group, 3 stages. Each K group's product
+    is scaled before it is added, so a program waits for its tensor-core product every
+    step; smaller programs (three resident per SM: 3 x 3 stages x 24 KB of FP8 tiles) let one
+    program's products overlap another's scaling, which 128x128 tiles of 8 warps (two per SM)
+    did not (0.3 of the FP8 roofline at M = 4096 on an H100)."""
     if tokens <= 16:
-        return 16, 32, 4
+        return BlockGemmConfig(16, 32, 4, 3)
     if tokens <= 64:
-        return 64, 64, 4
-    return 128, 128, 8
+        return BlockGemmConfig(64, 64, 4, 3)
+    return BlockGemmConfig(64, 128, 4, 3)
 
 
 def block_scaled_matmul(quantized: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
-                        weight_scale: torch.Tensor, group: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``block_scaled_matmul_reference`` as one Triton launch (``group`` ≥ 16, a power of two)."""
+                        weight_scale: torch.Tensor, group: int, out_dtype: torch.dtype,
+                        config: Optional[BlockGemmConfig] = None) -> torch.Tensor:
+    """``block_scaled_matmul_reference`` as one Triton launch (``group`` ≥ 16, a power of two).
+    ``config``: tiles other than ``block_gemm_config``'s (benchmarks, tests)."""
     tokens, features = quantized.shape
     rows = weight.shape[0]
     output = torch.empty(tokens, rows, dtype=out_dtype, device=quantized.device)
     if tokens == 0:
         return output
-    block_m, block_n, warps = _tile_sizes(tokens)
-    grid = (triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))
+    config = config or block_gemm_config(tokens)
+    grid = (triton.cdiv(tokens, config.block_m) * triton.cdiv(rows, config.block_n),)
     interpreted = not quantized.is_cuda
     _block_scaled_gemm[grid](quantized, scales, weight, weight_scale, output, tokens, rows,
                              quantized.stride(0), weight.stride(0), output.stride(0), K=features, GROUP=group,
-                             BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted, num_warps=warps, num_stages=3)
+                             BLOCK_M=config.block_m, BLOCK_N=config.block_n, SWIZZLE_M=config.swizzle_m,
+                             UPCAST=interpreted, num_warps=config.warps, num_stages=config.stages)
     return output
 
 

@@ -132,19 +132,21 @@ class FusedExperts(nn.Module):
         # FP8 experts (to_fp8): inputs per scale column of w1 and of down_proj; None: 16-bit.
         self.scale_groups: Optional[tuple[int, int]] = None
 
-    def to_fp8(self, block_columns: Optional[int]) -> None:
-        """Hold the experts as FP8 with float32 scales per row and ``block_columns`` inputs
-        (``<name>_weight_scale [E, rows, ceil(inputs / block_columns)]``; None: one scale per
-        row), filled by the checkpoint's per-expert tensors. The kernel dequantizes each tile."""
+    def to_fp8(self, block_columns: Optional[int], device: Optional[torch.device] = None) -> None:
+        """Hold the experts as FP8 on ``device`` (default: the 16-bit weights') with float32
+        scales per row and ``block_columns`` inputs (``<name>_weight_scale [E, rows,
+        ceil(inputs / block_columns)]``; None: one scale per row), filled by the checkpoint's
+        per-expert tensors. The kernel dequantizes each tile."""
         groups = []
         for name in self.fused_parameter_names:
             weight = getattr(self, name)
             experts, rows, columns = weight.shape
             group = columns if block_columns is None else block_columns
-            fp8 = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+            target = weight.device if device is None else device
+            fp8 = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=target),
                                requires_grad=False)
             scale = nn.Parameter(torch.ones(experts, rows, -(-columns // group), dtype=torch.float32,
-                                            device=weight.device), requires_grad=False)
+                                            device=target), requires_grad=False)
             shard = getattr(weight, "tensor_shard", None)
             if shard is not None:
                 fp8.tensor_shard = shard

@@ -240,6 +240,11 @@ def build_model(model_dir: str, *, dtype: str, load_format: str, device: torch.d
     else:
         model.load_weights(checkpoint_tensors(iterate_safetensors(model_dir), quantized, keep_fp8, online))
     model.eval()
+    if device.type == "cuda":
+        # The memory planner reads the device's free memory: what loading allocated and freed
+        # (dummy FP8 values drawn in float32, dequantized or converted tensors) must not stay
+        # in the allocator's cache, counted as used.
+        torch.cuda.empty_cache()
     info = ModelInfo(architecture=architecture, vocab_size=config.vocab_size, max_model_len=model_len,
                      eos_token_ids=eos_token_ids(model_dir, config), dtype=torch_dtype,
                      hidden_size=config.hidden_size,

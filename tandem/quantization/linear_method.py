@@ -6,18 +6,35 @@ from typing import Optional
 import torch
 
 from tandem.kernels.fp8_gemm import fp8_linear
+from tandem.kernels.fp8_weight_only import MAX_TOKENS, weight_only_matmul
 
 
 class Fp8LinearMethod:
-    """``hidden @ (weight * weight_scale).T + bias`` with the activations quantized on the fly,
-    per token (``block_columns=None``) or per ``block_columns`` features of a token."""
+    """``hidden @ (weight * weight_scale).T + bias``.
+
+    By token count, which is fixed for each captured CUDA graph (a decode batch size), so each
+    graph holds the kernel its size takes:
+
+    - on CUDA, up to ``MAX_TOKENS`` tokens (decode): 16-bit activations times the FP8 weight
+      dequantized in registers (``weight_only_matmul``): bound by reading the weight, with no
+      activation quantization launch;
+    - otherwise: the activations quantized on the fly, per token (``block_columns=None``) or
+      per ``block_columns`` features of a token, and FP8 tensor-core products (``fp8_linear``;
+      on a CPU its PyTorch reference, which is what the format prescribes and what
+      ``transformers`` computes for compressed-tensors checkpoints)."""
 
     def __init__(self, block_columns: Optional[int]) -> None:
         self.block_columns = block_columns
+        # Block scales the weight-only kernel reads per sub-tile: a power of two >= 16.
+        self.weight_only = block_columns is None or (block_columns >= 16 and block_columns & (block_columns - 1) == 0)
 
     def apply(self, module, hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        output = fp8_linear(flat, module.weight, module.weight_scale, self.block_columns)
+        if self.weight_only and flat.is_cuda and 0 < flat.shape[0] <= MAX_TOKENS:
+            output = weight_only_matmul(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
+                                        module.weight_scale, self.block_columns)
+        else:
+            output = fp8_linear(flat, module.weight, module.weight_scale, self.block_columns)
         if bias is not None:
             output = output + bias
         return output.reshape(*hidden.shape[:-1], output.shape[-1])

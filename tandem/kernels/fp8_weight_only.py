@@ -1,0 +1,177 @@
+"""Few-token FP8 products (decode): 16-bit activations times FP8 weights dequantized in
+registers, and the PyTorch reference beside it.
+
+``weight_only_matmul(hidden, weight, weight_scale, group)`` computes ``hidden @ W.T`` for
+``W = weight * scale`` in the row-block layout of ``fp8_gemm.py`` (``weight [N, K]``
+float8_e4m3fn, ``weight_scale [N, ceil(K / group)]`` float32; ``group=None``: one scale per row).
+At ``M <= 16`` tokens the product is bound by reading the weight (an 8B model's decode step reads
+~8 GB of FP8 weights; at ~3 TB/s that is ~2.7 ms), so this path skips the activation
+quantization launch altogether: each program streams a ``BLOCK_N x K`` strip of the weight (or
+a ``1 / SPLIT`` of it), converts each FP8 tile to the activations' type (exact: e4m3 values
+have 3 mantissa bits), multiplies on the tensor cores into float32 and applies the row's scale
+per K group. Without activation rounding it is closer to the dequantized weights than the
+activation-quantized path.
+
+Split-K: where ``N / BLOCK_N`` programs would leave SMs idle (small N), ``SPLIT`` programs share
+a strip's K range and add float32 partials into a zeroed buffer (``tl.atomic_add``), cast
+afterwards; otherwise each program writes its tile. Everything is shape-static per token count,
+so a CUDA graph captured at a batch size replays the same launch.
+
+    grid = (ceil(N / BLOCK_N), SPLIT)
+    program (n, s):  rows n*BLOCK_N .. +BLOCK_N of W,  K range s*K_PER_SPLIT .. +K_PER_SPLIT
+                     per BLOCK_K step: SUB_K-wide sub-tiles, one weight scale column each
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tandem.kernels.triton_support import jit, tl, triton
+
+MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
+# A scale group larger than any K: per-row scales (read once, applied after the K loop).
+WHOLE_ROW = 1 << 30
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    block_n: int  # weight rows per program
+    block_k: int  # inputs per loop step (a multiple of the sub-tile)
+    split: int  # programs sharing one strip's K range
+    warps: int = 4
+    stages: int = 4
+
+
+def weight_only_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                 group: Optional[int]) -> torch.Tensor:
+    """``hidden @ (weight * weight_scale).T`` in float32, returned in ``hidden.dtype``."""
+    features = weight.shape[1]
+    size = features if group is None else group
+    scales = weight_scale.float().repeat_interleave(size, dim=1)[:, :features]
+    return (hidden.float() @ (weight.float() * scales).t()).to(hidden.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def weight_only_config(rows: int, features: int, group: Optional[int], multiprocessors: int) -> WeightOnlyConfig:
+    """Tiles for H100-class GPUs (132 SMs, ~3 TB/s): a strip of 64 rows, narrowed to 16 while
+    fewer than two programs per SM result; then K split in halves (keeping two or more steps
+    per program) while fewer than 1.5 programs per SM remain, since split-K costs two extra
+    launches (the Llama-3.1-8B projections need none). Each step reads ``BLOCK_N x 256`` FP8
+    bytes, three steps ahead: with two or more programs per SM that keeps ~30 KB of weight
+    reads in flight per SM, what its latency-bandwidth product asks for. ``group`` (the scale
+    block) does not change the tiles: a step spans whole scale groups or lies within one."""
+    wanted = 2 * multiprocessors
+    block_k = min(256, max(16, triton.next_power_of_2(features)))
+    block_n = 64
+    while block_n > 16 and triton.cdiv(rows, block_n) < wanted:
+        block_n //= 2
+    split = 1
+    steps = triton.cdiv(features, block_k)
+    while triton.cdiv(rows, block_n) * split * 4 // 3 < wanted and steps // (2 * split) >= 2:
+        split *= 2
+    return WeightOnlyConfig(block_n=block_n, block_k=block_k, split=split)
+
+
+def _sub_k(block_k: int, group: Optional[int]) -> int:
+    """Inputs per sub-tile: within one weight scale column (per-row scales: the whole step)."""
+    return block_k if group is None else min(group, block_k)
+
+
+@jit
+def _step_scales(w_scale, columns, column_mask, scale_columns, start, K, GROUP: tl.constexpr,
+                 SUB_K: tl.constexpr, PARTS: tl.constexpr):
+    """The weight scales of one K step: ``[BLOCK_N, PARTS]``, one column per sub-tile."""
+    offsets = start + tl.arange(0, PARTS) * SUB_K
+    return tl.load(w_scale + columns[:, None] * scale_columns + (offsets // GROUP)[None, :],
+                   mask=column_mask[:, None] & (offsets < K)[None, :], other=0.0)
+
+
+@jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
+def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
+    ``UPCAST``: multiply in float32 (the interpreter's path); ``ATOMIC``: add into float32 ``out``.
+
+    The weight tiles are software-pipelined by the compiler (``num_stages``); the scales are
+    loaded by hand one step ahead (a load waited on in the step that issues it would stall
+    every step), or, per-row (``GROUP`` = ``WHOLE_ROW``), once, applied after the loop."""
+    PARTS: tl.constexpr = BLOCK_K // SUB_K
+    PER_ROW: tl.constexpr = GROUP >= (1 << 30)
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(1) * K_PER_SPLIT
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    column_mask = columns < N
+    parts = tl.arange(0, PARTS)
+    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PER_ROW:
+        row_scales = tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
+    else:
+        scales = _step_scales(w_scale, columns, column_mask, scale_columns, k_begin, K, GROUP, SUB_K, PARTS)
+    for start in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        if not PER_ROW:
+            next_scales = _step_scales(w_scale, columns, column_mask, scale_columns, start + BLOCK_K, K, GROUP,
+                                       SUB_K, PARTS)
+        for part in tl.static_range(PARTS):
+            k = start + part * SUB_K + tl.arange(0, SUB_K)
+            k_mask = k < K
+            x_tile = tl.load(x + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                             other=0.0)
+            w_tile = tl.load(w + columns[None, :] * stride_w + k[:, None],
+                             mask=column_mask[None, :] & k_mask[:, None], other=0.0)
+            if UPCAST:
+                partial = tl.dot(x_tile.to(tl.float32), w_tile.to(tl.float32))
+            else:
+                partial = tl.dot(x_tile, w_tile.to(x_tile.dtype))
+            if PER_ROW:
+                accumulator += partial
+            else:
+                scale = tl.sum(tl.where(parts[None, :] == part, scales, 0.0), axis=1)
+                accumulator += partial * scale[None, :]
+        if not PER_ROW:
+            scales = next_scales
+    if PER_ROW:
+        accumulator *= row_scales[None, :]
+    pointers = out + rows[:, None] * stride_out + columns[None, :]
+    mask = row_mask[:, None] & column_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(pointers, accumulator, mask=mask)
+    else:
+        tl.store(pointers, accumulator.to(out.dtype.element_ty), mask=mask)
+
+
+def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: Optional[int],
+                       config: Optional[WeightOnlyConfig] = None) -> torch.Tensor:
+    """``weight_only_matmul_reference`` as one Triton launch (two more with split-K: the zeroed
+    float32 buffer and the cast). ``hidden [M <= 16, K]`` contiguous rows; ``group`` None or a
+    power of two >= 16. ``config``: tiles other than ``weight_only_config``'s (benchmarks, tests)."""
+    tokens, features = hidden.shape
+    rows = weight.shape[0]
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"weight_only_matmul serves at most {MAX_TOKENS} tokens, got {tokens}")
+    if config is None:
+        multiprocessors = _multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
+        config = weight_only_config(rows, features, group, multiprocessors)
+    sub_k = _sub_k(config.block_k, group)
+    k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
+    atomic = config.split > 1
+    output = (torch.zeros(tokens, rows, dtype=torch.float32, device=hidden.device) if atomic else
+              torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device))
+    if tokens == 0:
+        return output.to(hidden.dtype)
+    grid = (triton.cdiv(rows, config.block_n), config.split)
+    _weight_only_gemm[grid](hidden, weight, weight_scale, output, tokens, rows, features, hidden.stride(0),
+                            weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
+                            GROUP=WHOLE_ROW if group is None else group, BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n,
+                            BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic,
+                            UPCAST=not hidden.is_cuda, num_warps=config.warps, num_stages=config.stages)
+    return output.to(hidden.dtype) if atomic else output
