@@ -7,6 +7,7 @@ the device with the step's other sampling inputs, applied to the logits there by
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -18,26 +19,30 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int,
-                 batch_filler=None) -> Optional[torch.Tensor]:
-    """The host bitmask of these rows (``None`` when no row is constrained). A row whose matcher
-    has terminated allows every token: its sequence has finished and the token is discarded.
-    ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its threads."""
-    if all(grammar is None for grammar in grammars):
-        return None
-    bitmask = allow_all(len(grammars), vocab_size)
+def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], bitmask: torch.Tensor,
+                 batch_filler=None) -> None:
+    """Write the tokens each constrained row allows next into ``bitmask[row]`` (a host tensor of
+    one row per grammar, every row allowing every token beforehand). A row whose matcher has
+    terminated keeps allowing every token: its sequence has finished and the token is
+    discarded. ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its
+    threads, without the interpreter lock."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated]
     if batch_filler is not None and len(rows) > 1:
         batch_filler.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
     else:
         for row in rows:
             grammars[row].fill(bitmask, row)
-    return bitmask
 
 
-def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
-    """A host bitmask of ``rows`` rows that allows every token."""
-    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+def fill_threads() -> int:
+    """Threads for filling a step's rows: half the cores this process may run on (xgrammar's
+    advice; the other half keep the engine loop and the tokenizer going), at least one. Counted
+    from the process's CPU affinity, not the machine's cores, which a container may not own."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
