@@ -35,14 +35,40 @@ def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], bitmask: torch.Te
 
 
 def fill_threads() -> int:
-    """Threads for filling a step's rows: half the cores this process may run on (xgrammar's
-    advice; the other half keep the engine loop and the tokenizer going), at least one. Counted
-    from the process's CPU affinity, not the machine's cores, which a container may not own."""
+    """Threads for filling a step's rows: half the cores this process may use (xgrammar's advice;
+    the rest keep the engine loop going), at least one. Counted from the process's CPU affinity
+    and its cgroup's CPU quota, not from the machine's cores: a container given 16 cores of a
+    200-core host that started 100 threads would spend its quota in a few milliseconds and be
+    stalled for the rest of the period."""
+    return max(1, available_cores() // 2)
+
+
+def available_cores() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (no affinity on this platform)
         cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Whole cores of this process's CPU quota (cgroup v2 ``cpu.max``, or v1's CFS quota and
+    period), rounded up; ``None`` when there is no quota or no cgroup file to read."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as file:
+            quota, period = file.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as file:
+                quota = file.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as file:
+                period = file.read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
