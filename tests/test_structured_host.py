@@ -158,3 +158,46 @@ def test_fill_threads_follow_the_cgroup_quota(tmp_path, files, cores):
         (tmp_path / name).write_text(text)
     assert cgroup_cpu_quota(str(tmp_path)) == cores
     assert fill_threads() >= 1
+
+
+def test_batch_sync_on_threads_equals_one_by_one_and_raises_after_every_share(structured):
+    from tandem.structured.batch_sync import BatchSync
+    from tandem.structured.matcher import GrammarViolation
+
+    outputs = [walk(structured, 6 + index % 5, seed=index) for index in range(16)]
+    threaded, serial = [grammar_of(structured) for _ in outputs], [grammar_of(structured) for _ in outputs]
+    batch = BatchSync(threads=4)
+    try:
+        batch.sync(list(zip(threaded, outputs)))
+        for grammar, output in zip(serial, outputs):
+            grammar.sync(output)
+        for one, other, output in zip(threaded, serial, outputs):
+            assert one.consumed == output
+            assert torch.equal(mask_after(one, structured.vocab_size), mask_after(other, structured.vocab_size))
+        grown = [output + walk_from(structured, output) for output in outputs]
+        bad = list(grown)
+        bad[5] = outputs[5] + forbidden_after(structured, outputs[5])
+        with pytest.raises(GrammarViolation):
+            batch.sync(list(zip(threaded, bad)))
+        for index, (grammar, output) in enumerate(zip(threaded, bad)):  # every other row was brought level
+            if index != 5:
+                assert grammar.consumed == output
+    finally:
+        batch.close()
+
+
+def walk_from(structured, output: list[int]) -> list[int]:
+    """One more token the grammar allows after ``output``."""
+    grammar = grammar_of(structured)
+    grammar.sync(output)
+    mask = mask_after(grammar, structured.vocab_size)
+    return [next(token for token in range(structured.vocab_size)
+                 if (int(mask[0, token // 32]) >> (token % 32)) & 1 and token not in structured.eos_token_ids)]
+
+
+def forbidden_after(structured, output: list[int]) -> list[int]:
+    """A token the grammar does not allow after ``output``."""
+    grammar = grammar_of(structured)
+    grammar.sync(output)
+    mask = mask_after(grammar, structured.vocab_size)
+    return [next(token for token in range(structured.vocab_size) if not (int(mask[0, token // 32]) >> (token % 32)) & 1)]

@@ -22,6 +22,7 @@ from tandem.protocol import StructuredOutputsStats
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.scheduler.sequence import Sequence
 from tandem.structured.bitmask import bitmask_words, fill_bitmask, fill_threads
+from tandem.structured.batch_sync import BatchSync
 from tandem.structured.bitmask_staging import BitmaskStaging
 from tandem.structured.matcher import RequestGrammar
 from tandem.structured.source import GrammarSource, check
@@ -53,6 +54,7 @@ class StructuredOutputs:
         self.check_history = check_history
         self._pool = None
         self._batch_filler = None
+        self._batch_sync = None
         self._staging = BitmaskStaging(bitmask_words(vocab_size), device)
         self._waiting: list[_Waiting] = []
         self.num_constrained_steps = 0  # steps that sampled at least one constrained row
@@ -67,6 +69,7 @@ class StructuredOutputs:
 
             self._pool = GrammarCompilerPool(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
             self._batch_filler = xgrammar.BatchGrammarMatcher(fill_threads())  # a step's rows on several threads
+            self._batch_sync = BatchSync(fill_threads())
         return self._pool
 
     # -- admission ------------------------------------------------------------------------------
@@ -143,9 +146,9 @@ class StructuredOutputs:
             return None
         host = self._staging.take(len(sequences))
         if drafts is None:
-            for sequence, grammar in zip(sequences, grammars):
-                if grammar is not None:
-                    grammar.sync(sequence.output_token_ids, self.check_history)
+            self._batch_sync.sync([(grammar, sequence.output_token_ids)
+                                   for sequence, grammar in zip(sequences, grammars) if grammar is not None],
+                                  self.check_history)
             fill_bitmask(grammars, host, self._batch_filler)
         else:
             self._fill_draft_bitmask(host, sequences, grammars, drafts)
@@ -192,3 +195,4 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+            self._batch_sync.close()
