@@ -98,7 +98,10 @@ def main() -> None:
         profiler.disable()
     hits = cache_hits(structured, constraint, args.hits)
     structured.close()
-    print(f"{args.shape} tokenizer, vocabulary {vocab_size}, {args.batch} rows, {len(steps)} steps, device {args.device}")
+    from tandem.structured.bitmask import available_cores, fill_threads
+
+    print(f"{args.shape} tokenizer, vocabulary {vocab_size}, {args.batch} rows, {len(steps)} steps, device {args.device}; "
+          f"{available_cores()} cores, {fill_threads()} fill threads")
     print(f"bitmask per step: median {statistics.median(steps) * 1e3:.2f} ms, mean {statistics.mean(steps) * 1e3:.2f} ms, "
           f"max {max(steps) * 1e3:.2f} ms")
     print(f"cache hit: median {statistics.median(hits) * 1e3:.3f} ms, max {max(hits) * 1e3:.3f} ms")
