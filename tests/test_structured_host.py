@@ -122,7 +122,7 @@ def test_staging_rows_allow_every_token_and_the_device_copy_is_its_own():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_staging_waits_for_the_copy_before_reusing_a_buffer():
+def test_cuda_staging_never_rewrites_a_buffer_whose_copy_is_queued():
     staging = BitmaskStaging(words=4008, device=torch.device("cuda"))
     view = staging.take(64)
     pattern = torch.randint(-2**31, 2**31 - 1, view.shape, dtype=torch.int32)
@@ -130,9 +130,14 @@ def test_cuda_staging_waits_for_the_copy_before_reusing_a_buffer():
     assert view.is_pinned()
     torch.cuda._sleep(200_000_000)  # the stream stays busy: the copy below is still queued
     device_mask = staging.to_device(view)
-    for _ in range(bitmask_staging.SLOTS):  # the last take is of the same buffer
-        staging.take(64).zero_()
+    for _ in range(bitmask_staging.SLOTS):  # the last take is of the same slot, its copy still queued
+        again = staging.take(64)
+        again.zero_()
+    assert again.data_ptr() != view.data_ptr()  # a new buffer, not the one being read
     assert torch.equal(device_mask.cpu(), pattern)
+    torch.cuda.synchronize()
+    staging.take(64)
+    assert not staging._retired  # the replaced buffer is let go once its copy has completed
 
 
 def test_a_cache_hit_neither_checks_nor_compiles_again(structured, monkeypatch):

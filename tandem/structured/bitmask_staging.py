@@ -6,9 +6,11 @@ make its copy wait for the work queued before it; instead a small ring of buffer
 allocated once (pinned on CUDA, grown when a step has more rows) and reused.
 
 A buffer is written only once the device has finished reading it: each copy to the device
-records an event on the stream, and ``take`` waits for that slot's event before handing the
-buffer out again. With ``SLOTS`` buffers in the ring the event is long done by then (a step
-and a verification take at most two), so the wait costs nothing.
+records an event on the device's stream, and ``take`` hands a slot's buffer out again only once
+that event has completed. With ``SLOTS`` buffers it has, one step after another; where one step
+takes more masks than that (speculative decoding masks each draft position) and the copy is
+still queued, the slot gets a new buffer instead of waiting, and the old one is kept (retired)
+until its copy has completed.
 
     take(rows) ──► host view [rows, words], every row allowing every token
          │           (the caller fills the constrained rows)
@@ -33,6 +35,7 @@ class BitmaskStaging:
         self._pinned = self.device.type == "cuda"
         self._buffers: list[Optional[torch.Tensor]] = [None] * SLOTS
         self._copied: list[Optional["torch.cuda.Event"]] = [None] * SLOTS
+        self._retired: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []  # still read by a queued copy
         self._next = 0
         self._taken: Optional[int] = None  # the slot of the view handed out last
 
@@ -40,11 +43,12 @@ class BitmaskStaging:
         """A host view of ``rows`` rows, each allowing every token; valid until ``to_device``."""
         slot = self._next
         self._next = (slot + 1) % SLOTS
-        copied = self._copied[slot]
-        if copied is not None:
-            copied.synchronize()  # the device has read this buffer (I2's rule for host buffers)
-            self._copied[slot] = None
-        buffer = self._buffers[slot]
+        buffer, copied = self._buffers[slot], self._copied[slot]
+        if copied is not None and not copied.query():  # the device has not read it yet: not reused
+            self._retired.append((buffer, copied))
+            buffer = None
+        self._copied[slot] = None
+        self._retired = [(old, event) for old, event in self._retired if not event.query()]
         if buffer is None or buffer.shape[0] < rows:
             capacity = max(rows, MIN_ROWS, 0 if buffer is None else 2 * buffer.shape[0])
             buffer = torch.empty((capacity, self.words), dtype=torch.int32, pin_memory=self._pinned)
@@ -60,6 +64,6 @@ class BitmaskStaging:
             return view.to(self.device, copy=True)
         device_mask = view.to(self.device, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
         self._copied[self._taken] = copied
         return device_mask
