@@ -8,7 +8,7 @@ Decode: ``--batch-sizes`` requests of ``--prompt-len`` tokens, each generating u
 argument fields. The time per decode step is (whole run - first step) over the steps between, so
 requests that end early (a grammar may end them) do not skew it; the overhead is the constrained
 step time over the unconstrained one; "mask ms (host)" is the median host time of a step's masks
-(matchers advanced, rows filled, the copy queued), which the overlapped loop hides behind the
+(matchers advanced: "sync"; rows filled: "fill"; the copy queued), which the overlapped loop hides behind the
 step's forward pass as long as it is shorter. Compile: distinct 10-field schemas compiled against the
 model's tokenizer (first compile), then the same schema again (a cache hit: the compiled grammar
 found and a matcher made for a request).
@@ -79,21 +79,35 @@ class StepCounter:
 
 
 class MaskTimer:
-    """Host seconds spent making each step's masks (wraps ``StructuredOutputs.bitmask``): the
-    work the overlapped loop must finish while the device runs the step's forward pass."""
+    """Host seconds of each step's masks (``StructuredOutputs.bitmask``: the work the overlapped
+    loop must finish while the device runs the step's forward pass), and of its two parts: the
+    matchers accepting the new tokens (``sync``) and the rows being filled (``fill``)."""
 
     def __init__(self, structured) -> None:
-        self.seconds: list[float] = []
-        bitmask = structured.bitmask
+        from tandem.engine import structured_outputs
 
+        self.seconds: dict[str, list[float]] = {"mask": [], "sync": [], "fill": []}
+        structured.bitmask = self._timed("mask", structured.bitmask)
+        structured.pool  # (builds the matchers' helpers)
+        structured._batch_sync.sync = self._timed("sync", structured._batch_sync.sync)
+        structured_outputs.fill_bitmask = self._timed("fill", structured_outputs.fill_bitmask)
+
+    def _timed(self, name: str, function):
         def timed(*arguments, **options):
             start = time.perf_counter()
-            result = bitmask(*arguments, **options)
-            if result is not None:
-                self.seconds.append(time.perf_counter() - start)
+            result = function(*arguments, **options)
+            if name != "mask" or result is not None:
+                self.seconds[name].append(time.perf_counter() - start)
             return result
 
-        structured.bitmask = timed
+        return timed
+
+    def clear(self) -> None:
+        for seconds in self.seconds.values():
+            seconds.clear()
+
+    def medians(self) -> tuple[float, float, float]:
+        return tuple(statistics.median(self.seconds[name] or [0.0]) for name in ("mask", "sync", "fill"))
 
 
 def step_seconds(llm, counter: StepCounter, prompts, params, repeat: int) -> tuple[float, float]:
@@ -130,9 +144,9 @@ def decode_figures(llm, args, vocab_size: int) -> list[tuple]:
                                      structured_outputs=StructuredOutputsParams(json=function_call_schema()))
         llm.generate(prompts, [constrained] * batch, use_tqdm=False)  # warm-up: compile, graphs
         plain, plain_tokens = step_seconds(llm, counter, prompts, [free] * batch, args.repeat)
-        masks.seconds.clear()
+        masks.clear()
         masked, masked_tokens = step_seconds(llm, counter, prompts, [constrained] * batch, args.repeat)
-        rows.append((batch, plain, masked, plain_tokens, masked_tokens, statistics.median(masks.seconds)))
+        rows.append((batch, plain, masked, plain_tokens, masked_tokens, *masks.medians()))
     return rows
 
 
@@ -176,10 +190,10 @@ def main() -> None:
           f"(max {max(firsts) * 1e3:.1f}), cache hit median {statistics.median(hits) * 1e3:.3f} ms "
           f"(max {max(hits) * 1e3:.3f})")
     print(f"{'batch':>6}{'step ms (free)':>16}{'step ms (schema)':>18}{'overhead':>10}{'tokens free':>13}"
-          f"{'tokens schema':>15}{'mask ms (host)':>16}")
-    for batch, plain, masked, plain_tokens, masked_tokens, mask in rows:
+          f"{'tokens schema':>15}{'mask ms (host)':>16}{'sync ms':>9}{'fill ms':>9}")
+    for batch, plain, masked, plain_tokens, masked_tokens, mask, sync, fill in rows:
         print(f"{batch:>6}{plain * 1e3:>16.2f}{masked * 1e3:>18.2f}{(masked / plain - 1) * 100:>9.1f}%"
-              f"{plain_tokens:>13.1f}{masked_tokens:>15.1f}{mask * 1e3:>16.2f}")
+              f"{plain_tokens:>13.1f}{masked_tokens:>15.1f}{mask * 1e3:>16.2f}{sync * 1e3:>9.2f}{fill * 1e3:>9.2f}")
 
 
 if __name__ == "__main__":
