@@ -34,13 +34,17 @@ def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], bitmask: torch.Te
             grammars[row].fill(bitmask, row)
 
 
+# Past this many threads a step's rows (64 or so) are split too finely to gain more.
+MAX_FILL_THREADS = 16
+
+
 def fill_threads() -> int:
-    """Threads for filling a step's rows: half the cores this process may use (xgrammar's advice;
-    the rest keep the engine loop going), at least one. Counted from the process's CPU affinity
-    and its cgroup's CPU quota, not from the machine's cores: a container given 16 cores of a
-    200-core host that started 100 threads would spend its quota in a few milliseconds and be
-    stalled for the rest of the period."""
-    return max(1, available_cores() // 2)
+    """Threads for filling a step's rows: every core this process may use, up to
+    ``MAX_FILL_THREADS`` (the engine's own thread only waits for them meanwhile). Counted from the
+    process's CPU affinity and its cgroup's CPU quota, not from the machine's cores: a container
+    given 16 cores of a 200-core host that started 100 threads would spend its quota in a few
+    milliseconds and be stalled for the rest of the period."""
+    return max(1, min(available_cores(), MAX_FILL_THREADS))
 
 
 def available_cores() -> int:

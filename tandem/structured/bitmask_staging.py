@@ -12,6 +12,10 @@ takes more masks than that (speculative decoding masks each draft position) and 
 still queued, the slot gets a new buffer instead of waiting, and the old one is kept (retired)
 until its copy has completed.
 
+The buffers are written through numpy, on the calling thread: a torch operation on a megabyte
+runs as a parallel region of torch's intra-op threads, which right after a fill compete for the
+cores with xgrammar's fill threads and can stall for milliseconds.
+
     take(rows) ──► host view [rows, words], every row allowing every token
          │           (the caller fills the constrained rows)
          ▼
@@ -55,13 +59,13 @@ class BitmaskStaging:
             self._buffers[slot] = buffer
         self._taken = slot
         view = buffer[:rows]
-        view.fill_(-1)
+        view.numpy().fill(-1)  # (one thread: see the module docstring)
         return view
 
     def to_device(self, view: torch.Tensor) -> torch.Tensor:
         """The view last handed out by ``take``, as a new tensor on the device."""
         if not self._pinned:
-            return view.to(self.device, copy=True)
+            return torch.from_numpy(view.numpy().copy()).to(self.device)
         device_mask = view.to(self.device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
