@@ -7,7 +7,9 @@ Decode: ``--batch-sizes`` requests of ``--prompt-len`` tokens, each generating u
 ``--output-len`` tokens, unconstrained and constrained by a function-calling JSON Schema of 10
 argument fields. The time per decode step is (whole run - first step) over the steps between, so
 requests that end early (a grammar may end them) do not skew it; the overhead is the constrained
-step time over the unconstrained one. Compile: distinct 10-field schemas compiled against the
+step time over the unconstrained one; "mask ms (host)" is the median host time of a step's masks
+(matchers advanced: "sync"; rows filled: "fill"; the copy queued), which the overlapped loop hides behind the
+step's forward pass as long as it is shorter. Compile: distinct 10-field schemas compiled against the
 model's tokenizer (first compile), then the same schema again (a cache hit: the compiled grammar
 found and a matcher made for a request).
 """
@@ -76,6 +78,38 @@ class StepCounter:
         engine.step = counted
 
 
+class MaskTimer:
+    """Host seconds of each step's masks (``StructuredOutputs.bitmask``: the work the overlapped
+    loop must finish while the device runs the step's forward pass), and of its two parts: the
+    matchers accepting the new tokens (``sync``) and the rows being filled (``fill``)."""
+
+    def __init__(self, structured) -> None:
+        from tandem.engine import structured_outputs
+
+        self.seconds: dict[str, list[float]] = {"mask": [], "sync": [], "fill": []}
+        structured.bitmask = self._timed("mask", structured.bitmask)
+        structured.pool  # (builds the matchers' helpers)
+        structured._batch_sync.sync = self._timed("sync", structured._batch_sync.sync)
+        structured_outputs.fill_bitmask = self._timed("fill", structured_outputs.fill_bitmask)
+
+    def _timed(self, name: str, function):
+        def timed(*arguments, **options):
+            start = time.perf_counter()
+            result = function(*arguments, **options)
+            if name != "mask" or result is not None:
+                self.seconds[name].append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+    def clear(self) -> None:
+        for seconds in self.seconds.values():
+            seconds.clear()
+
+    def medians(self) -> tuple[float, float, float]:
+        return tuple(statistics.median(self.seconds[name] or [0.0]) for name in ("mask", "sync", "fill"))
+
+
 def step_seconds(llm, counter: StepCounter, prompts, params, repeat: int) -> tuple[float, float]:
     """(seconds per decode step, mean output tokens): the whole run less its first step
     (prefill), each the best of ``repeat``, over the steps between."""
@@ -99,6 +133,7 @@ def decode_figures(llm, args, vocab_size: int) -> list[tuple]:
     from tandem.sampling_params import StructuredOutputsParams
 
     counter = StepCounter(llm.engine)
+    masks = MaskTimer(llm.engine.structured)
     rng = random.Random(0)
     rows = []
     for batch in [int(size) for size in args.batch_sizes.split(",")]:
@@ -109,8 +144,9 @@ def decode_figures(llm, args, vocab_size: int) -> list[tuple]:
                                      structured_outputs=StructuredOutputsParams(json=function_call_schema()))
         llm.generate(prompts, [constrained] * batch, use_tqdm=False)  # warm-up: compile, graphs
         plain, plain_tokens = step_seconds(llm, counter, prompts, [free] * batch, args.repeat)
+        masks.clear()
         masked, masked_tokens = step_seconds(llm, counter, prompts, [constrained] * batch, args.repeat)
-        rows.append((batch, plain, masked, plain_tokens, masked_tokens))
+        rows.append((batch, plain, masked, plain_tokens, masked_tokens, *masks.medians()))
     return rows
 
 
@@ -147,14 +183,17 @@ def main() -> None:
     release(llm)
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}, vocabulary {vocab_size}; "
           f"{args.prompt_len}-token prompts, up to {args.output_len} output tokens")
+    from tandem.structured.bitmask import available_cores, fill_threads
+
+    print(f"host: {available_cores()} cores for this process, {fill_threads()} threads fill and sync a step's masks")
     print(f"10-field function-calling schema: first compile median {statistics.median(firsts) * 1e3:.1f} ms "
           f"(max {max(firsts) * 1e3:.1f}), cache hit median {statistics.median(hits) * 1e3:.3f} ms "
           f"(max {max(hits) * 1e3:.3f})")
     print(f"{'batch':>6}{'step ms (free)':>16}{'step ms (schema)':>18}{'overhead':>10}{'tokens free':>13}"
-          f"{'tokens schema':>15}")
-    for batch, plain, masked, plain_tokens, masked_tokens in rows:
+          f"{'tokens schema':>15}{'mask ms (host)':>16}{'sync ms':>9}{'fill ms':>9}")
+    for batch, plain, masked, plain_tokens, masked_tokens, mask, sync, fill in rows:
         print(f"{batch:>6}{plain * 1e3:>16.2f}{masked * 1e3:>18.2f}{(masked / plain - 1) * 100:>9.1f}%"
-              f"{plain_tokens:>13.1f}{masked_tokens:>15.1f}")
+              f"{plain_tokens:>13.1f}{masked_tokens:>15.1f}{mask * 1e3:>16.2f}{sync * 1e3:>9.2f}{fill * 1e3:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class EngineCore:
         self.registry.finalize()
         self.structured = StructuredOutputs(
             config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
-            config.structured_outputs_compile_timeout, device=self.device)
+            config.structured_outputs_compile_timeout, device=self.device, check_history=config.sanitizer_on)
         self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         plan, self.coordinator = build_coordinator(
             config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
@@ -467,7 +467,7 @@ class EngineCore:
         sequence.token_ids.append(token)
         if sequence.grammar is not None:
             try:
-                sequence.grammar.sync(sequence.output_token_ids)
+                sequence.grammar.sync(sequence.output_token_ids, self.structured.check_history)
             except GrammarViolation as error:
                 self._end(sequence, "error")
                 self._forget_if_done(sequence.request_id)

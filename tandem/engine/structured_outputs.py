@@ -21,10 +21,11 @@ import torch
 from tandem.protocol import StructuredOutputsStats
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.scheduler.sequence import Sequence
-from tandem.structured.bitmask import allow_all, fill_bitmask
+from tandem.structured.bitmask import bitmask_words, fill_bitmask, fill_threads
+from tandem.structured.batch_sync import BatchSync
+from tandem.structured.bitmask_staging import BitmaskStaging
 from tandem.structured.matcher import RequestGrammar
-from tandem.structured.source import check
-from tandem.worker.host_staging import to_device
+from tandem.structured.source import GrammarSource, check
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +43,19 @@ class _Waiting:
 
 class StructuredOutputs:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 compile_timeout: float, device: torch.device) -> None:
+                 compile_timeout: float, device: torch.device, check_history: bool = False) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.compile_timeout = compile_timeout
         self.device = device
+        # Sanitizer mode: each sync compares a matcher's whole history with its sequence's
+        # output, not only its last token (``RequestGrammar.sync``).
+        self.check_history = check_history
         self._pool = None
         self._batch_filler = None
+        self._batch_sync = None
+        self._staging = BitmaskStaging(bitmask_words(vocab_size), device)
         self._waiting: list[_Waiting] = []
         self.num_constrained_steps = 0  # steps that sampled at least one constrained row
         self.num_constrained_rows = 0
@@ -62,14 +68,20 @@ class StructuredOutputs:
             from tandem.structured.compiler import GrammarCompilerPool
 
             self._pool = GrammarCompilerPool(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
-            self._batch_filler = xgrammar.BatchGrammarMatcher()  # fills a step's rows on several threads
+            self._batch_filler = xgrammar.BatchGrammarMatcher(fill_threads())  # a step's rows on several threads
+            self._batch_sync = BatchSync(fill_threads())
         return self._pool
 
     # -- admission ------------------------------------------------------------------------------
     def compile(self, constraint: StructuredOutputsParams) -> concurrent.futures.Future:
         """Start (or find) the compilation; an invalid constraint raises ``ValueError`` naming
-        ``structured_outputs``."""
-        return self.pool.submit(check(constraint, "structured_outputs"))
+        ``structured_outputs``. A cached source was checked when it was first compiled: a hit
+        skips the check (parsing a schema costs more than the rest of a hit)."""
+        try:
+            cached = self.pool.cached(GrammarSource.of(constraint))
+        except ValueError:  # (not JSON: the check below names the field)
+            cached = None
+        return cached if cached is not None else self.pool.submit(check(constraint, "structured_outputs"))
 
     def attach(self, sequence: Sequence, future: concurrent.futures.Future) -> None:
         """Give ``sequence`` its matcher from a finished compilation (``ValueError`` if it failed)."""
@@ -132,32 +144,30 @@ class StructuredOutputs:
         grammars = [sequence.grammar if not sequence.is_finished else None for sequence in sequences]
         if all(grammar is None for grammar in grammars):
             return None
+        host = self._staging.take(len(sequences))
         if drafts is None:
-            for sequence, grammar in zip(sequences, grammars):
-                if grammar is not None:
-                    grammar.sync(sequence.output_token_ids)
-            host = fill_bitmask(grammars, self.vocab_size, self._batch_filler)
+            self._batch_sync.sync([(grammar, sequence.output_token_ids)
+                                   for sequence, grammar in zip(sequences, grammars) if grammar is not None],
+                                  self.check_history)
+            fill_bitmask(grammars, host, self._batch_filler)
         else:
-            host = self._draft_bitmask(sequences, grammars, drafts)
+            self._fill_draft_bitmask(host, sequences, grammars, drafts)
         if count:
             self.num_constrained_steps += 1
             self.num_constrained_rows += sum(grammar is not None for grammar in grammars)
-        return to_device(host, self.device)
+        return self._staging.to_device(host)
 
-    def _draft_bitmask(self, sequences, grammars, drafts) -> torch.Tensor:
-        rows = allow_all(len(sequences), self.vocab_size)
+    def _fill_draft_bitmask(self, rows: torch.Tensor, sequences, grammars, drafts) -> None:
         for _, group in itertools.groupby(range(len(sequences)), key=lambda index: id(sequences[index])):
             indices = list(group)
             if grammars[indices[0]] is not None:
                 self._fill_draft_rows(rows, indices, sequences[indices[0]], grammars[indices[0]], drafts)
-        return rows
 
-    @staticmethod
-    def _fill_draft_rows(rows: torch.Tensor, indices: list[int], sequence: Sequence, grammar: RequestGrammar,
+    def _fill_draft_rows(self, rows: torch.Tensor, indices: list[int], sequence: Sequence, grammar: RequestGrammar,
                          drafts) -> None:
         """One sequence's consecutive rows, each after a longer prefix of its drafts; the
         matcher ends where it started (level with the output)."""
-        grammar.sync(sequence.output_token_ids)
+        grammar.sync(sequence.output_token_ids, self.check_history)
         accepted = 0
         try:
             for index in indices:
@@ -185,3 +195,4 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+            self._batch_sync.close()

@@ -7,6 +7,7 @@ the device with the step's other sampling inputs, applied to the logits there by
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -18,26 +19,60 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], vocab_size: int,
-                 batch_filler=None) -> Optional[torch.Tensor]:
-    """The host bitmask of these rows (``None`` when no row is constrained). A row whose matcher
-    has terminated allows every token: its sequence has finished and the token is discarded.
-    ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its threads."""
-    if all(grammar is None for grammar in grammars):
-        return None
-    bitmask = allow_all(len(grammars), vocab_size)
+def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], bitmask: torch.Tensor,
+                 batch_filler=None) -> None:
+    """Write the tokens each constrained row allows next into ``bitmask[row]`` (a host tensor of
+    one row per grammar, every row allowing every token beforehand). A row whose matcher has
+    terminated keeps allowing every token: its sequence has finished and the token is
+    discarded. ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its
+    threads, without the interpreter lock."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated]
     if batch_filler is not None and len(rows) > 1:
         batch_filler.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
     else:
         for row in rows:
             grammars[row].fill(bitmask, row)
-    return bitmask
 
 
-def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
-    """A host bitmask of ``rows`` rows that allows every token."""
-    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+# Past this many threads a step's rows (64 or so) are split too finely to gain more.
+MAX_FILL_THREADS = 16
+
+
+def fill_threads() -> int:
+    """Threads for filling a step's rows: every core this process may use, up to
+    ``MAX_FILL_THREADS`` (the engine's own thread only waits for them meanwhile). Counted from the
+    process's CPU affinity and its cgroup's CPU quota, not from the machine's cores: a container
+    given 16 cores of a 200-core host that started 100 threads would spend its quota in a few
+    milliseconds and be stalled for the rest of the period."""
+    return max(1, min(available_cores(), MAX_FILL_THREADS))
+
+
+def available_cores() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Whole cores of this process's CPU quota (cgroup v2 ``cpu.max``, or v1's CFS quota and
+    period), rounded up; ``None`` when there is no quota or no cgroup file to read."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as file:
+            quota, period = file.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as file:
+                quota = file.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as file:
+                period = file.read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

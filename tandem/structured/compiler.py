@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Optional
 
 from tandem.structured.source import GrammarSource, json_schema_ebnf
 
@@ -48,12 +49,20 @@ class GrammarCompilerPool:
         self._lock = threading.Lock()  # the stats are written by the pool's threads
         self.stats = CompileStats()
 
+    def cached(self, source: GrammarSource) -> Optional[Future]:
+        """The cached compilation of ``source`` (done, or still compiling), counted as a hit;
+        ``None`` when there is none or it failed (a new ``submit`` tries again)."""
+        cached = self._cache.get(source)
+        if cached is None or (cached.done() and cached.exception() is not None):
+            return None
+        self._cache.move_to_end(source)
+        self.stats.num_cache_hits += 1
+        return cached
+
     def submit(self, source: GrammarSource) -> Future:
         """The compiled grammar of ``source``, as a future (done at once on a cache hit)."""
-        cached = self._cache.get(source)
-        if cached is not None and not (cached.done() and cached.exception() is not None):
-            self._cache.move_to_end(source)
-            self.stats.num_cache_hits += 1
+        cached = self.cached(source)
+        if cached is not None:
             return cached
         future = self._executor.submit(self._compile, source)
         self._cache[source] = future

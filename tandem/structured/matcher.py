@@ -6,7 +6,9 @@ from a prefill to a decode server, forked for ``n > 1``), ``sync`` brings the ma
 sequence's output before each use — accepting the tokens it has not seen (the first token a
 prefill server sampled; the tokens a verification accepted) and rolling back any it saw that
 are no longer there. ``consumed`` records what it accepted, so a stale matcher is caught, not
-used.
+used. A sync costs O(new tokens): outputs only grow between syncs, or are cut back and grown
+again, so the matcher is level when its last accepted token is still in place; only when it is
+not (or when ``check_history`` asks for it: sanitizer mode) is the whole history compared.
 
 Owner: the sequence carries it (``Sequence.grammar``); the engine core creates it when the
 request's grammar has compiled and syncs it before filling a mask.
@@ -45,17 +47,23 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
-    def sync(self, output_token_ids: Sequence[int]) -> None:
-        """Bring the matcher to ``output_token_ids`` (every one known: none pending)."""
+    def sync(self, output_token_ids: Sequence[int], check_history: bool = False) -> None:
+        """Bring the matcher to ``output_token_ids`` (every one known: none pending).
+        ``check_history``: compare every accepted token, not only the last one."""
         consumed = self.consumed
-        common = 0
-        limit = min(len(consumed), len(output_token_ids))
+        level = len(consumed)
+        if check_history or level > len(output_token_ids) or (level and output_token_ids[level - 1] != consumed[-1]):
+            level = self._common_prefix(output_token_ids)
+            self.rollback(len(consumed) - level)
+        for token in output_token_ids[level:]:
+            self.accept(token)
+
+    def _common_prefix(self, output_token_ids: Sequence[int]) -> int:
+        consumed = self.consumed
+        common, limit = 0, min(len(consumed), len(output_token_ids))
         while common < limit and consumed[common] == output_token_ids[common]:
             common += 1
-        if common < len(consumed):
-            self.rollback(len(consumed) - common)
-        for token in output_token_ids[common:]:
-            self.accept(token)
+        return common
 
     def accept(self, token: int) -> None:
         if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
