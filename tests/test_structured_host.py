@@ -26,9 +26,9 @@ from tandem.structured.bitmask import bitmask_words, cgroup_cpu_quota, fill_thre
 from tandem.structured.bitmask_staging import BitmaskStaging
 from tandem.structured.matcher import RequestGrammar
 
-SCHEMA = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 40},
-                                           "count": {"type": "integer", "minimum": 0, "maximum": 999}},
-          "required": ["note", "count"]}
+SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "note": {"type": "string", "maxLength": 40}},
+          "required": ["count", "note"]}
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +206,17 @@ def forbidden_after(structured, output: list[int]) -> list[int]:
     grammar.sync(output)
     mask = mask_after(grammar, structured.vocab_size)
     return [next(token for token in range(structured.vocab_size) if not (int(mask[0, token // 32]) >> (token % 32)) & 1)]
+
+
+def test_a_schema_keeps_its_property_order():
+    """Answers write their keys in the schema's order (as OpenAI's strict mode does), so the
+    grammar's source must not reorder the properties; the order is part of the cache key."""
+    from tandem.sampling_params import StructuredOutputsParams
+    from tandem.structured.source import GrammarSource
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}},
+              "required": ["name", "arguments"]}
+    reordered = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    source = GrammarSource.of(StructuredOutputsParams(json=schema))
+    assert list(json.loads(source.text)["properties"]) == ["name", "arguments"]
+    assert source != GrammarSource.of(StructuredOutputsParams(json=reordered))

@@ -32,7 +32,8 @@ class GrammarSource:
             schema = params.json
             if isinstance(schema, str):
                 schema = _parse_schema_text(schema)
-            return cls("json", json.dumps(schema, sort_keys=True, ensure_ascii=False), any_whitespace)
+            # the properties keep their order: a JSON answer writes its keys in the schema's order
+            return cls("json", json.dumps(schema, ensure_ascii=False), any_whitespace)
         if kind == "json_object":
             return cls("json", ANY_OBJECT_SCHEMA, any_whitespace)
         if kind == "regex":
