@@ -88,7 +88,7 @@ class StructuredOutputs:
         error = future.exception()
         if error is not None:
             raise ValueError(f"structured_outputs: the grammar failed to compile: {error}")
-        sequence.grammar = RequestGrammar(future.result())
+        sequence.grammar = RequestGrammar(future.result(), sequence.params.structured_outputs.after_token_ids or ())
 
     def wait(self, sequence: Sequence, admission: Any, future: concurrent.futures.Future) -> None:
         self._waiting.append(_Waiting(sequence, admission, future, time.monotonic() + self.compile_timeout))
@@ -166,7 +166,8 @@ class StructuredOutputs:
     def _fill_draft_rows(self, rows: torch.Tensor, indices: list[int], sequence: Sequence, grammar: RequestGrammar,
                          drafts) -> None:
         """One sequence's consecutive rows, each after a longer prefix of its drafts; the
-        matcher ends where it started (level with the output)."""
+        matcher ends where it started (level with the output). A draft that ends the thinking
+        constrains the rows after it; rows still in the thinking stay unconstrained."""
         grammar.sync(sequence.output_token_ids, self.check_history)
         accepted = 0
         try:
@@ -176,7 +177,7 @@ class StructuredOutputs:
                     accepted += 1
                 if accepted < len(draft):
                     return  # a draft the grammar forbids: the rows after it stay unconstrained
-                if not grammar.is_terminated:
+                if grammar.constrains_next:
                     grammar.fill(rows, index)
         finally:
             grammar.rollback(accepted)

@@ -1,0 +1,139 @@
+"""A structured output that constrains only the answer after the thinking (``after_token_ids``).
+
+- the matcher: before the end-of-thinking tokens every token is allowed (the mask is left open,
+  a token the grammar forbids is accepted); after them the matcher is level with the answer
+  tokens alone, exactly as a fresh matcher fed only the answer; a cut back across the boundary
+  (a shorter output, a rejected draft) puts it back in the thinking;
+- draft verification: rows before a draft crosses the boundary are open, rows after it masked
+  as after the answer's drafts, and the matcher ends where it started;
+- the field is validated, naming it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tandem.engine.structured_outputs import StructuredOutputs
+from tandem.sampling_params import StructuredOutputsParams
+from tandem.structured.bitmask import bitmask_words
+
+SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["count"]}
+
+
+@pytest.fixture(scope="module")
+def structured(tokenizer_dir):
+    config = json.loads((Path(tokenizer_dir) / "config.json").read_text())
+    engine_side = StructuredOutputs(str(tokenizer_dir), config["vocab_size"], (config["eos_token_id"],),
+                                    compile_timeout=30.0, device=torch.device("cpu"))
+    yield engine_side
+    engine_side.close()
+
+
+def sequence_with(structured, after=None, output=()):
+    constraint = StructuredOutputsParams(json=SCHEMA, after_token_ids=after)
+    sequence = SimpleNamespace(grammar=None, params=SimpleNamespace(structured_outputs=constraint),
+                               output_token_ids=list(output), is_finished=False)
+    structured.attach(sequence, structured.compile(constraint))
+    return sequence
+
+
+def allowed(structured, grammar) -> set[int]:
+    mask = torch.full((1, bitmask_words(structured.vocab_size)), -1, dtype=torch.int32)
+    grammar.fill(mask, 0)
+    return {token for token in range(structured.vocab_size) if (int(mask[0, token // 32]) >> (token % 32)) & 1}
+
+
+def allowed_row(structured, mask: torch.Tensor, row: int) -> set[int]:
+    return {token for token in range(structured.vocab_size) if (int(mask[row, token // 32]) >> (token % 32)) & 1}
+
+
+def answer_path(structured, length: int) -> list[int]:
+    """``length`` tokens the grammar allows from its start (each the first allowed non-EOS one)."""
+    grammar, tokens = sequence_with(structured).grammar, []
+    for _ in range(length):
+        token = min(allowed(structured, grammar) - set(structured.eos_token_ids))
+        grammar.accept(token)
+        tokens.append(token)
+    return tokens
+
+
+def forbidden_first(structured) -> int:
+    return min(set(range(structured.vocab_size)) - allowed(structured, sequence_with(structured).grammar))
+
+
+def test_free_before_the_boundary_constrained_after_and_rolled_back_across_it(structured):
+    everything = set(range(structured.vocab_size))
+    boundary = [5, 7]
+    answer = answer_path(structured, 4)
+    bad = forbidden_first(structured)  # the grammar forbids it as the first answer token
+    thinking = [bad, 5, bad, 7, 5]  # half a boundary, then another token: still thinking
+    grammar = sequence_with(structured, after=boundary).grammar
+    grammar.sync(thinking)
+    assert grammar.in_thinking and allowed(structured, grammar) == everything
+    assert not grammar.is_terminated and not grammar.constrains_next
+
+    grammar.sync(thinking + [7] + answer[:2])  # the boundary completes at the first [5, 7]
+    fresh = sequence_with(structured).grammar
+    fresh.sync(answer[:2])
+    assert not grammar.in_thinking and grammar.consumed == answer[:2]
+    assert grammar.thinking == thinking + [7]
+    assert allowed(structured, grammar) == allowed(structured, fresh) != everything
+
+    # A forbidden answer token is a violation (the grammar holds after the boundary).
+    with pytest.raises(Exception, match="not allowed"):
+        grammar.sync(thinking + [7, bad])
+    grammar.sync(thinking + [7] + answer)  # (recovers: the output decides)
+    assert grammar.consumed == answer
+
+    # Cut back into the boundary: thinking again, nothing accepted; regrown: level again.
+    grammar.sync(thinking)
+    assert grammar.in_thinking and grammar.consumed == [] and allowed(structured, grammar) == everything
+    grammar.sync(thinking + [7] + answer[:3])
+    fresh = sequence_with(structured).grammar
+    fresh.sync(answer[:3])
+    assert grammar.consumed == answer[:3] and allowed(structured, grammar) == allowed(structured, fresh)
+
+    # The same last token over another history: the whole-history check finds the cut.
+    rewritten = [bad, 1] + [7] + answer[:3]  # no boundary: all thinking
+    grammar.sync(rewritten, check_history=True)
+    assert grammar.in_thinking and grammar.thinking == rewritten and grammar.consumed == []
+
+    # A fork is its own matcher in the same state.
+    grammar.sync(thinking + [7] + answer[:1])
+    child = grammar.fork()
+    child.sync(thinking + [7] + answer[:2])
+    assert grammar.consumed == answer[:1] and child.consumed == answer[:2]
+
+
+def test_draft_rows_open_before_the_boundary_masked_after_it(structured):
+    everything = set(range(structured.vocab_size))
+    boundary = [9]
+    answer = answer_path(structured, 2)
+    sequence = sequence_with(structured, after=boundary, output=[3, 4])
+    # Verification rows: after the output, then after each longer prefix of the drafts
+    # [3, 9, a0, a1]: two rows in the thinking, then the boundary crossed.
+    drafts = [[], [3], [3, 9], [3, 9, answer[0]], [3, 9] + answer]
+    mask = structured.bitmask([sequence] * len(drafts), drafts=drafts, count=False)
+    rows = [allowed_row(structured, mask, row) for row in range(len(drafts))]
+    assert rows[0] == rows[1] == everything
+    for row, answered in ((2, []), (3, answer[:1]), (4, answer)):
+        fresh = sequence_with(structured).grammar
+        fresh.sync(answered)
+        assert rows[row] == allowed(structured, fresh) != everything
+    grammar = sequence.grammar
+    assert grammar.in_thinking and grammar.thinking == [3, 4] and grammar.consumed == []  # where it started
+
+    # The ordinary step of a sequence in its thinking: no row masked.
+    mask = structured.bitmask([sequence])
+    assert allowed_row(structured, mask, 0) == everything
+
+
+@pytest.mark.parametrize("value", [[], [-1], ["a"], [True], 3])
+def test_after_token_ids_is_validated_naming_the_field(value):
+    with pytest.raises(ValueError, match="structured_outputs.after_token_ids"):
+        StructuredOutputsParams(json=SCHEMA, after_token_ids=value)
