@@ -6,20 +6,29 @@
   (a shorter output, a rejected draft) puts it back in the thinking;
 - draft verification: rows before a draft crosses the boundary are open, rows after it masked
   as after the answer's drafts, and the matcher ends where it started;
-- the field is validated, naming it.
+- the field is validated, naming it;
+- end to end on a tiny llama (plain, and with an identical draft model whose drafts cross the
+  boundary): the tokens up to the boundary are ``transformers``' unconstrained greedy tokens
+  (logprobs too), the text after it matches the constraint, and the request stops there.
 """
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tandem import LLM, SamplingParams
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured.bitmask import bitmask_words
+from tests.oracle import assert_position
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["count"]}
@@ -137,3 +146,57 @@ def test_draft_rows_open_before_the_boundary_masked_after_it(structured):
 def test_after_token_ids_is_validated_naming_the_field(value):
     with pytest.raises(ValueError, match="structured_outputs.after_token_ids"):
         StructuredOutputsParams(json=SCHEMA, after_token_ids=value)
+
+
+ENGINE = dict(page_size=16, max_total_tokens=4096, max_num_seqs=16, max_num_batched_tokens=512)
+ANSWER = r"[0-9]{3}"
+THINKING_LENGTH = 6  # the boundary is the greedy continuation's tokens [4, 6)
+
+
+def thinking_workload(oracle, eos: int, count: int = 3):
+    """Prompts whose greedy continuation's tokens [4, 6) occur there first (the boundary the
+    output then reaches greedily), with no EOS before them."""
+    rng = random.Random(24)
+    cases = []
+    while len(cases) < count:
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(4, 30))]
+        reference = oracle.greedy(prompt, THINKING_LENGTH)
+        tokens = reference.token_ids
+        boundary = tokens[THINKING_LENGTH - 2:]
+        first = next(index for index in range(len(tokens) - 1) if tokens[index:index + 2] == boundary)
+        if eos not in tokens and first == THINKING_LENGTH - 2:
+            cases.append((prompt, reference, boundary))
+    return cases
+
+
+@pytest.mark.parametrize("speculation", ["none", "identical draft"])
+def test_thinking_is_the_oracles_greedy_text_and_the_answer_matches(model_dirs, oracles, speculation):
+    extra = {} if speculation == "none" else dict(speculative_model=model_dirs["llama"], num_speculative_tokens=3)
+    llm = LLM(model=model_dirs["llama"], **ENGINE, **extra)
+    eos = llm.engine.model_info.eos_token_ids[0]
+    cases = thinking_workload(oracles["llama"], eos)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, logprobs=5,
+                             structured_outputs=StructuredOutputsParams(regex=ANSWER, after_token_ids=boundary))
+              for _, _, boundary in cases]
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt, _, _ in cases], params, use_tqdm=False)
+    for output, (_, reference, boundary) in zip(outputs, cases):
+        choice = output.outputs[0]
+        tokens = list(choice.token_ids)
+        assert tokens[:THINKING_LENGTH] == reference.token_ids, (tokens, reference.token_ids)
+        for position in range(THINKING_LENGTH):
+            assert_position(choice.logprobs[position], reference.logprobs[position], 5, f"position {position}")
+        answer = llm.tokenizer.decode(tokens[THINKING_LENGTH:], skip_special_tokens=True)
+        assert re.fullmatch(ANSWER, answer), answer
+        assert choice.finish_reason == "stop"
+    # Unconstrained from the first token, the same prompt gives an answer that is not the greedy text.
+    if speculation == "none":
+        prompt, reference, _ = cases[0]
+        plain = llm.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(temperature=0.0, max_tokens=40,
+                                            structured_outputs=StructuredOutputsParams(regex=ANSWER)),
+                             use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch(ANSWER, plain.text) and list(plain.token_ids[:2]) != reference.token_ids[:2]
+    else:
+        speculation_stats = llm.engine.stats().speculation
+        assert speculation_stats.num_accepted_tokens > 0, speculation_stats
+    llm.engine.check_all_free()
