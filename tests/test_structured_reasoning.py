@@ -142,10 +142,13 @@ def test_draft_rows_open_before_the_boundary_masked_after_it(structured):
     assert allowed_row(structured, mask, 0) == everything
 
 
-@pytest.mark.parametrize("value", [[], [-1], ["a"], [True], 3])
-def test_after_token_ids_is_validated_naming_the_field(value):
-    with pytest.raises(ValueError, match="structured_outputs.after_token_ids"):
-        StructuredOutputsParams(json=SCHEMA, after_token_ids=value)
+@pytest.mark.parametrize("value", [[], [-1], ["a"], [True], 3, "vocabulary"])
+def test_after_token_ids_is_validated_naming_the_field(structured, value):
+    with pytest.raises(ValueError, match="^structured_outputs.after_token_ids"):
+        if value == "vocabulary":  # (only the engine knows its vocabulary)
+            structured.compile(StructuredOutputsParams(json=SCHEMA, after_token_ids=[1, structured.vocab_size]))
+        else:
+            StructuredOutputsParams(json=SCHEMA, after_token_ids=value)
 
 
 ENGINE = dict(page_size=16, max_total_tokens=4096, max_num_seqs=16, max_num_batched_tokens=512)

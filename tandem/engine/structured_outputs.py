@@ -76,7 +76,12 @@ class StructuredOutputs:
     def compile(self, constraint: StructuredOutputsParams) -> concurrent.futures.Future:
         """Start (or find) the compilation; an invalid constraint raises ``ValueError`` naming
         ``structured_outputs``. A cached source was checked when it was first compiled: a hit
-        skips the check (parsing a schema costs more than the rest of a hit)."""
+        skips the check (parsing a schema costs more than the rest of a hit). ``after_token_ids``
+        outside the vocabulary raise ``ValueError`` naming it (they could never appear)."""
+        after = constraint.after_token_ids or ()
+        if any(token >= self.vocab_size for token in after):
+            raise ValueError(f"structured_outputs.after_token_ids: token ids must be below the vocabulary size "
+                             f"{self.vocab_size}, got {list(after)}")
         try:
             cached = self.pool.cached(GrammarSource.of(constraint))
         except ValueError:  # (not JSON: the check below names the field)
