@@ -137,9 +137,11 @@ def test_draft_rows_open_before_the_boundary_masked_after_it(structured):
     grammar = sequence.grammar
     assert grammar.in_thinking and grammar.thinking == [3, 4] and grammar.consumed == []  # where it started
 
-    # The ordinary step of a sequence in its thinking: no row masked.
-    mask = structured.bitmask([sequence])
-    assert allowed_row(structured, mask, 0) == everything
+    # The ordinary step of a sequence in its thinking: no mask at all; past the boundary, masked.
+    assert structured.bitmask([sequence]) is None
+    sequence.output_token_ids = [3, 4, 9]
+    fresh = sequence_with(structured).grammar
+    assert allowed_row(structured, structured.bitmask([sequence]), 0) == allowed(structured, fresh)
 
 
 @pytest.mark.parametrize("value", [[], [-1], ["a"], [True], 3, "vocabulary"])

@@ -137,7 +137,8 @@ class StructuredOutputs:
     # -- steps --------------------------------------------------------------------------------
     def bitmask(self, sequences: Sequences[Sequence], drafts: Optional[Sequences[Sequences[int]]] = None,
                 count: bool = True) -> Optional[torch.Tensor]:
-        """The device bitmask of one row per sequence (``None`` if no row is constrained).
+        """The device bitmask of one row per sequence (``None`` if no row is constrained, or,
+        outside verification, none masks its next token: still thinking, or ended).
 
         Each matcher is first brought level with its sequence's output tokens. With ``drafts``
         (verification), row ``i`` is after ``drafts[i]`` on top of the output: the matcher
@@ -149,13 +150,16 @@ class StructuredOutputs:
         grammars = [sequence.grammar if not sequence.is_finished else None for sequence in sequences]
         if all(grammar is None for grammar in grammars):
             return None
-        host = self._staging.take(len(sequences))
         if drafts is None:
             self._batch_sync.sync([(grammar, sequence.output_token_ids)
                                    for sequence, grammar in zip(sequences, grammars) if grammar is not None],
                                   self.check_history)
+            if not any(grammar is not None and grammar.constrains_next for grammar in grammars):
+                return None  # every constrained row is still thinking (or has ended): nothing to mask
+            host = self._staging.take(len(sequences))
             fill_bitmask(grammars, host, self._batch_filler)
         else:
+            host = self._staging.take(len(sequences))
             self._fill_draft_bitmask(host, sequences, grammars, drafts)
         if count:
             self.num_constrained_steps += 1
