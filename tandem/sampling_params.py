@@ -24,6 +24,10 @@ class StructuredOutputsParams:
     object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, GBNF-style) is set.
     ``disable_any_whitespace`` keeps JSON whitespace bounded (the default: no model can loop in
     whitespace); ``False`` allows any whitespace between JSON tokens.
+
+    ``after_token_ids``: the constraint applies only after the first occurrence of this token
+    sequence in the output (the end of a model's thinking); until it appears the output is free,
+    end of sequence included. ``None``: from the first token.
     """
 
     json: Union[None, str, dict[str, Any]] = None
@@ -32,6 +36,7 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     disable_any_whitespace: bool = True
+    after_token_ids: Optional[list[int]] = None
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -49,6 +54,11 @@ class StructuredOutputsParams:
                     f"structured_outputs.{name}", "must be a non-empty string")
         require(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
                 "must be a JSON Schema (an object, or its JSON text)")
+        if self.after_token_ids is not None:
+            require(isinstance(self.after_token_ids, (list, tuple)) and len(self.after_token_ids) > 0
+                    and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.after_token_ids),
+                    "structured_outputs.after_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+            self.after_token_ids = list(self.after_token_ids)
 
     @property
     def kind(self) -> str:

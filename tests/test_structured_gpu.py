@@ -76,3 +76,34 @@ def test_cuda_constrained_outputs_equal_across_loops(model_dirs, speculation):
         llm.engine.check_all_free()
         llm.engine.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("speculation", [{}, {"speculative_model": "same", "num_speculative_tokens": 3}],
+                         ids=["plain", "draft"])
+def test_cuda_thinking_free_then_the_answer_constrained(model_dirs, speculation):
+    """``after_token_ids`` on CUDA (graphs, overlapped loop, a draft model): the tokens up to the
+    boundary are the unconstrained greedy run's on the same device, the answer after it matches."""
+    if speculation:
+        speculation = {**speculation, "speculative_model": model_dirs["llama"]}
+    llm = LLM(model=model_dirs["llama"], device="cuda", dtype="float32", page_size=16, max_total_tokens=4096,
+              max_num_seqs=8, async_scheduling=True, **speculation)
+    rng = random.Random(24)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 60))] for _ in range(24)]
+    free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    cases = []
+    for prompt, output in zip(prompts, free):
+        tokens = list(output.outputs[0].token_ids)
+        first = next(index for index in range(5) if tokens[index:index + 2] == tokens[4:6])
+        if first == 4 and not set(tokens) & set(llm.engine.model_info.eos_token_ids):
+            cases.append((prompt, tokens))
+    assert len(cases) >= 3, "too few prompts whose greedy tokens [4, 6) occur there first"
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        regex=REGEX, after_token_ids=tokens[4:6])) for _, tokens in cases]
+    outputs = llm.generate([prompt for prompt, _ in cases], params, use_tqdm=False)
+    for output, (_, tokens) in zip(outputs, cases):
+        choice = output.outputs[0]
+        assert list(choice.token_ids[:6]) == tokens
+        answer = llm.tokenizer.decode(list(choice.token_ids[6:]), skip_special_tokens=True)
+        assert re.fullmatch(REGEX, answer) and choice.finish_reason == "stop", answer
+    llm.engine.check_all_free()
+    llm.engine.shutdown()

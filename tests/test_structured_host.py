@@ -41,8 +41,9 @@ def structured(tokenizer_dir):
 
 
 def grammar_of(structured) -> RequestGrammar:
-    sequence = SimpleNamespace(grammar=None)
-    structured.attach(sequence, structured.compile(StructuredOutputsParams(json=SCHEMA)))
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    sequence = SimpleNamespace(grammar=None, params=SimpleNamespace(structured_outputs=constraint))
+    structured.attach(sequence, structured.compile(constraint))
     return sequence.grammar
 
 

@@ -335,8 +335,10 @@ def test_verification_masks_follow_the_drafts_and_roll_back(llm):
     from types import SimpleNamespace
 
     structured = llm.engine.structured
-    structured.attach(sequence := SimpleNamespace(grammar=None, output_token_ids=[], is_finished=False),
-                      structured.compile(StructuredOutputsParams(choice=["ab", "ac"])))
+    constraint = StructuredOutputsParams(choice=["ab", "ac"])
+    structured.attach(sequence := SimpleNamespace(grammar=None, output_token_ids=[], is_finished=False,
+                                                  params=SimpleNamespace(structured_outputs=constraint)),
+                      structured.compile(constraint))
     encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)
     a, b, c, z = (encode(letter)[0] for letter in "abcz")
     ends = set(llm.engine.model_info.eos_token_ids)

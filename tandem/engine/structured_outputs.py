@@ -76,7 +76,12 @@ class StructuredOutputs:
     def compile(self, constraint: StructuredOutputsParams) -> concurrent.futures.Future:
         """Start (or find) the compilation; an invalid constraint raises ``ValueError`` naming
         ``structured_outputs``. A cached source was checked when it was first compiled: a hit
-        skips the check (parsing a schema costs more than the rest of a hit)."""
+        skips the check (parsing a schema costs more than the rest of a hit). ``after_token_ids``
+        outside the vocabulary raise ``ValueError`` naming it (they could never appear)."""
+        after = constraint.after_token_ids or ()
+        if any(token >= self.vocab_size for token in after):
+            raise ValueError(f"structured_outputs.after_token_ids: token ids must be below the vocabulary size "
+                             f"{self.vocab_size}, got {list(after)}")
         try:
             cached = self.pool.cached(GrammarSource.of(constraint))
         except ValueError:  # (not JSON: the check below names the field)
@@ -88,7 +93,7 @@ class StructuredOutputs:
         error = future.exception()
         if error is not None:
             raise ValueError(f"structured_outputs: the grammar failed to compile: {error}")
-        sequence.grammar = RequestGrammar(future.result())
+        sequence.grammar = RequestGrammar(future.result(), sequence.params.structured_outputs.after_token_ids or ())
 
     def wait(self, sequence: Sequence, admission: Any, future: concurrent.futures.Future) -> None:
         self._waiting.append(_Waiting(sequence, admission, future, time.monotonic() + self.compile_timeout))
@@ -132,7 +137,8 @@ class StructuredOutputs:
     # -- steps --------------------------------------------------------------------------------
     def bitmask(self, sequences: Sequences[Sequence], drafts: Optional[Sequences[Sequences[int]]] = None,
                 count: bool = True) -> Optional[torch.Tensor]:
-        """The device bitmask of one row per sequence (``None`` if no row is constrained).
+        """The device bitmask of one row per sequence (``None`` if no row is constrained, or,
+        outside verification, none masks its next token: still thinking, or ended).
 
         Each matcher is first brought level with its sequence's output tokens. With ``drafts``
         (verification), row ``i`` is after ``drafts[i]`` on top of the output: the matcher
@@ -144,13 +150,16 @@ class StructuredOutputs:
         grammars = [sequence.grammar if not sequence.is_finished else None for sequence in sequences]
         if all(grammar is None for grammar in grammars):
             return None
-        host = self._staging.take(len(sequences))
         if drafts is None:
             self._batch_sync.sync([(grammar, sequence.output_token_ids)
                                    for sequence, grammar in zip(sequences, grammars) if grammar is not None],
                                   self.check_history)
+            if not any(grammar is not None and grammar.constrains_next for grammar in grammars):
+                return None  # every constrained row is still thinking (or has ended): nothing to mask
+            host = self._staging.take(len(sequences))
             fill_bitmask(grammars, host, self._batch_filler)
         else:
+            host = self._staging.take(len(sequences))
             self._fill_draft_bitmask(host, sequences, grammars, drafts)
         if count:
             self.num_constrained_steps += 1
@@ -166,7 +175,8 @@ class StructuredOutputs:
     def _fill_draft_rows(self, rows: torch.Tensor, indices: list[int], sequence: Sequence, grammar: RequestGrammar,
                          drafts) -> None:
         """One sequence's consecutive rows, each after a longer prefix of its drafts; the
-        matcher ends where it started (level with the output)."""
+        matcher ends where it started (level with the output). A draft that ends the thinking
+        constrains the rows after it; rows still in the thinking stay unconstrained."""
         grammar.sync(sequence.output_token_ids, self.check_history)
         accepted = 0
         try:
@@ -176,7 +186,7 @@ class StructuredOutputs:
                     accepted += 1
                 if accepted < len(draft):
                     return  # a draft the grammar forbids: the rows after it stay unconstrained
-                if not grammar.is_terminated:
+                if grammar.constrains_next:
                     grammar.fill(rows, index)
         finally:
             grammar.rollback(accepted)

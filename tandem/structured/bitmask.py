@@ -24,9 +24,10 @@ def fill_bitmask(grammars: Sequence[Optional[RequestGrammar]], bitmask: torch.Te
     """Write the tokens each constrained row allows next into ``bitmask[row]`` (a host tensor of
     one row per grammar, every row allowing every token beforehand). A row whose matcher has
     terminated keeps allowing every token: its sequence has finished and the token is
-    discarded. ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its
-    threads, without the interpreter lock."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated]
+    discarded; so does a row still in its thinking (``RequestGrammar.in_thinking``).
+    ``batch_filler`` (an ``xgrammar.BatchGrammarMatcher``) fills several rows on its threads,
+    without the interpreter lock."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.constrains_next]
     if batch_filler is not None and len(rows) > 1:
         batch_filler.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
     else:

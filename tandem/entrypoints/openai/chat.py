@@ -13,6 +13,7 @@ from tandem.entrypoints.openai.completions import ChoiceCursor, collect_final_ou
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tandem.entrypoints.openai.reasoning import REASONING_PARSERS
+from tandem.entrypoints.openai.reasoning_constraint import with_reasoning_boundary
 from tandem.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from tandem.entrypoints.openai.serving import (
     SSE_DONE,
@@ -77,7 +78,11 @@ def chat_params(state: ServerState, body: ChatCompletionRequest, prompt: PromptI
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = build_sampling_params(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                                                 prompt_logprobs=None))
-    return with_tool_constraint(params, tool_plan)
+    params = with_tool_constraint(params, tool_plan)
+    reasoning_parser = state.tool_calling.reasoning_parser
+    if reasoning_parser is None or params.structured_outputs is None:
+        return params
+    return with_reasoning_boundary(reasoning_parser, state.reasoning_end_token_ids, params, prompt.text or "")
 
 
 def with_tool_constraint(params: SamplingParams, tool_plan: Optional[ToolPlan]) -> SamplingParams:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,14 @@ class ServerState:
     max_queued_requests: Optional[int] = None
     tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def reasoning_end_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end the thinking of ``--reasoning-parser``'s format (read from the
+        vocabulary once)."""
+        from tandem.entrypoints.openai.reasoning_constraint import reasoning_end_token_ids
+
+        return reasoning_end_token_ids(self.tool_calling.reasoning_parser, self.tokenizer)
 
     @property
     def max_model_len(self) -> int:
