@@ -96,3 +96,19 @@ def oracles(model_dirs):
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return Oracles()
+
+
+@pytest.fixture(scope="module")
+def structured(tokenizer_dir):
+    """The engine side of structured outputs (compiler pool, matchers, masks) on the test
+    tokenizer, without a model."""
+    import json
+    from pathlib import Path
+
+    from tandem.engine.structured_outputs import StructuredOutputs
+
+    config = json.loads((Path(tokenizer_dir) / "config.json").read_text())
+    engine_side = StructuredOutputs(str(tokenizer_dir), config["vocab_size"], (config["eos_token_id"],),
+                                    compile_timeout=30.0, device=torch.device("cpu"))
+    yield engine_side
+    engine_side.close()

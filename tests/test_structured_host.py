@@ -12,14 +12,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tandem.engine import structured_outputs
-from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured import bitmask_staging
 from tandem.structured.bitmask import bitmask_words, cgroup_cpu_quota, fill_threads
@@ -29,15 +27,6 @@ from tandem.structured.matcher import RequestGrammar
 SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "note": {"type": "string", "maxLength": 40}},
           "required": ["count", "note"]}
-
-
-@pytest.fixture(scope="module")
-def structured(tokenizer_dir):
-    config = json.loads((Path(tokenizer_dir) / "config.json").read_text())
-    engine_side = StructuredOutputs(str(tokenizer_dir), config["vocab_size"], (config["eos_token_id"],),
-                                    compile_timeout=30.0, device=torch.device("cpu"))
-    yield engine_side
-    engine_side.close()
 
 
 def grammar_of(structured) -> RequestGrammar:

@@ -13,17 +13,14 @@
 """
 from __future__ import annotations
 
-import json
 import random
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.structured.bitmask import bitmask_words
 from tests.oracle import assert_position
@@ -32,15 +29,6 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["count"]}
-
-
-@pytest.fixture(scope="module")
-def structured(tokenizer_dir):
-    config = json.loads((Path(tokenizer_dir) / "config.json").read_text())
-    engine_side = StructuredOutputs(str(tokenizer_dir), config["vocab_size"], (config["eos_token_id"],),
-                                    compile_timeout=30.0, device=torch.device("cpu"))
-    yield engine_side
-    engine_side.close()
 
 
 def sequence_with(structured, after=None, output=()):
