@@ -22,17 +22,19 @@ from tandem.entrypoints.openai.completions import create_completion
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from tandem.entrypoints.openai.openapi import error_responses, server_openapi, sse_content
 from tandem.entrypoints.openai.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tandem.entrypoints.openai.responses import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelList,
     StatusResponse,
-    TokenizeRequest,
     TokenizeResponse,
     TransferInfo,
     UnhealthyResponse,

@@ -19,13 +19,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from tandem.entrypoints.openai.protocol import (
-    CROSS_FIELD_RULES,
-    LIMIT_KEY,
-    ChatCompletionChunk,
-    CompletionChunk,
-    ErrorResponse,
-)
+from tandem.entrypoints.openai.protocol import CROSS_FIELD_RULES, LIMIT_KEY
+from tandem.entrypoints.openai.responses import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
 SECURITY_SCHEME = "api_key"
 RETRY_AFTER_HEADER = {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
