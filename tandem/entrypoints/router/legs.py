@@ -140,14 +140,10 @@ class Legs:
             raise
         self.decode_response = response
         if response.status != 200:
-            try:
-                content = await response.read()
-            except HTTP_ERRORS:
-                content = b""
+            failure = await refusal(response, "decode")
             self.failed_leg = "decode"
             self.close_decode()
-            raise LegFailed(response.status, response_error(response.status, content, "decode"),
-                            retry_after=response.retry_after)
+            raise failure
         return response
 
     def log_failure(self, role: str, body: dict, status: int = 500) -> None:
@@ -308,6 +304,15 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield event + b"\n\n"
     if buffer.strip():
         yield buffer
+
+
+async def refusal(response: HttpResponse, role: str) -> LegFailed:
+    """The failure a server's non-200 answer to a streamed leg means (its body read, if it can be)."""
+    try:
+        content = await response.read()
+    except HTTP_ERRORS:
+        content = b""
+    return LegFailed(response.status, response_error(response.status, content, role), retry_after=response.retry_after)
 
 
 def response_error(status: int, content: bytes, role: str) -> dict:

@@ -17,8 +17,8 @@ from tandem.entrypoints.openai.request_id import HEADER
 from tandem.entrypoints.openai.serving import SSE_DONE, sse_event
 from tandem.entrypoints.router.backends import Backend
 from tandem.entrypoints.router.http import HTTP_ERRORS, HttpResponse
-from tandem.entrypoints.router.legs import (ERROR_EVENT_PREFIX, LegFailed, error_body, event_error, response_error,
-                                            sse_events, unreachable_error)
+from tandem.entrypoints.router.legs import (ERROR_EVENT_PREFIX, error_body, event_error, refusal, sse_events,
+                                            unreachable_error)
 
 if TYPE_CHECKING:
     from tandem.entrypoints.router.routing import Router
@@ -60,13 +60,9 @@ class SingleLeg:
             raise unreachable_error("colocated", self.server, error) from None
         self.response = response
         if response.status != 200:
-            try:
-                content = await response.read()
-            except HTTP_ERRORS:
-                content = b""
+            failure = await refusal(response, "colocated")
             self.close()
-            raise LegFailed(response.status, response_error(response.status, content, "colocated"),
-                            retry_after=response.retry_after)
+            raise failure
         return response
 
     def log_failure(self, body: dict) -> None:
