@@ -327,7 +327,9 @@ def main() -> None:
     print(f"\nmodel {model_dir} ({args.preset if not args.model else 'given'}), {args.dtype}, "
           f"KV cache {args.kv_cache_dtype} ({cost.state_bytes_per_token / 1024:.0f} KiB per token)")
     print(ceilings.describe())
-    print(f"weights read per decode step {cost.weight_bytes / 1e9:.2f} GB" + (" (FP8 weights and their scales)" if fp8 and torch.cuda.is_available() else ""))
+    print(f"weights read per decode step of {len(prompts)} sequences {cost.decode_weight_bytes(len(prompts)) / 1e9:.2f} GB"
+          + (" (FP8 weights and their scales)" if fp8 and torch.cuda.is_available() else "")
+          + (f"; routed experts read: {cost.experts.fraction_read(len(prompts)):.0%}" if cost.experts.top_k else ""))
     lengths = (f"{args.output_len}" if args.min_output_len is None
                else f"{args.min_output_len}-{args.output_len} (total {output_tokens})")
     print(f"{len(prompts)} prompts of {args.min_input_len}-{args.max_input_len} tokens, {lengths} output tokens each\n")

@@ -74,6 +74,8 @@ def _grouped_matmul_kernel(
     a_block_ptr = a_ptr + a_rows[:, None] * stride_a_row
     b_block_ptr = b_ptr + expert * stride_b_expert + columns[None, :].to(tl.int64) * stride_b_row
     accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SCALE_GROUP > 0:
+        scale_rows = b_scale_ptr + expert * stride_scale_expert + columns.to(tl.int64) * stride_scale_row
     for start in range(0, K, BLOCK_K):
         depth = start + tl.arange(0, BLOCK_K)
         depth_mask = depth < K
@@ -82,10 +84,10 @@ def _grouped_matmul_kernel(
         b = tl.load(b_block_ptr + depth[:, None] * stride_b_col, mask=depth_mask[:, None] & column_mask[None, :],
                     other=0.0)
         if SCALE_GROUP > 0:
-            scale_rows = b_scale_ptr + expert * stride_scale_expert + columns[None, :].to(tl.int64) * stride_scale_row
-            scales = tl.load(scale_rows + (depth // SCALE_GROUP)[:, None],
-                             mask=depth_mask[:, None] & column_mask[None, :], other=0.0)
-            b = (b.to(tl.float32) * scales).to(input_dtype)
+            # The step lies within one scale column (the launch makes BLOCK_K divide SCALE_GROUP,
+            # or SCALE_GROUP >= K): one scale per weight row, not one per element.
+            scales = tl.load(scale_rows + start // SCALE_GROUP, mask=column_mask, other=0.0)
+            b = (b.to(tl.float32) * scales[None, :]).to(input_dtype)
         if UPCAST_DOTS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -150,11 +152,23 @@ def _config(num_assignments: int, num_experts: int, dtype: torch.dtype, device: 
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32 if wide else 64, num_warps=8, num_stages=3)
 
 
+def _depth_within_group(block_k: int, scale_group: int) -> int:
+    """The largest depth tile <= ``block_k`` that divides ``scale_group`` (so each loop step of
+    the kernel reads one scale column); scale groups are powers of two >= 16 times an integer."""
+    while block_k > MINIMUM_DOT_SIZE and scale_group % block_k:
+        block_k //= 2
+    if scale_group % block_k:
+        raise ValueError(f"fused_moe: FP8 scale group {scale_group} is not a multiple of {block_k}")
+    return block_k
+
+
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: tuple, config: dict,
                     a_rows_per_row: int, weights: Optional[torch.Tensor], b_scale: Optional[torch.Tensor] = None,
                     scale_group: int = 0) -> None:
     sorted_ids, block_experts, num_padded = alignment
     n, k = b.shape[1], b.shape[2]
+    if b_scale is not None and scale_group < k:
+        config = dict(config, BLOCK_K=_depth_within_group(config["BLOCK_K"], scale_group))
     grid = (block_experts.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     scale = b_scale if b_scale is not None else out
     _grouped_matmul_kernel[grid](
