@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from tandem.kernels.fp8_gemm import fp8_linear
-from tandem.kernels.fp8_weight_only import MAX_TOKENS, weight_only_matmul
+from tandem.kernels.fp8_weight_only import GEMV_MAX_TOKENS, MAX_TOKENS, weight_only_matmul
 
 
 class Fp8LinearMethod:
@@ -15,9 +15,10 @@ class Fp8LinearMethod:
     By token count, which is fixed for each captured CUDA graph (a decode batch size), so each
     graph holds the kernel its size takes:
 
-    - on CUDA, up to ``MAX_TOKENS`` tokens (decode): 16-bit activations times the FP8 weight
-      dequantized in registers (``weight_only_matmul``): bound by reading the weight, with no
-      activation quantization launch;
+    - on CUDA, up to ``MAX_TOKENS`` tokens (decode; block-scaled weights: up to
+      ``GEMV_MAX_TOKENS``): 16-bit activations times the FP8 weight dequantized in registers
+      (``weight_only_matmul``): bound by reading the weight, with no activation quantization
+      launch;
     - otherwise: the activations quantized on the fly, per token (``block_columns=None``) or
       per ``block_columns`` features of a token, and FP8 tensor-core products (``fp8_linear``;
       on a CPU its PyTorch reference, which is what the format prescribes and what
@@ -25,15 +26,16 @@ class Fp8LinearMethod:
 
     def __init__(self, block_columns: Optional[int]) -> None:
         self.block_columns = block_columns
-        # Per-row and per-tensor scales only: on an H100 (Llama-3.1-8B shape, batch 1) the
-        # weight-only kernel took TPOT from 5.63 to 5.38 ms with them, while with 128x128 block
-        # scales it read the weight slower than quantizing the activations and running the block
-        # GEMM (8.30 against 5.47 ms; benchmarks/latency.py --quantization fp8-block).
-        self.weight_only = block_columns is None
+        # The weight-only path's reach by scale layout: with per-row (and per-tensor) scales it
+        # serves every decode size up to ``MAX_TOKENS``; with 128x128 block scales only the
+        # CUDA-core kernel's one or two tokens, since above that its tensor-core tile read the
+        # weight slower than quantizing the activations and running the block GEMM (H100,
+        # Llama-3.1-8B shape; benchmarks/latency.py --quantization fp8-block).
+        self.weight_only_tokens = MAX_TOKENS if block_columns is None else GEMV_MAX_TOKENS
 
     def apply(self, module, hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.weight_only and flat.is_cuda and 0 < flat.shape[0] <= MAX_TOKENS:
+        if flat.is_cuda and 0 < flat.shape[0] <= self.weight_only_tokens:
             output = weight_only_matmul(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
                                         module.weight_scale, self.block_columns)
         else:
