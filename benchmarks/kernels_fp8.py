@@ -68,17 +68,23 @@ def weight_only_row(name, rows, features, tokens, weights, bandwidth) -> str:
 
 
 def sweep(name, rows, features, weights, bandwidth) -> None:
-    """Weight-only tiles around the chosen ones, best first (for tuning ``weight_only_config``)."""
+    """Weight-only tiles around the chosen ones at one token (the CUDA-core kernel's size), best
+    first (for tuning ``gemv_config``; single launches, so the smaller shapes carry the launch
+    latency a CUDA graph hides)."""
     for tokens in (1,):
         hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
         for weight, scale, group in weights:
             results = []
             for block_n in (16, 32, 64):
                 for block_k in (256, 512):
-                    for split in (1, 2):
-                        for warps, stages in ((4, 4), (4, 6)):
+                    for split in (1, 2, 4):
+                        for warps, stages in ((4, 4), (4, 6), (8, 4)):
                             config = WeightOnlyConfig(block_n, block_k, split, warps, stages)
-                            milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group, config))
+                            try:
+                                milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group,
+                                                                                    config))
+                            except triton.runtime.errors.OutOfResources:
+                                continue  # a tile this GPU's shared memory cannot hold
                             results.append((milliseconds, config))
             results.sort(key=lambda item: item[0])
             moved = weight.numel() + scale.numel() * 4
