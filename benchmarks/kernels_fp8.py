@@ -112,13 +112,21 @@ def sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fl
         best = ", ".join(f"{ms:.4f} ms ({roof / ms:.2f}) m{c.block_m} n{c.block_n} w{c.warps} st{c.stages}"
                          for ms, c in results[:3])
         print(f"sweep {name:<8} M={tokens:<5} block GEMM (default {block_gemm_config(tokens)}): {best}")
-        for layout, scale_a in (("row-major", group_scales), ("M-major", group_scales.t().contiguous().t())):
+        # cuBLASLt's layouts for 1x128 activations times 128x128 weights (``A [M, K]``, ``B = W.T``):
+        # activation scales ``[M, K/128]`` M-major (stride ``[1, M]``), weight scales ``[K/128,
+        # N/128]`` K-major (stride ``[1, K/128]``: the transposed view of ``blocks``), K/128 a
+        # multiple of 4; anything else is refused or, in older torch, wrong.
+        expected = block_scaled_matmul(grouped, group_scales, block_weight, block_scale, 128, torch.bfloat16).float()
+        for layout, scale_a, scale_b in (("M-major, K-major", group_scales.t().contiguous().t(), blocks.t()),
+                                         ("row-major, contiguous", group_scales, blocks.t().contiguous())):
             try:
-                milliseconds = median_ms(lambda: torch._scaled_mm(grouped, block_weight.t(), scale_a=scale_a,
-                                                                  scale_b=blocks.t().contiguous(),
-                                                                  out_dtype=torch.bfloat16))
-                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout} activation scales): "
-                      f"{milliseconds:.4f} ms ({roof / milliseconds:.2f})")
+                product = lambda: torch._scaled_mm(grouped, block_weight.t(), scale_a=scale_a, scale_b=scale_b,  # noqa: E731
+                                                   out_dtype=torch.bfloat16)
+                error = float((product().float() - expected).abs().max() / expected.abs().max())
+                milliseconds = median_ms(product)
+                print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise (scales {layout}): "
+                      f"{milliseconds:.4f} ms ({roof / milliseconds:.2f}), max error against the Triton GEMM "
+                      f"{error:.1e}")
             except (RuntimeError, ValueError) as error:
                 print(f"sweep {name:<8} M={tokens:<5} torch._scaled_mm block-wise ({layout}): not taken: "
                       f"{str(error).splitlines()[0][:160]}")
