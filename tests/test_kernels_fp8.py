@@ -168,3 +168,61 @@ def test_block_scaled_gemm_compiles_to_pipelined_wgmma_on_h100():
     copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
     assert copies and all(", 0x10" in line for line in copies), copies[:3]
     assert "wgmma.mma_async" in ptx and "e4m3" in ptx
+
+
+def test_block_wise_scales_take_whole_128_blocks_only():
+    """cuBLASLt's block-wise layout (``[K/128, N/128]``, K-major) from the row-block scales, and
+    None wherever that mode would read them wrongly."""
+    from tandem.kernels.fp8_gemm import block_wise_scales
+
+    blocks = torch.rand(3, 8) + 0.5  # N = 384 rows, K = 1,024 inputs
+    rows = blocks.repeat_interleave(128, dim=0)
+    layout = block_wise_scales(rows, 128)
+    assert layout.shape == (8, 3) and layout.stride() == (1, 8) and torch.equal(layout, blocks.t())
+    assert block_wise_scales(rows[64:320], 128) is None  # a shard cut inside a block
+    assert block_wise_scales(rows[:, :6], 128) is None  # K/128 = 6: not a multiple of 4
+    assert block_wise_scales(rows, 64) is None and block_wise_scales(rows[:, :1], None) is None
+
+
+def test_quantized_groups_padded_with_token_major_scales():
+    from tandem.kernels.fp8_gemm import quantize_token_groups, quantize_token_groups_reference
+
+    hidden = on_the_fp8_grid(5, 256, 128, seed=3)  # values the two roundings agree on
+    quantized, scales = quantize_token_groups(hidden, 128, padded_tokens=8, token_major_scales=True)
+    expected_quantized, expected_scales = quantize_token_groups_reference(hidden, 128)
+    assert quantized.shape == (8, 256) and scales.shape == (8, 2) and scales.stride() == (1, 8)
+    torch.testing.assert_close(scales[:5], expected_scales)
+    assert torch.equal(quantized[:5].float(), expected_quantized.float())
+    assert not quantized[5:].float().any() and torch.equal(scales[5:], torch.ones(3, 2))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_block_weights_take_cublas_block_wise_products_above_decode_sizes():
+    """128x128 block weights at prefill sizes: cuBLASLt's block-wise ``_scaled_mm`` (on SM90)
+    equals the reference product with the same activation rounding, eager and in a graph."""
+    from tandem.kernels.fp8_gemm import block_wise_scaled_mm_available, fp8_linear_reference
+    from tandem.quantization.fp8 import quantize_blocks, row_block_scales
+    from tandem.quantization.linear_method import Fp8LinearMethod
+
+    if not block_wise_scaled_mm_available(torch.device("cuda")):
+        pytest.skip("no cuBLASLt block-wise FP8 products on this GPU")
+    float_weight = torch.randn(4096, 4096) * 0.02
+    weight, blocks = quantize_blocks(float_weight, (128, 128))
+    module = torch.nn.Module()
+    module.weight, module.weight_scale = weight.cuda(), row_block_scales(blocks, (4096, 4096), (128, 128)).cuda()
+    method = Fp8LinearMethod(128)
+    for tokens in (3, 512, 4097):  # 3 and 4,097: rows padded to a multiple of 4
+        hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+        expected = fp8_linear_reference(hidden, module.weight, module.weight_scale, 128).float()
+        actual = method.apply(module, hidden, None).float()
+        torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+    assert module.weight_block_wise_scales is not None
+    static = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = method.apply(module, static, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = method.apply(module, static, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(output, eager)

@@ -7,14 +7,19 @@
 - the activations are quantized per token (``group=None``) or per token and ``group``
   consecutive features (1x128 for DeepSeek's 128x128 blocks), scale ``max|x| / 448``;
 - per-row weights on CUDA: ``torch._scaled_mm`` with row-wise scales (FP8 tensor cores);
-- block weights on CUDA: the Triton kernel ``_block_scaled_gemm`` below: per K group one FP8
-  ``tl.dot`` into float32, multiplied by the token's and the row's scales and accumulated;
+- block weights on CUDA: ``torch._scaled_mm``'s block-wise mode (cuBLASLt, SM90: 1x128
+  activation groups times 128x128 weight blocks; ``block_wise_scaled_mm``) where the weight's
+  scales are whole 128x128 blocks, else the Triton kernel ``_block_scaled_gemm`` below: per K
+  group one FP8 ``tl.dot`` into float32, multiplied by the token's and the row's scales and
+  accumulated. On an H100 (Llama-3.1-8B shapes, 4,096 tokens) cuBLASLt ran at 0.79–0.82 of the
+  FP8 matrix rate, the Triton kernel at 0.37–0.42 (``benchmarks/kernels_fp8.py --sweep``);
 - elsewhere (CPU, or shapes ``_scaled_mm`` does not take): ``fp8_linear_reference``.
 
 Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,8 +48,8 @@ def quantize_token_groups_reference(hidden: torch.Tensor, group: int) -> tuple[t
 
 
 @jit
-def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, scale_columns,
-                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, stride_scale_token,
+                            stride_scale_group, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (token, group): amax, scale, quantize."""
     token = tl.program_id(0)
     group = tl.program_id(1)
@@ -54,21 +59,87 @@ def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, 
     scale = tl.maximum(tl.max(tl.abs(values), axis=0) / 448.0, 1e-12)
     quantized_values = tl.clamp(values / scale, -448.0, 448.0)
     tl.store(quantized + token * features + columns, quantized_values.to(quantized.dtype.element_ty), mask=mask)
-    tl.store(scales + token * scale_columns + group, scale)
+    tl.store(scales + token * stride_scale_token + group * stride_scale_group, scale)
 
 
-def quantize_token_groups(hidden: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_token_groups_reference`` as one Triton launch (CUDA, or the interpreter)."""
+def quantize_token_groups(hidden: torch.Tensor, group: int, padded_tokens: Optional[int] = None,
+                          token_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_token_groups_reference`` as one Triton launch (CUDA, or the interpreter).
+
+    ``padded_tokens``: the outputs have that many rows, those past ``hidden``'s zeros with
+    scale 1. ``token_major_scales``: the scales ``[tokens, groups]`` are stored token-major
+    (stride ``[1, tokens]``), the layout cuBLASLt's block-wise mode reads."""
     tokens, features = hidden.shape
+    rows = tokens if padded_tokens is None else padded_tokens
     groups = -(-features // group)
-    quantized = torch.empty(tokens, features, dtype=FP8_DTYPE, device=hidden.device)
-    scales = torch.empty(tokens, groups, dtype=torch.float32, device=hidden.device)
+    quantized = torch.empty(rows, features, dtype=FP8_DTYPE, device=hidden.device)
+    if token_major_scales:
+        scales = torch.empty(groups, rows, dtype=torch.float32, device=hidden.device).t()
+    else:
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=hidden.device)
+    if rows > tokens:
+        quantized[tokens:].zero_()
+        scales[tokens:].fill_(1.0)
     if tokens:
         block = triton.next_power_of_2(group)
         warps = 4 if block <= 2048 else 8 if block <= 8192 else 16  # a whole 14336-feature token per program
-        _quantize_groups_kernel[(tokens, groups)](hidden, hidden.stride(0), quantized, scales, features, groups,
-                                                  GROUP=group, BLOCK=block, num_warps=warps)
+        _quantize_groups_kernel[(tokens, groups)](hidden, hidden.stride(0), quantized, scales, features,
+                                                  scales.stride(0), scales.stride(1), GROUP=group, BLOCK=block,
+                                                  num_warps=warps)
     return quantized, scales
+
+
+BLOCK_WISE = 128  # cuBLASLt's block-wise mode: 1x128 activation groups, 128x128 weight blocks
+
+
+def block_wise_scales(weight_scale: torch.Tensor, group: Optional[int]) -> Optional[torch.Tensor]:
+    """A weight's scales in the layout ``torch._scaled_mm``'s block-wise mode reads — ``[K/128,
+    N/128]``, K-major (stride ``[1, K/128]``) — or None where that mode cannot take them: a
+    group other than 128, N not whole blocks, K/128 not a multiple of 4 (cuBLASLt pads the
+    scales' K to 4), or row-block scales that differ within a 128-row block (a tensor-parallel
+    shard cut inside a block). Reads the scales back (host synchronisation): call it at load or
+    on an eager step, never during a CUDA graph capture."""
+    rows, columns = weight_scale.shape
+    if group != BLOCK_WISE or rows % BLOCK_WISE or columns % 4:
+        return None
+    blocks = weight_scale[::BLOCK_WISE].contiguous()
+    if not torch.equal(blocks.repeat_interleave(BLOCK_WISE, dim=0), weight_scale):
+        return None
+    return blocks.t()
+
+
+def block_wise_scaled_mm_available(device: torch.device) -> bool:
+    """Whether this GPU and torch run ``block_wise_scaled_mm`` (SM90 with cuBLASLt >= 12.9): tried
+    once per device on a small product."""
+    return device.type == "cuda" and _block_wise_probe(device.index if device.index is not None else
+                                                        torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _block_wise_probe(device_index: int) -> bool:
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    device = torch.device("cuda", device_index)
+    weight = torch.zeros(BLOCK_WISE, 4 * BLOCK_WISE, dtype=FP8_DTYPE, device=device)
+    scale = torch.ones(BLOCK_WISE, 4, device=device)
+    try:
+        block_wise_scaled_mm(torch.zeros(4, 4 * BLOCK_WISE, dtype=torch.bfloat16, device=device), weight,
+                             block_wise_scales(scale, BLOCK_WISE))
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def block_wise_scaled_mm(hidden: torch.Tensor, weight: torch.Tensor, weight_blocks: torch.Tensor) -> torch.Tensor:
+    """``fp8_linear`` with 128x128 block scales through cuBLASLt: the activations quantized per
+    1x128 group (token-major scales, rows padded to a multiple of 4 as cuBLASLt asks), then
+    ``torch._scaled_mm`` block-wise; ``weight_blocks`` from ``block_wise_scales``."""
+    tokens = hidden.shape[0]
+    padded = -(-tokens // 4) * 4
+    quantized, scales = quantize_token_groups(hidden, BLOCK_WISE, padded, token_major_scales=True)
+    output = torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_blocks, out_dtype=torch.bfloat16)
+    output = output[:tokens] if padded != tokens else output
+    return output if hidden.dtype == torch.bfloat16 else output.to(hidden.dtype)
 
 
 def _expand_columns(scale: torch.Tensor, group: int, features: int) -> torch.Tensor:

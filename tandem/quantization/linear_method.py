@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.fp8_gemm import fp8_linear
+from tandem.kernels.fp8_gemm import (block_wise_scaled_mm, block_wise_scaled_mm_available, block_wise_scales,
+                                     fp8_linear)
 from tandem.kernels.fp8_weight_only import GEMV_MAX_TOKENS, MAX_TOKENS, weight_only_matmul
 
 
@@ -19,6 +20,8 @@ class Fp8LinearMethod:
       ``GEMV_MAX_TOKENS``): 16-bit activations times the FP8 weight dequantized in registers
       (``weight_only_matmul``): bound by reading the weight, with no activation quantization
       launch;
+    - 128x128 block weights on an H100-class GPU above that: cuBLASLt's block-wise
+      ``torch._scaled_mm`` (``block_wise_scaled_mm``), where the scales are whole blocks;
     - otherwise: the activations quantized on the fly, per token (``block_columns=None``) or
       per ``block_columns`` features of a token, and FP8 tensor-core products (``fp8_linear``;
       on a CPU its PyTorch reference, which is what the format prescribes and what
@@ -33,11 +36,27 @@ class Fp8LinearMethod:
         # Llama-3.1-8B shape; benchmarks/latency.py --quantization fp8-block).
         self.weight_only_tokens = MAX_TOKENS if block_columns is None else GEMV_MAX_TOKENS
 
+    def _block_wise_scales(self, module) -> Optional[torch.Tensor]:
+        """The module's block scales in cuBLASLt's layout (``block_wise_scales``), made on its
+        first eager product and kept (``module.weight_block_wise_scales``); None where the weight
+        or the GPU cannot take that path, or while a CUDA graph is being captured before it
+        was made (that graph keeps the Triton GEMM)."""
+        if not hasattr(module, "weight_block_wise_scales"):
+            if self.block_columns is None or torch.cuda.is_current_stream_capturing():
+                return None
+            usable = block_wise_scaled_mm_available(module.weight.device)
+            module.weight_block_wise_scales = (block_wise_scales(module.weight_scale, self.block_columns)
+                                               if usable else None)
+        return module.weight_block_wise_scales
+
     def apply(self, module, hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         if flat.is_cuda and 0 < flat.shape[0] <= self.weight_only_tokens:
             output = weight_only_matmul(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
                                         module.weight_scale, self.block_columns)
+        elif flat.is_cuda and self._block_wise_scales(module) is not None:
+            output = block_wise_scaled_mm(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
+                                          module.weight_block_wise_scales)
         else:
             output = fp8_linear(flat, module.weight, module.weight_scale, self.block_columns)
         if bias is not None:
