@@ -163,3 +163,17 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph():
         out.fill_(float("nan"))
         graph.replay()
         assert_close(out, fused_moe_reference(hidden, w1, w2, weights, expert_ids, accumulate_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block", [(3, 4, 2, 16), (50, 8, 3, 16), (9, 128, 8, 16),
+                                                        (40, 256, 8, 32), (1, 6, 1, 16)])
+def test_alignment_kernel_equals_the_sort(tokens, experts, top_k, block):
+    """The one-launch alignment (interpreted here) gives exactly the sort's three outputs: chunks
+    crossed (tokens x top-k > the chunk), experts not a power of two, padding past the runs."""
+    from tandem.kernels.fused_moe import _align_with_kernel, align_assignments_reference
+
+    expert_ids = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(tokens)).topk(top_k).indices
+    expected = align_assignments_reference(expert_ids, experts, block)
+    actual = _align_with_kernel(expert_ids.reshape(-1), experts, block, expected[0].shape[0])
+    for left, right in zip(actual, expected):
+        assert torch.equal(left, right.to(left.dtype))
