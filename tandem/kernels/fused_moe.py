@@ -119,7 +119,8 @@ ALIGN_KERNEL_MAX_ASSIGNMENTS = 2048
 
 @jit(do_not_specialize=["count", "capacity"])
 def _align_kernel(expert_ids, sorted_ids, block_experts, num_padded, next_slot, count, capacity,
-                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr):
     """``align_assignments`` in one program: count each expert's assignments, pad the counts to
     ``BLOCK_M`` and sum them into run starts, fill ``sorted_ids`` with the padding id, then place
     the assignments chunk by chunk (an assignment's slot: its expert's next free slot, plus the
@@ -138,8 +139,9 @@ def _align_kernel(expert_ids, sorted_ids, block_experts, num_padded, next_slot, 
     ends = tl.cumsum(padded, axis=0)
     slots = ends - padded
     tl.store(num_padded, tl.sum(padded, axis=0))
-    for start in range(0, capacity, CHUNK):
-        tl.store(sorted_ids + start + lanes, tl.zeros([CHUNK], tl.int32) + count, mask=start + lanes < capacity)
+    fill = tl.arange(0, FILL)
+    for start in range(0, capacity, FILL):
+        tl.store(sorted_ids + start + fill, tl.zeros([FILL], tl.int32) + count, mask=start + fill < capacity)
     tl.store(next_slot + experts, slots, mask=expert_mask)
     tl.debug_barrier()
     for start in range(0, count, CHUNK):
@@ -169,7 +171,8 @@ def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int,
     experts = triton.next_power_of_2(num_experts)
     chunk = max(16, min(128, 8192 // experts))  # the [chunk, experts] comparisons stay in registers
     _align_kernel[(1,)](flat.to(torch.int32), sorted_ids, block_experts, num_padded, next_slot, flat.numel(), capacity,
-                        NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+                        NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m, CHUNK=chunk, FILL=1024,
+                        num_warps=4)
     return sorted_ids, block_experts, num_padded
 
 
