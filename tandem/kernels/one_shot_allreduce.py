@@ -1,0 +1,180 @@
+"""One-shot all-reduce over peer buffers, alone or fused with the residual add and RMSNorm that
+follow it.
+
+Tensor parallelism sums each row-parallel projection's partial output over the ranks, and the
+decoder layer then forms ``residual + sum`` and normalises it (``kernels/norm.py``). Here one
+kernel sums over peer buffers (symmetric memory: every rank's buffer is mapped into every rank's
+address space; ``parallel/allreduce.py`` owns them), and the fused kernel does all three:
+
+::
+
+    each program p of each rank:   copy its rows of ``partial`` into this rank's buffer
+                                   barrier with program p of every rank   (signal pad slots)
+                                   sum its rows over every rank's buffer (fp32), round to dtype
+                                   new_residual = sum + residual;  out = RMSNorm(new_residual)
+                                   barrier again: no rank overwrites a buffer a peer still reads
+
+Program ``p`` handles rows ``p, p + P, p + 2P, ...`` on every rank, so a program only waits for
+the same program of its peers. The barrier leaves every signal slot at zero (a send sets 0 → 1,
+the receiver takes it back 1 → 0), so a replayed CUDA graph finds the pad as capture left it.
+No NVLink multicast is used: peers are read with ordinary loads.
+
+The plain all-reduce (``one_shot_all_reduce``) is the same without the norm, over the flat
+tensor cut into chunks of ``CHUNK`` elements instead of rows.
+
+``all_reduce_reference`` and ``reduce_add_norm_reference`` are the contracts in plain PyTorch (the sum of the ranks' partials,
+rounded once to their dtype, then ``rms_norm_reference`` with the residual); on two ranks the
+rounded sum equals NCCL's bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from tandem.kernels.norm import rms_norm_reference
+from tandem.kernels.triton_support import jit, tl, triton
+
+# Programs per launch at most: each uses ``world_size`` signal slots (uint32) of the pad, and
+# torch's smallest pad (2,048 bytes) holds 32 programs of 8 ranks with room to spare.
+MAX_PROGRAMS = 32
+CHUNK = 2048  # elements a program sums per step of the plain all-reduce
+
+
+@jit
+def _barrier(signal_pointers, slot, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Program ``slot`` meets program ``slot`` of every rank. Writes of this program before the
+    call are visible to the peers' same program after it (release/acquire at system scope; the
+    CTA barriers order the other threads' accesses around the one thread doing the atomics)."""
+    tl.debug_barrier()
+    for peer in tl.static_range(WORLD_SIZE):
+        peer_pad = tl.load(signal_pointers + peer).to(tl.pointer_type(tl.int32))
+        while tl.atomic_cas(peer_pad + slot * WORLD_SIZE + RANK, 0, 1, sem="release", scope="sys") != 0:
+            pass
+    own_pad = tl.load(signal_pointers + RANK).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD_SIZE):
+        while tl.atomic_cas(own_pad + slot * WORLD_SIZE + peer, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
+    tl.debug_barrier()
+
+
+@jit(do_not_specialize=["num_rows"])  # the step's token count
+def _reduce_add_norm_kernel(partial_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+                            buffer_pointers, signal_pointers, num_rows, dim, eps, weight_offset,
+                            RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                            CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of ``dim`` elements, all tensors dense ``[num_rows, dim]``; the peer buffers hold at
+    least ``num_rows * dim`` elements of ``partial``'s dtype."""
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    columns = tl.arange(0, BLOCK)
+    column_mask = columns < dim
+    dtype = partial_ptr.dtype.element_ty
+    # Buffers start at allocation boundaries: 16-byte aligned, so rows move in 16-byte vectors.
+    own_buffer = tl.multiple_of(tl.load(buffer_pointers + RANK).to(tl.pointer_type(dtype)), 16)
+    for row in range(program, num_rows, programs):
+        offsets = row.to(tl.int64) * dim + columns
+        tl.store(own_buffer + offsets, tl.load(partial_ptr + offsets, mask=column_mask), mask=column_mask)
+    _barrier(signal_pointers, program, RANK, WORLD_SIZE)
+    scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
+    for row in range(program, num_rows, programs):
+        offsets = row.to(tl.int64) * dim + columns
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for peer in tl.static_range(WORLD_SIZE):
+            buffer = tl.multiple_of(tl.load(buffer_pointers + peer).to(tl.pointer_type(dtype)), 16)
+            # Volatile: read from the owner every time, never a line cached by an earlier call.
+            total += tl.load(buffer + offsets, mask=column_mask, other=0.0, volatile=True).to(tl.float32)
+        residual = tl.load(residual_ptr + offsets, mask=column_mask, other=0.0)
+        x = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(new_residual_ptr + offsets, x, mask=column_mask)
+        hidden = x.to(tl.float32)
+        variance = tl.sum(hidden * hidden, axis=0) / dim
+        hidden = hidden * tl.math.rsqrt(variance + eps)
+        if CAST_BEFORE_WEIGHT:
+            hidden = hidden.to(dtype).to(tl.float32)
+        tl.store(out_ptr + offsets, (hidden * scale).to(dtype), mask=column_mask)
+    _barrier(signal_pointers, program, RANK, WORLD_SIZE)
+
+
+@jit(do_not_specialize=["numel"])
+def _all_reduce_kernel(input_ptr, out_ptr, buffer_pointers, signal_pointers, numel,
+                       RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum over ranks of ``input`` (``numel`` elements, dense) into ``out`` (may be
+    ``input``: each element is read before it is written, by the same thread)."""
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = input_ptr.dtype.element_ty
+    own_buffer = tl.multiple_of(tl.load(buffer_pointers + RANK).to(tl.pointer_type(dtype)), 16)
+    for chunk in range(program, tl.cdiv(numel, BLOCK), programs):
+        offsets = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        tl.store(own_buffer + offsets, tl.load(input_ptr + offsets, mask=mask), mask=mask)
+    _barrier(signal_pointers, program, RANK, WORLD_SIZE)
+    for chunk in range(program, tl.cdiv(numel, BLOCK), programs):
+        offsets = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for peer in tl.static_range(WORLD_SIZE):
+            buffer = tl.multiple_of(tl.load(buffer_pointers + peer).to(tl.pointer_type(dtype)), 16)
+            total += tl.load(buffer + offsets, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        tl.store(out_ptr + offsets, total.to(dtype), mask=mask)
+    _barrier(signal_pointers, program, RANK, WORLD_SIZE)
+
+
+def one_shot_all_reduce(tensor: torch.Tensor, *, buffer_pointers: torch.Tensor, signal_pointers: torch.Tensor,
+                        rank: int, world_size: int) -> torch.Tensor:
+    """The sum over ranks of ``tensor`` (contiguous), written into ``tensor`` and returned.
+    Arguments and calling rules as ``one_shot_reduce_add_norm``."""
+    numel = tensor.numel()
+    if numel:
+        programs = max(1, min(triton.cdiv(numel, CHUNK), MAX_PROGRAMS))
+        _all_reduce_kernel[(programs,)](tensor, tensor, buffer_pointers, signal_pointers, numel,
+                                        RANK=rank, WORLD_SIZE=world_size, BLOCK=CHUNK, num_warps=8)
+    return tensor
+
+
+def launch_shape(num_rows: int, dim: int) -> tuple[int, int, int]:
+    """(programs, column block, warps) for ``num_rows`` rows of ``dim`` elements."""
+    block = triton.next_power_of_2(dim)
+    return max(1, min(num_rows, MAX_PROGRAMS)), block, min(16, max(1, block // 512))
+
+
+def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                             buffer_pointers: torch.Tensor, signal_pointers: torch.Tensor, rank: int,
+                             world_size: int, weight_offset: float = 0.0,
+                             cast_before_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, new_residual)``: ``rms_norm(sum over ranks of partial, residual=residual)``.
+
+    Every rank calls it with equal shapes, in the same order relative to its other collectives.
+    ``buffer_pointers`` / ``signal_pointers``: int64 device tensors of every rank's peer-buffer
+    and signal-pad addresses (rank order); the caller checked the buffers hold ``partial``.
+    No host synchronisation: capturable in a CUDA graph."""
+    rows = partial.reshape(-1, partial.shape[-1]).contiguous()
+    residual_rows = residual.reshape(rows.shape).contiguous()
+    out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
+    new_residual = torch.empty_like(out)
+    num_rows, dim = rows.shape
+    if num_rows:
+        programs, block, num_warps = launch_shape(num_rows, dim)
+        _reduce_add_norm_kernel[(programs,)](
+            rows, residual_rows, weight, out, new_residual, buffer_pointers, signal_pointers,
+            num_rows, dim, eps, weight_offset, RANK=rank, WORLD_SIZE=world_size,
+            CAST_BEFORE_WEIGHT=cast_before_weight, BLOCK=block, num_warps=num_warps)
+    return out, new_residual
+
+
+def all_reduce_reference(partials: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every rank's ``partial`` summed in float32 and rounded once to their dtype."""
+    return torch.stack([partial.float() for partial in partials]).sum(0).to(partials[0].dtype)
+
+
+def reduce_add_norm_reference(partials: Sequence[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float, *, weight_offset: float = 0.0, cast_before_weight: bool = True,
+                              summed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract in plain PyTorch: every rank's ``partial`` summed in float32 and rounded once
+    to their dtype (or ``summed``, that sum already formed), then ``rms_norm_reference`` with
+    ``residual``."""
+    if summed is None:
+        summed = all_reduce_reference(partials)
+    return rms_norm_reference(summed, weight, eps, residual=residual, weight_offset=weight_offset,
+                              cast_before_weight=cast_before_weight)
