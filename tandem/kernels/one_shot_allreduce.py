@@ -58,26 +58,29 @@ def _barrier(signal_pointers, slot, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr
     tl.debug_barrier()
 
 
-@jit(do_not_specialize=["num_rows"])  # the step's token count
+@jit(do_not_specialize=["num_rows", "programs"])  # the step's token count
 def _reduce_add_norm_kernel(partial_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-                            buffer_pointers, signal_pointers, num_rows, dim, eps, weight_offset,
+                            buffer_pointers, signal_pointers, num_rows, programs, dim, eps, weight_offset,
                             RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
                             CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     """Rows of ``dim`` elements, all tensors dense ``[num_rows, dim]``; the peer buffers hold at
-    least ``num_rows * dim`` elements of ``partial``'s dtype."""
+    least ``num_rows * dim`` elements of ``partial``'s dtype. ``programs``: the grid's size;
+    program ``p`` takes rows ``p, p + programs, ...``."""
     program = tl.program_id(0)
-    programs = tl.num_programs(0)
     columns = tl.arange(0, BLOCK)
     column_mask = columns < dim
     dtype = partial_ptr.dtype.element_ty
     # Buffers start at allocation boundaries: 16-byte aligned, so rows move in 16-byte vectors.
     own_buffer = tl.multiple_of(tl.load(buffer_pointers + RANK).to(tl.pointer_type(dtype)), 16)
-    for row in range(program, num_rows, programs):
+    row = program
+    while row < num_rows:  # (while, not range: bounds from arguments; the same loop on GPU)
         offsets = row.to(tl.int64) * dim + columns
         tl.store(own_buffer + offsets, tl.load(partial_ptr + offsets, mask=column_mask), mask=column_mask)
+        row += programs
     _barrier(signal_pointers, program, RANK, WORLD_SIZE)
     scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
-    for row in range(program, num_rows, programs):
+    row = program
+    while row < num_rows:
         offsets = row.to(tl.int64) * dim + columns
         total = tl.zeros((BLOCK,), dtype=tl.float32)
         for peer in tl.static_range(WORLD_SIZE):
@@ -93,24 +96,32 @@ def _reduce_add_norm_kernel(partial_ptr, residual_ptr, weight_ptr, out_ptr, new_
         if CAST_BEFORE_WEIGHT:
             hidden = hidden.to(dtype).to(tl.float32)
         tl.store(out_ptr + offsets, (hidden * scale).to(dtype), mask=column_mask)
+        row += programs
     _barrier(signal_pointers, program, RANK, WORLD_SIZE)
 
 
-@jit(do_not_specialize=["numel"])
-def _all_reduce_kernel(input_ptr, out_ptr, buffer_pointers, signal_pointers, numel,
-                       RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """The sum over ranks of ``input`` (``numel`` elements, dense) into ``out`` (may be
-    ``input``: each element is read before it is written, by the same thread)."""
+@jit(do_not_specialize=["num_vectors", "programs"])
+def _all_reduce_kernel(input_ptr, out_ptr, buffer_pointers, signal_pointers, num_vectors, programs,
+                       RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, VECTOR: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum over ranks of ``input`` (``num_vectors * VECTOR`` elements, dense; ``VECTOR``
+    elements make 16 bytes, so the masks are uniform over each vector and loads stay 16 bytes
+    wide) into ``out`` (may be ``input``: each element is read before it is written, by the same
+    thread). ``programs``: the grid's size; program ``p`` takes chunks ``p, p + programs, ...``
+    of ``BLOCK``."""
     program = tl.program_id(0)
-    programs = tl.num_programs(0)
+    numel = num_vectors * VECTOR
     dtype = input_ptr.dtype.element_ty
     own_buffer = tl.multiple_of(tl.load(buffer_pointers + RANK).to(tl.pointer_type(dtype)), 16)
-    for chunk in range(program, tl.cdiv(numel, BLOCK), programs):
+    num_chunks = tl.cdiv(numel, BLOCK)
+    chunk = program
+    while chunk < num_chunks:
         offsets = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         tl.store(own_buffer + offsets, tl.load(input_ptr + offsets, mask=mask), mask=mask)
+        chunk += programs
     _barrier(signal_pointers, program, RANK, WORLD_SIZE)
-    for chunk in range(program, tl.cdiv(numel, BLOCK), programs):
+    chunk = program
+    while chunk < num_chunks:
         offsets = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -118,18 +129,22 @@ def _all_reduce_kernel(input_ptr, out_ptr, buffer_pointers, signal_pointers, num
             buffer = tl.multiple_of(tl.load(buffer_pointers + peer).to(tl.pointer_type(dtype)), 16)
             total += tl.load(buffer + offsets, mask=mask, other=0.0, volatile=True).to(tl.float32)
         tl.store(out_ptr + offsets, total.to(dtype), mask=mask)
+        chunk += programs
     _barrier(signal_pointers, program, RANK, WORLD_SIZE)
 
 
 def one_shot_all_reduce(tensor: torch.Tensor, *, buffer_pointers: torch.Tensor, signal_pointers: torch.Tensor,
                         rank: int, world_size: int) -> torch.Tensor:
-    """The sum over ranks of ``tensor`` (contiguous), written into ``tensor`` and returned.
-    Arguments and calling rules as ``one_shot_reduce_add_norm``."""
+    """The sum over ranks of ``tensor`` (contiguous, a whole number of 16-byte vectors), written
+    into ``tensor`` and returned. Arguments and calling rules as ``one_shot_reduce_add_norm``."""
     numel = tensor.numel()
+    vector = 16 // tensor.element_size()
+    if numel % vector:
+        raise ValueError(f"one_shot_all_reduce: {numel} elements of {tensor.dtype} are not whole 16-byte vectors")
     if numel:
         programs = max(1, min(triton.cdiv(numel, CHUNK), MAX_PROGRAMS))
-        _all_reduce_kernel[(programs,)](tensor, tensor, buffer_pointers, signal_pointers, numel,
-                                        RANK=rank, WORLD_SIZE=world_size, BLOCK=CHUNK, num_warps=8)
+        _all_reduce_kernel[(programs,)](tensor, tensor, buffer_pointers, signal_pointers, numel // vector, programs,
+                                        RANK=rank, WORLD_SIZE=world_size, VECTOR=vector, BLOCK=CHUNK, num_warps=8)
     return tensor
 
 
@@ -158,7 +173,7 @@ def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weig
         programs, block, num_warps = launch_shape(num_rows, dim)
         _reduce_add_norm_kernel[(programs,)](
             rows, residual_rows, weight, out, new_residual, buffer_pointers, signal_pointers,
-            num_rows, dim, eps, weight_offset, RANK=rank, WORLD_SIZE=world_size,
+            num_rows, programs, dim, eps, weight_offset, RANK=rank, WORLD_SIZE=world_size,
             CAST_BEFORE_WEIGHT=cast_before_weight, BLOCK=block, num_warps=num_warps)
     return out, new_residual
 
