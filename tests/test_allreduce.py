@@ -221,3 +221,31 @@ def test_kernels_compile_for_h100_with_system_scope_signals():
         assert sum("atom.global.release.sys.cas.b32" in line for line in signals) == 4
         assert sum("atom.global.acquire.sys.cas.b32" in line for line in signals) == 4
         assert "ld.volatile.global.v4.b32" in ptx
+
+
+def test_benchmark_chooses_limits_from_graph_times():
+    """``benchmarks/allreduce.py``'s choice: one-shot while it wins outright, then two-shot
+    while it beats NCCL (torch's own one-shot is reported, never chosen), the fused kernel while
+    it beats both unfused pairs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce.py"
+    spec = importlib.util.spec_from_file_location("allreduce_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+
+    def row(one_shot, torch_one_shot, two_shot, nccl):
+        times = {"one-shot": one_shot, "torch 1-shot": torch_one_shot, "two-shot": two_shot, "nccl": nccl}
+        return {name: {"eager": 2 * value, "graph": value} for name, value in times.items()}
+
+    def fused(fused_time, one_shot_norm, nccl_norm):
+        times = {"fused": fused_time, "one-shot + norm": one_shot_norm, "nccl + norm": nccl_norm}
+        return {name: {"eager": value, "graph": value} for name, value in times.items()}
+
+    table = {"sizes": {8 * KIB: row(3, 2, 5, 9), 16 * KIB: row(4, 4, 5, 9), 32 * KIB: row(7, 1, 5, 9),
+                       64 * KIB: row(12, 1, 10, 14), 128 * KIB: row(30, 1, 20, 14), 256 * KIB: row(40, 1, 10, 30)},
+             "fused": {1: fused(3, 5, 12), 2: fused(4, 5, 12), 4: fused(9, 5, 12)}}
+    assert benchmark.choose_limits(table) == {"TANDEM_ALLREDUCE_ONE_SHOT_MAX_BYTES": 16 * KIB,
+                                              "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES": 64 * KIB,
+                                              "TANDEM_ALLREDUCE_FUSED_MAX_BYTES": 2 * 8 * KIB}
