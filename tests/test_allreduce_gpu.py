@@ -85,7 +85,7 @@ def random_on(device, shape, dtype, seed: int) -> torch.Tensor:
 def _check_sizes(shard, groups, device) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for size, algorithm in SIZES:
-            tensor = random_on(device, (size // (HIDDEN * dtype.itemsize), HIDDEN), dtype, seed=size + shard.rank)
+            tensor = random_on(device, (size // dtype.itemsize,), dtype, seed=size + shard.rank)
             assert shard.peer.algorithm(tensor) == algorithm, (size, dtype)
             expected = nccl_sum(groups, tensor)
             actual = shard.all_reduce(tensor.clone())
