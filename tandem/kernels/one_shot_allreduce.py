@@ -35,9 +35,15 @@ import torch
 from tandem.kernels.norm import rms_norm_reference
 from tandem.kernels.triton_support import jit, tl, triton
 
-# Programs per launch at most: each uses ``world_size`` signal slots (uint32) of the pad, and
-# torch's smallest pad (2,048 bytes) holds 32 programs of 8 ranks with room to spare.
-MAX_PROGRAMS = 32
+# Programs per launch at most: enough for a row each at decode batch sizes (the reads from
+# peers are latency-bound: more programs, more reads in flight), and each program uses
+# ``world_size`` signal slots (int32) of the pad, of which torch's smallest (2,048 bytes) has 512.
+MAX_PROGRAMS = 128
+SIGNAL_SLOTS = 512
+
+
+def max_programs(world_size: int) -> int:
+    return min(MAX_PROGRAMS, SIGNAL_SLOTS // world_size)
 CHUNK = 2048  # elements a program sums per step of the plain all-reduce
 
 
@@ -142,16 +148,16 @@ def one_shot_all_reduce(tensor: torch.Tensor, *, buffer_pointers: torch.Tensor, 
     if numel % vector:
         raise ValueError(f"one_shot_all_reduce: {numel} elements of {tensor.dtype} are not whole 16-byte vectors")
     if numel:
-        programs = max(1, min(triton.cdiv(numel, CHUNK), MAX_PROGRAMS))
+        programs = max(1, min(triton.cdiv(numel, CHUNK), max_programs(world_size)))
         _all_reduce_kernel[(programs,)](tensor, tensor, buffer_pointers, signal_pointers, numel // vector, programs,
                                         RANK=rank, WORLD_SIZE=world_size, VECTOR=vector, BLOCK=CHUNK, num_warps=8)
     return tensor
 
 
-def launch_shape(num_rows: int, dim: int) -> tuple[int, int, int]:
+def launch_shape(num_rows: int, dim: int, world_size: int) -> tuple[int, int, int]:
     """(programs, column block, warps) for ``num_rows`` rows of ``dim`` elements."""
     block = triton.next_power_of_2(dim)
-    return max(1, min(num_rows, MAX_PROGRAMS)), block, min(16, max(1, block // 512))
+    return max(1, min(num_rows, max_programs(world_size))), block, min(16, max(1, block // 512))
 
 
 def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -170,7 +176,7 @@ def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weig
     new_residual = torch.empty_like(out)
     num_rows, dim = rows.shape
     if num_rows:
-        programs, block, num_warps = launch_shape(num_rows, dim)
+        programs, block, num_warps = launch_shape(num_rows, dim, world_size)
         _reduce_add_norm_kernel[(programs,)](
             rows, residual_rows, weight, out, new_residual, buffer_pointers, signal_pointers,
             num_rows, programs, dim, eps, weight_offset, RANK=rank, WORLD_SIZE=world_size,
