@@ -29,9 +29,10 @@ class RMSNorm(nn.Module):
         residual), ``hidden`` is this rank's partial sum: it is summed over the shard's ranks
         first, in the same kernel as the add and the norm where the shard's peer path fuses it."""
         if reduce_over is not None and reduce_over.is_parallel:
-            fused = reduce_over.reduce_add_norm(hidden, residual, self.weight, self.variance_epsilon)
-            if fused is not None:
-                return fused
+            if residual is not None:
+                fused = reduce_over.reduce_add_norm(hidden, residual, self.weight, self.variance_epsilon)
+                if fused is not None:
+                    return fused
             hidden = reduce_over.all_reduce(hidden)
         normalize = rms_norm if hidden.is_cuda else rms_norm_reference
         return normalize(hidden, self.weight, self.variance_epsilon, residual=residual)
