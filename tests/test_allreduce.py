@@ -94,6 +94,7 @@ def _rank_main(rank: int, buffers, pads, inputs, outputs) -> None:
     shared buffers (each process maps them at its own)."""
     from tandem.kernels.one_shot_allreduce import one_shot_all_reduce, one_shot_reduce_add_norm
 
+    torch.set_num_threads(1)  # a forked child: no thread pool of the parent's to wait on
     buffer_pointers = torch.tensor([buffer.data_ptr() for buffer in buffers], dtype=torch.int64)
     signal_pointers = torch.tensor([pad.data_ptr() for pad in pads], dtype=torch.int64)
     peers = dict(buffer_pointers=buffer_pointers, signal_pointers=signal_pointers, rank=rank, world_size=WORLD_SIZE)
