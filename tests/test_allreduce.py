@@ -250,3 +250,13 @@ def test_benchmark_chooses_limits_from_graph_times():
     assert benchmark.choose_limits(table) == {"TANDEM_ALLREDUCE_ONE_SHOT_MAX_BYTES": 16 * KIB,
                                               "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES": 64 * KIB,
                                               "TANDEM_ALLREDUCE_FUSED_MAX_BYTES": 2 * 8 * KIB}
+
+
+def test_the_flag_reaches_the_engine_config():
+    from tandem.config import EngineConfig
+    from tandem.entrypoints.cli import build_parser, engine_config
+
+    arguments = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--disable-custom-all-reduce"])
+    assert engine_config(arguments, "model-dir").disable_custom_all_reduce
+    assert not engine_config(build_parser().parse_args(["serve"]), "model-dir").disable_custom_all_reduce
+    assert not EngineConfig(model="model-dir").disable_custom_all_reduce
