@@ -12,7 +12,7 @@
 #   bash scripts/gpu_checks.sh page-major   # page-major pools: GPU tests, offline and latency beside layer-major
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
-#   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, TP=2 vs TP=1 decode at batch 64
+#   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, all-reduce latency, TP=2 vs TP=1 decode at batch 64
 #   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
 #   bash scripts/gpu_checks.sh itl-slo      # one GPU: --max-itl-ms test; ITL at concurrency 16 with and without it
 #   bash scripts/gpu_checks.sh goodput-colocated  # two GPUs: goodput of two colocated replicas behind the router
@@ -74,7 +74,8 @@ for part in "${@:-tests}"; do
     pd) run pd python3 benchmarks/pd_gpu.py --deadline 300 --rounds 5
         run pd_layer_major python3 benchmarks/pd_gpu.py --kv-cache-layout layer-major --skip-serving --deadline 120 ;;
     tp) run tp_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py \
-          tests/test_transfer_ordering.py
+          tests/test_transfer_ordering.py tests/test_allreduce_gpu.py
+        run allreduce python3 benchmarks/allreduce.py
         for size in 1 2; do
           run "offline_tp$size" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"

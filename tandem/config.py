@@ -104,6 +104,10 @@ class EngineConfig:
     # Tensor parallelism (tandem/parallel): one engine process per rank (rank i on cuda:i; on a
     # CPU every rank on the CPU, over gloo on 127.0.0.1); rank 0 schedules and samples.
     tensor_parallel_size: int = 1
+    # On CUDA, sums of up to a few MiB between the ranks go through peer buffers (one-shot and
+    # two-shot all-reduce over symmetric memory; limits from TANDEM_ALLREDUCE_*, docs/allreduce.md)
+    # instead of NCCL; True: NCCL for every sum.
+    disable_custom_all_reduce: bool = False
     # Structured outputs: a request whose grammar has not compiled within this many seconds is
     # rejected (the server answers 400).
     structured_outputs_compile_timeout: float = 30.0

@@ -97,6 +97,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard the model over this many ranks, one engine process each (rank i on "
                             "cuda:i; on a CPU over gloo) (default: %(default)s)")
+    group.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="tensor parallelism on CUDA: NCCL for every all-reduce (default: messages up to "
+                            "a few MiB go through peer buffers, one-shot or two-shot by size, see "
+                            "docs/allreduce.md)")
     group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request whose grammar (response_format, structured_outputs) has not compiled "
                             "within this many seconds is rejected with 400 (default: %(default)s)")
@@ -151,6 +155,7 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
         speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size,
+        disable_custom_all_reduce=arguments.disable_custom_all_reduce,
         structured_outputs_compile_timeout=arguments.structured_outputs_compile_timeout)
 
 

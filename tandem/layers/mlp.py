@@ -24,7 +24,14 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, shard=shard,
                                            what="intermediate_size")
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def defers_reduction(self) -> bool:
+        """Whether ``forward(..., reduce=False)`` may leave the sum over ranks to the caller."""
+        return self.down_proj.bias is None
+
+    def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The block's output; with ``reduce=False`` (``defers_reduction``) this rank's partial
+        sum of it."""
         gate_up = self.gate_up_proj(hidden)
         activate = silu_and_mul if gate_up.is_cuda else silu_and_mul_reference
-        return self.down_proj(activate(gate_up))
+        return self.down_proj(activate(gate_up), reduce=reduce)

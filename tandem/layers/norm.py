@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.parallel.shard import TensorShard
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                reduce_over: Optional[TensorShard] = None):
         """``norm(hidden)``; with ``residual``, ``(norm(hidden + residual), hidden + residual)``.
-        ``hidden`` is ``[T, D]`` or ``[T, H, D]`` (per head)."""
+        ``hidden`` is ``[T, D]`` or ``[T, H, D]`` (per head). With ``reduce_over`` (and a
+        residual), ``hidden`` is this rank's partial sum: it is summed over the shard's ranks
+        first, in the same kernel as the add and the norm where the shard's peer path fuses it."""
+        if reduce_over is not None and reduce_over.is_parallel:
+            if residual is not None:
+                fused = reduce_over.reduce_add_norm(hidden, residual, self.weight, self.variance_epsilon)
+                if fused is not None:
+                    return fused
+            hidden = reduce_over.all_reduce(hidden)
         normalize = rms_norm if hidden.is_cuda else rms_norm_reference
         return normalize(hidden, self.weight, self.variance_epsilon, residual=residual)

@@ -67,8 +67,10 @@ class LlamaAttentionBlock(nn.Module):
         self.attn = Attention(f"model.layers.{layer_index}.self_attn", self.num_heads,
                               self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, state_dtype)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
-                context: ForwardContext) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                reduce: bool = True) -> torch.Tensor:
+        """The block's output; with ``reduce=False`` this rank's partial sum of it (the output
+        projection's sum over ranks is left to the caller)."""
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.reshape(tokens, self.num_heads, self.head_dim)
@@ -78,7 +80,7 @@ class LlamaAttentionBlock(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary(query, key, positions)
         output = self.attn(query, key, value, context)
-        return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim), reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,6 +91,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, layer_index, options, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Under tensor parallelism the attention and MLP outputs may stay partial sums, summed
+        # by the norm after them (one kernel with the add and the norm on the peer path).
+        # ``LlamaModel`` sets ``deferred`` to the shard when every layer can, else None.
+        self.can_defer = (shard.is_parallel and self.self_attn.o_proj.bias is None
+                          and getattr(self.mlp, "defers_reduction", False))
+        self.deferred = None
 
     def make_mlp(self, config, layer_index: int, options: LlamaOptions, shard: TensorShard) -> nn.Module:
         """The feed-forward block of layer ``layer_index`` (``hidden -> hidden``); families with
@@ -98,14 +106,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden, residual, positions, context):
         """``(hidden, residual)`` in and out; the layer's output is their sum, which the next
-        norm forms fused with itself. The first layer gets ``residual=None``."""
+        norm forms fused with itself. The first layer gets ``residual=None`` (and a whole
+        ``hidden``); with ``deferred`` set, the ``hidden`` a layer gets from the one before and
+        the one it returns are this rank's partial sums."""
+        deferred = self.deferred
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, context)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, reduce_over=deferred)
+        hidden = self.self_attn(hidden, positions, context, reduce=deferred is None)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce_over=deferred)
+        if deferred is None:
+            return self.mlp(hidden), residual
+        return self.mlp(hidden, reduce=False), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,6 +132,9 @@ class LlamaModel(nn.Module):
             decoder_layer(config, index, options, state_dtype, self.rotary_emb, shard)
             for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.deferred = shard if self.layers and all(layer.can_defer for layer in self.layers) else None
+        for layer in self.layers:
+            layer.deferred = self.deferred
 
     def forward(self, input_ids, positions, context):
         """The last layer's output before the final norm (``compute_logits`` applies it to the
@@ -126,6 +142,8 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, context)
+        if self.deferred is not None:  # the last layer's MLP output is still a partial sum
+            hidden = self.deferred.all_reduce(hidden)
         return hidden + residual
 
 

@@ -6,7 +6,9 @@ rank then joins the same groups (``join``):
 - the control group (gloo, loopback): rank 0's step plans; it waits without a deadline, since
   a server may sit idle for hours between steps (a dead peer still fails it at once: its
   sockets close);
-- the tensor group: the layers' collectives (NCCL on CUDA; on CPU the control group itself).
+- the tensor group: the layers' collectives (NCCL on CUDA; on CPU the control group itself);
+- on CUDA, unless turned off, the peer all-reduce (``allreduce.py``: symmetric-memory buffers
+  for the small sums of decode, NCCL above).
 
 Groups are backend objects held by whoever joined them (no ``torch.distributed`` default
 group, no global state), so several engines may live in one process.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.parallel.allreduce import NO_MULTICAST, make_peer_all_reduce
 from tandem.parallel.shard import TensorShard
 
 LOOPBACK = "127.0.0.1"
@@ -38,10 +41,11 @@ class ParallelGroups:
     store: Any
     control: Any
     tensor: Any
+    peer: Any = None  # allreduce.PeerAllReduce (its buffers live as long as these groups), or None
 
     @property
     def shard(self) -> TensorShard:
-        return TensorShard(self.rank, self.size, self.tensor)
+        return TensorShard(self.rank, self.size, self.tensor, self.peer)
 
 
 def open_store(size: int):
@@ -62,9 +66,11 @@ def _gloo(store, prefix: str, rank: int, size: int, timeout: datetime.timedelta)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
-def join(rank: int, size: int, device: torch.device, store=None, port: int = 0) -> ParallelGroups:
+def join(rank: int, size: int, device: torch.device, store=None, port: int = 0,
+         custom_all_reduce: bool = True) -> ParallelGroups:
     """Join rank ``rank`` of ``size`` (workers pass rank 0's ``port``; rank 0 its ``store``).
-    On CUDA the caller has made ``device`` current."""
+    On CUDA the caller has made ``device`` current. ``custom_all_reduce``: the peer all-reduce
+    for small messages (every rank must pass the same; False: NCCL for every sum)."""
     if store is None:
         store = dist.TCPStore(LOOPBACK, port, size, False, timeout=STORE_TIMEOUT)
     control = _gloo(store, "control", rank, size, CONTROL_TIMEOUT)
@@ -73,12 +79,20 @@ def join(rank: int, size: int, device: torch.device, store=None, port: int = 0) 
         # alive with the work instead of recording them on its stream (``recordStream`` inside
         # a capture breaks it); read when the group is made.
         os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+        # NVLink multicast (NVLS) stays off: read by NCCL when its communicator is made, and by
+        # symmetric memory when a buffer is (allreduce.py).
+        for name, value in NO_MULTICAST.items():
+            os.environ.setdefault(name, value)
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TENSOR_TIMEOUT
         tensor = dist.ProcessGroupNCCL(dist.PrefixStore("tensor", store), rank, size, options)
     else:
         tensor = control
-    return ParallelGroups(rank, size, store, control, tensor)
+    peer = None
+    if custom_all_reduce and device.type == "cuda":
+        peer = make_peer_all_reduce(control, store, rank, size, device)
+    return ParallelGroups(rank, size, store, control, tensor, peer)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -1,7 +1,8 @@
 """Sharded layers for tensor parallelism (Megatron-style).
 
 - ``RowParallelLinear``: input features split by rank; the partial products are summed over
-  the ranks (all-reduce), then the bias is added once.
+  the ranks (all-reduce), then the bias is added once; or, without a bias, left to the next
+  norm to sum (``reduce=False``).
 - ``VocabParallelEmbedding``: each rank holds a consecutive slice of the vocabulary's rows; ids
   outside it embed to zeros, and the sum over ranks is the full embedding.
 - ``ParallelLMHead``: the same row slice as logits columns; the ranks' columns are gathered
@@ -42,10 +43,18 @@ class RowParallelLinear(Linear):
         self.shard = shard
         mark_sharded(self.weight, 1, shard, in_features)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The product summed over the ranks; with ``reduce=False`` this rank's partial product,
+        which the caller sums (``RMSNorm(..., reduce_over=shard)``, fused with its add and
+        norm). Only a projection without bias defers its sum (the bias is added once, after)."""
         if not self.shard.is_parallel:
             return linear_product(self, hidden)
-        output = self.shard.all_reduce(linear_product(self, hidden, with_bias=False))
+        output = linear_product(self, hidden, with_bias=False)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("RowParallelLinear: a projection with a bias must sum its product itself")
+            return output
+        output = self.shard.all_reduce(output)
         return output if self.bias is None else output + self.bias
 
 

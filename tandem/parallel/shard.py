@@ -3,6 +3,10 @@
 Owner: the engine (rank 0) or the worker builds one per process and hands it to the model's
 constructor; layers keep a reference and never change it. ``SINGLE`` is the one-rank shard
 (no collectives run; every layer computes as if unsharded).
+
+On CUDA the sums go, by size, to the peer all-reduce (``parallel/allreduce.py``: one-shot and
+two-shot over symmetric memory, for the small messages of decode) or to the NCCL group; on a
+CPU to gloo. Every rank makes the same choice for the same call.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class TensorShard:
     rank: int = 0
     size: int = 1
     group: Optional[Any] = None  # a torch.distributed backend (ProcessGroupGloo / ProcessGroupNCCL)
+    peer: Optional[Any] = None  # a parallel.allreduce.PeerAllReduce, or None: ``group`` sums everything
 
     @property
     def is_parallel(self) -> bool:
@@ -40,9 +45,24 @@ class TensorShard:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (returned for chaining)."""
-        if self.is_parallel:
+        if self.is_parallel and (self.peer is None or self.peer.all_reduce(tensor) is None):
             self.group.allreduce([tensor]).wait()
         return tensor
+
+    def reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(rms_norm(sum + residual), sum + residual)`` with ``sum`` the sum of ``partial`` over
+        the ranks (Llama's norm convention), as one kernel where the peer path fuses a message of
+        this size; None otherwise: the caller sums (``all_reduce``), then adds and normalises."""
+        if not self.is_parallel or self.peer is None:
+            return None
+        return self.peer.reduce_add_norm(partial, residual, weight, eps)
+
+    def create_communicator(self, device: torch.device) -> None:
+        """One eager all-reduce through the group itself (never the peer path), so that NCCL
+        makes its communicator now, outside any CUDA graph capture; every rank calls it."""
+        if self.is_parallel:
+            self.group.allreduce([torch.zeros(1, device=device)]).wait()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (equal shapes), concatenated along the last dimension in rank

@@ -90,7 +90,7 @@ class ModelRunner:
         if shard.is_parallel:
             # NCCL creates a communicator at its first collective (device allocations, streams),
             # which a capture must not contain: one eager all-reduce makes it now, on every rank.
-            shard.all_reduce(torch.zeros(1, device=self.device))
+            shard.create_communicator(self.device)
             torch.cuda.synchronize(self.device)
         self._warm_up_prefill(min(max_num_batched_tokens, max_model_len))
         self.graphs = CudaGraphRunner(self, batch_sizes, max_width)

@@ -121,7 +121,7 @@ class MultiprocessExecutor(Executor):
         self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), list(self.workers), self._closing),
                                          name="tandem-tp-watch", daemon=True)
         self._watcher.start()
-        self.groups = join(0, size, self.device, store=store)
+        self.groups = join(0, size, self.device, store=store, custom_all_reduce=not config.disable_custom_all_reduce)
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
         self.journal = PageJournal()

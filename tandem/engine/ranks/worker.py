@@ -48,7 +48,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    groups = join(rank, size, device, port=port)
+    groups = join(rank, size, device, port=port, custom_all_reduce=not config.disable_custom_all_reduce)
     serve_plans(config, groups, device)
 
 

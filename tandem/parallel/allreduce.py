@@ -1,0 +1,238 @@
+"""All-reduce for the small messages of decode: one-shot and two-shot over peer buffers, NCCL
+above; chosen by size per call, behind ``TensorShard.all_reduce`` and ``reduce_add_norm``.
+
+At decode sizes (8 KiB at batch 1, 512 KiB at batch 64 for a 4,096-wide bf16 hidden state)
+NCCL's ring spends most of its ~10 µs on latency. Over NVLink a rank can instead read its
+peers' memory directly:
+
+- **one-shot** (``kernels/one_shot_allreduce.py``, Triton): each rank copies its input into its
+  peer buffer, meets the others at a barrier, and sums every rank's buffer itself; the same
+  kernel can add the residual and take the RMSNorm that follow (``reduce_add_norm``);
+- **two-shot** (torch's ``symm_mem.two_shot_all_reduce_out``): each rank reduces one slice of
+  the message (reduce-scatter), then gathers the others' slices (all-gather): 2/N of the bytes
+  cross the links per rank instead of N-1 times the message;
+- **NCCL** for larger messages, dtypes the peer kernels do not sum, or unaligned sizes.
+
+The peer buffers are torch symmetric memory (``torch.distributed._symmetric_memory``), allocated
+once at group join and never resized, so a captured CUDA graph keeps addresses that stay
+valid; every barrier leaves its signal slots at zero, so a replay is correct. NVLink multicast
+stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0``,
+``NVSHMEM_DISABLE_NVLS=1``; a handle that came back with a multicast address is refused).
+
+Every rank must choose the same algorithm for the same call: ``choose_algorithm`` is a pure
+function of the message and of ``AllReduceLimits``, which every rank reads from the environment
+and checks equal over the control group at join.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import astuple, dataclass, fields
+from typing import Mapping, Optional
+
+import torch
+
+logger = logging.getLogger("tandem.parallel")
+
+ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
+ALGORITHMS = (ONE_SHOT, TWO_SHOT, NCCL)
+PEER_DTYPES = (torch.bfloat16, torch.float32)  # what both peer kernels sum (torch's two-shot: these two)
+TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # torch's two-shot kernel is built for these
+MAX_PEER_WORLD_SIZE = 8
+ALIGNMENT = 16  # bytes: message sizes and offsets the peer kernels move in 16-byte vectors
+
+KIB, MIB = 1 << 10, 1 << 20
+
+# The environment that must keep NVLink multicast off (set where the peer buffers are made,
+# before any symmetric allocation or NCCL communicator reads it).
+NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class AllReduceLimits:
+    """Where each algorithm stops (message bytes, inclusive); each from the environment variable
+    named in ``ENVIRONMENT``. Defaults are the crossovers ``benchmarks/allreduce.py`` chooses on
+    two H100s joined by NVLink; 0 turns a path off."""
+    one_shot_max_bytes: int = 512 * KIB
+    two_shot_max_bytes: int = 8 * MIB
+    # reduce + residual add + RMSNorm in one one-shot kernel up to this size (above: the
+    # all-reduce chosen by size, then the fused add+norm kernel).
+    fused_max_bytes: int = 512 * KIB
+
+    ENVIRONMENT = {"one_shot_max_bytes": "TANDEM_ALLREDUCE_ONE_SHOT_MAX_BYTES",
+                   "two_shot_max_bytes": "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES",
+                   "fused_max_bytes": "TANDEM_ALLREDUCE_FUSED_MAX_BYTES"}
+
+    @classmethod
+    def from_environment(cls, environment: Optional[Mapping[str, str]] = None) -> "AllReduceLimits":
+        """The limits set in ``environment`` (default ``os.environ``), defaults elsewhere; a value
+        that is not a non-negative integer raises ValueError naming its variable."""
+        environment = os.environ if environment is None else environment
+        values = {}
+        for field in fields(cls):
+            name = cls.ENVIRONMENT[field.name]
+            text = environment.get(name)
+            if text is None or text == "":
+                continue
+            try:
+                values[field.name] = int(text)
+            except ValueError:
+                raise ValueError(f"{name}: must be a number of bytes, got {text!r}") from None
+            if values[field.name] < 0:
+                raise ValueError(f"{name}: must be >= 0, got {text!r}")
+        return cls(**values)
+
+    @property
+    def one_shot_bytes(self) -> int:
+        """Bytes of the one-shot (and fused) peer buffer."""
+        return _aligned(max(self.one_shot_max_bytes, self.fused_max_bytes))
+
+    @property
+    def two_shot_bytes(self) -> int:
+        """Bytes of the two-shot peer buffer (0: none)."""
+        return _aligned(self.two_shot_max_bytes) if self.two_shot_max_bytes > self.one_shot_max_bytes else 0
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def peer_eligible(tensor: torch.Tensor) -> bool:
+    """Whether the peer kernels can take ``tensor`` at all: a dtype they sum, dense, its start
+    and size multiples of 16 bytes."""
+    size = tensor.numel() * tensor.element_size()
+    return (tensor.dtype in PEER_DTYPES and tensor.is_contiguous() and size % ALIGNMENT == 0
+            and (tensor.storage_offset() * tensor.element_size()) % ALIGNMENT == 0)
+
+
+def choose_algorithm(size: int, eligible: bool, world_size: int, limits: AllReduceLimits) -> str:
+    """The algorithm for a message of ``size`` bytes (``eligible``: ``peer_eligible``) among
+    ``world_size`` ranks: the first of one-shot, two-shot, NCCL whose limit holds it."""
+    if not eligible or size == 0 or world_size > MAX_PEER_WORLD_SIZE:
+        return NCCL
+    if size <= limits.one_shot_max_bytes:
+        return ONE_SHOT
+    if size <= limits.two_shot_max_bytes and world_size in TWO_SHOT_WORLD_SIZES:
+        return TWO_SHOT
+    return NCCL
+
+
+def fuses(size: int, eligible: bool, world_size: int, limits: AllReduceLimits) -> bool:
+    """Whether ``reduce_add_norm`` of a ``size``-byte message runs as one fused kernel."""
+    return eligible and 0 < size <= limits.fused_max_bytes and world_size <= MAX_PEER_WORLD_SIZE
+
+
+class PeerBuffers:
+    """One symmetric-memory allocation of ``size`` bytes on every rank, rendezvoused over the
+    group named ``group_name``; the device tensors of every rank's buffer and signal-pad
+    addresses, for the Triton kernels. Owner: ``PeerAllReduce``; freed with it."""
+
+    def __init__(self, size: int, device: torch.device, group_name: str) -> None:
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        self.tensor = symmetric_memory.empty(size, dtype=torch.uint8, device=device)
+        self.handle = symmetric_memory.rendezvous(self.tensor, group_name)
+        if getattr(self.handle, "multicast_ptr", 0):
+            raise RuntimeError("symmetric memory came back with an NVLink multicast address; "
+                               "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 must be set before it is made")
+        self.buffer_pointers = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signal_pointers = torch.tensor(self.handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+
+    def view(self, like: torch.Tensor) -> torch.Tensor:
+        """The buffer's first bytes as a tensor of ``like``'s shape and dtype."""
+        size = like.numel() * like.element_size()
+        return self.tensor[:size].view(like.dtype).view(like.shape)
+
+
+class PeerAllReduce:
+    """This rank's one-shot / two-shot all-reduce over peer buffers (``make_peer_all_reduce``
+    builds it at group join). Owner: the rank's ``ParallelGroups``; the buffers live as long as
+    it. Every method returns None where the message goes to NCCL instead."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, limits: AllReduceLimits,
+                 group_name: str) -> None:
+        self.rank, self.world_size, self.device, self.limits = rank, world_size, device, limits
+        self.group_name = group_name
+        self.one_shot = PeerBuffers(limits.one_shot_bytes, device, group_name) if limits.one_shot_bytes else None
+        two_shot = limits.two_shot_bytes and world_size in TWO_SHOT_WORLD_SIZES
+        self.two_shot = PeerBuffers(limits.two_shot_bytes, device, group_name) if two_shot else None
+
+    def algorithm(self, tensor: torch.Tensor) -> str:
+        return choose_algorithm(tensor.numel() * tensor.element_size(), peer_eligible(tensor), self.world_size,
+                                self.limits)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sum over ranks of ``tensor``, in place; None: NCCL's to do."""
+        algorithm = self.algorithm(tensor)
+        if algorithm == ONE_SHOT:
+            from tandem.kernels.one_shot_allreduce import one_shot_all_reduce
+
+            return one_shot_all_reduce(tensor, buffer_pointers=self.one_shot.buffer_pointers,
+                                       signal_pointers=self.one_shot.signal_pointers, rank=self.rank,
+                                       world_size=self.world_size)
+        if algorithm == TWO_SHOT:
+            # The input must sit in the peer buffer; the copy finishes (stream order) before the
+            # kernel's first barrier, which every rank passes only once all have copied.
+            staged = self.two_shot.view(tensor)
+            staged.copy_(tensor)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, tensor)
+            return tensor
+        return None
+
+    def reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        **norm_options) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(norm(sum + residual), sum + residual)`` in one kernel; None where the message is
+        not fused (the caller all-reduces, then adds and normalises)."""
+        size = partial.numel() * partial.element_size()
+        if residual.dtype != partial.dtype or not fuses(size, peer_eligible(partial), self.world_size, self.limits):
+            return None
+        from tandem.kernels.one_shot_allreduce import one_shot_reduce_add_norm
+
+        return one_shot_reduce_add_norm(partial, residual, weight, eps, buffer_pointers=self.one_shot.buffer_pointers,
+                                        signal_pointers=self.one_shot.signal_pointers, rank=self.rank,
+                                        world_size=self.world_size, **norm_options)
+
+
+def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.device) -> Optional[PeerAllReduce]:
+    """This rank's ``PeerAllReduce``, or None on every rank (NCCL for everything) where it cannot
+    work: a CPU, one rank, more than 8, ranks on different hosts, or symmetric memory failing on
+    any rank. Collective over ``control``: every rank calls it, and all decide alike."""
+    from tandem.parallel.graphs import same_on_every_rank
+    from tandem.parallel.group import exchange
+
+    if device.type != "cuda" or size < 2 or size > MAX_PEER_WORLD_SIZE:
+        return None
+    limits = AllReduceLimits.from_environment()
+    same_on_every_rank(control, list(astuple(limits)), "the all-reduce limits (TANDEM_ALLREDUCE_*)")
+    hosts = exchange(control, socket.gethostname().encode())
+    if len(set(hosts)) > 1:
+        logger.info("peer all-reduce off: the ranks are on %d hosts", len(set(hosts)))
+        return None
+    # One name for the symmetric-memory group, chosen by rank 0, unique per join.
+    group_name = "tandem-tp-" + exchange(control, uuid.uuid4().hex.encode() if rank == 0 else b"")[0].decode()
+    peer, failure = None, ""
+    try:
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        _register_group(group_name, store, rank, size)
+        peer = PeerAllReduce(rank, size, device, limits, group_name)
+    except Exception as error:  # noqa: BLE001 - reported, and every rank falls back alike
+        failure = f"{type(error).__name__}: {error}"
+    failures = [part.decode() for part in exchange(control, failure.encode())]
+    if any(failures):
+        logger.warning("peer all-reduce off (NCCL for every message): %s", "; ".join(f for f in failures if f))
+        return None
+    logger.info("tensor-parallel rank %d: one-shot all-reduce up to %d bytes (fused with add+norm up to %d), "
+                "two-shot up to %d, NCCL above", rank, limits.one_shot_max_bytes, limits.fused_max_bytes,
+                limits.two_shot_max_bytes if peer.two_shot is not None else limits.one_shot_max_bytes)
+    return peer
+
+
+def _register_group(group_name: str, store, rank: int, size: int) -> None:
+    """Tell torch's symmetric memory which store, rank and size ``group_name`` means (our groups
+    are backend objects outside ``torch.distributed``'s registry)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    _SymmetricMemory.set_group_info(group_name, rank, size, dist.PrefixStore(f"symmetric-memory/{group_name}", store))
