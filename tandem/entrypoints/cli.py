@@ -12,9 +12,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
+from tandem.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
                            KV_CACHE_DTYPE_CHOICES, KV_CACHE_LAYOUT_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
-                           QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES,
+                           QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES, RAY_PLACEMENT_STRATEGIES,
                            SPECULATIVE_METHOD_CHOICES, EngineConfig)
 from tandem.entrypoints.model_choice import DEMO_MODEL_NAME
 
@@ -97,6 +97,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard the model over this many ranks, one engine process each (rank i on "
                             "cuda:i; on a CPU over gloo) (default: %(default)s)")
+    group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default="mp",
+                       help="how ranks 1..N-1 of --tensor-parallel-size run: mp, processes of this host; ray, "
+                            "actors on the Ray cluster at RAY_ADDRESS (a local one when unset), across nodes "
+                            "(pip install \"tandem[ray]\"); rank 0 stays in the engine process (default: %(default)s)")
+    group.add_argument("--ray-placement-strategy", choices=RAY_PLACEMENT_STRATEGIES, default="pack",
+                       help="with --distributed-executor-backend ray: how the placement group of one bundle per "
+                            "rank is placed (Ray's PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); rank 0's bundle is "
+                            "always on this node (default: %(default)s)")
     group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request whose grammar (response_format, structured_outputs) has not compiled "
                             "within this many seconds is rejected with 400 (default: %(default)s)")
@@ -151,6 +159,8 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
         speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size,
+        distributed_executor_backend=arguments.distributed_executor_backend,
+        ray_placement_strategy=arguments.ray_placement_strategy,
         structured_outputs_compile_timeout=arguments.structured_outputs_compile_timeout)
 
 
