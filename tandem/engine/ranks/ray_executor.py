@@ -169,7 +169,7 @@ class RayExecutor(MultiprocessExecutor):
         self._watcher.start()
         logger.info("tensor-parallel ranks on Ray: placement group %s (%s), %s",
                     self.placement.group.id.hex(), self.placement.strategy,
-                    ", ".join(f"rank {rank} on {place.address} node {place.node_id[:8]}"
+                    ", ".join(f"rank {rank} on {place.address} node {place.node_id[:8]} pid {place.pid}"
                               + (f" GPU {place.gpu_ids[0]}" if place.gpu_ids else "")
                               for rank, place in enumerate(places)))
         self.groups = join(0, self.world_size, self.device, store=store, address=store_host)
