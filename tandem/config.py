@@ -224,6 +224,9 @@ class EngineConfig:
                 f"places Ray actors: needs distributed_executor_backend 'ray', got {backend!r}")
         require(backend != "ray" or size == 1 or importlib.util.find_spec("ray") is not None,
                 "distributed_executor_backend", RAY_MISSING)
+        require(backend != "ray" or size == 1 or ":" not in self.device, "device",
+                f"Ray assigns every rank's GPU with distributed_executor_backend 'ray': name the device type "
+                f"only, got {self.device!r}")
 
     @property
     def sanitizer_on(self) -> bool:

@@ -9,19 +9,22 @@ the ranks form their group across nodes on the address Ray gives (not loopback).
   (``test_tensor_parallel.run_scenario``: a mixed batch with chunked prefill, prompt logprobs, a
   fork, a prefix hit), with the sanitizer on in every rank; close leaves no actor and no
   placement group;
-- an actor killed mid-run ends the engine (no hang), and close still releases everything;
-- ``tandem serve --distributed-executor-backend ray`` joins the cluster at RAY_ADDRESS, its
-  actor's log reaches the server's, its completion equals transformers', and the server goes
-  down when its actor's process dies.
+- an engine that joins the cluster itself (RAY_ADDRESS) gets its actor's log lines, and when
+  the actor is killed mid-run the engine fails (no hang); close still removes the placement group
+  and leaves the cluster;
+- one rank starts nothing; bad options and a missing Ray are errors naming the option; the
+  serve flags reach the config.
+
+(A server's exit when its engine fails is the executors' common path: test_tensor_parallel.py's
+``test_killed_rank_ends_the_server``.)
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import signal
+import logging
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,9 +35,9 @@ from ray.util import placement_group_table  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.ranks.launcher import RankFailure  # noqa: E402
-from tests.server_helpers import ServerProcess, process_alive  # noqa: E402
-from tests.test_tensor_parallel import (ENGINE, GREEDY, MAX_TOKENS, check_collective_calls,  # noqa: E402
-                                        check_scenario_outputs, run_scenario)
+from tests.server_helpers import process_alive  # noqa: E402
+from tests.test_tensor_parallel import (ENGINE, GREEDY, check_collective_calls, check_scenario_outputs,  # noqa: E402
+                                        run_scenario)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -65,10 +68,47 @@ def check_released(executor) -> None:
     for actor in executor.actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.describe.remote(), timeout=30)
+    assert_processes_end(executor.worker_pids)
+
+
+def assert_processes_end(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
-    while any(process_alive(pid) for pid in executor.worker_pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in executor.worker_pids if process_alive(pid)], "actor processes left behind"
+    assert not [pid for pid in pids if process_alive(pid)], "actor processes left behind"
+
+
+def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypatch):
+    """With one rank the engine runs in process whichever backend is named (no cluster joined);
+    a strategy without Ray, an unknown backend, a GPU index Ray would overrule, a Ray client
+    address and Ray missing are errors naming the option."""
+    assert not ray.is_initialized()  # (this test runs before the module's cluster starts)
+    llm = LLM(model=model_dirs["llama"], distributed_executor_backend="ray", **ENGINE)
+    try:
+        assert llm.engine.parallel is None and not ray.is_initialized()
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="ray_placement_strategy: places Ray actors: needs "
+                                         "distributed_executor_backend 'ray'"):
+        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, ray_placement_strategy="spread")
+    with pytest.raises(ValueError, match="distributed_executor_backend: must be one of"):
+        EngineConfig(model=model_dirs["llama"], distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="device: Ray assigns every rank's GPU"):
+        EngineConfig(model=model_dirs["llama"], device="cuda:1", **RAY)
+    from tandem.engine.ranks.ray_executor import import_ray, join_cluster
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(ValueError, match="distributed_executor_backend: rank 0 runs in the engine process"):
+        join_cluster(SimpleNamespace(is_initialized=lambda: False))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else find_spec(name, *rest))
+    with pytest.raises(ValueError, match=r"distributed_executor_backend: 'ray' needs the ray package: pip install "
+                                         r"\"tandem\[ray\]\" \(or --distributed-executor-backend mp"):
+        EngineConfig(model=model_dirs["llama"], **RAY)
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "ray", None)  # an import of ray fails
+    with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
+        import_ray()
 
 
 @pytest.mark.parametrize("arch,strategy", [("llama", "pack"), ("deepseek_v32", "pack"), ("qwen3_next", "spread")])
@@ -95,11 +135,33 @@ def test_tp2_across_nodes_equals_tp1_and_transformers(arch, strategy, ray_cluste
     check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2 on Ray ({strategy})")
 
 
-def test_killed_actor_ends_the_engine(ray_cluster, model_dirs):
-    """Rank 1's actor is killed between two steps of a running request: the engine fails (the
-    request ends with an error or the step raises), every later step and health check raises
-    ``RankFailure`` naming the rank, and close still releases the placement group."""
-    llm = LLM(model=model_dirs["llama"], **RAY, **ENGINE)
+def test_killed_actor_ends_the_engine(ray_cluster, model_dirs, monkeypatch, caplog, capfd):
+    """The engine joins the cluster itself (RAY_ADDRESS; this process had left it) and its
+    actor's log lines reach this process. Rank 1's actor is then killed between two steps of a
+    running request: the engine fails (the request ends with an error, or the step raises), every
+    later step and health check raises ``RankFailure`` naming the rank, and close still removes
+    the placement group and leaves the cluster it joined."""
+    caplog.set_level(logging.INFO)  # (the ranks log at the engine's level: their start-up lines)
+    ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    try:
+        llm = LLM(model=model_dirs["llama"], **RAY, **ENGINE)
+        executor = llm.engine.parallel
+        assert executor.started.owns_ray and ray.is_initialized()
+        try:
+            check_killed_actor_fails(llm)
+            assert_eventually_printed(capfd, "rank1 tandem.parallel: tensor-parallel rank 1 of 2 ready on cpu")
+        finally:
+            llm.engine.shutdown()
+        assert not ray.is_initialized()  # it left the cluster it had joined
+    finally:
+        if not ray.is_initialized():
+            ray.init(address=ray_cluster.address, include_dashboard=False, log_to_driver=True)
+    assert placement_group_table(executor.placement.group)["state"] == "REMOVED"
+    assert_processes_end(executor.worker_pids)
+
+
+def check_killed_actor_fails(llm) -> None:
     executor = llm.engine.parallel
     execute, steps = llm.engine.runner.execute, []
 
@@ -113,79 +175,33 @@ def test_killed_actor_ends_the_engine(ray_cluster, model_dirs):
     llm.engine.runner.execute = execute_after_the_third_step_kills
     started = time.monotonic()
     try:
-        try:
-            outputs = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)
-            assert outputs[0].outputs[0].finish_reason == "error", outputs[0].outputs[0]
-        except RankFailure as failure:
-            assert "rank 1" in str(failure)
-        with pytest.raises(RankFailure, match="tensor_parallel_size: rank 1 .*died"):
-            llm.engine.check_health()
-        assert time.monotonic() - started < 30, "the engine took too long to notice the dead rank"
-    finally:
-        llm.engine.shutdown()
-    check_released(executor)
+        outputs = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)
+        assert outputs[0].outputs[0].finish_reason == "error", outputs[0].outputs[0]
+    except RankFailure as failure:
+        assert "rank 1" in str(failure)
+    assert len(steps) == 3, "the engine went on stepping after the rank died"
+    with pytest.raises(RankFailure, match="tensor_parallel_size: rank 1 .*died"):
+        llm.engine.check_health()
+    assert time.monotonic() - started < 30, "the engine took too long to notice the dead rank"
 
 
-def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypatch):
-    """With one rank the engine runs in process whichever backend is named (no cluster joined);
-    a strategy without Ray, an unknown backend and Ray missing are errors naming the option."""
-    llm = LLM(model=model_dirs["llama"], distributed_executor_backend="ray", **ENGINE)
-    try:
-        assert llm.engine.parallel is None
-    finally:
-        llm.engine.shutdown()
-    with pytest.raises(ValueError, match="ray_placement_strategy: places Ray actors: needs "
-                                         "distributed_executor_backend 'ray'"):
-        EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2, ray_placement_strategy="spread")
-    with pytest.raises(ValueError, match="distributed_executor_backend: must be one of"):
-        EngineConfig(model=model_dirs["llama"], distributed_executor_backend="slurm")
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else find_spec(name, *rest))
-    with pytest.raises(ValueError, match=r"distributed_executor_backend: 'ray' needs the ray package: pip install "
-                                         r"\"tandem\[ray\]\" \(or --distributed-executor-backend mp"):
-        EngineConfig(model=model_dirs["llama"], **RAY)
-    monkeypatch.undo()
-    from tandem.engine.ranks.ray_executor import import_ray
-
-    monkeypatch.setitem(sys.modules, "ray", None)  # an import of ray fails
-    with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
-        import_ray()
-
-
-def test_server_on_ray_serves_and_ends_with_its_actor(ray_cluster, model_dirs, oracles, tmp_path):
-    """``tandem serve`` joins the cluster at RAY_ADDRESS; the actor's log reaches the server's
-    (Ray forwards it to the driver); its greedy completion equals transformers'; when the actor's
-    process dies the server exits non-zero naming the rank, and its placement group is gone."""
-    import httpx
-
-    before = set(placement_group_table())
-    server = ServerProcess(["--model", model_dirs["llama"], "--tensor-parallel-size", "2",
-                            "--distributed-executor-backend", "ray", "--max-total-tokens", "512",
-                            "--max-num-seqs", "4", "--log-level", "info"], tmp_path / "server.log",
-                           environment={"RAY_ADDRESS": ray_cluster.address}).start(timeout=180)
-    try:
-        prompt = [5, 6, 7, 8, 9, 10, 11]
-        answer = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                            json=dict(model=model_dirs["llama"], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      ignore_eos=True, return_token_ids=True)).json()
-        assert "tensor-parallel rank 1 of 2 ready" in server.log()  # the actor's own log line
-        (pid,) = re.findall(r"rank 1 on \S+ node \w+ pid (\d+)", server.log())
-        started = time.monotonic()
-        os.kill(int(pid), signal.SIGKILL)
-        status = server.process.wait(timeout=60)
-        took = time.monotonic() - started
-    finally:
-        server.kill()
-    log = server.log()
-    assert status != 0, log
-    assert "tensor_parallel_size: rank 1" in log
-    assert took < 20, f"the server took {took:.1f} s to go down"
-    assert answer["choices"][0]["token_ids"] == oracles["llama"].greedy(prompt, MAX_TOKENS).token_ids, answer
-    placement_groups = placement_group_table()
-    deadline = time.monotonic() + 30
-    while any(placement_groups[key]["state"] != "REMOVED" for key in set(placement_groups) - before) \
-            and time.monotonic() < deadline:
+def assert_eventually_printed(capfd, text: str, timeout: float = 20.0) -> None:
+    """``text`` reaches this process's output within ``timeout`` (Ray forwards actors' logs)."""
+    printed, deadline = "", time.monotonic() + timeout
+    while text not in printed and time.monotonic() < deadline:
         time.sleep(0.2)
-        placement_groups = placement_group_table()
-    added = set(placement_groups) - before
-    assert len(added) == 1 and all(placement_groups[key]["state"] == "REMOVED" for key in added), placement_groups
+        captured = capfd.readouterr()
+        printed += captured.out + captured.err
+    assert text in printed, printed[-3000:]
+
+
+def test_serve_flags_choose_the_ray_executor():
+    from tandem.entrypoints.cli import build_parser, engine_config
+
+    arguments = build_parser().parse_args(["serve", "--model", "DIR", "--tensor-parallel-size", "2",
+                                           "--distributed-executor-backend", "ray",
+                                           "--ray-placement-strategy", "spread"])
+    config = engine_config(arguments, "DIR")
+    assert (config.distributed_executor_backend, config.ray_placement_strategy) == ("ray", "spread")
+    default = engine_config(build_parser().parse_args(["serve", "--model", "DIR"]), "DIR")
+    assert (default.distributed_executor_backend, default.ray_placement_strategy) == ("mp", "pack")

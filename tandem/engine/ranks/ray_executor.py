@@ -50,7 +50,8 @@ logger = logging.getLogger("tandem.parallel")
 START_TIMEOUT_SECONDS = 300.0  # how long an actor may take to start (a fresh worker process, imports)
 # What every rank reads from the environment, handed to each actor (a worker process inherits
 # it). Secrets stay out: Ray records an actor's runtime environment where the cluster shows it.
-FORWARDED_PREFIXES = ("TANDEM_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "TRITON_", "UCX_", "NIXL_", "OMP_WAIT_POLICY")
+FORWARDED_PREFIXES = ("TANDEM_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "TRITON_", "NVSHMEM_", "UCX_", "NIXL_",
+                      "OMP_WAIT_POLICY")
 SECRET_VARIABLES = frozenset({"TANDEM_PD_SECRET", "TANDEM_API_KEY"})
 
 
@@ -76,7 +77,12 @@ def join_cluster(ray) -> bool:
     joined it (and close leaves it), False when this process had already."""
     if ray.is_initialized():
         return False
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is not None and address.startswith("ray://"):
+        raise ValueError(f"distributed_executor_backend: rank 0 runs in the engine process, which must be on a "
+                         f"node of the Ray cluster: set RAY_ADDRESS to its head (host:port), not a Ray client "
+                         f"address ({address})")
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
     return True
 
 
