@@ -48,12 +48,14 @@ NODE_MEMORY = dict(object_store_memory=80 * 2**20)
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A head (the driver's node: rank 0's) with one CPU and a second node with two; this test
-    process is the driver."""
+    process is the driver. Each node also declares two GPUs: Ray's accounting needs none
+    (``test_gpu_bundles_leave_rank_zero_its_gpu``), and CPU bundles never ask for them."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False, **NODE_MEMORY))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, num_gpus=2, include_dashboard=False,
+                                                                **NODE_MEMORY))
     try:
-        cluster.add_node(num_cpus=2, **NODE_MEMORY)
+        cluster.add_node(num_cpus=2, num_gpus=2, **NODE_MEMORY)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
         yield cluster
@@ -133,6 +135,34 @@ def test_tp2_across_nodes_equals_tp1_and_transformers(arch, strategy, ray_cluste
     check_released(executor)
     assert ray.is_initialized()  # the executor left the cluster this process had joined alone
     check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2 on Ray ({strategy})")
+
+
+def test_gpu_bundles_leave_rank_zero_its_gpu(ray_cluster):
+    """GPU placement, on the nodes' declared GPUs: bundle 0 is on the driver's node and its GPU
+    (asked of a task in the bundle) is rank 0's; rank 1 takes the driver node's other GPU, rank
+    2 one of the other node's; each actor sees its node's group GPUs and uses its own."""
+    from tandem.engine.ranks.ray_executor import StartedOnCluster, _release, place_ranks
+    from tandem.engine.ranks.ray_placement import local_gpu_index, rank_devices
+
+    started = StartedOnCluster(owns_ray=False)
+    try:
+        places = place_ranks(ray, 3, "cuda", "pack", started)
+    finally:
+        _release(ray, started)
+    driver = ray.get_runtime_context().get_node_id()
+    assert [place.node_id == driver for place in places] == [True, True, False]
+    assert all(len(place.gpu_ids) == 1 for place in places)
+    assert places[0].gpu_ids != places[1].gpu_ids  # no actor on rank 0's GPU
+    head = sorted(places[0].gpu_ids + places[1].gpu_ids)
+    other = places[2].gpu_ids[0]
+    assert rank_devices(places) == [(",".join(head), head.index(places[0].gpu_ids[0])),
+                                    (",".join(head), head.index(places[1].gpu_ids[0])), (other, 0)]
+    assert local_gpu_index(places[0].gpu_ids[0], None) == int(places[0].gpu_ids[0])
+    assert local_gpu_index("3", "2,3") == 1
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=2 hides"):
+        local_gpu_index("3", "2")
+    assert placement_group_table(started.placement.group)["state"] == "REMOVED"
+    assert_processes_end([place.pid for place in places[1:]])
 
 
 def test_killed_actor_ends_the_engine(ray_cluster, model_dirs, monkeypatch, caplog, capfd):

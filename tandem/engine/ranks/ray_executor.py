@@ -39,7 +39,7 @@ from tandem.config import RAY_MISSING, EngineConfig
 from tandem.engine.ranks.launcher import (CUDA_HANG_GRACE_SECONDS, STOP_TIMEOUT_SECONDS, MultiprocessExecutor,
                                           config_to_json)
 from tandem.engine.ranks.plan import STOP, PageJournal, PlanChannel, StepPlan
-from tandem.engine.ranks.ray_placement import (Placement, bundle_strategy, local_gpu_index, node_gpu_lists,
+from tandem.engine.ranks.ray_placement import (Placement, bundle_strategy, local_gpu_index, rank_devices,
                                                rank_zero_place, release, reserve)
 from tandem.engine.ranks.ray_worker import RankLaunch, RankPlace, TensorParallelRank
 from tandem.models.loader import check_tensor_parallel
@@ -86,6 +86,34 @@ def join_cluster(ray) -> bool:
     return True
 
 
+@dataclass
+class StartedOnCluster:
+    """What an executor started on the Ray cluster; ``_release`` ends it all, once."""
+    owns_ray: bool  # this executor joined the cluster (``join_cluster``): it leaves it too
+    placement: Optional[Placement] = None
+    actors: list = field(default_factory=list)  # rank r's actor at r - 1
+
+
+def place_ranks(ray, size: int, device_type: str, strategy: str, started: StartedOnCluster) -> list[RankPlace]:
+    """Reserve the placement group and start one actor per further rank in its bundle (both
+    recorded in ``started``, which releases them); every rank's place, in rank order."""
+    started.placement = placement = reserve(ray, size, device_type, strategy)
+    cuda = device_type == "cuda"
+    actor_class = ray.remote(TensorParallelRank)
+    for rank in range(1, size):
+        options = actor_class.options(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0,
+                                      scheduling_strategy=bundle_strategy(placement, placement.rank_bundles[rank]),
+                                      runtime_env={"env_vars": forwarded_environment()})
+        started.actors.append(options.remote())
+    rank_zero = rank_zero_place(ray, placement, device_type)
+    try:
+        return [rank_zero] + ray.get([actor.describe.remote() for actor in started.actors],
+                                     timeout=START_TIMEOUT_SECONDS)
+    except Exception as error:
+        raise RuntimeError(f"tensor_parallel_size: the Ray actors of ranks 1..{size - 1} did not start "
+                           f"({type(error).__name__}: {first_line(error)})") from error
+
+
 class RayExecutor(MultiprocessExecutor):
     """Ranks 1..N-1 as Ray actors (rank 0 is the engine core's process, the Ray driver). The
     plan half is the multiprocess executor's; the ranks' start, watch and stop are Ray's."""
@@ -105,8 +133,7 @@ class RayExecutor(MultiprocessExecutor):
         # actors and the placement group; the watcher holds only a weak reference.
         self._finalizer = weakref.finalize(self, _release, ray, self.started)
         try:
-            self.started.placement = reserve(ray, size, device.type, config.ray_placement_strategy)
-            places = self._start_actors(ray, device.type)
+            places = place_ranks(ray, size, device.type, config.ray_placement_strategy, self.started)
             self.device = self._rank_zero_device(places[0], device)
             self._start_group(ray, config, places)
         except BaseException:
@@ -127,24 +154,6 @@ class RayExecutor(MultiprocessExecutor):
     def start(cls, config: EngineConfig, device: torch.device) -> "RayExecutor":
         return cls(config, device)
 
-    def _start_actors(self, ray, device_type: str) -> list[RankPlace]:
-        """One actor per further rank, in its bundle; every rank's place, in rank order."""
-        cuda = device_type == "cuda"
-        actor_class = ray.remote(TensorParallelRank)
-        for rank in range(1, self.world_size):
-            options = actor_class.options(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0,
-                                          scheduling_strategy=bundle_strategy(self.placement,
-                                                                              self.placement.rank_bundles[rank]),
-                                          runtime_env={"env_vars": forwarded_environment()})
-            self.actors.append(options.remote())
-        rank_zero = rank_zero_place(ray, self.placement, device_type)
-        try:
-            return [rank_zero] + ray.get([actor.describe.remote() for actor in self.actors],
-                                         timeout=START_TIMEOUT_SECONDS)
-        except Exception as error:
-            raise RuntimeError(f"tensor_parallel_size: the Ray actors of ranks 1..{self.world_size - 1} did not "
-                               f"start ({type(error).__name__}: {first_line(error)})") from error
-
     def _rank_zero_device(self, place: RankPlace, device: torch.device) -> torch.device:
         """Rank 0's device: on CUDA the GPU Ray reserved for bundle 0 (made current)."""
         if device.type != "cuda":
@@ -159,15 +168,14 @@ class RayExecutor(MultiprocessExecutor):
         spans = self.placement.spans_nodes
         store_host = places[0].address if spans else LOOPBACK
         store, port = open_store(self.world_size, store_host)
-        gpu_lists = node_gpu_lists(places)
         config_json = config_to_json(config.with_changes(sanitize=config.sanitizer_on))
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        devices = rank_devices(places)
         for rank, (actor, place) in enumerate(zip(self.actors, places[1:]), start=1):
-            visible = gpu_lists[place.node_id] if place.gpu_ids else None
+            visible, index = devices[rank]
             launch = RankLaunch(config_json=config_json, rank=rank, size=self.world_size, store_host=store_host,
                                 store_port=port, address=place.address if spans else LOOPBACK, log_level=log_level,
-                                visible_devices=",".join(visible) if visible else None,
-                                device_index=visible.index(place.gpu_ids[0]) if visible else None)
+                                visible_devices=visible, device_index=index)
             self._runs.append(actor.run.remote(launch))
         self.places = places
         self._watcher = threading.Thread(target=_watch, args=(ray, weakref.ref(self), list(self._runs), self._closing),
@@ -225,14 +233,6 @@ def _kill_actors(ray, actors: list) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # (already dead, or the cluster is gone)
             pass
-
-
-@dataclass
-class StartedOnCluster:
-    """What an executor started on the Ray cluster; ``_release`` ends it all, once."""
-    owns_ray: bool  # this executor joined the cluster (``join_cluster``): it leaves it too
-    placement: Optional[Placement] = None
-    actors: list = field(default_factory=list)  # rank r's actor at r - 1
 
 
 def _release(ray, started: StartedOnCluster) -> None:

@@ -95,6 +95,17 @@ def node_gpu_lists(places: list[RankPlace]) -> dict[str, list[str]]:
     return {node: sorted(set(ids), key=lambda gpu: (len(gpu), gpu)) for node, ids in lists.items()}
 
 
+def rank_devices(places: list[RankPlace]) -> list[tuple[Optional[str], Optional[int]]]:
+    """Per rank: its CUDA_VISIBLE_DEVICES (its node's group GPUs) and its GPU's index among them;
+    ``(None, None)`` for a rank without a GPU."""
+    lists = node_gpu_lists(places)
+    devices: list[tuple[Optional[str], Optional[int]]] = []
+    for place in places:
+        visible = lists[place.node_id]
+        devices.append((",".join(visible), visible.index(place.gpu_ids[0])) if place.gpu_ids else (None, None))
+    return devices
+
+
 def local_gpu_index(gpu_id: str, visible: Optional[str]) -> int:
     """The index in this process of the GPU Ray calls ``gpu_id`` (``visible``: this process's
     CUDA_VISIBLE_DEVICES, None when unset: every GPU, by id)."""
