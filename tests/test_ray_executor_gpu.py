@@ -29,12 +29,15 @@ OPTIONS = dict(device="cuda", dtype="float32", page_size=16, max_total_tokens=10
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A one-node Ray cluster with this machine's GPUs (this process is its driver)."""
-    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=4)
+    """A one-node Ray cluster with this machine's GPUs (this process is its driver). Rank 0 makes
+    its bundle's GPU current: the device current before is restored for the tests after."""
+    device = torch.cuda.current_device()
+    ray.init(include_dashboard=False, log_to_driver=True, num_cpus=4, object_store_memory=256 * 2**20)
     try:
         yield
     finally:
         ray.shutdown()
+        torch.cuda.set_device(device)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v32"])

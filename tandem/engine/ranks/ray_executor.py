@@ -259,8 +259,11 @@ def _watch(ray, owner: "weakref.ref[RayExecutor]", runs: list, closing: threadin
     try:
         ray.get(ended)
         outcome = "returned without a STOP plan"
-    except Exception as error:
+    except ray.exceptions.RayActorError as error:  # the actor's process or node is gone
         outcome = f"died ({type(error).__name__}: {first_line(error)})"
+    except Exception as error:  # its call raised (a shard that failed to build, ...): the cause
+        cause = getattr(error, "cause", None) or error
+        outcome = f"failed ({type(cause).__name__}: {first_line(cause)})"
     place = group.places[rank]
     group.failed = (f"tensor_parallel_size: rank {rank} (Ray actor, pid {place.pid} on {place.address}) {outcome}; "
                     f"the engine cannot continue")
