@@ -3,7 +3,7 @@ executor runs (``worker.py``: ``serve_plans``), in the bundle of the placement g
 ``RayExecutor`` (``ray_executor.py``) gave it.
 
 The executor makes two calls on each actor. ``describe`` says where Ray put it (node, address,
-GPU). ``run`` joins the rank group (the store at rank 0's address, gloo on this node's address,
+GPU) once it has loaded the worker's modules. ``run`` joins the rank group (the store at rank 0's address, gloo on this node's address,
 NCCL between GPUs) and serves rank 0's plans until the STOP plan: the long-running call whose end,
 or the actor's death, the executor's watcher waits on. The config arrives as the JSON a worker
 process reads on its standard input (a PD role's secret included: through Ray, never on a
@@ -58,6 +58,14 @@ class TensorParallelRank:
     the actor; it kills the actor at close (or when any rank fails)."""
 
     def describe(self) -> RankPlace:
+        """Where Ray put this actor. It also loads what ``run`` needs (torch, tandem's worker
+        modules; no CUDA yet), so a node without them fails here, reported at start-up, rather
+        than after rank 0 began waiting for the group to form."""
+        import torch  # noqa: F401
+
+        import tandem.engine.ranks.launcher  # noqa: F401  (the model loader, the plans, the group)
+        import tandem.engine.ranks.worker  # noqa: F401
+
         return describe_place()
 
     def run(self, launch: RankLaunch) -> None:
