@@ -83,7 +83,8 @@ def assert_processes_end(pids: list[int]) -> None:
 def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypatch):
     """With one rank the engine runs in process whichever backend is named (no cluster joined);
     a strategy without Ray, an unknown backend, a GPU index Ray would overrule, a Ray client
-    address and Ray missing are errors naming the option."""
+    address and Ray missing are errors naming the option. The actors' environment carries the
+    ranks' settings and no secret."""
     assert not ray.is_initialized()  # (this test runs before the module's cluster starts)
     llm = LLM(model=model_dirs["llama"], distributed_executor_backend="ray", **ENGINE)
     try:
@@ -97,7 +98,7 @@ def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypat
         EngineConfig(model=model_dirs["llama"], distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="device: Ray assigns every rank's GPU"):
         EngineConfig(model=model_dirs["llama"], device="cuda:1", **RAY)
-    from tandem.engine.ranks.ray_executor import import_ray, join_cluster
+    from tandem.engine.ranks.ray_executor import forwarded_environment, import_ray, join_cluster
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(ValueError, match="distributed_executor_backend: rank 0 runs in the engine process"):
@@ -108,6 +109,13 @@ def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypat
                                          r"\"tandem\[ray\]\" \(or --distributed-executor-backend mp"):
         EngineConfig(model=model_dirs["llama"], **RAY)
     monkeypatch.undo()
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TANDEM_PD_SECRET", "00" * 32)
+    monkeypatch.setenv("TANDEM_API_KEY", "key")
+    environment = forwarded_environment()  # what every actor gets: the ranks' settings, no secret
+    assert environment["NCCL_NVLS_ENABLE"] == "0" and environment["TANDEM_SANITIZE"] == "1"
+    assert "TANDEM_PD_SECRET" not in environment and "TANDEM_API_KEY" not in environment
+    assert "CUDA_VISIBLE_DEVICES" not in environment and "PATH" not in environment
     monkeypatch.setitem(sys.modules, "ray", None)  # an import of ray fails
     with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
         import_ray()
