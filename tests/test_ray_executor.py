@@ -12,6 +12,7 @@ the ranks form their group across nodes on the address Ray gives (not loopback).
 - an engine that joins the cluster itself (RAY_ADDRESS) gets its actor's log lines, and when
   the actor is killed mid-run the engine fails (no hang); close still removes the placement group
   and leaves the cluster;
+- a rank whose build fails (its node lacks the model) fails the engine's start with its error;
 - one rank starts nothing; bad options and a missing Ray are errors naming the option; the
   serve flags reach the config.
 
@@ -197,6 +198,24 @@ def test_killed_actor_ends_the_engine(ray_cluster, model_dirs, monkeypatch, capl
             ray.init(address=ray_cluster.address, include_dashboard=False, log_to_driver=True)
     assert placement_group_table(executor.placement.group)["state"] == "REMOVED"
     assert_processes_end(executor.worker_pids)
+
+
+def test_a_rank_that_cannot_build_fails_the_start_naming_it(ray_cluster, model_dirs, monkeypatch):
+    """Rank 1's node lacks the model directory: the engine's start fails at once (its own
+    build's collectives break when the watcher ends the actor) with rank 1's own error, and the
+    placement group is removed."""
+    import tandem.engine.ranks.ray_executor as ray_executor
+    from tests.ray_helpers import MISSING_MODEL, RankWithoutTheModel
+
+    monkeypatch.setattr(ray_executor, "TensorParallelRank", RankWithoutTheModel)
+    before = set(placement_group_table())
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=f"tensor_parallel_size: rank 1 .* failed \\(ValueError: model: "
+                                          f"'{MISSING_MODEL}' is not a model directory"):
+        LLM(model=model_dirs["llama"], **RAY, **ENGINE)
+    assert time.monotonic() - started < 60
+    added = {key: group for key, group in placement_group_table().items() if key not in before}
+    assert len(added) == 1 and all(group["state"] == "REMOVED" for group in added.values()), added
 
 
 def check_killed_actor_fails(llm) -> None:

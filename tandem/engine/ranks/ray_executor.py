@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,8 +37,9 @@ from typing import Any, Optional
 import torch
 
 from tandem.config import RAY_MISSING, EngineConfig
+from tandem.kv.planner import PoolPlan
 from tandem.engine.ranks.launcher import (CUDA_HANG_GRACE_SECONDS, STOP_TIMEOUT_SECONDS, MultiprocessExecutor,
-                                          config_to_json)
+                                          RankFailure, config_to_json)
 from tandem.engine.ranks.plan import STOP, PageJournal, PlanChannel, StepPlan
 from tandem.engine.ranks.ray_placement import (Placement, bundle_strategy, local_gpu_index, rank_devices,
                                                rank_zero_place, release, reserve)
@@ -48,6 +50,7 @@ from tandem.parallel.group import LOOPBACK, join, open_store
 logger = logging.getLogger("tandem.parallel")
 
 START_TIMEOUT_SECONDS = 300.0  # how long an actor may take to start (a fresh worker process, imports)
+FAILURE_REPORT_SECONDS = 5.0  # after a broken collective: how long the watcher may take to say why
 # What every rank reads from the environment, handed to each actor (a worker process inherits
 # it). Secrets stay out: Ray records an actor's runtime environment where the cluster shows it.
 FORWARDED_PREFIXES = ("TANDEM_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "TRITON_", "NVSHMEM_", "UCX_", "NIXL_",
@@ -191,6 +194,29 @@ class RayExecutor(MultiprocessExecutor):
         self.channel = PlanChannel(self.groups.control, 0)
         self.journal = PageJournal()
         self.graph_sizes: list[int] = []
+
+    # The start-up agreements: a rank whose build failed (a node without the model directory)
+    # breaks them; its own error, which the watcher records, says more than the broken socket.
+    def agree_on_pages(self, plan: PoolPlan) -> PoolPlan:
+        return self._naming_the_failed_rank(super().agree_on_pages, plan)
+
+    def agree_on_count(self, count: int) -> int:
+        return self._naming_the_failed_rank(super().agree_on_count, count)
+
+    def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int):
+        return self._naming_the_failed_rank(super().capture_graphs, runner, batch_sizes, max_model_len,
+                                            max_num_batched_tokens)
+
+    def _naming_the_failed_rank(self, collective, *arguments):
+        try:
+            return collective(*arguments)
+        except RuntimeError as error:
+            deadline = time.monotonic() + FAILURE_REPORT_SECONDS
+            while self.failed is None and time.monotonic() < deadline and self._watcher.is_alive():
+                time.sleep(0.05)
+            if self.failed is not None:
+                raise RankFailure(self.failed) from error
+            raise
 
     @property
     def worker_pids(self) -> list[int]:
