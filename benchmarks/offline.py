@@ -15,6 +15,8 @@ decode step over the measured copy bandwidth, FLOPs over the measured matrix rat
     python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8-block
     python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
     python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
+    python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2 \
+        --distributed-executor-backend ray                        # the same, rank 1 a Ray actor
     python benchmarks/offline.py --preset qwen3-30b-a3b-b64 --skip-transformers    # MoE, batch 64 (and -b256)
 
 For MoE models a decode step's roofline reads the routed experts its batch is expected to pick
@@ -90,6 +92,9 @@ def parse_args():
                         help="tandem's device pools (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="tandem over this many ranks (GPUs) (default: %(default)s)")
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                        help="how ranks 1..N-1 run: processes of this host (mp) or Ray actors (ray: the cluster "
+                             "at RAY_ADDRESS, or a local one) (default: the engine's, mp)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory tandem may use (default: the engine's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
@@ -135,7 +140,8 @@ def timed(function, repeat: int) -> float:
 
 def optional_engine_arguments(args) -> dict:
     """The engine options this run sets only when asked, so the engine's defaults stay its own."""
-    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout", "quantization")
+    names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout", "quantization",
+             "distributed_executor_backend")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -316,7 +322,8 @@ def main() -> None:
     ceilings = Ceilings.measure(dtype, fp8=fp8)
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
     name = "tandem" + (" (eager)" if args.enforce_eager else "")
-    name += f" (TP={args.tensor_parallel_size})" if args.tensor_parallel_size > 1 else ""
+    backend = f", {args.distributed_executor_backend}" if args.distributed_executor_backend else ""
+    name += f" (TP={args.tensor_parallel_size}{backend})" if args.tensor_parallel_size > 1 else ""
     results = {name: tandem_seconds}
     if not args.skip_transformers:
         model, device = load_transformers(model_dir, args)

@@ -34,13 +34,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   [ -n "$cuda_major" ] || cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
 fi
 if [ -n "$cuda_major" ]; then
-  step "installing tandem and its dev extra (editable)"
-  python -m pip install -q -e ".[dev]"
+  step "installing tandem with its dev and ray extras (editable)"
+  python -m pip install -q -e ".[dev,ray]"
   step "installing NIXL for CUDA ${cuda_major} (prefill/decode disaggregation)"
   python -m pip install -q "nixl-cu${cuda_major}==1.5.1"
 else
-  step "installing tandem with its dev and pd extras (editable; about a minute)"
-  python -m pip install -q -e ".[dev,pd]"
+  step "installing tandem with its dev, pd and ray extras (editable; about a minute)"
+  python -m pip install -q -e ".[dev,pd,ray]"
 fi
 step "installing NIXL's meta package"
 python -m pip install -q --no-deps "nixl==1.5.1"

@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, filled from the offline API or the CLI."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Optional
@@ -21,6 +22,10 @@ HOST_CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_
 PREEMPTION_MODES = ("swap", "recompute")
 SPECULATIVE_METHOD_CHOICES = ("mtp", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names (tandem/engine/ranks/backends.py)
+RAY_PLACEMENT_STRATEGIES = ("pack", "spread", "strict_pack", "strict_spread")  # Ray's, in lower case
+RAY_MISSING = ("'ray' needs the ray package: pip install \"tandem[ray]\" (or --distributed-executor-backend mp: "
+               "the ranks as processes of this host)")
 
 
 def sanitize_enabled() -> bool:
@@ -108,6 +113,12 @@ class EngineConfig:
     # two-shot all-reduce over symmetric memory; limits from TANDEM_ALLREDUCE_*, docs/allreduce.md)
     # instead of NCCL; True: NCCL for every sum.
     disable_custom_all_reduce: bool = False
+    # How ranks 1..N-1 run when tensor_parallel_size > 1: "mp", worker processes of this host;
+    # "ray", worker actors on a Ray cluster (RAY_ADDRESS, or a local one), placed by a placement
+    # group of one bundle per rank with ``ray_placement_strategy`` (rank 0, the engine core, stays
+    # in this process: its bundle is on this node). With one rank nothing is started either way.
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "pack"
     # Structured outputs: a request whose grammar has not compiled within this many seconds is
     # rejected (the server answers 400).
     structured_outputs_compile_timeout: float = 30.0
@@ -208,6 +219,18 @@ class EngineConfig:
         size = self.tensor_parallel_size
         require(isinstance(size, int) and not isinstance(size, bool) and size >= 1, "tensor_parallel_size",
                 f"must be an integer >= 1, got {size!r}")
+        backend = self.distributed_executor_backend
+        require(backend in DISTRIBUTED_EXECUTOR_BACKENDS, "distributed_executor_backend",
+                f"must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, got {backend!r}")
+        require(self.ray_placement_strategy in RAY_PLACEMENT_STRATEGIES, "ray_placement_strategy",
+                f"must be one of {RAY_PLACEMENT_STRATEGIES}, got {self.ray_placement_strategy!r}")
+        require(self.ray_placement_strategy == "pack" or backend == "ray", "ray_placement_strategy",
+                f"places Ray actors: needs distributed_executor_backend 'ray', got {backend!r}")
+        require(backend != "ray" or size == 1 or importlib.util.find_spec("ray") is not None,
+                "distributed_executor_backend", RAY_MISSING)
+        require(backend != "ray" or size == 1 or ":" not in self.device, "device",
+                f"Ray assigns every rank's GPU with distributed_executor_backend 'ray': name the device type "
+                f"only, got {self.device!r}")
 
     @property
     def sanitizer_on(self) -> bool:

@@ -89,12 +89,17 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
         llm.engine.check_all_free()
     finally:
         llm.engine.shutdown()
-    oracle = oracles[arch]
+    check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2")
+
+
+def check_scenario_outputs(outputs, prompts, single, oracle, name: str) -> None:
+    """``run_scenario``'s outputs of a sharded engine equal one rank's (``single``: greedy
+    tokens, logprobs within 1e-4) and transformers' (tokens, top logprobs, prompt logprobs)."""
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         reference = oracle.greedy(prompt, MAX_TOKENS)
         assert len(output.outputs) == (2 if number == 0 else 1)
         for index, sequence in enumerate(output.outputs):
-            context = f"{arch} TP=2 prompt {number} sequence {index}"
+            context = f"{name} prompt {number} sequence {index}"
             assert_matches(sequence, reference, context=context)
             single_sequence = single[number].outputs[index]
             assert list(sequence.token_ids) == list(single_sequence.token_ids), f"{context}: TP=1 differs"
@@ -105,7 +110,7 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     assert outputs[1].prompt_logprobs[0] is None
     for position in range(1, len(prompts[1])):
         assert_position(outputs[1].prompt_logprobs[position], prompt_logprobs[position - 1], 3,
-                        f"{arch} TP=2 prompt position {position}")
+                        f"{name} prompt position {position}")
 
 
 TIER_ENGINE = dict(page_size=16, max_total_tokens=192, max_num_batched_tokens=64, max_num_seqs=16,

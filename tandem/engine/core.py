@@ -21,7 +21,8 @@ from tandem.engine.memory import resolve_device
 from tandem.engine.state_setup import build_coordinator, register_state
 from tandem.kv.tiers.setup import build_tiers
 from tandem.models.loader import build_model
-from tandem.engine.ranks.launcher import RankFailure, start_tensor_parallel
+from tandem.engine.ranks.backends import start_ranks
+from tandem.engine.ranks.launcher import RankFailure
 from tandem.parallel.shard import SINGLE
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
@@ -42,7 +43,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0; the workers hold the other shards.
-        self.parallel = start_tensor_parallel(config, self.device) if config.tensor_parallel_size > 1 else None
+        self.parallel = start_ranks(config, self.device) if config.tensor_parallel_size > 1 else None
         if self.parallel is not None:
             self.device = self.parallel.device
         self.model, self.hf_config, self.model_info = build_model(

@@ -12,9 +12,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tandem.config import (DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
+from tandem.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPE_CHOICES, HOST_CACHE_WRITE_POLICIES, INDEXER_CACHE_DTYPE_CHOICES,
                            KV_CACHE_DTYPE_CHOICES, KV_CACHE_LAYOUT_CHOICES, LOAD_FORMAT_CHOICES, PREEMPTION_MODES,
-                           QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES,
+                           QUANTIZATION_CHOICES, QUANTIZED_COMPUTE_CHOICES, RAY_PLACEMENT_STRATEGIES,
                            SPECULATIVE_METHOD_CHOICES, EngineConfig)
 from tandem.entrypoints.model_choice import DEMO_MODEL_NAME
 
@@ -101,6 +101,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tensor parallelism on CUDA: NCCL for every all-reduce (default: messages up to "
                             "a few MiB go through peer buffers, one-shot or two-shot by size, see "
                             "docs/allreduce.md)")
+    group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default="mp",
+                       help="how ranks 1..N-1 of --tensor-parallel-size run: mp, processes of this host; ray, "
+                            "actors on the Ray cluster at RAY_ADDRESS (a local one when unset), across nodes "
+                            "(pip install \"tandem[ray]\"); rank 0 stays in the engine process (default: %(default)s)")
+    group.add_argument("--ray-placement-strategy", choices=RAY_PLACEMENT_STRATEGIES, default="pack",
+                       help="with --distributed-executor-backend ray: how the placement group of one bundle per "
+                            "rank is placed (Ray's PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); rank 0's bundle is "
+                            "always on this node (default: %(default)s)")
     group.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request whose grammar (response_format, structured_outputs) has not compiled "
                             "within this many seconds is rejected with 400 (default: %(default)s)")
@@ -156,6 +164,8 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         speculative_method=arguments.speculative_method, num_speculative_tokens=arguments.num_speculative_tokens,
         speculative_model=arguments.speculative_model, tensor_parallel_size=arguments.tensor_parallel_size,
         disable_custom_all_reduce=arguments.disable_custom_all_reduce,
+        distributed_executor_backend=arguments.distributed_executor_backend,
+        ray_placement_strategy=arguments.ray_placement_strategy,
         structured_outputs_compile_timeout=arguments.structured_outputs_compile_timeout)
 
 

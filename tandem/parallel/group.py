@@ -1,9 +1,10 @@
 """Process-group setup for tensor parallelism.
 
-Rank 0 opens a TCP store on a loopback port (``open_store``) before it starts the workers; every
-rank then joins the same groups (``join``):
+Rank 0 opens a TCP store on a port of ``host`` (``open_store``; loopback unless the ranks span
+hosts, as on a Ray cluster) before it starts the workers; every rank then joins the same groups
+(``join``), each on its own ``address``:
 
-- the control group (gloo, loopback): rank 0's step plans; it waits without a deadline, since
+- the control group (gloo): rank 0's step plans; it waits without a deadline, since
   a server may sit idle for hours between steps (a dead peer still fails it at once: its
   sockets close);
 - the tensor group: the layers' collectives (NCCL on CUDA; on CPU the control group itself);
@@ -48,32 +49,34 @@ class ParallelGroups:
         return TensorShard(self.rank, self.size, self.tensor, self.peer)
 
 
-def open_store(size: int):
-    """Rank 0's store on a free loopback port: ``(store, port)``."""
+def open_store(size: int, host: str = LOOPBACK):
+    """Rank 0's store on a free port of ``host`` (an address of this machine): ``(store, port)``."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, 0))
+    listener.bind((host, 0))
     listener.listen(64)
     port = listener.getsockname()[1]
-    store = dist.TCPStore(LOOPBACK, port, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False,
+    store = dist.TCPStore(host, port, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False,
                           master_listen_fd=listener.detach(), use_libuv=False)
     return store, port
 
 
-def _gloo(store, prefix: str, rank: int, size: int, timeout: datetime.timedelta):
+def _gloo(store, prefix: str, rank: int, size: int, timeout: datetime.timedelta, address: str):
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
-def join(rank: int, size: int, device: torch.device, store=None, port: int = 0,
-         custom_all_reduce: bool = True) -> ParallelGroups:
-    """Join rank ``rank`` of ``size`` (workers pass rank 0's ``port``; rank 0 its ``store``).
-    On CUDA the caller has made ``device`` current. ``custom_all_reduce``: the peer all-reduce
-    for small messages (every rank must pass the same; False: NCCL for every sum)."""
+def join(rank: int, size: int, device: torch.device, store=None, port: int = 0, store_host: str = LOOPBACK,
+         address: str = LOOPBACK, custom_all_reduce: bool = True) -> ParallelGroups:
+    """Join rank ``rank`` of ``size`` (workers pass rank 0's ``store_host`` and ``port``; rank 0
+    its ``store``). ``address`` is this rank's own, where the others reach its gloo sockets (an
+    address of this machine the other ranks can route to). On CUDA the caller has made
+    ``device`` current. ``custom_all_reduce``: the peer all-reduce for small messages (every rank
+    must pass the same; False: NCCL for every sum)."""
     if store is None:
-        store = dist.TCPStore(LOOPBACK, port, size, False, timeout=STORE_TIMEOUT)
-    control = _gloo(store, "control", rank, size, CONTROL_TIMEOUT)
+        store = dist.TCPStore(store_host, port, size, False, timeout=STORE_TIMEOUT)
+    control = _gloo(store, "control", rank, size, CONTROL_TIMEOUT, address)
     if device.type == "cuda":
         # Collectives captured in CUDA graphs (parallel/graphs.py): the group keeps its tensors
         # alive with the work instead of recording them on its stream (``recordStream`` inside

@@ -3,7 +3,7 @@
     Executor               the interface, what every way of running the ranks implements
       InProcessExecutor    one rank: the engine core's process is the whole group
       MultiprocessExecutor one host: a worker process per further rank (``launcher.py``)
-      (a Ray executor)     many hosts: an actor per rank (a separate issue builds it)
+      RayExecutor          many hosts: a Ray actor per further rank (``ray_executor.py``)
 
 Rank 0 keeps the books and runs its own shard in process; an executor hands every other rank
 what rank 0 does: each step's message (``send_step``: the model runner's inputs and the page
@@ -45,11 +45,17 @@ def state_bytes(rank: RankContext) -> int:
                for descriptor in rank.coordinator.registry.buffers())
 
 
+def sanitizer_on(rank: RankContext) -> bool:
+    """Whether this rank's sanitizer is on (its pools poisoned when freed: I6), as rank 0's is."""
+    return bool(rank.coordinator.sanitizer.enabled)
+
+
 # The calls ``collective_rpc`` may name (nothing else runs on a rank's say-so: a worker looks the
 # name up here, it never resolves an attribute from a message).
 RANK_CALLS: "MappingProxyType[str, Callable[..., Any]]" = MappingProxyType({
     "pool_pages": pool_pages,
     "state_bytes": state_bytes,
+    "sanitizer_on": sanitizer_on,
 })
 
 
