@@ -40,23 +40,26 @@ ENGINE_FLAGS = ["--page-size", "4", "--max-total-tokens", "2048", "--max-num-seq
                 "--max-num-batched-tokens", "8", "--pd-heartbeat-interval", "0.25", "--pd-peer-timeout", "3",
                 "--pd-drain-timeout", "2", "--pd-transfer-timeout", "30", "--pd-bootstrap-timeout", "30"]
 # Prefill grows while it has more than one leg in flight per replica (for 0.5 s), and shrinks
-# after 3 s with fewer than 0.75: one request at a time on two replicas is idle enough.
+# after 2 s with fewer than 0.75: one request at a time on two replicas is idle enough.
 AUTOSCALE_FLAGS = ["--autoscale", "--min-prefill-replicas", "1", "--max-prefill-replicas", "2",
                    "--scale-out-in-flight", "1", "--scale-out-after", "0.5", "--scale-in-in-flight", "0.75",
-                   "--scale-in-after", "3"]
+                   "--scale-in-after", "2"]
 STARTUP_SECONDS = 240
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Two raylets of two CPUs each: three replicas cannot share one node."""
+    import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)
     try:
+        ray.init(address=cluster.address, namespace="tandem", log_to_driver=False)  # to read the registry
         yield cluster
     finally:
+        ray.shutdown()
         cluster.shutdown()
 
 
@@ -92,12 +95,16 @@ class Deployment:
         self.log_file.flush()
         return self.log_path.read_text()[-6000:]
 
-    def status(self) -> dict:
-        answer = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "deploy", "status", "--name", NAME,
-                                 "--json"], env=self.environment, capture_output=True, text=True, timeout=120,
-                                cwd=REPOSITORY_ROOT)
-        assert answer.returncode == 0, answer.stderr[-3000:]
-        return json.loads(answer.stdout)
+    def status_command(self, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "deploy", "status", "--name", NAME,
+                               *flags], env=self.environment, capture_output=True, text=True, timeout=120,
+                              cwd=REPOSITORY_ROOT)
+
+    def records(self) -> list[dict]:
+        """The registry's records, read here (``tandem deploy status`` reads the same)."""
+        import ray
+
+        return ray.get(ray.get_actor(f"tandem-deploy-{NAME}").replicas.remote(), timeout=30)
 
     def serving(self, role: str) -> dict[str, str]:
         """Replica name -> URL of the ``role`` replicas the router routes to now (its /metrics)."""
@@ -191,15 +198,21 @@ def test_1p1d_completions_and_chat_equal_the_oracle(deployment, oracles, model_d
     assert answer["prompt_token_ids"] == list(expected_prompt)
     assert answer["choices"][0]["token_ids"] == oracle.greedy(list(expected_prompt), 8).token_ids
 
-    status = deployment.status()
-    assert {(record["role"], record["state"]) for record in status["replicas"]} == {("prefill", "serving"),
-                                                                                   ("decode", "serving")}
-    assert all(record["healthy"] and record["url"].startswith("http://") for record in status["replicas"])
+    answer = deployment.status_command("--json")
+    assert answer.returncode == 0, answer.stderr[-3000:]
+    replicas = json.loads(answer.stdout)["replicas"]
+    assert {(record["role"], record["state"]) for record in replicas} == {("prefill", "serving"),
+                                                                         ("decode", "serving")}
+    assert all(record["healthy"] and record["url"].startswith("http://") for record in replicas)
+    table = deployment.status_command().stdout.splitlines()
+    assert table[1].split() == ["name", "role", "state", "health", "node", "gpus", "url"]
+    assert sorted(line.split()[:4] for line in table[2:]) == [["decode-0", "decode", "serving", "healthy"],
+                                                              ["prefill-0", "prefill", "serving", "healthy"]]
     assert set(deployment.serving("prefill")) == {"prefill-0"} and set(deployment.serving("decode")) == {"decode-0"}
 
 
 def server_pids(deployment) -> list[int]:
-    return [record["pid"] for record in deployment.status()["replicas"] if record.get("pid")]
+    return [record["pid"] for record in deployment.records() if record.get("pid")]
 
 
 def test_the_secret_reaches_replicas_through_ray_never_a_command_line(deployment):
@@ -236,15 +249,18 @@ def test_prefill_scales_out_and_in_under_load_losing_nothing(deployment, oracles
             prompt = prompt_ids(seed, 10)
             results.append((prompt, complete(deployment, prompt, 4)))
             seed += 1
+            time.sleep(0.2)  # a steady trickle, leaving the CPUs to the replica starting
 
     pool = concurrent.futures.ThreadPoolExecutor(12)
     steady_client = pool.submit(steady)
     deadline = time.monotonic() + STARTUP_SECONDS
-    while len(deployment.serving("prefill")) < 2:  # bursts of long prompts until the second replica serves
+    while len(deployment.records()) < 3:  # bursts of long prompts until a second prefill replica is placed
         assert time.monotonic() < deadline, f"prefill never scaled out:\n{deployment.log()}"
-        burst = [pool.submit(complete, deployment, prompt_ids(200 + index, 160), 2) for index in range(8)]
+        burst = [pool.submit(complete, deployment, prompt_ids(200 + index, 120), 2) for index in range(6)]
         for index, future in enumerate(burst):
-            results.append((prompt_ids(200 + index, 160), future.result()))
+            results.append((prompt_ids(200 + index, 120), future.result()))
+    wait_for(lambda: len(deployment.serving("prefill")) == 2, STARTUP_SECONDS,
+             f"the second prefill replica never served:\n{deployment.log()}")
     # 2P1D: requests reach both prefill replicas, exactly; the replicas are on both nodes.
     serving = deployment.serving("prefill")
     before = {name: deployment.dispatched(name) for name in serving}
@@ -252,11 +268,11 @@ def test_prefill_scales_out_and_in_under_load_losing_nothing(deployment, oracles
         prompt = prompt_ids(seed, 12)
         assert_equals_oracle(complete(deployment, prompt, 6), oracle, prompt, 6)
     assert all(deployment.dispatched(name) > before[name] for name in serving), serving
-    nodes = {record["node_id"] for record in deployment.status()["replicas"] if record["state"] == "serving"}
+    nodes = {record["node_id"] for record in deployment.records() if record["state"] == "serving"}
     assert len(nodes) == 2
     # The burst is over: prefill shrinks back to one replica while the steady client goes on.
     wait_for(lambda: len(deployment.serving("prefill")) == 1, 60, f"prefill never scaled in:\n{deployment.log()}")
-    wait_for(lambda: [record["role"] for record in deployment.status()["replicas"]].count("prefill") == 1, 60,
+    wait_for(lambda: [record["role"] for record in deployment.records()].count("prefill") == 1, 60,
              "the drained prefill replica was never removed")
     time.sleep(1.0)
     done.set()
@@ -285,7 +301,7 @@ def assert_books_balance(url: str) -> None:
 def test_a_killed_decode_actor_fails_its_stream_cleanly_and_is_replaced(deployment, oracles):
     oracle = oracles["llama"]
     (victim_name, victim_url), = deployment.serving("decode").items()
-    records = {record["name"]: record for record in deployment.status()["replicas"]}
+    records = {record["name"]: record for record in deployment.records()}
     server_pid = records[victim_name]["pid"]
     actor_pid = int(open(f"/proc/{server_pid}/stat").read().split(") ")[1].split()[1])  # the server's parent
     killed = threading.Event()
@@ -323,6 +339,5 @@ def test_sigterm_removes_everything(deployment):
     assert deployment.process.wait(120) == 0, deployment.log()
     wait_for(lambda: not any(process_alive(pid) for pid in [*servers, *actors, *engines]), 30,
              "processes of the deployment outlived it")
-    answer = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "deploy", "status", "--name", NAME],
-                            env=deployment.environment, capture_output=True, text=True, timeout=120)
+    answer = deployment.status_command()
     assert answer.returncode == 2 and "no deployment named" in answer.stderr

@@ -145,7 +145,7 @@ class Supervisor:
 
     def counts(self, *states: str) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for replica in self.replicas.values():
+        for replica in list(self.replicas.values()):  # read from the driver's thread too
             if replica.state in states:
                 counts[replica.role] = counts.get(replica.role, 0) + 1
         return counts
