@@ -66,12 +66,12 @@ def ray_cluster():
 class Deployment:
     """``tandem deploy`` as a child process (the driver, its router and supervisor)."""
 
-    def __init__(self, ray_address: str, model_dir: str, log_path, arguments: list[str]):
+    def __init__(self, ray_address: str, model_dir: str, log_path, arguments: list[str], name: str = NAME):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.environment = {**os.environ, "RAY_ADDRESS": ray_address, "TANDEM_SANITIZE": "1",
                             "PYTHONPATH": str(REPOSITORY_ROOT)}
-        self.command = [sys.executable, "-m", "tandem.entrypoints.cli", "deploy", "--name", NAME, "--model",
+        self.command = [sys.executable, "-m", "tandem.entrypoints.cli", "deploy", "--name", name, "--model",
                         model_dir, "--port", str(self.port), "--api-key", API_KEY, "--health-interval", "0.5",
                         "--log-level", "warning", *arguments]
         self.log_path = log_path
@@ -341,3 +341,20 @@ def test_sigterm_removes_everything(deployment):
              "processes of the deployment outlived it")
     answer = deployment.status_command()
     assert answer.returncode == 2 and "no deployment named" in answer.stderr
+
+
+def test_a_replica_that_cannot_start_ends_the_deployment_with_its_error(ray_cluster, model_dir, tmp_path):
+    """The first replica of a role fails (a serve flag its engine refuses): the driver exits 2,
+    naming the replica and quoting its server's error, and leaves nothing behind."""
+    import ray
+
+    broken = Deployment(ray_cluster.address, model_dir, tmp_path / "broken.log",
+                        ["--replicas", "1", "--max-num-seqs", "0"], name="broken")
+    try:
+        assert broken.process.wait(STARTUP_SECONDS) == 2, broken.log()
+        log = broken.log()
+        assert "replica colocated-0 failed to start" in log and "max_num_seqs" in log, log
+        with pytest.raises(ValueError):
+            ray.get_actor("tandem-deploy-broken")
+    finally:
+        broken.kill()
