@@ -99,7 +99,10 @@ def test_router_follows_its_membership_source():
         assert version == 2 and report.in_flight == {"colocated-0": 1, "colocated-1": 0}
         leaving.in_flight = 0
         servers.up.add("http://c")
+        router.record_first_event("colocated", 0.25)
+        router.record_first_event("colocated", 0.75)
         await router.watcher.sync()
+        assert source.acknowledged[-1][1].first_event_seconds == {"colocated": 0.5}
         assert [backend.replica for backend in router.pools["tiny"].servers] == ["colocated-1", "colocated-2"]
         assert source.acknowledged[-1][1].in_flight == {"colocated-1": 0, "colocated-2": 0}
         text = "\n".join(str(sample) for family in router.registry.collect() for sample in family.samples

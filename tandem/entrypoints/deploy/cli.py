@@ -21,7 +21,8 @@ import uuid
 
 from tandem.entrypoints.deploy.autoscale import AutoscaleConfig
 from tandem.entrypoints.deploy.placement import Placement
-from tandem.entrypoints.deploy.ray_cluster import DeployError, NAMESPACE, connect, import_ray, registry_handle, registry_name
+from tandem.entrypoints.deploy.ray_cluster import (NAMESPACE, DeployError, connect, import_ray, registry_handle,
+                                                   registry_name)
 from tandem.entrypoints.deploy.serve_flags import add_serve_flags, serve_arguments
 from tandem.entrypoints.deploy.supervisor import RoleSize, Supervisor, SupervisorSettings
 

@@ -230,11 +230,12 @@ class Supervisor:
 
         load = ray.get(self.registry.load.remote(), timeout=CHECK_TIMEOUT)
         for role, (minimum, maximum) in self.bounds.items():
-            serving = [replica for replica in self.replicas.values() if replica.role == role and replica.state == SERVING]
+            serving = [replica for replica in self.replicas.values()
+                       if replica.role == role and replica.state == SERVING]
             if len(serving) != self.targets[role]:
                 continue  # a change is under way: decide again once it is done
             in_flight = sum(load["in_flight"].get(replica.name, 0) for replica in serving)
-            first_event = load["first_event_seconds"].get("decode" if role == "prefill" else role)
+            first_event = load["first_event_seconds"].get(role)
             desired = self.policy.desired(role, len(serving), minimum, maximum, in_flight, first_event, now)
             if desired != self.targets[role]:
                 logger.warning("deploy: scaling %s from %d to %d replicas (%d legs in flight%s)", role,

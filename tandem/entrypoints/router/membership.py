@@ -51,7 +51,8 @@ class Membership:
 @dataclass
 class LoadReport:
     """What the router sees, for a deployment's autoscaler: legs in flight per replica name,
-    and the mean time to the first event of streamed requests per role over the last window."""
+    and the mean time to the first event of streamed requests over the last window, per role
+    whose work the first token waits on (prefill for PD, colocated)."""
     in_flight: dict[str, int] = field(default_factory=dict)
     first_event_seconds: dict[str, float] = field(default_factory=dict)
 

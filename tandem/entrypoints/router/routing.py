@@ -122,7 +122,8 @@ class Router:
 
     # -- load, for a deployment's autoscaler ---------------------------------------------------------
     def record_first_event(self, role: str, seconds: float) -> None:
-        """A streamed request's first event was relayed ``seconds`` after its arrival."""
+        """A streamed request's first event was relayed ``seconds`` after its arrival; ``role``:
+        the role whose work the first token waits on (prefill for PD, colocated)."""
         self.first_event.observe(seconds)
         recent = self.recent_first_events.setdefault(role, deque())
         now = time.monotonic()
@@ -138,8 +139,8 @@ class Router:
             if values:
                 first_event[role] = sum(values) / len(values)
         retiring = self.watcher.retiring if self.watcher is not None else []
-        return LoadReport({backend.replica or backend.url: backend.in_flight for backend in [*retiring, *self.backends]},
-                          first_event)
+        in_flight = {backend.replica or backend.url: backend.in_flight for backend in [*retiring, *self.backends]}
+        return LoadReport(in_flight, first_event)
 
     def candidates_of_role(self, role: str) -> list[Backend]:
         return [backend for backend in self.backends if backend.role == role and backend.healthy]
