@@ -4,7 +4,8 @@ it is missing.
 
 ``RAY_ADDRESS`` (or ``--ray-address``) names an existing cluster (``ray start --head`` prints
 it); without one, ``tandem deploy`` starts a local Ray of its own and shuts it down when it
-exits. Every deployment's actors live in the Ray namespace ``tandem``; a deployment's registry is
+exits. Where the cluster uses Ray's token authentication (a local Ray does by default), every
+process joining by address needs ``RAY_AUTH_MODE=token`` and the token (``~/.ray/auth_token``). Every deployment's actors live in the Ray namespace ``tandem``; a deployment's registry is
 the named actor ``tandem-deploy-NAME``.
 """
 from __future__ import annotations
@@ -49,8 +50,9 @@ def connect(address: Optional[str], start_local: bool) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise DeployError(f"cannot join the Ray cluster at {address}: {error}") from None
     if address is None:
-        logger.warning("started a local Ray at %s (RAY_ADDRESS for 'tandem deploy status' and 'tandem router "
-                       "--deployment'); it stops with this deployment", ray.get_runtime_context().gcs_address)
+        logger.warning("started a local Ray at %s; it stops with this deployment (to read it: RAY_AUTH_MODE=token "
+                       "RAY_ADDRESS=%s tandem deploy status)", ray.get_runtime_context().gcs_address,
+                       ray.get_runtime_context().gcs_address)
     return address is None
 
 
