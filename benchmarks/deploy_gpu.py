@@ -96,8 +96,9 @@ def check_outputs(logs: Path) -> bool:
     deployment = deploy(model, 18401, logs / "deploy_outputs.log", [])
     try:
         got = greedy("http://127.0.0.1:18401", prompts, 32)
+        reader = {**ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ray_address(logs / "deploy_outputs.log")}
         status = subprocess.run([PYTHON, "-m", "tandem.entrypoints.cli", "deploy", "status"], capture_output=True,
-                                text=True, env={**ENVIRONMENT, "RAY_ADDRESS": ray_address(logs / "deploy_outputs.log")})
+                                text=True, env=reader)
         print(status.stdout or status.stderr)
     finally:
         stop(deployment)
