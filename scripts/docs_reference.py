@@ -28,18 +28,30 @@ def cli_page() -> str:
     lines = [GENERATED, "", "# Command-line reference", "",
              "Every command and flag of `tandem`, as `tandem COMMAND --help` prints them. Engine flags map "
              "one-to-one onto `LLM(...)` keywords (`--max-num-seqs` is `max_num_seqs`).", ""]
+    lines += command_sections("tandem", subparsers)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def command_sections(prefix: str, subparsers: argparse._SubParsersAction) -> list[str]:
+    """One section per command of ``subparsers``, then one per command nested in it
+    (``tandem deploy status``)."""
+    lines = []
     helps = {choice.dest: choice.help for choice in subparsers._choices_actions}
     for name, command in subparsers.choices.items():
-        lines += [f"## `tandem {name}`", "", command.description or helps.get(name) or "", ""]
+        lines += [f"## `{prefix} {name}`", "", command.description or helps.get(name) or "", ""]
+        nested = [action for action in command._actions if isinstance(action, argparse._SubParsersAction)]
         for group in command._action_groups:
             actions = [action for action in group._group_actions
-                       if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)]
+                       if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
+                       and action not in nested]
             if not actions:
                 continue
             lines += [f"### {group.title}", "", "| flag | meaning |", "|---|---|"]
             lines += [f"| {flag_cell(action)} | {table_text(expanded_help(command, action))} |" for action in actions]
             lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+        for action in nested:
+            lines += command_sections(f"{prefix} {name}", action)
+    return lines
 
 
 def flag_cell(action: argparse.Action) -> str:

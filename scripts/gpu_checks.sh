@@ -18,6 +18,7 @@
 #   bash scripts/gpu_checks.sh goodput-colocated  # two GPUs: goodput of two colocated replicas behind the router
 #   bash scripts/gpu_checks.sh goodput-slo  # the same with --max-itl-ms 25
 #   bash scripts/gpu_checks.sh goodput-pd   # two GPUs: goodput of 1P1D behind the router
+#   bash scripts/gpu_checks.sh deploy       # two GPUs: tandem deploy 1P1D (Ray) equals a colocated server; TTFT beside PD
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -97,6 +98,7 @@ print(model_dir_for('llama3-8b', 'dummy'))")
                    --max-itl-ms 25 --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
     goodput-pd) run goodput_1p1d python3 benchmarks/goodput_deployments.py --deployment 1p1d \
                   --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
+    deploy) run deploy_gpu python3 benchmarks/deploy_gpu.py --log-dir "$LOG_DIR/deploy" ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

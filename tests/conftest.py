@@ -22,7 +22,7 @@ from tests.oracle import Oracle  # noqa: E402
 
 # The GPU machine runs `-m gpu` without the server stack installed: skip collecting those files.
 SERVER_STACK = ("fastapi", "uvicorn", "zmq", "openai")
-SERVER_TESTS = ["test_server_*.py", "test_pd_serve.py", "test_pd_archs.py", "test_openapi*.py"]
+SERVER_TESTS = ["test_server_*.py", "test_pd_serve.py", "test_pd_archs.py", "test_openapi*.py", "test_deploy*.py"]
 collect_ignore_glob = [] if all(importlib.util.find_spec(name) for name in SERVER_STACK) else SERVER_TESTS
 
 ARCHS = ("llama", "qwen2", "qwen3")

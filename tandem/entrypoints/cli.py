@@ -1,5 +1,6 @@
 """The ``tandem`` command: ``serve`` (OpenAI-compatible server), ``generate`` (one-off prompts),
-``make-model`` (tiny random-weight models for demos and tests).
+``make-model`` (tiny random-weight models for demos and tests), ``router`` (one endpoint in front
+of servers) and ``deploy`` (PD replicas on a Ray cluster, ``tandem/entrypoints/deploy``).
 
 Flags are named like vLLM's where vLLM has the flag; engine flags map one-to-one onto
 ``EngineConfig`` fields. Heavy imports (torch, transformers) happen only inside commands.
@@ -185,6 +186,12 @@ def add_serve_parser(subparsers) -> None:
         description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics, /tokenize, /detokenize): a frontend process and "
                     "an engine process. SIGINT/SIGTERM drain in-flight requests, then exit.")
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``tandem serve`` (``tandem deploy`` passes them on to its replicas)."""
     add_engine_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every interface (default: %(default)s)")
@@ -204,7 +211,6 @@ def add_serve_parser(subparsers) -> None:
     group.add_argument("--engine-core-class", default=DEFAULT_CORE_CLASS, help=argparse.SUPPRESS)
     add_tool_calling_arguments(parser)
     add_transfer_arguments(parser)
-    parser.set_defaults(func=run_serve)
 
 
 def add_tool_calling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -384,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.entrypoints.router import add_router_parser
 
     add_router_parser(subparsers)
+    from tandem.entrypoints.deploy import add_deploy_parser
+
+    add_deploy_parser(subparsers)
     return parser
 
 

@@ -50,6 +50,7 @@ def create_router_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health():
         servers = [{"url": backend.url, "role": backend.role, "healthy": backend.healthy,
+                    **({"replica": backend.replica} if backend.replica else {}),
                     **({"problem": backend.problem} if not backend.healthy else {})} for backend in router.backends]
         missing = [role for role in router.roles
                    if not any(backend.healthy for backend in router.backends if backend.role == role)]

@@ -36,6 +36,7 @@ class RouterSetupError(RuntimeError):
 class Backend:
     url: str
     role: str
+    replica: str = ""  # its name in a deployment (tandem deploy); "" for a server given by URL
     model_names: list[str] = field(default_factory=list)
     bootstrap_address: Optional[str] = None
     layout: Optional[StateLayout] = None

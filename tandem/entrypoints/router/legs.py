@@ -268,7 +268,7 @@ class Legs:
                     yield SSE_DONE
                     return
                 if self.arrival:  # the first event
-                    self.router.first_event.observe(time.perf_counter() - self.arrival)
+                    self.router.record_first_event("prefill", time.perf_counter() - self.arrival)
                     self.arrival = 0.0
                 yield event
                 if event.startswith(ERROR_EVENT_PREFIX):

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from typing import Optional
 
 from fastapi import Request
@@ -40,6 +41,7 @@ from tandem.entrypoints.router.affinity import PrefillAffinity, conversation_key
 from tandem.entrypoints.router.backends import DEFAULT_HEALTH_INTERVAL, Backend, BackendMonitor, ModelPool, form_pools
 from tandem.entrypoints.router.http import HttpClient
 from tandem.entrypoints.router.legs import LegFailed, Legs, failure_outcome
+from tandem.entrypoints.router.membership import LoadReport, MembershipSource, MembershipWatcher
 from tandem.entrypoints.router.single_leg import OUTCOME_FAILED, SingleLeg
 from tandem.transfer.messages import new_room
 
@@ -52,6 +54,7 @@ RETRY_AFTER_SECONDS = 2
 OUTCOMES = ("ok", "client_error", "error", "prefill_failed", "decode_failed", OUTCOME_FAILED, "disconnected")
 
 
+LOAD_WINDOW_SECONDS = 10.0  # the recent first-event times a load report averages
 FIRST_EVENT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -59,24 +62,33 @@ class Router:
     """Owns the backends table, their monitor and the HTTP client; one per router process.
 
     ``api_key``: what clients must send to the router; ``server_api_key``: what the router sends to
-    the servers (their ``--api-key``)."""
+    the servers (their ``--api-key``). With a ``membership`` source (a deployment), the servers
+    come from it, and change while the router runs (``membership.py``), instead of from URLs."""
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: str = "least-loaded",
                  client: Optional[HttpClient] = None, *, api_key: Optional[str] = None,
                  server_api_key: Optional[str] = None, health_interval: float = DEFAULT_HEALTH_INTERVAL,
-                 prefill_affinity: bool = False, server_urls: tuple[str, ...] = ()):
+                 prefill_affinity: bool = False, server_urls: tuple[str, ...] = (),
+                 membership: Optional[MembershipSource] = None):
         if server_urls and (prefill_urls or decode_urls):
             raise ValueError("a router balances colocated servers or routes PD pairs, not both")
+        if membership is not None and (server_urls or prefill_urls or decode_urls):
+            raise ValueError("a router takes its servers from a membership source or from URLs, not both")
         self.backends = [Backend(url.rstrip("/"), "prefill") for url in prefill_urls] + \
                         [Backend(url.rstrip("/"), "decode") for url in decode_urls] + \
                         [Backend(url.rstrip("/"), "colocated") for url in server_urls]
-        self.roles = ("colocated",) if server_urls else ("prefill", "decode")
+        if membership is not None:
+            self.roles = membership.roles
+        else:
+            self.roles = ("colocated",) if server_urls else ("prefill", "decode")
         self.policy = policy
         self.affinity = PrefillAffinity() if prefill_affinity else None
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
         self.client = client or HttpClient(headers)
         self.monitor = BackendMonitor(self.backends, self.client, health_interval)
+        self.watcher = MembershipWatcher(self, membership, health_interval) if membership is not None else None
+        self.recent_first_events: dict[str, deque] = {role: deque() for role in self.roles}
         self.pools: dict[str, ModelPool] = {}
         self.registry = new_registry()
         self.requests = Counter("tandem:router_requests", "Requests by outcome.", ["outcome"], registry=self.registry)
@@ -99,10 +111,39 @@ class Router:
     # -- start-up ---------------------------------------------------------------------------------
     async def discover(self, timeout: float = 120.0) -> None:
         """Read every server's /pd/info (waiting for servers still starting), form the pools, and
-        start the health probes."""
-        await self.monitor.discover(timeout)
-        self.pools = form_pools(self.backends)
+        start the health probes (and, with a membership source, its watcher)."""
+        if self.watcher is not None:
+            await self.watcher.first_sync(timeout)
+            self.watcher.start()
+        else:
+            await self.monitor.discover(timeout)
+            self.pools = form_pools(self.backends)
         self.monitor.start()
+
+    # -- load, for a deployment's autoscaler ---------------------------------------------------------
+    def record_first_event(self, role: str, seconds: float) -> None:
+        """A streamed request's first event was relayed ``seconds`` after its arrival; ``role``:
+        the role whose work the first token waits on (prefill for PD, colocated)."""
+        self.first_event.observe(seconds)
+        recent = self.recent_first_events.setdefault(role, deque())
+        now = time.monotonic()
+        recent.append((now, seconds))
+        while recent and recent[0][0] < now - LOAD_WINDOW_SECONDS:
+            recent.popleft()
+
+    def load_report(self) -> LoadReport:
+        now = time.monotonic()
+        first_event = {}
+        for role, recent in self.recent_first_events.items():
+            values = [seconds for moment, seconds in recent if moment >= now - LOAD_WINDOW_SECONDS]
+            if values:
+                first_event[role] = sum(values) / len(values)
+        retiring = self.watcher.retiring if self.watcher is not None else []
+        in_flight = {backend.replica or backend.url: backend.in_flight for backend in [*retiring, *self.backends]}
+        return LoadReport(in_flight, first_event)
+
+    def candidates_of_role(self, role: str) -> list[Backend]:
+        return [backend for backend in self.backends if backend.role == role and backend.healthy]
 
     # -- choosing ------------------------------------------------------------------------------------
     def pool_for(self, model: Optional[str]) -> ModelPool:
@@ -248,6 +289,8 @@ class Router:
         task.add_done_callback(self.background.discard)
 
     async def close(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
         await self.monitor.stop()
         for task in list(self.background):
             task.cancel()
@@ -256,22 +299,28 @@ class Router:
 
 
 class BackendCollector:
-    """Per-server gauges: legs in flight, legs sent, healthy (1) or not (0)."""
+    """Per-server gauges: legs in flight, legs sent, healthy (1) or not (0); labelled by role and
+    URL, and, in front of a deployment, by replica name too (``replica="prefill-0"``)."""
 
     def __init__(self, router: Router):
         self.router = router
 
     def collect(self):
+        deployment = self.router.watcher is not None
+        labels = ["role", "url", "replica"] if deployment else ["role", "url"]
         families = {
-            "in_flight": GaugeMetricFamily("tandem:router_backend_in_flight", "Legs in flight per server.",
-                                           labels=["role", "url"]),
-            "dispatched": GaugeMetricFamily("tandem:router_backend_dispatched", "Legs sent per server.",
-                                            labels=["role", "url"]),
+            "in_flight": GaugeMetricFamily("tandem:router_backend_in_flight",
+                                           "Legs in flight per server (in front of a deployment, also labelled "
+                                           "by replica name).", labels=labels),
+            "dispatched": GaugeMetricFamily("tandem:router_backend_dispatched",
+                                            "Legs sent per server (in front of a deployment, also labelled by "
+                                            "replica name).", labels=labels),
             "healthy": GaugeMetricFamily("tandem:router_backend_healthy",
-                                         "1 while the server answers its health checks, else 0.",
-                                         labels=["role", "url"]),
+                                         "1 while the server answers its health checks, else 0 (in front of a "
+                                         "deployment, also labelled by replica name).", labels=labels),
         }
         for backend in self.router.backends:
+            values = [backend.role, backend.url, backend.replica] if deployment else [backend.role, backend.url]
             for name, family in families.items():
-                family.add_metric([backend.role, backend.url], int(getattr(backend, name)))
+                family.add_metric(values, int(getattr(backend, name)))
         yield from families.values()

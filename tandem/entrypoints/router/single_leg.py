@@ -97,7 +97,7 @@ class SingleLeg:
         try:
             async for event in sse_events(response.chunks()):
                 if self.arrival:  # the first event
-                    self.router.first_event.observe(time.perf_counter() - self.arrival)
+                    self.router.record_first_event("colocated", time.perf_counter() - self.arrival)
                     self.arrival = 0.0
                 yield event
                 if event.startswith(ERROR_EVENT_PREFIX):
