@@ -33,7 +33,9 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 from common import model_dir_for  # noqa: E402
 
 PYTHON = sys.executable
-ENVIRONMENT = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT)}
+# The repository first, then whatever path this process was given (packages installed aside).
+ENVIRONMENT = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY_ROOT),
+                                                                     os.environ.get("PYTHONPATH")]))}
 
 
 def start(arguments: list[str], log: Path, environment: dict | None = None) -> subprocess.Popen:
