@@ -92,6 +92,8 @@ def parse_args():
                         help="tandem's device pools (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="tandem over this many ranks (GPUs) (default: %(default)s)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true", default=None,
+                        help="tensor parallelism: NCCL for every all-reduce (the engine's peer all-reduce off)")
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                         help="how ranks 1..N-1 run: processes of this host (mp) or Ray actors (ray: the cluster "
                              "at RAY_ADDRESS, or a local one) (default: the engine's, mp)")
@@ -141,7 +143,7 @@ def timed(function, repeat: int) -> float:
 def optional_engine_arguments(args) -> dict:
     """The engine options this run sets only when asked, so the engine's defaults stay its own."""
     names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout", "quantization",
-             "distributed_executor_backend")
+             "distributed_executor_backend", "disable_custom_all_reduce")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -323,6 +325,7 @@ def main() -> None:
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
     name = "tandem" + (" (eager)" if args.enforce_eager else "")
     backend = f", {args.distributed_executor_backend}" if args.distributed_executor_backend else ""
+    backend += ", NCCL all-reduce" if args.disable_custom_all_reduce else ""
     name += f" (TP={args.tensor_parallel_size}{backend})" if args.tensor_parallel_size > 1 else ""
     results = {name: tandem_seconds}
     if not args.skip_transformers:
