@@ -195,7 +195,8 @@ class PeerAllReduce:
                                         world_size=self.world_size, **norm_options)
 
 
-def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.device) -> Optional[PeerAllReduce]:
+def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.device,
+                         tensor_backend=None) -> Optional[PeerAllReduce]:
     """This rank's ``PeerAllReduce``, or None on every rank (NCCL for everything) where it cannot
     work: a CPU, one rank, more than 8, ranks on different hosts, or symmetric memory failing on
     any rank. Collective over ``control``: every rank calls it, and all decide alike."""
@@ -215,7 +216,7 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     peer, failure = None, ""
     try:
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        _register_group(group_name, store, rank, size)
+        _register_group(group_name, store, rank, size, tensor_backend)
         peer = PeerAllReduce(rank, size, device, limits, group_name)
     except Exception as error:  # noqa: BLE001 - reported, and every rank falls back alike
         failure = f"{type(error).__name__}: {error}"
@@ -229,10 +230,21 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     return peer
 
 
-def _register_group(group_name: str, store, rank: int, size: int) -> None:
-    """Tell torch's symmetric memory which store, rank and size ``group_name`` means (our groups
-    are backend objects outside ``torch.distributed``'s registry)."""
+def _register_group(group_name: str, store, rank: int, size: int, tensor_backend=None) -> None:
+    """Make ``group_name`` mean our ranks to torch's symmetric memory: its store, rank and size
+    (``set_group_info``), and a process group registered under that name, which its
+    rendezvous and operators resolve by name (our groups are backend objects outside
+    ``torch.distributed``'s registry: the registered group wraps the tensor group's NCCL
+    backend)."""
     import torch.distributed as dist
-    from torch._C._distributed_c10d import _SymmetricMemory
+    from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
-    _SymmetricMemory.set_group_info(group_name, rank, size, dist.PrefixStore(f"symmetric-memory/{group_name}", store))
+    group_store = dist.PrefixStore(f"symmetric-memory/{group_name}", store)
+    _SymmetricMemory.set_group_info(group_name, rank, size, group_store)
+    if tensor_backend is not None:
+        group = dist.ProcessGroup(group_store, rank, size)
+        backend_type = dist.ProcessGroup.BackendType.NCCL
+        group._register_backend(torch.device("cuda"), backend_type, tensor_backend)
+        group._set_default_backend(backend_type)
+        group._set_group_name(group_name)
+        _register_process_group(group_name, group)

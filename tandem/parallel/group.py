@@ -94,7 +94,7 @@ def join(rank: int, size: int, device: torch.device, store=None, port: int = 0, 
         tensor = control
     peer = None
     if custom_all_reduce and device.type == "cuda":
-        peer = make_peer_all_reduce(control, store, rank, size, device)
+        peer = make_peer_all_reduce(control, store, rank, size, device, tensor)
     return ParallelGroups(rank, size, store, control, tensor, peer)
 
 
