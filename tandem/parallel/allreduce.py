@@ -248,3 +248,8 @@ def _register_group(group_name: str, store, rank: int, size: int, tensor_backend
         group._set_default_backend(backend_type)
         group._set_group_name(group_name)
         _register_process_group(group_name, group)
+        _REGISTERED_GROUPS[group_name] = group  # the registry holds it weakly
+
+
+# The process groups registered for symmetric memory, kept alive for the process's life.
+_REGISTERED_GROUPS: dict = {}
