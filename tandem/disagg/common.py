@@ -84,7 +84,7 @@ class PDSide:
                                       metadata_row_bytes=self.metadata.row_bytes,
                                       quantization=core.model_info.quantization)
         # tensor parallelism: the workers' agents, each writing (or receiving) its own shard
-        self.ranks = RankFanOut(core.parallel) if core.parallel is not None else None
+        self.ranks = RankFanOut(core.executor) if core.executor.world_size > 1 else None
         self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())
         self.outbox: list[RequestDelta] = []
         self.metrics = TransferMetrics(config.role)

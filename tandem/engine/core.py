@@ -18,18 +18,15 @@ from tandem.protocol import EngineRequest, EngineStats, PositionLogprobs, Reques
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.spec import KV_CACHE_DTYPES
 from tandem.engine.memory import resolve_device
-from tandem.engine.state_setup import build_coordinator, register_state
-from tandem.kv.tiers.setup import build_tiers
-from tandem.models.loader import build_model
-from tandem.engine.ranks.launcher import RankFailure, start_tensor_parallel
-from tandem.parallel.shard import SINGLE
+from tandem.engine.ranks.build import build_rank
+from tandem.engine.ranks.launcher import RankFailure
+from tandem.engine.ranks.start import start_executor
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.structured.matcher import GrammarViolation
-from tandem.worker.cuda_graphs import decode_graph_sizes
 from tandem.worker.model_runner import ModelRunner, to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
@@ -38,52 +35,30 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        torch.manual_seed(config.seed)
-        # Tensor parallelism: this process is rank 0; the workers hold the other shards.
-        self.parallel = start_tensor_parallel(config, self.device) if config.tensor_parallel_size > 1 else None
-        if self.parallel is not None:
-            self.device = self.parallel.device
-        self.model, self.hf_config, self.model_info = build_model(
-            config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
-            max_model_len=config.max_model_len, seed=config.seed, indexer_cache_dtype=config.indexer_cache_dtype,
-            quantization=config.quantization, fp8_compute=config.fp8_compute, tensor_shard=self.parallel.shard if self.parallel is not None else SINGLE)
-        self.registry = register_state(self.model, config.kv_cache_dtype)
+        # The ranks (one: this process; several: this process is rank 0), then this rank's
+        # shard of the model and the state, built as every rank builds its own.
+        self.executor = start_executor(config, resolve_device(config.device))
+        self.device = self.executor.device
+        parts = build_rank(config, self.device, self.executor, rank=0)
+        self.config = config = parts.config
+        self.model, self.hf_config, self.model_info = parts.model, parts.hf_config, parts.model_info
+        self.registry, self.coordinator, self.runner = parts.registry, parts.coordinator, parts.runner
+        plan, tiers = parts.plan, parts.tiers
+        if tiers is not None:
+            self.coordinator.attach_tiers(tiers)
+            tiers.peers = self.executor
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
-        if config.speculative_method is not None:
-            from tandem.spec_decode import Speculator, engine_config_for_speculation
+        if parts.draft is not None:
+            from tandem.spec_decode import Speculator
 
-            self.config = config = engine_config_for_speculation(config, self.device.type)
-            self.speculator = Speculator(self, config)  # registers the draft's state specs
-        self.registry.finalize()
+            self.speculator = Speculator(config, parts.draft, parts.target_layers, self.model)
         self.structured = StructuredOutputs(
             config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
             config.structured_outputs_compile_timeout, device=self.device, check_history=config.sanitizer_on)
         self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
-        plan, self.coordinator = build_coordinator(
-            config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
-            agree=self.parallel.agree_on_pages if self.parallel is not None else None)
-        tiers = build_tiers(config, self.coordinator, self.device,
-                            agree=self.parallel.agree_on_count if self.parallel is not None else None)
-        if tiers is not None:
-            self.coordinator.attach_tiers(tiers)
         self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
-        self.runner = ModelRunner(self.model, self.coordinator, self.device)
-        if self.parallel is not None:
-            self.parallel.attach(self.coordinator, self.runner)
-            if tiers is not None:
-                tiers.peers = self.parallel
-        if not config.enforce_eager:
-            rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
-            sizes = decode_graph_sizes(config, rows)
-            if self.parallel is not None:  # in step with the workers, which capture the same sizes
-                self.parallel.capture_graphs(self.runner, sizes, self.model_info.max_model_len,
-                                             config.max_num_batched_tokens)
-            else:
-                self.runner.capture_graphs(sizes, self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
         if self.speculator is not None:
@@ -556,12 +531,10 @@ class EngineCore:
             self.pd.close()
         if self.coordinator.tiers is not None:
             self.coordinator.tiers.close()  # queued disk writes finish first
-        if self.parallel is not None:
-            self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
-            self.parallel.close()
+        self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
+        self.executor.close()
 
     def check_health(self) -> None:
         """Raises when a tensor-parallel rank has died (the engine cannot step any more); an idle
         engine's page operations since its last step reach the other ranks here."""
-        if self.parallel is not None:
-            self.parallel.flush()
+        self.executor.flush()
