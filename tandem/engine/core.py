@@ -27,13 +27,16 @@ from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_ma
 from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.structured.matcher import GrammarViolation
-from tandem.worker.model_runner import ModelRunner, to_position_logprobs
+from tandem.worker.model_runner import to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
+    """One model replica's engine core; the ``StepContext`` (``tandem/step_context.py``) that
+    speculative decoding and PD hook into."""
+
     def __init__(self, config: EngineConfig) -> None:
         # The ranks (one: this process; several: this process is rank 0), then this rank's
         # shard of the model and the state, built as every rank builds its own.
@@ -167,9 +170,9 @@ class EngineCore:
                 if sequence.index == index:
                     sequence.pending_forks = 0
                     self._end(sequence, "stop")
-            self._forget_if_done(request_id)
+            self.forget_if_done(request_id)
 
-    def _forget_if_done(self, request_id: str) -> None:
+    def forget_if_done(self, request_id: str) -> None:
         sequences = self._sequences.get(request_id)
         if sequences is not None and all(s.is_finished and not s.pending_forks for s in sequences):
             del self._sequences[request_id]
@@ -221,7 +224,7 @@ class EngineCore:
         if previous is not None and (output is None or not self._can_overlap(output)):
             self._in_flight = None
             deltas = self._complete(previous)
-            self._check_books()
+            self.check_books()
             return deltas
         deltas: list[RequestDelta] = []
         current = self._launch(output.chunks, previous, started) if output.chunks else None
@@ -239,10 +242,10 @@ class EngineCore:
                 self._in_flight = current
             else:
                 deltas += self._complete(current)
-        self._check_books()
+        self.check_books()
         return deltas
 
-    def _check_books(self) -> None:
+    def check_books(self) -> None:
         if not self.coordinator.sanitizer.enabled:
             return
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
@@ -267,7 +270,7 @@ class EngineCore:
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
             logger.exception("forward pass failed")
-            return self._fail(chunks, f"{type(error).__name__}: {error}")
+            return self.fail_chunks(chunks, f"{type(error).__name__}: {error}")
         step = LaunchedStep(chunks=chunks, prompt_logprobs=result.prompt_logprobs, started=started)
         if previous is None:  # forks copy computed state: only without a step in flight
             for chunk in chunks:
@@ -292,10 +295,10 @@ class EngineCore:
             if pd is not None:
                 pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
             if chunk.prompt_logprobs:
-                self._collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
+                self.collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
         step.computed = True
 
-    def _collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
+    def collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
         if not chunk.prompt_logprobs:
             return
         sequence = chunk.sequence
@@ -312,7 +315,7 @@ class EngineCore:
             if sequence.pending_forks and not sequence.num_output_tokens:
                 rows = rows or list(range(row))
                 rows.append(row)
-                for child in self._fork(sequence):
+                for child in self.fork(sequence):
                     sequences.append(child)
                     rows.append(row)
             elif rows is not None:
@@ -330,7 +333,7 @@ class EngineCore:
             params, [s.generator for s in sequences],
             empty if table.no_penalties else [s.prompt_token_ids for s in sequences],
             empty if table.no_penalties else [s.output_token_ids for s in sequences],
-            [self._banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
+            [self.banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
             self.device, table, token_bitmask=bitmask)
         step.sampled = self.sampler(logits, metadata)
         step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
@@ -352,14 +355,14 @@ class EngineCore:
         self._record_step_time(step)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
-        logprobs = self._sampled_logprobs(step.sequences, sampled)
+        logprobs = self.sampled_logprobs(step.sequences, sampled)
         deltas = []
         for sequence, position, token, position_logprobs in zip(step.sequences, step.positions, token_ids,
                                                                 logprobs):
             if sequence.is_finished:  # ended while the step ran (abort, stop string, its last token)
                 continue
             sequence.token_ids[position] = token
-            deltas.append(self._token_delta(sequence, position, token, position_logprobs))
+            deltas.append(self.token_delta(sequence, position, token, position_logprobs))
         return deltas
 
     def _record_step_time(self, step: "LaunchedStep") -> None:
@@ -392,10 +395,10 @@ class EngineCore:
         if step is None:
             return []
         deltas = self._complete(step)
-        self._check_books()
+        self.check_books()
         return deltas
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def fork(self, parent: Sequence) -> list[Sequence]:
         """At the end of the parent's prompt: make its n-1 siblings, sharing its pages."""
         if not parent.pending_forks or parent.num_output_tokens:
             return []
@@ -413,7 +416,7 @@ class EngineCore:
         parent.pending_forks = 0
         return children
 
-    def _banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
+    def banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
         """Token ids the next token (``ahead`` tokens later: a draft's position) may not take."""
         params = sequence.params
         if sequence.num_output_tokens + ahead >= params.min_tokens:
@@ -421,7 +424,7 @@ class EngineCore:
         eos = [] if params.ignore_eos else list(self.model_info.eos_token_ids)
         return eos + list(params.stop_token_ids)
 
-    def _sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
+    def sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
         if all(s.params.logprobs is None for s in sequences):
             return [None] * len(sequences)
         entries = to_position_logprobs(sampled.token_ids, sampled.logprobs, sampled.ranks,
@@ -435,7 +438,7 @@ class EngineCore:
             result.append(PositionLogprobs(entry.token_ids[:1 + keep], entry.logprobs[:1 + keep], entry.rank))
         return result
 
-    def _append_token(self, sequence: Sequence, token: int,
+    def append_first_token(self, sequence: Sequence, token: int,
                       logprobs: Optional[PositionLogprobs]) -> RequestDelta:
         """Append a token known on the host (PD: the first token, from the prefill server). A
         token the sequence's grammar forbids ends it with an error."""
@@ -445,15 +448,15 @@ class EngineCore:
                 sequence.grammar.sync(sequence.output_token_ids, self.structured.check_history)
             except GrammarViolation as error:
                 self._end(sequence, "error")
-                self._forget_if_done(sequence.request_id)
+                self.forget_if_done(sequence.request_id)
                 return RequestDelta(request_id=sequence.request_id, index=sequence.index,
                                     finish_reason="error", error=f"structured_outputs: {error}")
-        return self._token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
+        return self.token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
 
-    def _token_delta(self, sequence: Sequence, position: int, token: int,
+    def token_delta(self, sequence: Sequence, position: int, token: int,
                      logprobs: Optional[PositionLogprobs]) -> RequestDelta:
         """The delta of the token now at ``position`` (later pending tokens may follow it)."""
-        reason, stop_reason = self._finish_reason(sequence, token, position + 1 - sequence.num_prompt_tokens)
+        reason, stop_reason = self.finish_reason(sequence, token, position + 1 - sequence.num_prompt_tokens)
         delta = RequestDelta(request_id=sequence.request_id, index=sequence.index,
                              new_token_ids=[token],
                              new_logprobs=[logprobs] if logprobs is not None else None)
@@ -467,10 +470,10 @@ class EngineCore:
             del sequence.token_ids[position + 1:]  # tokens a later step computed past its end
             delta.finish_reason, delta.stop_reason = reason, stop_reason
             self._end(sequence, reason)
-            self._forget_if_done(sequence.request_id)
+            self.forget_if_done(sequence.request_id)
         return delta
 
-    def _finish_reason(self, sequence: Sequence, token: int, num_output: int):
+    def finish_reason(self, sequence: Sequence, token: int, num_output: int):
         params = sequence.params
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.model_info.eos_token_ids:
@@ -481,14 +484,14 @@ class EngineCore:
             return "length", None
         return None, None
 
-    def _fail(self, chunks, message: str) -> list[RequestDelta]:
+    def fail_chunks(self, chunks, message: str) -> list[RequestDelta]:
         deltas = []
         for chunk in chunks:
             sequence = chunk.sequence
             self._end(sequence, "error")
             deltas.append(RequestDelta(request_id=sequence.request_id, index=sequence.index,
                                        finish_reason="error", error=message))
-            self._forget_if_done(sequence.request_id)
+            self.forget_if_done(sequence.request_id)
         return deltas
 
     # -- introspection ------------------------------------------------------------------------------

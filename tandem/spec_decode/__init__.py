@@ -29,6 +29,7 @@ from tandem.spec_decode.networks import DraftModelNetwork, MTPNetwork
 from tandem.spec_decode.proposer import DraftModelProposer, MTPProposer
 from tandem.spec_decode.step import SpeculativeStep
 from tandem.spec_decode.verify import Verifier
+from tandem.step_context import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Speculator:
     def graph_rows(self, max_num_seqs: int) -> int:
         return graph_rows(max_num_seqs, self.num_speculative_tokens)
 
-    def attach(self, core) -> None:
+    def attach(self, core: StepContext) -> None:
         core.coordinator.state_reads_next_token = self.network.reads_next_token
         if self.method == "mtp":
             self.proposer = MTPProposer(core, self.network, self.num_speculative_tokens,
@@ -163,7 +164,7 @@ class Speculator:
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
                                     self.target_groups, self.metrics)
 
-    def capture_graphs(self, core) -> None:
+    def capture_graphs(self, core: StepContext) -> None:
         """Where the target replays CUDA graphs (verification steps too: ``build.py``), the draft
         gets graphs of its own at the same sizes when its layers are graph-safe and it runs on
         this rank alone."""

@@ -33,6 +33,7 @@ from tandem.spec_decode.draft_batch import DraftNetwork, DraftRow, run_rows
 from tandem.spec_decode.state import SpeculationState
 from tandem.structured.bitmask import apply_bitmask
 from tandem.worker.sampler import GREEDY_TEMPERATURE_EPSILON, Sampler, SamplingMetadata, greedy_mask
+from tandem.step_context import StepContext
 
 
 @dataclass
@@ -75,7 +76,7 @@ class _Plan:
 class Proposer:
     shift = 0
 
-    def __init__(self, core, network: DraftNetwork, num_speculative_tokens: int) -> None:
+    def __init__(self, core: StepContext, network: DraftNetwork, num_speculative_tokens: int) -> None:
         self.core = core
         self.coordinator = core.coordinator
         self.network = network
@@ -228,7 +229,7 @@ class MTPProposer(Proposer):
 
     shift = 1
 
-    def __init__(self, core, network: DraftNetwork, num_speculative_tokens: int, hidden_size: int) -> None:
+    def __init__(self, core: StepContext, network: DraftNetwork, num_speculative_tokens: int, hidden_size: int) -> None:
         super().__init__(core, network, num_speculative_tokens)
         self.hidden_size = hidden_size
 
