@@ -229,8 +229,8 @@ class DecodeSide(PDSide):
         hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
         scheduler.prefix_hit_tokens += hit
         scheduler.prefix_query_tokens += sequence.num_prompt_tokens
-        if hit and self.coordinator.tiers is not None:
-            self.coordinator.tiers.count_hit(sequence.state.cache_path)
+        if hit and self.scheduler.tiers is not None:
+            self.scheduler.tiers.count_hit(sequence.state.cache_path)
 
     def destination_bytes(self, sequence: Sequence, tables: list[list[int]]) -> int:
         """Bytes the prefill side writes: the destination pages that are final once the prompt

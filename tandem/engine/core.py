@@ -46,10 +46,13 @@ class EngineCore:
         self.config = config = parts.config
         self.model, self.hf_config, self.model_info = parts.model, parts.hf_config, parts.model_info
         self.registry, self.coordinator, self.runner = parts.registry, parts.coordinator, parts.runner
-        plan, tiers = parts.plan, parts.tiers
-        if tiers is not None:
-            self.coordinator.attach_tiers(tiers)
-            tiers.peers = self.executor
+        plan = parts.plan
+        # The host and disk tiers (kv/tiers), when configured: the coordinator consults them
+        # for prefix hits and frees; the engine and the scheduler drive them through this handle.
+        self.tiers = parts.tiers
+        if self.tiers is not None:
+            self.coordinator.attach_tiers(self.tiers)
+            self.tiers.peers = self.executor
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
         if parts.draft is not None:
             from tandem.spec_decode import Speculator
@@ -59,7 +62,7 @@ class EngineCore:
             config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
             config.structured_outputs_compile_timeout, device=self.device, check_history=config.sanitizer_on)
         self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
-        self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
+        self.scheduler = Scheduler(self.coordinator, tiers=self.tiers, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -212,8 +215,8 @@ class EngineCore:
         step with grammar-constrained rows completes step N between its forward pass and its
         sampling (the masks need step N's tokens; ``_launch``).
         While speculating, the speculator runs the step (one at a time)."""
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.poll()  # tier copies that completed release their pages
+        if self.tiers is not None:
+            self.tiers.poll()  # tier copies that completed release their pages
         if self.structured.has_waiting():
             self._admit_compiled()
         if self.speculator is not None:
@@ -251,8 +254,8 @@ class EngineCore:
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
         self.coordinator.sanitizer.check_books(
             self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.check_books()
+        if self.tiers is not None:
+            self.tiers.check_books()
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its
@@ -504,7 +507,7 @@ class EngineCore:
                            num_preemptions=self.scheduler.num_preemptions,
                            page_size=self.coordinator.page_size,
                            transfer=self.pd.stats() if self.pd is not None else None,
-                           tiers=tier_stats(self.coordinator.tiers) if self.coordinator.tiers is not None else None,
+                           tiers=tier_stats(self.tiers) if self.tiers is not None else None,
                            speculation=self.speculator.stats() if self.speculator is not None else None,
                            structured_outputs=self.structured.stats())
 
@@ -517,7 +520,7 @@ class EngineCore:
             raise SanitizerError("check_all_free called while a launched step still had tokens to deliver")
         if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
-        tiers = self.coordinator.tiers
+        tiers = self.tiers
         if tiers is not None:
             tiers.drain()
         self.reset_prefix_cache()
@@ -532,8 +535,8 @@ class EngineCore:
         self.structured.close()
         if self.pd is not None:
             self.pd.close()
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.close()  # queued disk writes finish first
+        if self.tiers is not None:
+            self.tiers.close()  # queued disk writes finish first
         self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
         self.executor.close()
 

@@ -159,7 +159,7 @@ class Speculator:
             self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
         self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
         # Every page a speculative step copies aside is reserved when its sequence is scheduled.
-        core.coordinator.reserve_set_aside_slots(self.target_groups + list(self.network.groups))
+        core.coordinator.speculation.reserve_for(self.target_groups + list(self.network.groups))
         self.capture_graphs(core)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
                                     self.target_groups, self.metrics)

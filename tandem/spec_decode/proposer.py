@@ -81,7 +81,7 @@ class Proposer:
         self.coordinator = core.coordinator
         self.network = network
         self.num_speculative_tokens = num_speculative_tokens
-        self.chain_on_copies = self.coordinator.speculation_copies(network.groups)
+        self.chain_on_copies = self.coordinator.speculation.copies_needed(network.groups)
 
     # -- what a subclass says -----------------------------------------------------------------
     def row(self, plan: _Plan, start: int, end: int, tables: list[list[int]], wants_logits: bool) -> DraftRow:
@@ -133,8 +133,8 @@ class Proposer:
             if merged:
                 plan.tables = plan.work.sequence.state.page_tables
             else:
-                plan.owner = self.coordinator.set_aside(plan.work.sequence.state, self.network.groups)
-                plan.tables = self.coordinator.chain_page_tables(plan.work.sequence.state, plan.owner)
+                plan.owner = self.coordinator.speculation.set_aside(plan.work.sequence.state, self.network.groups)
+                plan.tables = self.coordinator.speculation.chain_page_tables(plan.work.sequence.state, plan.owner)
         if not merged:
             self._forward([(plan, self.row(plan, plan.computed, plan.known - self.shift, plan.tables, True))
                            for plan in proposing if plan.known - self.shift > plan.computed])
@@ -143,7 +143,7 @@ class Proposer:
         finally:
             for plan in proposing:
                 if plan.owner is not None:
-                    self.coordinator.end_set_aside(plan.owner)
+                    self.coordinator.speculation.end_set_aside(plan.owner)
         drawn = [token for plan in plans for token in plan.tokens]
         host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
         for plan in plans:

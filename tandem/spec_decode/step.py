@@ -62,7 +62,7 @@ class SpeculativeStep:
 
     def _run(self, chunks) -> list[RequestDelta]:
         core, coordinator = self.core, self.core.coordinator
-        copies = {id(chunk): coordinator.set_aside(chunk.sequence.state, self.target_groups)
+        copies = {id(chunk): coordinator.speculation.set_aside(chunk.sequence.state, self.target_groups)
                   for chunk in chunks if chunk.num_draft_tokens}
         try:
             result = core.runner.execute(chunks)
@@ -72,7 +72,7 @@ class SpeculativeStep:
             logger.exception("forward pass failed")
             for owner in copies.values():
                 if owner is not None:
-                    coordinator.end_set_aside(owner)
+                    coordinator.speculation.end_set_aside(owner)
             return core.fail_chunks(chunks, f"{type(error).__name__}: {error}")
         step = result.step
         for chunk in step.chunks:
@@ -148,10 +148,10 @@ class SpeculativeStep:
         coordinator = self.core.coordinator
         kept = min(verdict.num_accepted, num_emitted)
         num_valid = chunk.start + chunk.num_new_tokens + kept
-        exact = coordinator.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
+        exact = coordinator.speculation.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
                                       num_written=chunk.start + chunk.num_query_tokens)
         if owner is not None:
-            coordinator.end_set_aside(owner)
+            coordinator.speculation.end_set_aside(owner)
         chunk.sequence.num_computed_tokens = num_valid if exact else chunk.start
         self.metrics.record(chunk.num_draft_tokens, verdict.num_accepted)
 

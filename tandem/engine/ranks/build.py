@@ -124,4 +124,4 @@ def _prepare_verification(runner: ModelRunner, coordinator: StateCoordinator, re
     runner.graph_layers = frozenset(target_layers)
     if runner.graphs is not None:
         target_groups = sorted({registry.group_of(name) for name in target_layers})
-        runner.verify_as_decode_rows = not coordinator.speculation_copies(target_groups)
+        runner.verify_as_decode_rows = not coordinator.speculation.copies_needed(target_groups)
