@@ -147,9 +147,6 @@ class Speculator:
     def num_state_layers(self) -> int:
         return len(self.network.layer_names)
 
-    def graph_rows(self, max_num_seqs: int) -> int:
-        return graph_rows(max_num_seqs, self.num_speculative_tokens)
-
     def attach(self, core: StepContext) -> None:
         core.coordinator.state_reads_next_token = self.network.reads_next_token
         if self.method == "mtp":
