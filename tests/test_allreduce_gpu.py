@@ -186,7 +186,7 @@ def test_tp2_engine_on_the_peer_path_equals_tp1(enforce_eager, model_dirs):
         llm = LLM(model=model_dirs["llama"], **options, **extra)
         try:
             if name != "tp1":
-                shard = llm.engine.parallel.shard
+                shard = llm.engine.executor.shard
                 assert (shard.peer is None) == (name == "nccl")
             outputs[name] = llm.generate(prompts, params, use_tqdm=False)
             if not enforce_eager:

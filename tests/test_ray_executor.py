@@ -35,6 +35,7 @@ from ray.util import placement_group_table  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
+from tandem.engine.ranks.executor import InProcessExecutor  # noqa: E402
 from tandem.engine.ranks.launcher import RankFailure  # noqa: E402
 from tests.server_helpers import process_alive  # noqa: E402
 from tests.test_tensor_parallel import (ENGINE, GREEDY, check_collective_calls, check_scenario_outputs,  # noqa: E402
@@ -89,7 +90,7 @@ def test_one_rank_starts_nothing_and_bad_options_are_named(model_dirs, monkeypat
     assert not ray.is_initialized()  # (this test runs before the module's cluster starts)
     llm = LLM(model=model_dirs["llama"], distributed_executor_backend="ray", **ENGINE)
     try:
-        assert llm.engine.parallel is None and not ray.is_initialized()
+        assert isinstance(llm.engine.executor, InProcessExecutor) and not ray.is_initialized()
     finally:
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="ray_placement_strategy: places Ray actors: needs "
@@ -128,7 +129,7 @@ def test_tp2_across_nodes_equals_tp1_and_transformers(arch, strategy, ray_cluste
     single_llm = LLM(model=model_dirs[arch], **options)
     single, _ = run_scenario(single_llm)
     llm = LLM(model=model_dirs[arch], ray_placement_strategy=strategy, **RAY, **options)
-    executor = llm.engine.parallel
+    executor = llm.engine.executor
     try:
         places = executor.places
         assert places[0].node_id == ray.get_runtime_context().get_node_id()  # the engine core's node
@@ -185,7 +186,7 @@ def test_killed_actor_ends_the_engine(ray_cluster, model_dirs, monkeypatch, capl
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     try:
         llm = LLM(model=model_dirs["llama"], **RAY, **ENGINE)
-        executor = llm.engine.parallel
+        executor = llm.engine.executor
         assert executor.started.owns_ray and ray.is_initialized()
         try:
             check_killed_actor_fails(llm)
@@ -219,7 +220,7 @@ def test_a_rank_that_cannot_build_fails_the_start_naming_it(ray_cluster, model_d
 
 
 def check_killed_actor_fails(llm) -> None:
-    executor = llm.engine.parallel
+    executor = llm.engine.executor
     execute, steps = llm.engine.runner.execute, []
 
     def execute_after_the_third_step_kills(*arguments, **keywords):

@@ -53,16 +53,16 @@ def test_cuda_tp2_on_ray_equals_multiprocess(arch, local_ray, model_dirs, oracle
     llm = LLM(model=model_dirs[arch], distributed_executor_backend="ray", **OPTIONS)
     try:
         engine = llm.engine
-        places = engine.parallel.places
+        places = engine.executor.places
         gpus = [place.gpu_ids for place in places]
         assert len(gpus[0]) == len(gpus[1]) == 1 and gpus[0] != gpus[1], gpus
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         rank_zero_index = int(gpus[0][0]) if visible is None else visible.split(",").index(gpus[0][0])
         assert engine.device == torch.device("cuda", rank_zero_index)  # the GPU of rank 0's bundle
-        assert engine.parallel.graph_sizes == [1, 2, 4, 8]
+        assert engine.executor.graph_sizes == [1, 2, 4, 8]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"
-        assert engine.parallel.collective_rpc("sanitizer_on") == [True, True]
+        assert engine.executor.collective_rpc("sanitizer_on") == [True, True]
         engine.check_all_free()
         engine.check_health()
     finally:

@@ -337,7 +337,7 @@ def test_rollback_in_every_group():
     assert plan.pages_of(1) == 2 * 2 + 1  # a working slot and a copy per sequence seat
     allocate_buffers(registry, plan, torch.device("cpu"))
     coordinator = StateCoordinator(registry, plan, enable_prefix_caching=False, sanitize=True)
-    coordinator.reserve_set_aside_slots([0, 1, 2])  # a slot per recurrent group, reserved with the pages
+    coordinator.speculation.reserve_for([0, 1, 2])  # a slot per recurrent group, reserved with the pages
     state = coordinator.new_state("s#0")
     assert coordinator.pages_needed(state, 10) == [3, 2, 2]
     coordinator.allocate(state, 10)
@@ -345,26 +345,26 @@ def test_rollback_in_every_group():
     ssm, draft_ssm = registry.layer_buffers("recurrent")["ssm"], registry.layer_buffers("draft.recurrent")["ssm"]
     working, draft_working = state.page_tables[1][0], state.page_tables[2][0]
     ssm[working].fill_(1.0)
-    owner = coordinator.set_aside(state, [0, 1])
-    assert coordinator.set_aside(coordinator.new_state("s#1"), [0]) is None  # token pages need no copy
-    chain = coordinator.chain_page_tables(state, owner)
+    owner = coordinator.speculation.set_aside(state, [0, 1])
+    assert coordinator.speculation.set_aside(coordinator.new_state("s#1"), [0]) is None  # token pages need no copy
+    chain = coordinator.speculation.chain_page_tables(state, owner)
     assert chain[0] is state.page_tables[0] and chain[1] != [working] and len(chain[1]) == 1
     ssm[working].fill_(2.0)  # what the verification wrote
     draft_ssm[draft_working].fill_(3.0)
     released = state.page_tables[0][2]
-    assert coordinator.roll_back(state, owner, [0, 1], num_valid=10, num_written=10)
-    assert not coordinator.roll_back(state, owner, [0, 1], num_valid=5, num_written=10)
+    assert coordinator.speculation.roll_back(state, owner, [0, 1], num_valid=10, num_written=10)
+    assert not coordinator.speculation.roll_back(state, owner, [0, 1], num_valid=5, num_written=10)
     assert torch.all(ssm[working] == 1.0) and torch.all(draft_ssm[draft_working] == 3.0)
     assert len(state.page_tables[0]) == 2
     assert torch.isnan(registry.layer_buffers("attention")["key"][released]).all()  # poisoned
     coordinator.sanitizer.check_books(coordinator, [state])
-    coordinator.end_set_aside(owner)
-    assert coordinator.set_aside(state, [1]) == owner  # the slots serve the next set-aside
-    coordinator.end_set_aside(owner)
+    coordinator.speculation.end_set_aside(owner)
+    assert coordinator.speculation.set_aside(state, [1]) == owner  # the slots serve the next set-aside
+    coordinator.speculation.end_set_aside(owner)
     unreserved = coordinator.new_state("s#2")
     unreserved.page_tables[1].extend(coordinator.pools[1].allocate(1, unreserved.owner))
     with pytest.raises(RuntimeError, match="without slots reserved"):  # a step never allocates midway
-        coordinator.set_aside(unreserved, [1])
+        coordinator.speculation.set_aside(unreserved, [1])
     coordinator.free(unreserved)
     coordinator.free(state)
     coordinator.sanitizer.check_all_free(coordinator)

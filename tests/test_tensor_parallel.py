@@ -62,14 +62,14 @@ def check_collective_calls(single, sharded, replicated: bool) -> None:
     all of a replicated state)."""
     from tandem.engine.ranks.executor import Executor, InProcessExecutor
 
-    assert isinstance(sharded.parallel, Executor) and sharded.parallel.world_size == 2
+    assert isinstance(sharded.executor, Executor) and sharded.executor.world_size == 2
     pages = [pool.num_pages for pool in sharded.coordinator.pools]
-    assert sharded.parallel.collective_rpc("pool_pages") == [pages, pages]
+    assert sharded.executor.collective_rpc("pool_pages") == [pages, pages]
     local = InProcessExecutor(single.device)
     local.attach(single.coordinator, single.runner)
     assert local.collective_rpc("pool_pages") == [pages]  # the same pools (a fixed token count)
     (whole,) = local.collective_rpc("state_bytes")
-    shards = sharded.parallel.collective_rpc("state_bytes")
+    shards = sharded.executor.collective_rpc("state_bytes")
     assert shards == [whole if replicated else whole // 2] * 2, (shards, whole)
 
 

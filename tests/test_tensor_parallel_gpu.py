@@ -42,7 +42,7 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         # The graphs every rank captured: equal on both ranks (checked at start-up), so rank 1
         # holds these too and replays one wherever rank 0 does (the plan names it).
         sizes = [] if enforce_eager else [1, 2, 4, 8]
-        assert engine.parallel.graph_sizes == sizes
+        assert engine.executor.graph_sizes == sizes
         assert sorted(engine.runner.graphs.graphs if engine.runner.graphs is not None else []) == sizes
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert enforce_eager or engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"

@@ -43,13 +43,13 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
               cuda_graph_sizes=list(range(1, 9)), **dict(ENGINE, page_size=64))
     engine = llm.engine
     sent = []
-    send_step = engine.parallel.send_step
+    send_step = engine.executor.send_step
 
     def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
         sent.append((step.num_decode == len(step.chunks), graph_size))
         send_step(step, ranges, inputs_from_root, graph_size)
 
-    monkeypatch.setattr(engine.parallel, "send_step", recording_send_step)
+    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
     runner = engine.runner
     forward = CudaGraphRunner._forward
 
@@ -60,7 +60,7 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
     monkeypatch.setattr(CudaGraphRunner, "_forward", guarded_forward)
     graphs = runner.graphs  # (shutdown releases the runner's graphs)
     try:
-        assert engine.parallel.graph_sizes == list(range(1, 9)) == graphs.batch_sizes
+        assert engine.executor.graph_sizes == list(range(1, 9)) == graphs.batch_sizes
         outputs, prompts = run_scenario(llm)
         engine.check_all_free()
         engine.check_health()  # the worker took every plan
@@ -82,12 +82,12 @@ def test_enforce_eager_keeps_every_rank_eager(model_dirs, oracles, monkeypatch):
     monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
     llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, enforce_eager=True, **ENGINE)
     sent = []
-    send_step = llm.engine.parallel.send_step
-    monkeypatch.setattr(llm.engine.parallel, "send_step",
+    send_step = llm.engine.executor.send_step
+    monkeypatch.setattr(llm.engine.executor, "send_step",
                         lambda step, *args: (sent.append(args[-1]), send_step(step, *args)))
     prompt = list(range(3, 20))
     try:
-        assert llm.engine.parallel.graph_sizes == [] and llm.engine.runner.graphs is None
+        assert llm.engine.executor.graph_sizes == [] and llm.engine.runner.graphs is None
         output = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
     finally:
         llm.engine.shutdown()
@@ -164,13 +164,13 @@ def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs
               **dict(ENGINE, page_size=64))
     engine = llm.engine
     sent = []
-    send_step = engine.parallel.send_step
+    send_step = engine.executor.send_step
 
     def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
         sent.append(graph_size)
         send_step(step, ranges, inputs_from_root, graph_size)
 
-    monkeypatch.setattr(engine.parallel, "send_step", recording_send_step)
+    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
     prompt = [(5 * i + 7) % 500 + 3 for i in range(70)]
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     try:

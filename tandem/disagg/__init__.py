@@ -33,9 +33,10 @@ from tandem.disagg.common import PDSide
 from tandem.disagg.decode import DecodeSide
 from tandem.disagg.prefill import PrefillSide
 from tandem.transfer.config import TransferConfig
+from tandem.step_context import StepContext
 
 __all__ = ["create_pd", "PDSide", "PrefillSide", "DecodeSide"]
 
 
-def create_pd(core, config: TransferConfig) -> PDSide:
+def create_pd(core: StepContext, config: TransferConfig) -> PDSide:
     return (PrefillSide if config.role == "prefill" else DecodeSide)(core, config)

@@ -26,6 +26,7 @@ from tandem.transfer.connector import TransferBackend
 from tandem.transfer.control import ControlChannel, advertised_host
 from tandem.transfer.descriptors import buffer_regions, describe_layout, tensor_region
 from tandem.transfer.metadata import MetadataBuffer
+from tandem.step_context import StepContext
 
 logger = logging.getLogger("tandem.pd")
 
@@ -36,7 +37,7 @@ IDLE_TICK_MILLISECONDS = 50  # otherwise (heartbeats, timeouts)
 EXTRA_METADATA_ROWS = 16
 
 
-def model_dimensions(core) -> dict[str, int]:
+def model_dimensions(core: StepContext) -> dict[str, int]:
     info = core.model_info
     speculator = core.speculator
     return {"vocab_size": int(info.vocab_size), "hidden_size": int(info.hidden_size),
@@ -52,7 +53,7 @@ class PDSide:
 
     role = ""
 
-    def __init__(self, core, config: TransferConfig) -> None:
+    def __init__(self, core: StepContext, config: TransferConfig) -> None:
         self.core = core
         self.config = config
         self.coordinator = core.coordinator
@@ -84,7 +85,7 @@ class PDSide:
                                       metadata_row_bytes=self.metadata.row_bytes,
                                       quantization=core.model_info.quantization)
         # tensor parallelism: the workers' agents, each writing (or receiving) its own shard
-        self.ranks = RankFanOut(core.parallel) if core.parallel is not None else None
+        self.ranks = RankFanOut(core.executor) if core.executor.world_size > 1 else None
         self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())
         self.outbox: list[RequestDelta] = []
         self.metrics = TransferMetrics(config.role)
@@ -175,7 +176,7 @@ class PDSide:
         """End the sequence and release its references (pages held in flight stay)."""
         if not sequence.is_finished:
             self.scheduler.finish(sequence, reason)
-        self.core._forget_if_done(sequence.request_id)
+        self.core.forget_if_done(sequence.request_id)
 
     def error_delta(self, sequence: Sequence, reason: str) -> RequestDelta:
         return RequestDelta(request_id=sequence.request_id, index=sequence.index, finish_reason="error",

@@ -44,6 +44,7 @@ from tandem.transfer.messages import (
     room_of_notification,
 )
 from tandem.transfer.state import TransferState, TransferStatus
+from tandem.step_context import StepContext
 
 logger = logging.getLogger("tandem.pd")
 
@@ -51,7 +52,7 @@ logger = logging.getLogger("tandem.pd")
 class DecodeSide(PDSide):
     role = "decode"
 
-    def __init__(self, core, config: TransferConfig) -> None:
+    def __init__(self, core: StepContext, config: TransferConfig) -> None:
         super().__init__(core, config)
         self.transfers: dict[str, DecodeTransfer] = {}  # live: waiting or bound
         self.by_request: dict[str, DecodeTransfer] = {}
@@ -228,8 +229,8 @@ class DecodeSide(PDSide):
         hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
         scheduler.prefix_hit_tokens += hit
         scheduler.prefix_query_tokens += sequence.num_prompt_tokens
-        if hit and self.coordinator.tiers is not None:
-            self.coordinator.tiers.count_hit(sequence.state.cache_path)
+        if hit and self.scheduler.tiers is not None:
+            self.scheduler.tiers.count_hit(sequence.state.cache_path)
 
     def destination_bytes(self, sequence: Sequence, tables: list[list[int]]) -> int:
         """Bytes the prefill side writes: the destination pages that are final once the prompt
@@ -296,7 +297,7 @@ class DecodeSide(PDSide):
         sequence.num_cached_tokens = row.num_cached_tokens
         self.skip_first_draw(sequence)
         self.scheduler.release_remote(sequence, running=True)
-        self.outbox.append(self.core._append_token(sequence, row.first_token, logprobs))
+        self.outbox.append(self.core.append_first_token(sequence, row.first_token, logprobs))
 
     def skip_first_draw(self, sequence: Sequence) -> None:
         """A seeded request continues its random stream where the prefill engine left it: the

@@ -35,6 +35,7 @@ from tandem.transfer.messages import (
     first_difference,
 )
 from tandem.transfer.state import TransferState, TransferStatus
+from tandem.step_context import StepContext
 
 logger = logging.getLogger("tandem.pd")
 
@@ -43,7 +44,7 @@ logger = logging.getLogger("tandem.pd")
 class PrefillSide(PrefillWrites, PDSide):
     role = "prefill"
 
-    def __init__(self, core, config: TransferConfig) -> None:
+    def __init__(self, core: StepContext, config: TransferConfig) -> None:
         super().__init__(core, config)
         self.transfers: dict[str, PrefillTransfer] = {}  # room -> transfer, until drained
         self.by_request: dict[str, PrefillTransfer] = {}

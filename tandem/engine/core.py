@@ -18,73 +18,53 @@ from tandem.protocol import EngineRequest, EngineStats, PositionLogprobs, Reques
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.spec import KV_CACHE_DTYPES
 from tandem.engine.memory import resolve_device
-from tandem.engine.state_setup import build_coordinator, register_state
-from tandem.kv.tiers.setup import build_tiers
-from tandem.models.loader import build_model
-from tandem.engine.ranks.backends import start_ranks
+from tandem.engine.ranks.build import build_rank
 from tandem.engine.ranks.launcher import RankFailure
-from tandem.parallel.shard import SINGLE
+from tandem.engine.ranks.start import start_executor
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.structured.matcher import GrammarViolation
-from tandem.worker.cuda_graphs import decode_graph_sizes
-from tandem.worker.model_runner import ModelRunner, to_position_logprobs
+from tandem.worker.model_runner import to_position_logprobs
 from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        torch.manual_seed(config.seed)
-        # Tensor parallelism: this process is rank 0; the workers hold the other shards.
-        self.parallel = start_ranks(config, self.device) if config.tensor_parallel_size > 1 else None
-        if self.parallel is not None:
-            self.device = self.parallel.device
-        self.model, self.hf_config, self.model_info = build_model(
-            config.model, dtype=config.dtype, load_format=config.load_format, device=self.device,
-            max_model_len=config.max_model_len, seed=config.seed, indexer_cache_dtype=config.indexer_cache_dtype,
-            quantization=config.quantization, fp8_compute=config.fp8_compute, tensor_shard=self.parallel.shard if self.parallel is not None else SINGLE)
-        self.registry = register_state(self.model, config.kv_cache_dtype)
-        self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
-        if config.speculative_method is not None:
-            from tandem.spec_decode import Speculator, engine_config_for_speculation
+    """One model replica's engine core; the ``StepContext`` (``tandem/step_context.py``) that
+    speculative decoding and PD hook into."""
 
-            self.config = config = engine_config_for_speculation(config, self.device.type)
-            self.speculator = Speculator(self, config)  # registers the draft's state specs
-        self.registry.finalize()
+    def __init__(self, config: EngineConfig) -> None:
+        # The ranks (one: this process; several: this process is rank 0), then this rank's
+        # shard of the model and the state, built as every rank builds its own.
+        self.executor = start_executor(config, resolve_device(config.device))
+        self.device = self.executor.device
+        parts = build_rank(config, self.device, self.executor, rank=0)
+        self.config = config = parts.config
+        self.model, self.hf_config, self.model_info = parts.model, parts.hf_config, parts.model_info
+        self.registry, self.coordinator, self.runner = parts.registry, parts.coordinator, parts.runner
+        plan = parts.plan
+        # The host and disk tiers (kv/tiers), when configured: the coordinator consults them
+        # for prefix hits and frees; the engine and the scheduler drive them through this handle.
+        self.tiers = parts.tiers
+        if self.tiers is not None:
+            self.coordinator.attach_tiers(self.tiers)
+            self.tiers.peers = self.executor
+        self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
+        if parts.draft is not None:
+            from tandem.spec_decode import Speculator
+
+            self.speculator = Speculator(config, parts.draft, parts.target_layers, self.model)
         self.structured = StructuredOutputs(
             config.tokenizer or config.model, self.model_info.vocab_size, self.model_info.eos_token_ids,
             config.structured_outputs_compile_timeout, device=self.device, check_history=config.sanitizer_on)
         self._rejections: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
-        plan, self.coordinator = build_coordinator(
-            config, self.device, self.registry, self.model_info.max_model_len, self.speculator is not None,
-            agree=self.parallel.agree_on_pages if self.parallel is not None else None)
-        tiers = build_tiers(config, self.coordinator, self.device,
-                            agree=self.parallel.agree_on_count if self.parallel is not None else None)
-        if tiers is not None:
-            self.coordinator.attach_tiers(tiers)
-        self.scheduler = Scheduler(self.coordinator, max_num_seqs=config.max_num_seqs,
+        self.scheduler = Scheduler(self.coordinator, tiers=self.tiers, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
-        self.runner = ModelRunner(self.model, self.coordinator, self.device)
-        if self.parallel is not None:
-            self.parallel.attach(self.coordinator, self.runner)
-            if tiers is not None:
-                tiers.peers = self.parallel
-        if not config.enforce_eager:
-            rows = config.max_num_seqs if self.speculator is None else self.speculator.graph_rows(config.max_num_seqs)
-            sizes = decode_graph_sizes(config, rows)
-            if self.parallel is not None:  # in step with the workers, which capture the same sizes
-                self.parallel.capture_graphs(self.runner, sizes, self.model_info.max_model_len,
-                                             config.max_num_batched_tokens)
-            else:
-                self.runner.capture_graphs(sizes, self.model_info.max_model_len, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
         if self.speculator is not None:
@@ -193,9 +173,9 @@ class EngineCore:
                 if sequence.index == index:
                     sequence.pending_forks = 0
                     self._end(sequence, "stop")
-            self._forget_if_done(request_id)
+            self.forget_if_done(request_id)
 
-    def _forget_if_done(self, request_id: str) -> None:
+    def forget_if_done(self, request_id: str) -> None:
         sequences = self._sequences.get(request_id)
         if sequences is not None and all(s.is_finished and not s.pending_forks for s in sequences):
             del self._sequences[request_id]
@@ -235,8 +215,8 @@ class EngineCore:
         step with grammar-constrained rows completes step N between its forward pass and its
         sampling (the masks need step N's tokens; ``_launch``).
         While speculating, the speculator runs the step (one at a time)."""
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.poll()  # tier copies that completed release their pages
+        if self.tiers is not None:
+            self.tiers.poll()  # tier copies that completed release their pages
         if self.structured.has_waiting():
             self._admit_compiled()
         if self.speculator is not None:
@@ -247,7 +227,7 @@ class EngineCore:
         if previous is not None and (output is None or not self._can_overlap(output)):
             self._in_flight = None
             deltas = self._complete(previous)
-            self._check_books()
+            self.check_books()
             return deltas
         deltas: list[RequestDelta] = []
         current = self._launch(output.chunks, previous, started) if output.chunks else None
@@ -265,17 +245,17 @@ class EngineCore:
                 self._in_flight = current
             else:
                 deltas += self._complete(current)
-        self._check_books()
+        self.check_books()
         return deltas
 
-    def _check_books(self) -> None:
+    def check_books(self) -> None:
         if not self.coordinator.sanitizer.enabled:
             return
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
         self.coordinator.sanitizer.check_books(
             self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.check_books()
+        if self.tiers is not None:
+            self.tiers.check_books()
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its
@@ -293,7 +273,7 @@ class EngineCore:
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
             logger.exception("forward pass failed")
-            return self._fail(chunks, f"{type(error).__name__}: {error}")
+            return self.fail_chunks(chunks, f"{type(error).__name__}: {error}")
         step = LaunchedStep(chunks=chunks, prompt_logprobs=result.prompt_logprobs, started=started)
         if previous is None:  # forks copy computed state: only without a step in flight
             for chunk in chunks:
@@ -318,10 +298,10 @@ class EngineCore:
             if pd is not None:
                 pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
             if chunk.prompt_logprobs:
-                self._collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
+                self.collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
         step.computed = True
 
-    def _collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
+    def collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
         if not chunk.prompt_logprobs:
             return
         sequence = chunk.sequence
@@ -338,7 +318,7 @@ class EngineCore:
             if sequence.pending_forks and not sequence.num_output_tokens:
                 rows = rows or list(range(row))
                 rows.append(row)
-                for child in self._fork(sequence):
+                for child in self.fork(sequence):
                     sequences.append(child)
                     rows.append(row)
             elif rows is not None:
@@ -356,7 +336,7 @@ class EngineCore:
             params, [s.generator for s in sequences],
             empty if table.no_penalties else [s.prompt_token_ids for s in sequences],
             empty if table.no_penalties else [s.output_token_ids for s in sequences],
-            [self._banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
+            [self.banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
             self.device, table, token_bitmask=bitmask)
         step.sampled = self.sampler(logits, metadata)
         step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
@@ -378,14 +358,14 @@ class EngineCore:
         self._record_step_time(step)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
-        logprobs = self._sampled_logprobs(step.sequences, sampled)
+        logprobs = self.sampled_logprobs(step.sequences, sampled)
         deltas = []
         for sequence, position, token, position_logprobs in zip(step.sequences, step.positions, token_ids,
                                                                 logprobs):
             if sequence.is_finished:  # ended while the step ran (abort, stop string, its last token)
                 continue
             sequence.token_ids[position] = token
-            deltas.append(self._token_delta(sequence, position, token, position_logprobs))
+            deltas.append(self.token_delta(sequence, position, token, position_logprobs))
         return deltas
 
     def _record_step_time(self, step: "LaunchedStep") -> None:
@@ -418,10 +398,10 @@ class EngineCore:
         if step is None:
             return []
         deltas = self._complete(step)
-        self._check_books()
+        self.check_books()
         return deltas
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def fork(self, parent: Sequence) -> list[Sequence]:
         """At the end of the parent's prompt: make its n-1 siblings, sharing its pages."""
         if not parent.pending_forks or parent.num_output_tokens:
             return []
@@ -439,7 +419,7 @@ class EngineCore:
         parent.pending_forks = 0
         return children
 
-    def _banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
+    def banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
         """Token ids the next token (``ahead`` tokens later: a draft's position) may not take."""
         params = sequence.params
         if sequence.num_output_tokens + ahead >= params.min_tokens:
@@ -447,7 +427,7 @@ class EngineCore:
         eos = [] if params.ignore_eos else list(self.model_info.eos_token_ids)
         return eos + list(params.stop_token_ids)
 
-    def _sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
+    def sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
         if all(s.params.logprobs is None for s in sequences):
             return [None] * len(sequences)
         entries = to_position_logprobs(sampled.token_ids, sampled.logprobs, sampled.ranks,
@@ -461,7 +441,7 @@ class EngineCore:
             result.append(PositionLogprobs(entry.token_ids[:1 + keep], entry.logprobs[:1 + keep], entry.rank))
         return result
 
-    def _append_token(self, sequence: Sequence, token: int,
+    def append_first_token(self, sequence: Sequence, token: int,
                       logprobs: Optional[PositionLogprobs]) -> RequestDelta:
         """Append a token known on the host (PD: the first token, from the prefill server). A
         token the sequence's grammar forbids ends it with an error."""
@@ -471,15 +451,15 @@ class EngineCore:
                 sequence.grammar.sync(sequence.output_token_ids, self.structured.check_history)
             except GrammarViolation as error:
                 self._end(sequence, "error")
-                self._forget_if_done(sequence.request_id)
+                self.forget_if_done(sequence.request_id)
                 return RequestDelta(request_id=sequence.request_id, index=sequence.index,
                                     finish_reason="error", error=f"structured_outputs: {error}")
-        return self._token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
+        return self.token_delta(sequence, len(sequence.token_ids) - 1, token, logprobs)
 
-    def _token_delta(self, sequence: Sequence, position: int, token: int,
+    def token_delta(self, sequence: Sequence, position: int, token: int,
                      logprobs: Optional[PositionLogprobs]) -> RequestDelta:
         """The delta of the token now at ``position`` (later pending tokens may follow it)."""
-        reason, stop_reason = self._finish_reason(sequence, token, position + 1 - sequence.num_prompt_tokens)
+        reason, stop_reason = self.finish_reason(sequence, token, position + 1 - sequence.num_prompt_tokens)
         delta = RequestDelta(request_id=sequence.request_id, index=sequence.index,
                              new_token_ids=[token],
                              new_logprobs=[logprobs] if logprobs is not None else None)
@@ -493,10 +473,10 @@ class EngineCore:
             del sequence.token_ids[position + 1:]  # tokens a later step computed past its end
             delta.finish_reason, delta.stop_reason = reason, stop_reason
             self._end(sequence, reason)
-            self._forget_if_done(sequence.request_id)
+            self.forget_if_done(sequence.request_id)
         return delta
 
-    def _finish_reason(self, sequence: Sequence, token: int, num_output: int):
+    def finish_reason(self, sequence: Sequence, token: int, num_output: int):
         params = sequence.params
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.model_info.eos_token_ids:
@@ -507,14 +487,14 @@ class EngineCore:
             return "length", None
         return None, None
 
-    def _fail(self, chunks, message: str) -> list[RequestDelta]:
+    def fail_chunks(self, chunks, message: str) -> list[RequestDelta]:
         deltas = []
         for chunk in chunks:
             sequence = chunk.sequence
             self._end(sequence, "error")
             deltas.append(RequestDelta(request_id=sequence.request_id, index=sequence.index,
                                        finish_reason="error", error=message))
-            self._forget_if_done(sequence.request_id)
+            self.forget_if_done(sequence.request_id)
         return deltas
 
     # -- introspection ------------------------------------------------------------------------------
@@ -527,7 +507,7 @@ class EngineCore:
                            num_preemptions=self.scheduler.num_preemptions,
                            page_size=self.coordinator.page_size,
                            transfer=self.pd.stats() if self.pd is not None else None,
-                           tiers=tier_stats(self.coordinator.tiers) if self.coordinator.tiers is not None else None,
+                           tiers=tier_stats(self.tiers) if self.tiers is not None else None,
                            speculation=self.speculator.stats() if self.speculator is not None else None,
                            structured_outputs=self.structured.stats())
 
@@ -540,7 +520,7 @@ class EngineCore:
             raise SanitizerError("check_all_free called while a launched step still had tokens to deliver")
         if self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy()):
             raise SanitizerError("check_all_free called while requests are unfinished")
-        tiers = self.coordinator.tiers
+        tiers = self.tiers
         if tiers is not None:
             tiers.drain()
         self.reset_prefix_cache()
@@ -555,14 +535,12 @@ class EngineCore:
         self.structured.close()
         if self.pd is not None:
             self.pd.close()
-        if self.coordinator.tiers is not None:
-            self.coordinator.tiers.close()  # queued disk writes finish first
-        if self.parallel is not None:
-            self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
-            self.parallel.close()
+        if self.tiers is not None:
+            self.tiers.close()  # queued disk writes finish first
+        self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
+        self.executor.close()
 
     def check_health(self) -> None:
         """Raises when a tensor-parallel rank has died (the engine cannot step any more); an idle
         engine's page operations since its last step reach the other ranks here."""
-        if self.parallel is not None:
-            self.parallel.flush()
+        self.executor.flush()

@@ -6,8 +6,7 @@ methods fan out over the groups; none knows what kind of state a group holds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 import torch
 
@@ -18,10 +17,12 @@ from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
 from tandem.kv.tiers.keys import chain_hash
 from tandem.kv.registry import StateRegistry
+from tandem.kv.request_state import RequestState
 from tandem.kv.sanitizer import Sanitizer
+from tandem.kv.set_aside import SetAsideSlots
 
 if TYPE_CHECKING:
-    from tandem.kv.tiers.hierarchy import SwappedState, TieredState
+    from tandem.kv.tiers.hierarchy import TieredState
 
 
 class PageOperationSink(Protocol):
@@ -49,22 +50,6 @@ class PageOperationSink(Protocol):
     def disk_install(self, key: bytes, host_pages: list[int]) -> None: ...
 
 
-@dataclass
-class RequestState:
-    """A sequence's state handle. ``owner`` tags every page reference it holds."""
-    owner: str
-    page_tables: list[list[int]]
-    cache_path: list[CacheNode] = field(default_factory=list)  # locked prefix-cache nodes
-    swapped: Optional["SwappedState"] = None  # preempted by swap: the state is in the host tier
-    # PD decode: the leading tokens whose state a transfer wrote (the prompt). Entries of sparse
-    # groups (recurrent checkpoints) at pages inside it were never written here: not cached.
-    remote_tokens: int = 0
-
-    @classmethod
-    def empty(cls, owner: str, num_groups: int) -> "RequestState":
-        return cls(owner=owner, page_tables=[[] for _ in range(num_groups)])
-
-
 class StateCoordinator:
     def __init__(self, registry: StateRegistry, plan: PoolPlan, *, enable_prefix_caching: bool,
                  sanitize: bool) -> None:
@@ -85,11 +70,9 @@ class StateCoordinator:
         for manager in self.managers:
             manager.prefix_caching = self.prefix_cache is not None
         self._inflight: dict[str, list[list[int]]] = {}
-        # Speculation's set-aside slots, reserved per sequence with its pages (see
-        # ``reserve_set_aside_slots``): owner tag -> pages per group, and the tags in use.
-        self._set_aside_groups: frozenset[int] = frozenset()
-        self._set_aside_slots: dict[str, list[list[int]]] = {}
-        self._set_aside_in_use: set[str] = set()
+        # Speculation's job: the slots a speculative step copies pages aside into, reserved with
+        # a sequence's pages, its draft chains' tables and its rollbacks (``set_aside.py``).
+        self.speculation = SetAsideSlots(self.managers, self.pools, self.copy_page)
         # Set when some layer's state at a position depends on the token after it (an MTP draft
         # layer's): the last slot of a page is then not final until the next token is known, so
         # a prefix hit leaves its last page to be recomputed into pages of the request's own, and
@@ -118,7 +101,7 @@ class StateCoordinator:
 
     def pages_needed(self, state: RequestState, num_tokens: int) -> list[int]:
         """Per group: the pages growing to ``num_tokens`` takes, the set-aside slots included."""
-        slots = self._missing_set_aside_slots(state, num_tokens)
+        slots = self.speculation.missing(state, num_tokens)
         return [manager.num_new_pages(table, num_tokens) + missing
                 for manager, table, missing in zip(self.managers, state.page_tables, slots)]
 
@@ -194,7 +177,7 @@ class StateCoordinator:
         for group_index, (manager, table) in enumerate(zip(self.managers, state.page_tables)):
             manager.allocate(table, num_tokens, state.owner,
                              lambda source, destination, group=group_index: self.copy_page(group, source, destination))
-        self._reserve_set_aside_slots(state, num_tokens)
+        self.speculation.reserve(state, num_tokens)
 
     def make_room(self, needed: list[int]) -> None:
         def short() -> bool:
@@ -224,7 +207,7 @@ class StateCoordinator:
             self.prefix_cache.unlock(state.cache_path)
         state.cache_path = []
         state.remote_tokens = 0
-        self._release_set_aside_slots(state)
+        self.speculation.release(state)
 
     def drop_unneeded_pages(self, state: RequestState, num_computed_tokens: int) -> None:
         """Release pages the managers say no future step reads (e.g. outside a window)."""
@@ -404,96 +387,6 @@ class StateCoordinator:
         return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
                 for manager, table in zip(self.managers, state.page_tables)]
 
-    # -- speculative decoding ----------------------------------------------------------------------
-    def speculation_copies(self, groups: Iterable[int]) -> bool:
-        """Whether a speculative step in ``groups`` needs copies set aside (the managers say)."""
-        return any(self.managers[group].speculation_sets_aside for group in groups)
-
-    def reserve_set_aside_slots(self, groups: Iterable[int]) -> None:
-        """Speculation runs with copies set aside in ``groups`` (the target's and the draft's):
-        from now on every allocation that grows a sequence also reserves, in each of those groups
-        whose manager sets pages aside, the slots ``set_aside`` copies into. A step therefore
-        never needs a page midway: a sequence that cannot get its slots waits or is preempted
-        with the rest of its pages. The slots are the sequence's until ``free``."""
-        self._set_aside_groups = frozenset(group for group in groups if self.managers[group].speculation_sets_aside)
-
-    @staticmethod
-    def _set_aside_owner(state: RequestState) -> str:
-        return f"{INFLIGHT_PREFIX}speculation:{state.owner}"
-
-    def _missing_set_aside_slots(self, state: RequestState, num_tokens: int) -> list[int]:
-        if not self._set_aside_groups:
-            return [0] * self.num_groups
-        held = self._set_aside_slots.get(self._set_aside_owner(state))
-        return [max(0, self.managers[index].set_aside_slots(num_tokens) - (len(held[index]) if held else 0))
-                if index in self._set_aside_groups else 0 for index in range(self.num_groups)]
-
-    def _reserve_set_aside_slots(self, state: RequestState, num_tokens: int) -> None:
-        missing = self._missing_set_aside_slots(state, num_tokens)
-        if not any(missing):
-            return
-        owner = self._set_aside_owner(state)
-        held = self._set_aside_slots.setdefault(owner, [[] for _ in self.pools])
-        for pool, pages, count in zip(self.pools, held, missing):
-            if count:
-                pages.extend(pool.allocate(count, owner))
-
-    def _release_set_aside_slots(self, state: RequestState) -> None:
-        owner = self._set_aside_owner(state)
-        held = self._set_aside_slots.pop(owner, None)
-        self._set_aside_in_use.discard(owner)
-        if held is not None:
-            for pool, pages in zip(self.pools, held):
-                pool.release(pages, owner)
-
-    def set_aside(self, state: RequestState, groups: Iterable[int]) -> Optional[str]:
-        """Copy aside, in ``groups``, the pages the managers say a speculative step may have to
-        restore or run a draft chain on (a recurrent working slot), into the slots the sequence
-        reserved with its pages. Returns the copies' tag, in use until ``end_set_aside``; None
-        when nothing needed copying. A sequence uses its slots for one set-aside at a time."""
-        wanted = set(groups)
-        sources = [manager.speculation_sources(table) if index in wanted else []
-                   for index, (manager, table) in enumerate(zip(self.managers, state.page_tables))]
-        if not any(sources):
-            return None
-        owner = self._set_aside_owner(state)
-        slots = self._set_aside_slots.get(owner)
-        if owner in self._set_aside_in_use or slots is None or any(
-                len(pages) > len(reserved) for pages, reserved in zip(sources, slots)):
-            raise RuntimeError(f"speculation: {state.owner} sets aside {[len(p) for p in sources]} pages "
-                               f"without slots reserved for them (reserved: {slots}, in use: "
-                               f"{owner in self._set_aside_in_use})")
-        for group_index, (pages, reserved) in enumerate(zip(sources, slots)):
-            for source, destination in zip(pages, reserved):
-                self.copy_page(group_index, source, destination)
-        self._set_aside_in_use.add(owner)
-        return owner
-
-    def end_set_aside(self, owner: str) -> None:
-        """The copies ``set_aside`` made are no longer read: the slots stay reserved."""
-        self._set_aside_in_use.discard(owner)
-
-    def chain_page_tables(self, state: RequestState, owner: Optional[str]) -> list[list[int]]:
-        """Per group, the table a draft's speculative chain reads and writes (the managers say:
-        the sequence's own, or the copies ``set_aside`` made)."""
-        copies = self._set_aside_slots[owner] if owner is not None else [[] for _ in self.managers]
-        return [manager.chain_page_table(table, group_copies)
-                for manager, table, group_copies in zip(self.managers, state.page_tables, copies)]
-
-    def roll_back(self, state: RequestState, owner: Optional[str], groups: Iterable[int], *, num_valid: int,
-                  num_written: int) -> bool:
-        """After a verification that wrote ``num_written`` tokens' state of which ``num_valid``
-        are accepted, in ``groups`` (those ``set_aside`` was given): every group drops what holds
-        only rejected tokens. Returns whether each holds exactly ``num_valid`` tokens' state;
-        False when some group had to restore the state from before the verification."""
-        copies = self._set_aside_slots[owner] if owner is not None else [[] for _ in self.managers]
-        exact = True
-        for group_index in groups:
-            exact &= self.managers[group_index].rollback(
-                state.page_tables[group_index], copies[group_index], state.owner, num_valid, num_written,
-                lambda source, destination, group=group_index: self.copy_page(group, source, destination))
-        return exact
-
     # -- in-flight operations (I2) ---------------------------------------------------------------
     def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:
         owner = f"inflight:{operation}"
@@ -527,8 +420,7 @@ class StateCoordinator:
         operations' and speculation's set-aside slots."""
         for owner, tables in self._inflight.items():
             yield owner, tables[group_index]
-        for owner, tables in self._set_aside_slots.items():
-            yield owner, tables[group_index]
+        yield from self.speculation.references(group_index)
 
     # -- accounting ----------------------------------------------------------------------------------
     def pages_used(self) -> int:

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from tandem.kv.coordinator import StateCoordinator
 from tandem.scheduler.sequence import Sequence, SequenceStatus
 from tandem.scheduler.step_time import InterTokenBudget
+
+if TYPE_CHECKING:
+    from tandem.kv.tiers.hierarchy import TieredState
 
 
 @dataclass
@@ -60,8 +64,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, coordinator: StateCoordinator, *, max_num_seqs: int,
                  max_num_batched_tokens: int, preemption_mode: str = "recompute",
-                 max_itl_ms: float | None = None) -> None:
+                 max_itl_ms: float | None = None, tiers: Optional["TieredState"] = None) -> None:
         self.coordinator = coordinator
+        self.tiers = tiers  # the host and disk tiers (swap, their copies, hit counts), when configured
         self.swap = preemption_mode == "swap"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -196,7 +201,7 @@ class Scheduler:
             sequence = self.waiting[0]
             swapped = sequence.state.swapped
             if swapped is not None:
-                if not self.coordinator.tiers.swap_in(sequence.state):
+                if not self.tiers.swap_in(sequence.state):
                     if not self.running:
                         if self._wait_for_tier_copies():
                             continue
@@ -220,7 +225,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             if swapped is not None:
-                self.coordinator.tiers.commit_swap_in(sequence.state)
+                self.tiers.commit_swap_in(sequence.state)
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             output.chunks.append(chunk)
@@ -235,7 +240,7 @@ class Scheduler:
     def _wait_for_tier_copies(self) -> bool:
         """With nothing running, pages still held by tier copies are the only ones that can
         come back: wait for the copies (True) — or there are none (False)."""
-        tiers = self.coordinator.tiers
+        tiers = self.tiers
         if tiers is None or not tiers.copies_in_flight:
             return False
         tiers.drain()
@@ -256,8 +261,8 @@ class Scheduler:
         if sequence.num_cached_tokens < 0:
             sequence.num_cached_tokens = hit
             self.prefix_hit_tokens += hit
-            if self.coordinator.tiers is not None:
-                self.coordinator.tiers.count_hit(sequence.state.cache_path)
+            if self.tiers is not None:
+                self.tiers.count_hit(sequence.state.cache_path)
             self.prefix_query_tokens += sequence.num_prompt_tokens
 
     def _release(self, sequence: Sequence) -> None:
@@ -266,7 +271,7 @@ class Scheduler:
         sequence.num_computed_tokens = 0
 
     def _preempt(self, sequence: Sequence) -> None:
-        swapped = self.swap and self.coordinator.tiers is not None and self.coordinator.tiers.swap_out(
+        swapped = self.swap and self.tiers is not None and self.tiers.swap_out(
             sequence.state, sequence.num_computed_tokens)
         self._release(sequence)
         sequence.status = SequenceStatus.WAITING

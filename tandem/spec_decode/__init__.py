@@ -29,12 +29,13 @@ from tandem.spec_decode.networks import DraftModelNetwork, MTPNetwork
 from tandem.spec_decode.proposer import DraftModelProposer, MTPProposer
 from tandem.spec_decode.step import SpeculativeStep
 from tandem.spec_decode.verify import Verifier
+from tandem.step_context import StepContext
 
 logger = logging.getLogger(__name__)
 
 SIMULATE_ACCEPT_LENGTH_VARIABLE = "TANDEM_SIMULATE_ACCEPT_LEN"
 
-__all__ = ["Speculator", "draft_state_specs", "engine_config_for_speculation", "graph_rows",
+__all__ = ["Speculator", "build_draft_network", "draft_state_specs", "engine_config_for_speculation", "graph_rows",
            "simulated_accept_length", "speculative_tokens"]
 
 
@@ -77,6 +78,33 @@ def draft_state_specs(config: EngineConfig, device, max_model_len: int) -> dict:
     return {DraftModelNetwork.PREFIX + name: spec for name, spec in specs.items()}
 
 
+def build_draft_network(config: EngineConfig, target, target_info, device, loads_draft_model: bool):
+    """The draft network a rank runs: the target's MTP module (sharded as the target: every
+    rank), or the draft model (``loads_draft_model``: rank 0 alone; None on the other ranks,
+    which register its state specs only, ``draft_state_specs``)."""
+    if config.speculative_method == "mtp":
+        return MTPNetwork(target)
+    if not loads_draft_model:
+        return None
+    return DraftModelNetwork(load_draft_model(config, device, target_info))
+
+
+def load_draft_model(config: EngineConfig, device, target_info):
+    """The draft model (``speculative_model``), checked against the target's vocabulary."""
+    from tandem.models.loader import build_model
+
+    try:
+        model, _, info = build_model(config.speculative_model, dtype=config.dtype, load_format=config.load_format,
+                                     device=device, max_model_len=target_info.max_model_len,
+                                     seed=config.seed + 1, indexer_cache_dtype=config.indexer_cache_dtype)
+    except ValueError as error:
+        raise ValueError(f"speculative_model: {error}") from None
+    if info.vocab_size != target_info.vocab_size:
+        raise ValueError(f"speculative_model: the draft has a vocabulary of {info.vocab_size} tokens, the "
+                         f"target {target_info.vocab_size}; a draft must share the target's tokenizer")
+    return model
+
+
 def engine_config_for_speculation(config: EngineConfig, device_type: str) -> EngineConfig:
     """Speculation runs with the overlapped loop off: a step's inputs (which drafts, how many
     tokens each sequence has) depend on the previous verification's outcome, known on the host
@@ -94,20 +122,15 @@ def engine_config_for_speculation(config: EngineConfig, device_type: str) -> Eng
 class Speculator:
     """Speculative decoding for one engine (see the package docstring).
 
-    Built in two phases: ``__init__`` (after the target model, before the registry's groups are
-    formed) loads the draft and registers its state; ``attach`` (once the model runner and the
+    Built in two phases: ``__init__`` takes the draft network the rank's build made, registered
+    and bound (``tandem/engine/ranks/build.py``); ``attach`` (once the model runner and the
     sampler exist) makes the proposer, the verifier and the step."""
 
-    def __init__(self, core, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, network, target_layers: list[str], target) -> None:
         self.method = config.speculative_method
-        self.target_layers = core.registry.layer_names()
-        if self.method == "mtp":
-            self.network = MTPNetwork(core.model)
-        else:
-            self.network = DraftModelNetwork(self._load_draft(core, config))
-        self.num_speculative_tokens = speculative_tokens(config, core.model)
-        for name, spec in self.network.state_specs().items():
-            core.registry.register(name, spec)
+        self.target_layers = target_layers
+        self.network = network  # built, registered and bound with the rank (``build_draft_network``)
+        self.num_speculative_tokens = speculative_tokens(config, target)
         self.simulate_accept_length = simulated_accept_length()
         if self.simulate_accept_length is not None:
             logger.warning("%s=%g: drafts are accepted as if the mean acceptance length were %g, whatever "
@@ -120,30 +143,11 @@ class Speculator:
         logger.info("speculative decoding: %s, %d draft tokens per step, %d draft state layers", self.method,
                     self.num_speculative_tokens, self.num_state_layers)
 
-    @staticmethod
-    def _load_draft(core, config: EngineConfig):
-        from tandem.models.loader import build_model
-
-        try:
-            model, _, info = build_model(config.speculative_model, dtype=config.dtype, load_format=config.load_format,
-                                         device=core.device, max_model_len=core.model_info.max_model_len,
-                                         seed=config.seed + 1, indexer_cache_dtype=config.indexer_cache_dtype)
-        except ValueError as error:
-            raise ValueError(f"speculative_model: {error}") from None
-        if info.vocab_size != core.model_info.vocab_size:
-            raise ValueError(f"speculative_model: the draft has a vocabulary of {info.vocab_size} tokens, the "
-                             f"target {core.model_info.vocab_size}; a draft must share the target's tokenizer")
-        return model
-
     @property
     def num_state_layers(self) -> int:
         return len(self.network.layer_names)
 
-    def graph_rows(self, max_num_seqs: int) -> int:
-        return graph_rows(max_num_seqs, self.num_speculative_tokens)
-
-    def attach(self, core) -> None:
-        self.network.bind(core.runner, core.registry)
+    def attach(self, core: StepContext) -> None:
         core.coordinator.state_reads_next_token = self.network.reads_next_token
         if self.method == "mtp":
             self.proposer = MTPProposer(core, self.network, self.num_speculative_tokens,
@@ -152,22 +156,20 @@ class Speculator:
             self.proposer = DraftModelProposer(core, self.network, self.num_speculative_tokens)
         self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
         # Every page a speculative step copies aside is reserved when its sequence is scheduled.
-        core.coordinator.reserve_set_aside_slots(self.target_groups + list(self.network.groups))
-        core.runner.graph_layers = frozenset(self.target_layers)  # the target's graphs read none of the draft's
-        self.capture_graphs(core, self.target_groups)
+        core.coordinator.speculation.reserve_for(self.target_groups + list(self.network.groups))
+        self.capture_graphs(core)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
                                     self.target_groups, self.metrics)
 
-    def capture_graphs(self, core, target_groups: list[int]) -> None:
-        """Where the target replays CUDA graphs, verification steps replay them too (as single-
-        token rows) when every target group keeps its state per token, and the draft gets graphs
-        of its own at the same sizes when its layers are graph-safe."""
+    def capture_graphs(self, core: StepContext) -> None:
+        """Where the target replays CUDA graphs (verification steps too: ``build.py``), the draft
+        gets graphs of its own at the same sizes when its layers are graph-safe and it runs on
+        this rank alone."""
         from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 
         target_graphs = core.runner.graphs
         if target_graphs is None:
             return
-        core.runner.verify_as_decode_rows = not core.coordinator.speculation_copies(target_groups)
         if model_is_graph_safe(self.network.module) and not self.network.runs_on_every_rank:
             self.network.graphs = CudaGraphRunner(core.runner, target_graphs.batch_sizes, target_graphs.max_width,
                                                   network=self.network)

@@ -33,6 +33,7 @@ from tandem.spec_decode.draft_batch import DraftNetwork, DraftRow, run_rows
 from tandem.spec_decode.state import SpeculationState
 from tandem.structured.bitmask import apply_bitmask
 from tandem.worker.sampler import GREEDY_TEMPERATURE_EPSILON, Sampler, SamplingMetadata, greedy_mask
+from tandem.step_context import StepContext
 
 
 @dataclass
@@ -75,12 +76,12 @@ class _Plan:
 class Proposer:
     shift = 0
 
-    def __init__(self, core, network: DraftNetwork, num_speculative_tokens: int) -> None:
+    def __init__(self, core: StepContext, network: DraftNetwork, num_speculative_tokens: int) -> None:
         self.core = core
         self.coordinator = core.coordinator
         self.network = network
         self.num_speculative_tokens = num_speculative_tokens
-        self.chain_on_copies = self.coordinator.speculation_copies(network.groups)
+        self.chain_on_copies = self.coordinator.speculation.copies_needed(network.groups)
 
     # -- what a subclass says -----------------------------------------------------------------
     def row(self, plan: _Plan, start: int, end: int, tables: list[list[int]], wants_logits: bool) -> DraftRow:
@@ -132,8 +133,8 @@ class Proposer:
             if merged:
                 plan.tables = plan.work.sequence.state.page_tables
             else:
-                plan.owner = self.coordinator.set_aside(plan.work.sequence.state, self.network.groups)
-                plan.tables = self.coordinator.chain_page_tables(plan.work.sequence.state, plan.owner)
+                plan.owner = self.coordinator.speculation.set_aside(plan.work.sequence.state, self.network.groups)
+                plan.tables = self.coordinator.speculation.chain_page_tables(plan.work.sequence.state, plan.owner)
         if not merged:
             self._forward([(plan, self.row(plan, plan.computed, plan.known - self.shift, plan.tables, True))
                            for plan in proposing if plan.known - self.shift > plan.computed])
@@ -142,7 +143,7 @@ class Proposer:
         finally:
             for plan in proposing:
                 if plan.owner is not None:
-                    self.coordinator.end_set_aside(plan.owner)
+                    self.coordinator.speculation.end_set_aside(plan.owner)
         drawn = [token for plan in plans for token in plan.tokens]
         host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
         for plan in plans:
@@ -228,7 +229,7 @@ class MTPProposer(Proposer):
 
     shift = 1
 
-    def __init__(self, core, network: DraftNetwork, num_speculative_tokens: int, hidden_size: int) -> None:
+    def __init__(self, core: StepContext, network: DraftNetwork, num_speculative_tokens: int, hidden_size: int) -> None:
         super().__init__(core, network, num_speculative_tokens)
         self.hidden_size = hidden_size
 

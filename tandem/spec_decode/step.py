@@ -32,12 +32,13 @@ from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics
 from tandem.spec_decode.proposer import DraftWork, HiddenRows, Proposer
 from tandem.spec_decode.verify import Verdict, Verifier, VerifyItem
+from tandem.step_context import StepContext
 
 logger = logging.getLogger(__name__)
 
 
 class SpeculativeStep:
-    def __init__(self, core, proposer: Proposer, verifier: Verifier, target_groups: list[int],
+    def __init__(self, core: StepContext, proposer: Proposer, verifier: Verifier, target_groups: list[int],
                  metrics: SpeculationMetrics) -> None:
         self.core = core
         self.proposer = proposer
@@ -56,12 +57,12 @@ class SpeculativeStep:
         deltas = self._run(output.chunks) if output.chunks else []
         if output.chunks:  # the step is synchronous: its tokens are on the host now
             core.scheduler.record_step(output.num_tokens, time.perf_counter() - started)
-        core._check_books()
+        core.check_books()
         return deltas
 
     def _run(self, chunks) -> list[RequestDelta]:
         core, coordinator = self.core, self.core.coordinator
-        copies = {id(chunk): coordinator.set_aside(chunk.sequence.state, self.target_groups)
+        copies = {id(chunk): coordinator.speculation.set_aside(chunk.sequence.state, self.target_groups)
                   for chunk in chunks if chunk.num_draft_tokens}
         try:
             result = core.runner.execute(chunks)
@@ -71,8 +72,8 @@ class SpeculativeStep:
             logger.exception("forward pass failed")
             for owner in copies.values():
                 if owner is not None:
-                    coordinator.end_set_aside(owner)
-            return core._fail(chunks, f"{type(error).__name__}: {error}")
+                    coordinator.speculation.end_set_aside(owner)
+            return core.fail_chunks(chunks, f"{type(error).__name__}: {error}")
         step = result.step
         for chunk in step.chunks:
             if not chunk.num_draft_tokens:
@@ -95,7 +96,7 @@ class SpeculativeStep:
             # Only now is every group's state of the computed tokens written (the draft's too):
             # the prefix cache may take the pages (and a recurrent checkpoint slot).
             core.scheduler.on_computed(chunk, chunk.sequence.num_computed_tokens)
-            core._collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
+            core.collect_prompt_logprobs(chunk, result.prompt_logprobs.get(id(chunk)))
             if core.pd is not None:
                 core.pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
         deltas = []
@@ -104,7 +105,7 @@ class SpeculativeStep:
             tokens, logprobs, _ = emitted[id(sequence)]
             first = sequence.num_tokens - len(tokens)
             for offset, (token, entry) in enumerate(zip(tokens, logprobs)):
-                deltas.append(core._token_delta(sequence, first + offset, token, entry))
+                deltas.append(core.token_delta(sequence, first + offset, token, entry))
         return deltas
 
     def _verify_items(self, result) -> tuple[list[VerifyItem], dict[int, list[Sequence]]]:
@@ -115,7 +116,7 @@ class SpeculativeStep:
             drafts = sequence.draft_token_ids[:chunk.num_draft_tokens]
             state = sequence.speculation
             items.append(VerifyItem(sequence, row, drafts, state.draft_probs if drafts and state else None))
-            forked = self.core._fork(sequence)
+            forked = self.core.fork(sequence)
             for child in forked:
                 child.speculation = state.fork() if state is not None else None
                 items.append(VerifyItem(child, row, []))
@@ -136,7 +137,7 @@ class SpeculativeStep:
     def _until_finish(self, sequence: Sequence, verdict: Verdict) -> tuple[list[int], list, bool]:
         """The verdict's tokens up to the first that ends the sequence; whether one does."""
         for index, token in enumerate(verdict.token_ids):
-            reason, _ = self.core._finish_reason(sequence, token, sequence.num_output_tokens + index + 1)
+            reason, _ = self.core.finish_reason(sequence, token, sequence.num_output_tokens + index + 1)
             if reason is not None:
                 return verdict.token_ids[:index + 1], verdict.logprobs[:index + 1], True
         return verdict.token_ids, verdict.logprobs, False
@@ -147,10 +148,10 @@ class SpeculativeStep:
         coordinator = self.core.coordinator
         kept = min(verdict.num_accepted, num_emitted)
         num_valid = chunk.start + chunk.num_new_tokens + kept
-        exact = coordinator.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
+        exact = coordinator.speculation.roll_back(chunk.sequence.state, owner, self.target_groups, num_valid=num_valid,
                                       num_written=chunk.start + chunk.num_query_tokens)
         if owner is not None:
-            coordinator.end_set_aside(owner)
+            coordinator.speculation.end_set_aside(owner)
         chunk.sequence.num_computed_tokens = num_valid if exact else chunk.start
         self.metrics.record(chunk.num_draft_tokens, verdict.num_accepted)
 

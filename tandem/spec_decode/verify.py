@@ -34,6 +34,7 @@ from tandem.protocol import PositionLogprobs
 from tandem.scheduler.sequence import Sequence
 from tandem.worker.host_staging import to_device
 from tandem.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, greedy_mask
+from tandem.step_context import StepContext
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Verifier:
     """Owned by the speculator; draws with the engine's sampler (its generator for rows without
     a seed)."""
 
-    def __init__(self, core, simulate_accept_length: Optional[float] = None) -> None:
+    def __init__(self, core: StepContext, simulate_accept_length: Optional[float] = None) -> None:
         self.core = core
         self.sampler: Sampler = core.sampler
         self.device = core.device
@@ -108,7 +109,7 @@ class Verifier:
             [item.sequence.prompt_token_ids if penalised else [] for item in row_items],
             [item.sequence.output_token_ids + item.draft_token_ids[:offset] if penalised else []
              for item, offset in zip(row_items, ahead)],
-            [core._banned_tokens(item.sequence, offset) for item, offset in zip(row_items, ahead)], self.device,
+            [core.banned_tokens(item.sequence, offset) for item, offset in zip(row_items, ahead)], self.device,
             # the grammar's mask of each row: after the output and the row's drafts
             token_bitmask=core.structured.bitmask([item.sequence for item in row_items],
                                                   [item.draft_token_ids[:offset] for item, offset in
@@ -211,7 +212,7 @@ class Verifier:
         top_ids = host[4][rows].long() if num_top > 0 else None
         top_values = host[5][rows].float() if num_top > 0 else None
         output = SamplerOutput(host[0][rows].long(), host[2][rows].float(), host[3][rows].long(), top_ids, top_values)
-        return self.core._sampled_logprobs([item.sequence] * count, output)
+        return self.core.sampled_logprobs([item.sequence] * count, output)
 
 
 class _Rows:

@@ -1,10 +1,12 @@
 """Tensor-parallel ranks: one engine process or Ray actor per rank (per GPU on CUDA).
 
 ``executor.py``     the executor interface: in-process (one rank), multiprocess (``launcher.py``), Ray
+                    (``ray_executor.py``)
+``start.py``        the one place that chooses an engine's executor (``start_executor``)
+``build.py``        how every rank, rank 0 included, builds its shard of the model and the state
 ``plan.py``         the step plan rank 0 broadcasts (the model runner's inputs + page operations)
 ``worker.py``       a worker rank: builds its shard, then executes rank 0's plans until told to stop
 ``launcher.py``     the multiprocess executor: starts the workers, watches them, stops them
-``backends.py``     which executor a tensor-parallel engine starts (``distributed_executor_backend``)
 ``ray_executor.py`` the Ray executor: a Ray actor per further rank, across a cluster's nodes
 ``ray_placement.py`` its placement group: one bundle per rank, rank 0's on the engine's node
 ``ray_worker.py``   the actor: a worker rank (``worker.py``'s ``WorkerRank``) in its bundle

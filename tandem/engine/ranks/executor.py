@@ -67,12 +67,14 @@ def rank_call(method: str) -> Callable[..., Any]:
 
 
 class Executor(abc.ABC):
-    """The ranks of one model replica. Owner: the engine core, which starts one before it builds
-    its model (``start``) and closes it at shutdown."""
+    """The ranks of one model replica, at every size (one rank: ``InProcessExecutor``). Owner:
+    the engine core, which starts one before it builds its model (``start_executor``) and closes
+    it at shutdown. It is rank 0's ``RankGroup`` in ``build.py``."""
 
     world_size: int
     device: torch.device  # rank 0's
     shard: TensorShard  # rank 0's place in the group (what its model is built with)
+    graph_sizes: list[int]  # the decode graphs every rank captured (equal on all; empty: eager)
 
     @classmethod
     @abc.abstractmethod
@@ -93,9 +95,25 @@ class Executor(abc.ABC):
         """The smallest ``count`` any rank proposes."""
 
     @abc.abstractmethod
+    def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int,
+                       max_num_batched_tokens: int) -> list[int]:
+        """Capture rank 0's decode graphs, in step with every other rank's; the sizes captured
+        (``graph_sizes`` from then on; empty: eager)."""
+
+    @abc.abstractmethod
+    def agree_on_disk_reads(self, keys: list[bytes], count: int) -> int:
+        """How many leading pages of ``keys`` every rank read from its own disk store (rank 0
+        read ``count``)."""
+
+    @abc.abstractmethod
     def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
                   graph_size: int = 0) -> None:
         """Hand every other rank this step's message (rank 0 runs the step itself)."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Hand the other ranks the page operations made since the last message now (an idle
+        engine's tier writes); raise if a rank has failed."""
 
     @abc.abstractmethod
     def collective_rpc(self, method: str, *arguments) -> list:
@@ -119,6 +137,7 @@ class InProcessExecutor(Executor):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.context: Optional[RankContext] = None
+        self.graph_sizes: list[int] = []
 
     @classmethod
     def start(cls, config: EngineConfig, device: torch.device) -> "InProcessExecutor":
@@ -136,8 +155,18 @@ class InProcessExecutor(Executor):
     def agree_on_count(self, count: int) -> int:
         return count
 
+    def capture_graphs(self, runner, batch_sizes, max_model_len, max_num_batched_tokens) -> list[int]:
+        self.graph_sizes = runner.capture_graphs(batch_sizes, max_model_len, max_num_batched_tokens)
+        return self.graph_sizes
+
+    def agree_on_disk_reads(self, keys, count) -> int:
+        return count
+
     def send_step(self, step, prompt_logit_ranges, inputs_from_root, graph_size=0) -> None:
         return None  # no other rank
+
+    def flush(self) -> None:
+        return None
 
     def collective_rpc(self, method: str, *arguments) -> list:
         call = rank_call(method)

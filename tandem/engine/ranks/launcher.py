@@ -67,10 +67,6 @@ class RankFailure(RuntimeError):
     (the engine core lets this one end the engine instead of failing only the step's requests)."""
 
 
-def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "MultiprocessExecutor":
-    return MultiprocessExecutor(config, device)
-
-
 def _stop_processes(processes: list[subprocess.Popen], closing: Optional[threading.Event] = None) -> None:
     if closing is not None:  # a deliberate stop: the watcher must not take it for a failure
         closing.set()

@@ -62,72 +62,53 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
         pass
 
 
+class WorkerGroup:
+    """A worker rank's side of the start-up agreements (``build.RankGroup``), over the control
+    group: the same collectives, in the same order, as rank 0's executor makes them."""
+
+    def __init__(self, groups) -> None:
+        self.groups = groups
+        self.shard = groups.shard
+
+    def agree_on_pages(self, plan):
+        from tandem.engine.ranks.launcher import agree_on_pages
+
+        return agree_on_pages(plan, self.groups.control)
+
+    def agree_on_count(self, count: int) -> int:
+        from tandem.engine.ranks.launcher import agree_on_count
+
+        return agree_on_count(count, self.groups.control)
+
+    def attach(self, coordinator, runner) -> None:
+        return None  # rank 0's plans drive this rank: nothing of its own is handed on
+
+    def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int,
+                       max_num_batched_tokens: int) -> list[int]:
+        from tandem.parallel.graphs import capture_on_every_rank
+
+        return capture_on_every_rank(runner, self.groups, batch_sizes, max_model_len, max_num_batched_tokens)
+
+
 class WorkerRank:
-    """This rank's shard of the model and of the state (built as rank 0 builds its own, the
-    collectives in the same order), and what each kind of plan makes it do."""
+    """This rank's shard of the model and of the state (``build_rank``, as rank 0 builds its
+    own), and what each kind of plan makes it do."""
 
     def __init__(self, config: EngineConfig, groups, device: torch.device) -> None:
-        from tandem.engine.state_setup import build_coordinator, register_state
-        from tandem.kv.tiers.setup import host_page_count, open_disk_store
-        from tandem.models.loader import build_model
-        from tandem.engine.ranks.launcher import agree_on_count, agree_on_pages
         from tandem.disagg.pd_ranks import WorkerTransfers
-        from tandem.engine.ranks.worker_tiers import WorkerTiers
-        from tandem.spec_decode import draft_state_specs
-        from tandem.spec_decode.networks import MTPNetwork
-        from tandem.worker.model_runner import ModelRunner
+        from tandem.engine.ranks.build import build_rank
 
         self.groups = groups
-        torch.manual_seed(config.seed)
-        model, _, info = build_model(config.model, dtype=config.dtype, load_format=config.load_format, device=device,
-                                     max_model_len=config.max_model_len, seed=config.seed,
-                                     indexer_cache_dtype=config.indexer_cache_dtype, tensor_shard=groups.shard,
-                                     quantization=config.quantization, fp8_compute=config.fp8_compute)
-        registry = register_state(model, config.kv_cache_dtype)
-        target_layers = registry.layer_names()
-        speculating = config.speculative_method is not None
-        # A draft model runs on rank 0 alone: its state groups exist here too (the same group ids),
-        # unused. An MTP module is sharded as the target is: this rank runs its passes (DRAFT plans).
-        self.network = MTPNetwork(model) if config.speculative_method == "mtp" else None
-        if speculating:
-            specs = (self.network.state_specs() if self.network is not None
-                     else draft_state_specs(config, device, info.max_model_len))
-            for name, spec in specs.items():
-                registry.register(name, spec)
-        registry.finalize()
-        _, self.coordinator = build_coordinator(config, device, registry, info.max_model_len, speculating,
-                                                agree=lambda plan: agree_on_pages(plan, groups.control))
-        self.tiers = None
-        if config.has_host_tier:  # the same host pages as rank 0's (agreed as rank 0's build_tiers does)
-            host_pages = agree_on_count(host_page_count(config, self.coordinator), groups.control)
-            disk = open_disk_store(config, self.coordinator, groups.rank) if config.disk_cache_dir else None
-            self.tiers = WorkerTiers(self.coordinator, host_pages, device, disk)
-        self.runner = ModelRunner(model, self.coordinator, device)
-        if self.network is not None:
-            self.network.bind(self.runner, registry)
-        if not config.enforce_eager:
-            self._capture_graphs(config, model, info, registry, target_layers)
-        # The target's graphs read its own layers only; a draft model's layers (which loads register
-        # here too, though only rank 0 reads them) are waited for after each forward pass.
-        self.runner.graph_layers = frozenset(target_layers)
+        parts = build_rank(config, device, WorkerGroup(groups), rank=groups.rank)
+        self.coordinator, self.tiers, self.runner = parts.coordinator, parts.tiers, parts.runner
+        # A draft model runs on rank 0 alone: its state groups exist here too (the same group
+        # ids), unused; its layers' loads (registered here too) are waited for after each
+        # forward pass. An MTP module is sharded as the target is: this rank runs its passes.
+        self.network = parts.draft
         self.unread_layers = ([] if self.network is not None else
-                              [name for name in registry.layer_names() if name not in self.runner.graph_layers])
+                              [name for name in parts.registry.layer_names() if name not in self.runner.graph_layers])
         # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
-        self.transfers = WorkerTransfers(config, groups, registry) if config.transfer is not None else None
-
-    def _capture_graphs(self, config: EngineConfig, model, info, registry, target_layers: list[str]) -> None:
-        """The same decode graph sizes as rank 0's (``Speculator.graph_rows`` while speculating)."""
-        from tandem.parallel.graphs import capture_on_every_rank
-        from tandem.spec_decode import graph_rows, speculative_tokens
-        from tandem.worker.cuda_graphs import decode_graph_sizes
-
-        speculating = config.speculative_method is not None
-        rows = graph_rows(config.max_num_seqs, speculative_tokens(config, model)) if speculating else config.max_num_seqs
-        capture_on_every_rank(self.runner, self.groups, decode_graph_sizes(config, rows), info.max_model_len,
-                              config.max_num_batched_tokens)
-        if speculating:  # verification steps replay the target's graphs as rank 0 decides (Speculator)
-            target_groups = sorted({registry.group_of(name) for name in target_layers})
-            self.runner.verify_as_decode_rows = not self.coordinator.speculation_copies(target_groups)
+        self.transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
 
     def serve(self, plan) -> bool:
         """Carry out one plan; False once it was the STOP plan."""

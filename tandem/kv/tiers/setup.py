@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -102,14 +102,9 @@ def open_disk_store(config: "EngineConfig", coordinator: "StateCoordinator", ran
 
 
 def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", device: torch.device,
-                agree: Optional[Callable[[int], int]] = None) -> Optional[TieredState]:
-    """The host tier (and the disk tier behind it) when configured, else None. ``agree``
-    (tensor parallelism): the host page count every rank takes (each holds its shard's bytes)."""
-    if config.host_cache_size <= 0 and not config.disk_cache_dir:
-        return None
-    host_pages = host_page_count(config, coordinator)
-    if agree is not None:
-        host_pages = agree(host_pages)
+                host_pages: int) -> TieredState:
+    """The host tier (and the disk tier behind it) of the books' rank: ``host_pages`` pages
+    (``host_page_count``, the smallest any rank proposed: each holds its shard's bytes)."""
     per_node = node_bytes(layouts_of(coordinator.registry))
     disk = open_disk_store(config, coordinator) if config.disk_cache_dir else None
     tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
