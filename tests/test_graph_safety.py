@@ -21,6 +21,7 @@ from tandem import LLM, SamplingParams
 from tandem.layers.attention import TritonAttentionBackend
 from tandem.layers.mla import MLAAttention, TritonMLABackend
 from tandem.layers.moe import FusedExperts
+from tandem.engine.ranks.build import _prepare_verification
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tests.oracle import assert_matches
 from tests.spec_helpers import differing_proposals, record_proposals
@@ -169,7 +170,9 @@ def test_speculation_graphs_are_capturable_and_exact(arch, model_dirs, oracles, 
     proposals = record_proposals(engine)
     runner, speculator = engine.runner, engine.speculator
     runner.graphs = CudaGraphRunner(runner, [2, 4, 8, 16], max_width=8)
-    speculator.capture_graphs(engine, speculator.target_groups)
+    # What the build does for an engine that has graphs: verification as single-token rows.
+    _prepare_verification(runner, engine.coordinator, engine.registry, sorted(runner.graph_layers))
+    speculator.capture_graphs(engine)
     network = speculator.network
     assert runner.verify_as_decode_rows and network.graphs is not None
     replays = {"target": [], "draft": []}
