@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (architecture, make_model shape arguments)
 SHAPES = {
