@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass

@@ -25,8 +25,6 @@ Targets: >= 0.8 of the FP8 rate at M >= 4096, >= 0.85 of the weight-read bandwid
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import triton

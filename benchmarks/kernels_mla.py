@@ -5,8 +5,6 @@ median time (``triton.testing.do_bench``) and bytes read per second.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 import triton

@@ -6,8 +6,6 @@ bytes read per second (each expert hit is read once).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 import triton

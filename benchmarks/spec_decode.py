@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
-from pathlib import Path
 
 import torch
 

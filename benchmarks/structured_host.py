@@ -17,9 +17,7 @@ import cProfile
 import pstats
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -5,8 +5,6 @@ environment of its own (see ``benchmarks/loadgen.py``): the test runs where ``$T
 ``aiperf`` on PATH names it, and is skipped elsewhere."""
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 

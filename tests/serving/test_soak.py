@@ -8,8 +8,6 @@ import os
 
 os.environ["TANDEM_SANITIZE"] = "1"
 
-import sys
-from pathlib import Path
 
 import pytest
 

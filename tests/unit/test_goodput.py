@@ -4,8 +4,6 @@ after 5 ms, then a token every 2 ms)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
