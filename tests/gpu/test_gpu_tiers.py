@@ -9,7 +9,8 @@ import torch
 
 from tandem import SamplingParams
 from tests.gpu.test_gpu import FAMILIES
-from tests.models.test_tiers import GREEDY, check, make_llm, prompts_for
+from tests.models.test_tiers import make_llm
+from tests.support.engines import GREEDY, check_outputs, prompts_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -27,7 +28,7 @@ def gpu_tolerance(monkeypatch):
 def test_cuda_host_hit_and_swap(arch, layout, model_dirs, oracles):
     """Page-major: the page-copy kernel reads and writes strided device rows, a group's buffers
     in one copy where they continue on both sides."""
-    llm = make_llm(model_dirs[arch], arch, device="cuda", dtype="float32", max_total_tokens=384,
+    llm = make_llm(model_dirs[arch], device="cuda", dtype="float32", max_total_tokens=384,
                    max_num_batched_tokens=128, max_num_seqs=8, host_cache_size=0.05, kv_cache_layout=layout)
     tiers = llm.engine.coordinator.tiers
     assert tiers.host.arrays[0].is_pinned()
@@ -38,11 +39,11 @@ def test_cuda_host_hit_and_swap(arch, layout, model_dirs, oracles):
     llm.engine.reset_prefix_cache()
     second = llm.generate(shared[1:], params)
     assert llm.engine.stats().tiers.host_hit_tokens >= 64
-    check(first + second, shared, 6, oracles[arch], f"{arch} cuda host hit")
+    check_outputs(first + second, shared, 6, oracles[arch], f"{arch} cuda host hit")
     crowd = prompts_for(32, (150, 17, 64, 129, 3, 90, 40, 111))
     outputs = llm.generate(crowd, SamplingParams(max_tokens=20, **GREEDY))
     stats = llm.engine.stats().tiers
     assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
-    check(outputs, crowd, 20, oracles[arch], f"{arch} cuda swap")
+    check_outputs(outputs, crowd, 20, oracles[arch], f"{arch} cuda swap")
     assert llm.engine.coordinator.tiers.mover.use_kernel  # the kernel addressed pinned host memory
     llm.engine.check_all_free()

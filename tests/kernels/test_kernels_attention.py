@@ -10,7 +10,6 @@ be written.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -21,32 +20,10 @@ from tandem.kernels import paged_attention as attention  # noqa: E402
 from tandem.kernels.paged_attention import (  # noqa: E402
     decode_num_splits, paged_decode_attention, paged_decode_attention_reference, paged_prefill_attention,
     paged_prefill_attention_reference)
+from tests.support.kernels import BF16_TOLERANCE, assert_close, interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
 from tests.support.layouts import LAYOUTS, in_layout  # noqa: E402
 
 NUM_KV_HEADS = 2
-FP32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_scalar_loop_bounds():
-    """Triton's interpreter holds scalars as one-element arrays and turns them into ``range``
-    bounds with ``int(array)``, which NumPy >= 2.4 refuses for arrays of one dimension: make
-    that conversion take the element (interpreted runs only)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-        yield
 
 
 def poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim, dtype, generator, device="cpu"):
@@ -81,12 +58,6 @@ def poisoned_paged_cache(page_size, spans, num_kv_heads, head_dim, dtype, genera
 def random_query(shape, dtype, generator, device="cpu"):
     """Queries with scores of a few units (peaked enough to exercise the softmax)."""
     return (2 * torch.randn(shape, generator=generator)).to(device=device, dtype=dtype)
-
-
-def assert_close(actual, expected, dtype, **tolerance):
-    assert not actual.isnan().any(), "an output element is NaN (unwritten or poisoned)"
-    tolerance = tolerance or (FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
-    torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
 
 
 def decode_inputs(page_size, group_size, head_dim, lengths, window, dtype, seed, device="cpu",

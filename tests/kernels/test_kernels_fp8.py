@@ -11,7 +11,7 @@ from tandem.kernels.fp8_gemm import (FP8_DTYPE, BlockGemmConfig, block_scaled_ma
                                      fp8_linear, fp8_linear_reference, quantize_token_groups,
                                      quantize_token_groups_reference)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -11,7 +11,7 @@ import torch
 from tandem.kernels.fp8_weight_only import (MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
                                             weight_only_matmul_reference)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from tandem.kernels.indexer_decode import index_decode_scores, index_decode_scores_reference  # noqa: E402
 from tandem.layers.sparse_indexer import Float32IndexKeys, Fp8PageMajorIndexKeys, index_scores  # noqa: E402
 from tests.support.layouts import LAYOUTS, in_layout  # noqa: E402
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
 
 FP8_NAN_BYTE = 0x7F
 

@@ -19,10 +19,8 @@ from tandem.kernels.mla_decode import (  # noqa: E402
     mla_decode_attention, mla_decode_attention_reference, mla_decode_num_splits)
 from tandem.kernels.token_write import write_token_rows, write_token_rows_reference  # noqa: E402
 from tests.support.layouts import LAYOUTS, in_layout  # noqa: E402
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
+from tests.support.kernels import BF16_TOLERANCE, assert_close, interpreter_scalar_loop_bounds  # noqa: E402,F401  (autouse fixture)
 
-FP32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 
 
 def selected_positions(lengths, topk_width, generator):
@@ -79,12 +77,6 @@ def decode_inputs(page_size, num_heads, rank, rope_dim, lengths, topk_width, dty
     if topk_indices is not None:
         topk_indices = topk_indices.to(device)
     return q_latent, q_rope, cache, page_table, context_lengths, topk_indices
-
-
-def assert_close(actual, expected, dtype, **tolerance):
-    assert not actual.isnan().any(), "an output element is NaN (unwritten or poisoned)"
-    tolerance = tolerance or (FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
-    torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
 
 
 def run_and_compare(inputs, scale, dtype, num_splits, layout="layer-major", **tolerance):

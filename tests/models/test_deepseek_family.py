@@ -23,6 +23,7 @@ from tandem import LLM, SamplingParams
 from tandem.kv.spec import IndexerSpec
 from tandem.layers.sparse_indexer import (FP8_DTYPE, Fp8PageMajorIndexKeys, LightningIndexer,
                                           index_scores)
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_matches
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -30,37 +31,20 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 FAMILY = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 INDEX_TOPK = 16  # make_model's DSA configs
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 10
 # (MLA layers, layers with an indexer): GLM-5's middle layer reuses layer 0's top-k.
 STATEFUL_LAYERS = {"deepseek_v3": (2, 0), "deepseek_v32": (2, 2), "glm_moe_dsa": (3, 2)}
-
-
-def random_tokens(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 500) for _ in range(length)]
 
 
 def family_prompts() -> list[list[int]]:
     """1 and 12 tokens (dense: context <= index_topk), then 94, 184 and 300 tokens sharing a
     64-token prefix (prefix hits at page sizes 1, 16 and 64)."""
     rng = random.Random(11)
-    shared = random_tokens(rng, 64)
-    return [random_tokens(rng, 1), random_tokens(rng, 12)] + [shared + random_tokens(rng, n) for n in (30, 120, 236)]
+    shared = random_prompt(rng, 64)
+    return [random_prompt(rng, 1), random_prompt(rng, 12)] + [shared + random_prompt(rng, n) for n in (30, 120, 236)]
 
 
 PROMPTS = family_prompts()
-
-
-def make_llm(model_dir, **options) -> LLM:
-    defaults = dict(page_size=16, max_total_tokens=4096, max_num_batched_tokens=512, max_num_seqs=64,
-                    indexer_cache_dtype="float32")
-    defaults.update(options)
-    return LLM(model=model_dir, **defaults)
-
-
-def check_outputs(outputs, prompts, oracle, context: str) -> None:
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
-        assert_matches(output.outputs[0], oracle.greedy(prompt, MAX_TOKENS), context=f"{context} prompt {number}")
 
 
 # -- against transformers ------------------------------------------------------------------------
@@ -71,7 +55,7 @@ def test_mixed_batch_with_preemption(arch, model_dirs, oracles):
     llm = make_llm(model_dirs[arch], max_total_tokens=400, max_num_batched_tokens=128)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
     assert llm.engine.stats().num_preemptions > 0
-    check_outputs(outputs, PROMPTS, oracles[arch], arch)
+    check_outputs(outputs, PROMPTS, MAX_TOKENS, oracles[arch], arch)
     llm.engine.check_all_free()
 
 
@@ -79,7 +63,7 @@ def test_mixed_batch_with_preemption(arch, model_dirs, oracles):
 def test_chunked_prefill(arch, model_dirs, oracles):
     llm = make_llm(model_dirs[arch], max_num_batched_tokens=32)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
-    check_outputs(outputs, PROMPTS, oracles[arch], f"{arch} chunked")
+    check_outputs(outputs, PROMPTS, MAX_TOKENS, oracles[arch], f"{arch} chunked")
     llm.engine.check_all_free()
 
 
@@ -93,7 +77,7 @@ def test_page_sizes_and_prefix_hits(arch, page_size, model_dirs, oracles):
     assert first[0].num_cached_tokens == 0
     assert [output.num_cached_tokens >= 64 for output in rest] == [False, False, True, True], \
         [output.num_cached_tokens for output in rest]
-    check_outputs(first + rest, PROMPTS[2:3] + PROMPTS[:2] + PROMPTS[3:], oracles[arch], f"{arch} page {page_size}")
+    check_outputs(first + rest, PROMPTS[2:3] + PROMPTS[:2] + PROMPTS[3:], MAX_TOKENS, oracles[arch], f"{arch} page {page_size}")
     llm.engine.check_all_free()
 
 
@@ -227,7 +211,7 @@ def test_fp8_indexer_drift_against_unquantised(arch, model_dirs):
       attention weighs, so marginal swaps carry little attention mass.
     """
     rng = random.Random(8)
-    prompts = [random_tokens(rng, 100), random_tokens(rng, 300)]
+    prompts = [random_prompt(rng, 100), random_prompt(rng, 300)]
     exact_selections, exact_outputs = selections_and_prompt_logprobs(model_dirs[arch], prompts, "float32")
     fp8_selections, fp8_outputs = selections_and_prompt_logprobs(model_dirs[arch], prompts, "fp8")
     first_layer = min(exact_selections, key=lambda name: int(re.search(r"layers\.(\d+)", name).group(1)))

@@ -7,27 +7,10 @@ import random
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tests.support.models import ARCHS
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_matches, assert_position
-
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int, vocab: int = 500) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(length)]
-
-
-def check_outputs(outputs, prompts, max_tokens, oracle, context):
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
-        reference = oracle.greedy(prompt, max_tokens)
-        assert_matches(output.outputs[0], reference, context=f"{context} prompt {number}")
-
-
-def make_llm(model_dir, **options):
-    defaults = dict(page_size=16, max_total_tokens=4096, max_num_batched_tokens=512, max_num_seqs=64)
-    defaults.update(options)
-    return LLM(model=model_dir, **defaults)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -30,10 +30,10 @@ import torch
 from tandem import LLM, SamplingParams
 from tests.support.models import ARCH_OPTIONS
 from tests.support.oracle import Oracle, assert_matches
+from tests.support.engines import GREEDY
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 6
 # llama keeps one ordinary projection 16-bit through modules_to_not_convert.
 KEPT_MODULE = "model.layers.1.mlp.down_proj"

@@ -8,6 +8,7 @@ tokens; every scenario uses prompts or generations longer than the window, so wi
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import random
 import re
@@ -16,29 +17,15 @@ import pytest
 import torch
 
 from tests.support.state_checks import HOST_TIER, check_movers_touch_registry
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.kv.planner import NULL_PAGE
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_matches
 
 ARCH = "gemma3"
 WINDOW = 24
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int, vocab: int = 500) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(length)]
-
-
-def make_llm(model_dir, **options):
-    # A small pool keeps the sanitizer's per-step book check (O(pages)) cheap.
-    defaults = dict(page_size=16, max_total_tokens=1024, max_num_batched_tokens=512, max_num_seqs=64)
-    defaults.update(options)
-    return LLM(model=model_dir, **defaults)
-
-
-def check_outputs(outputs, prompts, max_tokens, oracle, context):
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
-        assert_matches(output.outputs[0], oracle.greedy(prompt, max_tokens), context=f"{context} prompt {number}")
+# A small pool keeps the sanitizer's per-step book check (O(pages)) cheap.
+make_llm = functools.partial(make_llm, max_total_tokens=1024)
 
 
 def group_of_kind(engine, manager_kind: str) -> int:

@@ -24,9 +24,9 @@ from tandem.layers.moe import FusedExperts
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tests.support.oracle import assert_matches
 from tests.support.speculation import differing_proposals, record_proposals
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.engines import GREEDY
 
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 
 # Operators whose result the host must wait for, or whose output shape depends on tensor values.
 SYNCING_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten._unique2", "aten.unique_dim",

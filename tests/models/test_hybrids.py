@@ -14,17 +14,13 @@ from tandem import LLM, SamplingParams
 from tandem.protocol import EngineRequest
 from tandem.kv.planner import bytes_per_page, plan_pools
 from tandem.layers import recurrent
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_matches
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 HYBRIDS = ("qwen3_next", "nemotron_h")
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 16
-
-
-def random_prompt(rng: random.Random, length: int, vocab: int = 500) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 # One prompt set for the oracle scenarios, so the (slow) transformers references are shared.
@@ -32,17 +28,6 @@ _rng = random.Random(11)
 PROMPTS = {length: random_prompt(_rng, length) for length in (1, 5, 17, 70, 97, 130, 150, 200)}
 SHARED = random_prompt(_rng, 120)
 PREFIX_PROMPTS = [SHARED + random_prompt(_rng, n) for n in (5, 40, 1, 77)]
-
-
-def make_llm(model_dir, **options):
-    defaults = dict(page_size=16, max_total_tokens=4096, max_num_batched_tokens=512, max_num_seqs=64)
-    defaults.update(options)
-    return LLM(model=model_dir, **defaults)
-
-
-def check_outputs(outputs, prompts, oracle, context, max_tokens=MAX_TOKENS):
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
-        assert_matches(output.outputs[0], oracle.greedy(prompt, max_tokens), context=f"{context} prompt {number}")
 
 
 def recurrent_pools(engine):
@@ -59,7 +44,7 @@ def test_mixed_batch_with_forced_preemption(arch, model_dirs, oracles):
     llm = make_llm(model_dirs[arch], max_total_tokens=256, max_num_batched_tokens=256)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
     assert llm.engine.stats().num_preemptions > 0
-    check_outputs(outputs, prompts, oracles[arch], arch)
+    check_outputs(outputs, prompts, MAX_TOKENS, oracles[arch], arch)
     llm.engine.check_all_free()
 
 
@@ -68,7 +53,7 @@ def test_chunked_prefill_carries_state_across_chunks(arch, model_dirs, oracles):
     prompts = [PROMPTS[n] for n in (150, 97, 5)]
     llm = make_llm(model_dirs[arch], max_num_batched_tokens=32)  # budget far below the prompts
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
-    check_outputs(outputs, prompts, oracles[arch], arch)
+    check_outputs(outputs, prompts, MAX_TOKENS, oracles[arch], arch)
     llm.engine.check_all_free()
 
 
@@ -78,7 +63,7 @@ def test_page_sizes(arch, page_size, model_dirs, oracles):
     prompts = [PROMPTS[n] for n in (70, 1, 130)]
     llm = make_llm(model_dirs[arch], page_size=page_size, max_num_batched_tokens=96)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
-    check_outputs(outputs, prompts, oracles[arch], f"{arch} page {page_size}")
+    check_outputs(outputs, prompts, MAX_TOKENS, oracles[arch], f"{arch} page {page_size}")
     llm.engine.check_all_free()
 
 
@@ -95,7 +80,7 @@ def test_prefix_hits_restore_checkpoints_exactly(arch, page_size, budget, expect
     rest = llm.generate(PREFIX_PROMPTS[1:], params, use_tqdm=False)
     assert first[0].num_cached_tokens == 0
     assert [o.num_cached_tokens for o in rest] == [expected_hit] * 3
-    check_outputs(first + rest, PREFIX_PROMPTS, oracles[arch], f"{arch} page {page_size} budget {budget}")
+    check_outputs(first + rest, PREFIX_PROMPTS, MAX_TOKENS, oracles[arch], f"{arch} page {page_size} budget {budget}")
     llm.engine.check_all_free()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 
 import pytest
 import torch
@@ -19,11 +18,11 @@ from tandem import LLM, SamplingParams
 from tandem.kernels.kv_write import cast_for_cache
 from tandem.kv.sanitizer import poison_fill
 from tests.support.oracle import LOGPROB_TOLERANCE, Oracle, assert_matches
+from tests.support.engines import GREEDY, prompts_for
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 FP8 = torch.float8_e4m3fn
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 FP8_ATTENTION = "tandem_fp8_kv"
 
 
@@ -54,12 +53,6 @@ def fp8_oracles(model_dirs):
             return oracle
 
     return Oracles()
-
-
-def prompts_for(seed, lengths, shared=0, vocab=500):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shared)]
-    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def largest_logprob_difference(reference, other) -> float:

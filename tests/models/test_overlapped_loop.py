@@ -5,27 +5,17 @@ sequences that end while a launched step still computes for them keep their page
 completes (I2), and the books balance after every step (I5)."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tandem.protocol import EngineRequest
 from tandem.kv.block_pool import CACHE_OWNER
-from tests.support.oracle import assert_matches
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 500) for _ in range(length)]
-
-
-def make_llm(model_dir, async_scheduling=True, **options) -> LLM:
-    defaults = dict(page_size=16, max_total_tokens=4096, max_num_batched_tokens=128, max_num_seqs=8,
-                    indexer_cache_dtype="float32", async_scheduling=async_scheduling)
-    defaults.update(options)
-    return LLM(model=model_dir, **defaults)
+make_llm = functools.partial(make_llm, max_num_batched_tokens=128, max_num_seqs=8, async_scheduling=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "deepseek_v32"])
@@ -37,8 +27,7 @@ def test_matches_oracle_with_preemption_and_prefix_hits(arch, model_dirs, oracle
     llm = make_llm(model_dirs[arch], max_total_tokens=320)
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths])
     assert llm.engine.stats().num_preemptions > 0
-    for output, prompt, length in zip(outputs, prompts, lengths):
-        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, length), context=arch)
+    check_outputs(outputs, prompts, lengths, oracles[arch], arch)
     llm.engine.check_all_free()
 
 

@@ -22,28 +22,24 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.layers.moe import FusedExperts, SoftmaxMoE, load_with_experts
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import LOGPROB_TOLERANCE, Oracle, assert_matches
 from tests.support.state_checks import check_movers_touch_registry
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 ARCH = "qwen3_moe"
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 12
-
-
-def random_tokens(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 500) for _ in range(length)]
 
 
 def workload() -> tuple[list[list[int]], list[list[int]]]:
     """A first batch of 1..300 tokens (two sharing a 64-token prefix), then two prompts that
     extend the shared prefix (prefix hits)."""
     rng = random.Random(21)
-    shared = random_tokens(rng, 64)
-    first = [random_tokens(rng, 1), shared + random_tokens(rng, 30), random_tokens(rng, 17),
-             random_tokens(rng, 300), shared + random_tokens(rng, 120)]
-    return first, [shared + random_tokens(rng, 9), shared + random_tokens(rng, 77)]
+    shared = random_prompt(rng, 64)
+    first = [random_prompt(rng, 1), shared + random_prompt(rng, 30), random_prompt(rng, 17),
+             random_prompt(rng, 300), shared + random_prompt(rng, 120)]
+    return first, [shared + random_prompt(rng, 9), shared + random_prompt(rng, 77)]
 
 
 FIRST, SECOND = workload()
@@ -52,12 +48,10 @@ FIRST, SECOND = workload()
 def run_and_check(model_dir: str, oracle, context: str, **options) -> LLM:
     """Both batches through one engine, every output against ``oracle``; the engine's pages are
     all free afterwards. Returns the engine (for its stats)."""
-    llm = LLM(model=model_dir, **{**dict(page_size=16, max_total_tokens=4096, max_num_batched_tokens=512,
-                                         max_num_seqs=64), **options})
+    llm = make_llm(model_dir, **options)
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     outputs = llm.generate(FIRST, params, use_tqdm=False) + llm.generate(SECOND, params, use_tqdm=False)
-    for number, (output, prompt) in enumerate(zip(outputs, FIRST + SECOND)):
-        assert_matches(output.outputs[0], oracle.greedy(prompt, MAX_TOKENS), context=f"{context} prompt {number}")
+    check_outputs(outputs, FIRST + SECOND, MAX_TOKENS, oracle, context)
     assert all(output.num_cached_tokens >= 64 for output in outputs[len(FIRST):]), \
         [output.num_cached_tokens for output in outputs]
     llm.engine.check_all_free()

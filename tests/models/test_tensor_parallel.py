@@ -22,10 +22,10 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tests.support.oracle import assert_matches, assert_position
 from tests.support.servers import ServerProcess, process_alive
+from tests.support.engines import GREEDY
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 MAX_TOKENS = 5
 ENGINE = dict(page_size=16, max_total_tokens=512, max_num_batched_tokens=32, max_num_seqs=8)
 

@@ -23,7 +23,7 @@ from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU
 from tandem.worker.step_inputs import StepInputs
 from tests.support.oracle import assert_matches
 from tests.models.test_graph_safety import kernel_paths, no_host_sync
-from tests.kernels.test_kernels_attention import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 from tests.models.test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, run_scenario
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -15,7 +15,8 @@ from tandem import SamplingParams
 from tandem.kv.accessor import PendingLoads
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.planner import NULL_PAGE
-from tests.models.test_tiers import FAMILIES, GREEDY, check, make_llm, prompts_for
+from tests.models.test_tiers import FAMILIES, make_llm
+from tests.support.engines import GREEDY, check_outputs, prompts_for
 
 DELAY = 0.05
 
@@ -30,7 +31,7 @@ def cached_then_flushed(llm, prompt, max_tokens=4):
 
 def test_delayed_load_is_waited_for_layer_by_layer(model_dirs, oracles):
     prompts = prompts_for(21, (5, 9), shared=80)
-    llm = make_llm(model_dirs["llama"], "llama")
+    llm = make_llm(model_dirs["llama"])
     tiers = llm.engine.coordinator.tiers
     first = cached_then_flushed(llm, prompts[0])
     waited: list[str] = []
@@ -50,13 +51,13 @@ def test_delayed_load_is_waited_for_layer_by_layer(model_dirs, oracles):
         tiers.stream.delay_s = 0.0
     assert tiers.stats.host_hit_tokens >= 80 - 16
     assert waited == llm.engine.registry.layer_names()  # each layer waited once, in order
-    check(first + second, prompts, 4, oracles["llama"], "delayed load")
+    check_outputs(first + second, prompts, 4, oracles["llama"], "delayed load")
     llm.engine.check_all_free()
 
 
 def test_read_without_the_wait_is_caught(model_dirs):
     prompts = prompts_for(22, (5, 9), shared=80)
-    llm = make_llm(model_dirs["llama"], "llama")
+    llm = make_llm(model_dirs["llama"])
     tiers = llm.engine.coordinator.tiers
     cached_then_flushed(llm, prompts[0])
     tiers.stream.delay_s = 0.5
@@ -74,7 +75,7 @@ def test_read_without_the_wait_is_caught(model_dirs):
 def test_page_under_a_delayed_save_is_not_reused(model_dirs, oracles):
     prompts = prompts_for(23, (64, 250))
     # 288 tokens of pool: the second prompt needs every page the first one's cache holds.
-    llm = make_llm(model_dirs["llama"], "llama", max_total_tokens=288)
+    llm = make_llm(model_dirs["llama"], max_total_tokens=288)
     engine = llm.engine
     tiers = engine.coordinator.tiers
     tiers.stream.delay_s = 0.3
@@ -98,13 +99,13 @@ def test_page_under_a_delayed_save_is_not_reused(model_dirs, oracles):
     for node, page in zip(saved, device_pages):
         copied = host.arrays[0][node.host_pages[0], segment.offset:segment.offset + segment.width]
         assert torch.equal(copied, before[page].view(torch.uint8).flatten())
-    check(first + second, prompts, 1, oracles["llama"], "delayed save")
+    check_outputs(first + second, prompts, 1, oracles["llama"], "delayed save")
     engine.check_all_free()
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_tier_mover_touches_exactly_the_registry(arch, model_dirs):
-    llm = make_llm(model_dirs[arch], arch)
+    llm = make_llm(model_dirs[arch])
     engine = llm.engine
     prompt = prompts_for(24, (70,))[0]
     cached_then_flushed(llm, prompt, max_tokens=2)
@@ -116,7 +117,7 @@ def test_tier_mover_touches_exactly_the_registry(arch, model_dirs):
 
 def test_swapped_state_round_trip_restores_every_buffer(model_dirs):
     """A swap out and in moves every page of every group into fresh pages, byte for byte."""
-    llm = make_llm(model_dirs["qwen3_next"], "qwen3_next")
+    llm = make_llm(model_dirs["qwen3_next"])
     engine = llm.engine
     from tandem.protocol import EngineRequest
 

@@ -7,42 +7,22 @@ chunked prefill. The sanitizer is on: books of every tier balance after every st
 end every device page is free and every host page free or cached, nothing in flight."""
 from __future__ import annotations
 
-import random
+import functools
 import time
 
 import pytest
 
-from tandem import LLM, SamplingParams
-from tests.support.oracle import assert_matches
+from tandem import SamplingParams
+from tests.support.engines import GREEDY, check_outputs, make_llm, prompts_for
 
-GREEDY = dict(temperature=0.0, logprobs=5, ignore_eos=True)
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
             "qwen3_next", "nemotron_h", "qwen3_moe")
 # The disk and swap workload (~20 s a family) skips qwen3_moe: its state is qwen3's (paged K/V),
 # and its swap preemption runs in test_qwen3_moe.py.
 DISK_FAMILIES = tuple(arch for arch in FAMILIES if arch != "qwen3_moe")
-# DSA models: the unquantised indexer cache, so the reference comparison is exact.
-FAMILY_OPTIONS = {"deepseek_v32": dict(indexer_cache_dtype="float32"),
-                  "glm_moe_dsa": dict(indexer_cache_dtype="float32")}
-
-
-def prompts_for(seed: int, lengths, shared: int = 0, vocab: int = 500) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shared)]
-    return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def make_llm(model_dir, arch, **options):
-    settings = dict(page_size=16, max_total_tokens=2048, max_num_batched_tokens=256, max_num_seqs=16,
-                    host_cache_size=0.01)
-    settings.update(FAMILY_OPTIONS.get(arch, {}))
-    settings.update(options)
-    return LLM(model=model_dir, **settings)
-
-
-def check(outputs, prompts, max_tokens, oracle, context):
-    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
-        assert_matches(output.outputs[0], oracle.greedy(prompt, max_tokens), context=f"{context} prompt {number}")
+# A host tier of 10 MiB behind every engine here (the DSA indexer unquantised: exact comparisons).
+make_llm = functools.partial(make_llm, max_total_tokens=2048, max_num_batched_tokens=256, max_num_seqs=16,
+                             host_cache_size=0.01)
 
 
 def tier_stats(llm):
@@ -52,7 +32,7 @@ def tier_stats(llm):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_host_hit_after_device_flush(arch, model_dirs, oracles):
     prompts = prompts_for(11, (9, 30), shared=70)
-    llm = make_llm(model_dirs[arch], arch)
+    llm = make_llm(model_dirs[arch])
     params = SamplingParams(max_tokens=6, **GREEDY)
     first = llm.generate(prompts[:1], params)
     llm.engine.coordinator.tiers.drain()
@@ -61,7 +41,7 @@ def test_host_hit_after_device_flush(arch, model_dirs, oracles):
     stats = tier_stats(llm)
     assert stats.host_hit_tokens >= 64, stats
     assert second[0].num_cached_tokens >= 64
-    check(first + second, prompts, 6, oracles[arch], f"{arch} host hit")
+    check_outputs(first + second, prompts, 6, oracles[arch], f"{arch} host hit")
     llm.engine.check_all_free()
 
 
@@ -79,12 +59,12 @@ def test_disk_hits_host_hits_and_swap_in_one_workload(arch, layout, model_dirs, 
     directory = str(tmp_path / "disk")
     params = SamplingParams(max_tokens=6, **GREEDY)
     earlier = prompts_for(41, (20, 45), shared=60)
-    writer = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, kv_cache_layout=layout)
+    writer = make_llm(model_dirs[arch], disk_cache_dir=directory, kv_cache_layout=layout)
     first = writer.generate(earlier, params)
     close(writer)
-    check(first, earlier, 6, oracles[arch], f"{arch} before restart")
+    check_outputs(first, earlier, 6, oracles[arch], f"{arch} before restart")
 
-    llm = make_llm(model_dirs[arch], arch, disk_cache_dir=directory, max_total_tokens=192,
+    llm = make_llm(model_dirs[arch], disk_cache_dir=directory, max_total_tokens=192,
                    max_num_batched_tokens=64, host_cache_size=0.05, kv_cache_layout=layout)
     again = [earlier[1][:-3] + [7, 8, 9]] + prompts_for(42, (120, 17, 64, 90))
     outputs = llm.generate(again, params)
@@ -96,7 +76,7 @@ def test_disk_hits_host_hits_and_swap_in_one_workload(arch, layout, model_dirs, 
     llm.engine.reset_prefix_cache()
     repeat = llm.generate(again[1:3], params)
     assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
-    check(outputs + repeat, again + again[1:3], 6, oracles[arch], f"{arch} mixed")
+    check_outputs(outputs + repeat, again + again[1:3], 6, oracles[arch], f"{arch} mixed")
     close(llm)
 
 
@@ -107,7 +87,7 @@ def test_a_disk_prefix_is_read_while_running_sequences_step(model_dirs, oracles,
 
     directory = str(tmp_path / "disk")
     stored = prompts_for(44, (100,))
-    writer = make_llm(model_dirs["llama"], "llama", disk_cache_dir=directory)
+    writer = make_llm(model_dirs["llama"], disk_cache_dir=directory)
     writer.generate(stored, SamplingParams(max_tokens=2, **GREEDY))
     close(writer)
     original = DiskStore.read_entry
@@ -117,7 +97,7 @@ def test_a_disk_prefix_is_read_while_running_sequences_step(model_dirs, oracles,
         return original(store, key)
     monkeypatch.setattr(DiskStore, "read_entry", slow_read)
 
-    llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=directory)
+    llm = make_llm(model_dirs["llama"], disk_cache_dir=directory)
     engine, prefetch = llm.engine, llm.engine.coordinator.tiers.prefetch
     steps_during_read = []
     step = engine.step
@@ -134,8 +114,8 @@ def test_a_disk_prefix_is_read_while_running_sequences_step(model_dirs, oracles,
     assert sum(steps_during_read) >= 2, steps_during_read  # tokens came out while the read was in flight
     assert prefetch.installed_pages == 6 and engine.stats().tiers.disk_hit_tokens == 96
     assert outputs[1].num_cached_tokens == 96
-    check(outputs[:1], prompts[:1], 40, oracles["llama"], "running during a disk read")
-    check(outputs[1:], prompts[1:], 6, oracles["llama"], "after a disk read")
+    check_outputs(outputs[:1], prompts[:1], 40, oracles["llama"], "running during a disk read")
+    check_outputs(outputs[1:], prompts[1:], 6, oracles["llama"], "after a disk read")
     close(llm)
 
 
@@ -143,7 +123,7 @@ def test_corrupt_disk_page_is_a_counted_miss(model_dirs, oracles, tmp_path):
     directory = tmp_path / "disk"
     params = SamplingParams(max_tokens=4, **GREEDY)
     prompts = prompts_for(43, (70,))
-    writer = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(directory))
+    writer = make_llm(model_dirs["llama"], disk_cache_dir=str(directory))
     writer.generate(prompts, params)
     close(writer)
     files = sorted(path for path in directory.rglob("*") if path.is_file())
@@ -151,11 +131,11 @@ def test_corrupt_disk_page_is_a_counted_miss(model_dirs, oracles, tmp_path):
     data = bytearray(files[0].read_bytes())
     data[-1] ^= 0xFF
     files[0].write_bytes(bytes(data))
-    llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(directory))
+    llm = make_llm(model_dirs["llama"], disk_cache_dir=str(directory))
     outputs = llm.generate(prompts, params)
     stats = llm.engine.stats().tiers
     assert sum(stats.disk_rejected.values()) == 1, stats.disk_rejected
-    check(outputs, prompts, 4, oracles["llama"], "corrupt page")
+    check_outputs(outputs, prompts, 4, oracles["llama"], "corrupt page")
     close(llm)
 
 
@@ -163,11 +143,11 @@ def test_unwritable_disk_directory_serves_without_the_disk_tier(model_dirs, orac
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with caplog.at_level("WARNING"):
-        llm = make_llm(model_dirs["llama"], "llama", disk_cache_dir=str(blocker / "disk"))
+        llm = make_llm(model_dirs["llama"], disk_cache_dir=str(blocker / "disk"))
     assert "disk tier off" in caplog.text and "--disk-cache-dir" in caplog.text
     assert not llm.engine.stats().tiers.disk_enabled
     prompts = prompts_for(44, (40,))
-    check(llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY)), prompts, 4, oracles["llama"], "no disk")
+    check_outputs(llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY)), prompts, 4, oracles["llama"], "no disk")
     close(llm)
 
 
@@ -190,11 +170,11 @@ def test_full_host_tier_moves_pages_on_to_disk(model_dirs, oracles, tmp_path):
     disk (device → host → disk), and a later prompt hits pages that only the disk still holds."""
     from tandem.kv.tiers.host_pool import node_bytes
 
-    probe = make_llm(model_dirs["llama"], "llama")
+    probe = make_llm(model_dirs["llama"])
     per_page = node_bytes(probe.engine.coordinator.tiers.layouts)
     probe.engine.shutdown()
     directory = str(tmp_path / "disk")
-    llm = make_llm(model_dirs["llama"], "llama", host_cache_size=6.5 * per_page / (1 << 30),
+    llm = make_llm(model_dirs["llama"], host_cache_size=6.5 * per_page / (1 << 30),
                    disk_cache_dir=directory, max_total_tokens=256)
     tiers = llm.engine.coordinator.tiers
     assert tiers.host.num_pages == 6
@@ -207,5 +187,5 @@ def test_full_host_tier_moves_pages_on_to_disk(model_dirs, oracles, tmp_path):
     again = [prompts[0][:96] + [5, 6, 7]]  # its first pages were evicted from the host long ago
     second = llm.generate(again, params)
     assert llm.engine.stats().tiers.disk_hit_tokens >= 64
-    check(first + second, prompts + again, 4, oracles["llama"], "host full")
+    check_outputs(first + second, prompts + again, 4, oracles["llama"], "host full")
     close(llm)
