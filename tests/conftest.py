@@ -7,7 +7,24 @@ import os
 os.environ["TANDEM_SANITIZE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def threads_per_worker() -> int | None:
+    """Under pytest-xdist (``-n N``), each worker's share of the cores this process may use;
+    None when the tests run in one process."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+# Workers that each ran as many threads as there are cores would oversubscribe them: every
+# parallel region of a tiny model's many small ops would wait for a core another worker holds.
+# OMP_NUM_THREADS is read when torch loads, here and in every server a test starts.
+if threads_per_worker() is not None:
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker())
+
 import torch  # noqa: E402
+
+if threads_per_worker() is not None:
+    torch.set_num_threads(threads_per_worker())
 
 # Without a CUDA device, Triton kernels run through Triton's interpreter (tiny shapes only). It
 # is read when a kernel is defined, so it is set before any kernel module is imported.
