@@ -100,7 +100,7 @@ def test_documented_tandem_commands_include_the_readme_ones():
     """The README's two commands are among what the test above parsed (it reads the README)."""
     readme = [" ".join(words) for _, text in blocks("bash") for words in shell_commands(text)]
     assert "bash scripts/setup.sh" in readme and ".venv/bin/tandem serve --port 8000" in readme
-    assert "python -m pytest -m not gpu -q" in readme
+    assert "python -m pytest -m not gpu -q -n 2 --dist loadfile" in readme
 
 
 def test_documented_curl_bodies_are_valid_requests():
