@@ -182,6 +182,9 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     command = [sys.executable, "-m", "schemathesis.cli", "run", server.base_url + "/openapi.json",
                "--checks", "all",
                "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--workers", "2",
+               # every answer within a minute: a hang fails, a CPU shared with another test
+               # worker (pytest -n 2) does not (the default limit is 10 s)
+               "--max-response-time", "60",
                "--header", f"Authorization: Bearer {API_KEY}", "--request-timeout", "120",
                "--continue-on-failure", "--output-sanitize", "false", "--no-color",
                "--report", "json", "--report-json-path", str(report)]
