@@ -15,8 +15,8 @@ calls (eager), or around a replayed graph holding as many (graph), median of ``-
 table ends with the limits it would choose (the environment variables to set), from the graph
 times, since decode steps replay graphs.
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/allreduce.py
-    python benchmarks/allreduce.py --ranks 4 --json allreduce.json
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python -m benchmarks.allreduce
+    python -m benchmarks.allreduce --ranks 4 --json allreduce.json
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 

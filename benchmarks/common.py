@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (architecture, make_model shape arguments)
 SHAPES = {

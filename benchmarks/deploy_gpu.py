@@ -1,8 +1,8 @@
 """``tandem deploy`` on two GPUs (a local Ray it starts): outputs equal a colocated server's, and
 time to first token beside today's PD (``tandem serve --role ...`` by hand and ``tandem router``).
 
-    python benchmarks/deploy_gpu.py                      # both checks
-    python benchmarks/deploy_gpu.py --skip-ttft          # outputs only
+    python -m benchmarks.deploy_gpu                      # both checks
+    python -m benchmarks.deploy_gpu --skip-ttft          # outputs only
 
 1. Outputs: the ``tiny-30m`` shape with random weights (the same on every server), greedy
    token-id prompts; a colocated ``tandem serve`` on GPU 0, then ``tandem deploy
@@ -27,10 +27,8 @@ from pathlib import Path
 import httpx
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
-from common import model_dir_for  # noqa: E402
+from benchmarks.common import model_dir_for  # noqa: E402
 
 PYTHON = sys.executable
 # The repository first, then whatever path this process was given (packages installed aside).
@@ -117,7 +115,7 @@ def ray_address(log: Path) -> str:
 
 
 def serve_benchmark(url: str, name: str, logs: Path) -> None:
-    command = [PYTHON, "benchmarks/serve.py", "--base-url", url, "--no-offline", "--input-len", "1024",
+    command = [PYTHON, "-m", "benchmarks.serve", "--base-url", url, "--no-offline", "--input-len", "1024",
                "--output-len", "32", "--concurrency", "1", "8", "--requests-per-level", "64"]
     print(f"=== TTFT {name}: {' '.join(command)}", flush=True)
     result = subprocess.run(command, capture_output=True, text=True, env=ENVIRONMENT, cwd=REPOSITORY_ROOT)

@@ -9,10 +9,10 @@ attainment (the fraction of sent requests meeting the SLOs) and goodput (those r
 second of the level's wall time), then the highest rate with attainment >= ``--attainment``
 (90 %) and its goodput per GPU (``--num-gpus``: the GPUs behind ``--base-url``).
 
-    python benchmarks/goodput.py --base-url http://127.0.0.1:8000 --input-len 2048 --output-len 256 \
+    python -m benchmarks.goodput --base-url http://127.0.0.1:8000 --input-len 2048 --output-len 256 \
         --request-rates 1 2 4 6 8 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 --num-gpus 2
-    python benchmarks/goodput.py --base-url URL --concurrency 16 32 --num-requests 96 ...  # closed loop too
-    python benchmarks/goodput.py --smoke      # a stand-in server in this process: seconds, no model
+    python -m benchmarks.goodput --base-url URL --concurrency 16 32 --num-requests 96 ...  # closed loop too
+    python -m benchmarks.goodput --smoke      # a stand-in server in this process: seconds, no model
 
 ``--base-url`` may be a ``tandem serve``, or a ``tandem router`` in front of colocated servers
 (``--server``) or of PD pairs (``--prefill``/``--decode``): compare them on the same GPUs with
@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import httpx  # noqa: E402
+import httpx
 
-from serve import (RequestRecord, SseConnection, make_prompts, percentile, served_model, stream_one,  # noqa: E402
+from benchmarks.serve import (RequestRecord, SseConnection, make_prompts, percentile, served_model, stream_one,
                    vocab_size_of)
 
 SMOKE_DEFAULTS = dict(input_len=16, output_len=8, request_rates=[40.0, 80.0], concurrency=[4], num_requests=16,
@@ -191,7 +190,7 @@ class StandInServer:
 
         import uvicorn
 
-        from stand_ins import stand_in_app
+        from tests.support.stand_ins import stand_in_app
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))

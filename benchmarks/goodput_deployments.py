@@ -3,12 +3,12 @@ against xPyD (x prefill + y decode servers behind ``tandem router --prefill/--de
 measured by ``benchmarks/goodput.py`` through its router, one deployment after the other.
 
     # two GPUs, Llama-3.1-8B shape (dummy weights), 2,048 in / 256 out, TTFT <= 1 s, worst gap <= 50 ms
-    python benchmarks/goodput_deployments.py --deployment colocated:2 1p1d \
+    python -m benchmarks.goodput_deployments --deployment colocated:2 1p1d \
         --request-rates 1 2 3 4 6 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50
     # the same with the SLO-aware colocated scheduler (--max-itl-ms on the colocated servers)
-    python benchmarks/goodput_deployments.py --deployment colocated:2 --max-itl-ms 30 ...
+    python -m benchmarks.goodput_deployments --deployment colocated:2 --max-itl-ms 30 ...
     # a check of the steps on a CPU (the figures mean nothing there)
-    python benchmarks/goodput_deployments.py --device cpu --shape micro --input-len 64 --output-len 8 \
+    python -m benchmarks.goodput_deployments --device cpu --shape micro --input-len 64 --output-len 8 \
         --deployment colocated:2 1p1d --request-rates 2 --num-requests 8
 
 Server i of a deployment runs on ``cuda:i`` (prefill servers first); keep every GPU visible to
@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
 DEPLOYMENT = re.compile(r"^(?:colocated:(?P<replicas>\d+)|(?P<prefills>\d+)p(?P<decodes>\d+)d)$")
 
@@ -102,7 +100,7 @@ def goodput_flags(arguments: argparse.Namespace, url: str, num_gpus: int, json_p
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    from common import SHAPES
+    from benchmarks.common import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -138,9 +136,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import goodput
-    from common import model_dir_for
-    from pd import Cluster
+    from benchmarks import goodput
+    from benchmarks.common import model_dir_for
+    from benchmarks.pd import Cluster
 
     arguments = parse_arguments(argv)
     arguments.model = arguments.model or model_dir_for(arguments.shape, arguments.load_format)

@@ -7,19 +7,17 @@ max |kernel - reference| / max |reference|), times it with ``triton.testing.do_b
 K+V bytes read, achieved GB/s, the ratio of that to a device-to-device copy measured here
 (read + write bytes), and for prefill TFLOP/s (causal pairs only). The table is printed last.
 
-    python benchmarks/kernels_attention.py                    # bfloat16
-    python benchmarks/kernels_attention.py --dtype float16
+    python -m benchmarks.kernels_attention                    # bfloat16
+    python -m benchmarks.kernels_attention --dtype float16
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CACHE_DTYPE = None  # the pages' dtype when it is not the queries' (--kv-cache-dtype fp8)
 NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16

@@ -18,28 +18,24 @@ scales, activations in and out) over the measured copy bandwidth and its FLOPs o
 matrix rate (bfloat16's for bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products).
 Targets: >= 0.8 of the FP8 rate at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
 
-    python benchmarks/kernels_fp8.py            # the table
-    python benchmarks/kernels_fp8.py --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
+    python -m benchmarks.kernels_fp8            # the table
+    python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
                                                 # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Ceilings  # noqa: E402
-from tandem.kernels.fp8_gemm import (BlockGemmConfig, block_gemm_config, block_scaled_matmul,  # noqa: E402
+from benchmarks.common import Ceilings
+from tandem.kernels.fp8_gemm import (BlockGemmConfig, block_gemm_config, block_scaled_matmul,
                                      fp8_linear, quantize_token_groups)
-from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,  # noqa: E402
+from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,
                                             weight_only_matmul)
-from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales  # noqa: E402
+from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 16, 512, 4096)

@@ -5,25 +5,23 @@ time (``triton.testing.do_bench``, median, microseconds), the speedup, and the k
 largest error relative to the reference's largest magnitude. bfloat16, CUDA only; under a
 minute.
 
-    python benchmarks/kernels_fused.py
-    python benchmarks/kernels_fused.py --tokens 1 256
+    python -m benchmarks.kernels_fused
+    python -m benchmarks.kernels_fused --tokens 1 256
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
-from tandem.kernels.kv_write import write_kv, write_kv_reference  # noqa: E402
-from tandem.kernels.norm import rms_norm, rms_norm_reference  # noqa: E402
-from tandem.kernels.rotary import apply_rotary, apply_rotary_reference  # noqa: E402
-from tandem.layers.rotary import RotaryEmbedding  # noqa: E402
+from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
+from tandem.kernels.kv_write import write_kv, write_kv_reference
+from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.kernels.rotary import apply_rotary, apply_rotary_reference
+from tandem.layers.rotary import RotaryEmbedding
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,

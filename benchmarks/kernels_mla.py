@@ -1,20 +1,17 @@
 """MLA absorbed-latent decode and DSA indexer scoring kernels at DeepSeek-V3/V3.2 shapes (GPU):
 median time (``triton.testing.do_bench``) and bytes read per second.
 
-    python benchmarks/kernels_mla.py
+    python -m benchmarks.kernels_mla
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.kernels.indexer_decode import index_decode_scores  # noqa: E402
-from tandem.kernels.mla_decode import mla_decode_attention  # noqa: E402
+from tandem.kernels.indexer_decode import index_decode_scores
+from tandem.kernels.mla_decode import mla_decode_attention
 
 HEADS, LATENT, ROPE, PAGE = 128, 512, 64, 64
 INDEX_HEADS, INDEX_DIM = 64, 128

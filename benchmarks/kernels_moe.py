@@ -2,19 +2,16 @@
 expert shapes (GPU, bfloat16): median time (``triton.testing.do_bench``) and the expert weight
 bytes read per second (each expert hit is read once).
 
-    python benchmarks/kernels_moe.py
+    python -m benchmarks.kernels_moe
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.kernels.fused_moe import fused_moe, fused_moe_reference  # noqa: E402
+from tandem.kernels.fused_moe import fused_moe, fused_moe_reference
 
 SHAPES = {  # name: (experts, top_k, hidden, intermediate per expert)
     "qwen3-30b-a3b": (128, 8, 2048, 768),

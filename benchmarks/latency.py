@@ -1,9 +1,9 @@
 """Latency: batch-1 time per output token (TPOT) and prefill throughput by prompt length, for
 tandem and ``transformers`` on the same model, each beside its roofline.
 
-    python benchmarks/latency.py                         # tiny model on CPU
-    python benchmarks/latency.py --shape llama3-8b       # Llama-3.1-8B shape, random bf16 weights (GPU)
-    python benchmarks/latency.py --shape llama3-8b --quantization fp8   # the same with FP8 weights
+    python -m benchmarks.latency                         # tiny model on CPU
+    python -m benchmarks.latency --shape llama3-8b       # Llama-3.1-8B shape, random bf16 weights (GPU)
+    python -m benchmarks.latency --shape llama3-8b --quantization fp8   # the same with FP8 weights
 
 TPOT: one request of ``--prompt-len`` tokens generating ``--output-len`` tokens, minus the time
 to its first token, over the remaining tokens; the roofline is the weights plus the state read by
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (add_model_arguments, add_quantization_argument, is_fp8_model, resolve_model_arguments,  # noqa: E402
+from benchmarks.common import (add_model_arguments, add_quantization_argument, is_fp8_model, resolve_model_arguments,
                     Ceilings, ModelCost, best_seconds, quantized_model_dir, release, vocab_size_of)
 
 

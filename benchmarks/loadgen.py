@@ -16,9 +16,9 @@ AIPerf is not a tandem dependency (it pins pyzmq 26 and brings ~1.2 GB of packag
 install it in a virtual environment of its own and point ``--aiperf`` (or ``$TANDEM_AIPERF``) at it:
 
     python -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0
-    python benchmarks/loadgen.py --aiperf .venv-aiperf/bin/aiperf                  # demo model
-    python benchmarks/loadgen.py --input-len 256 --output-len 64 --concurrency 8 --requests 200
-    python benchmarks/loadgen.py --base-url http://127.0.0.1:8000 --tokenizer DIR  # a running server
+    python -m benchmarks.loadgen --aiperf .venv-aiperf/bin/aiperf                  # demo model
+    python -m benchmarks.loadgen --input-len 256 --output-len 64 --concurrency 8 --requests 200
+    python -m benchmarks.loadgen --base-url http://127.0.0.1:8000 --tokenizer DIR  # a running server
 """
 from __future__ import annotations
 
@@ -34,11 +34,9 @@ from typing import Optional
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serve import LaunchedServer  # noqa: E402
-from soak_processes import parse_metrics  # noqa: E402
+from benchmarks.serve import LaunchedServer
+from tests.support.soak_processes import parse_metrics
 
 MODEL_NAME = "demo"
 RELATIVE_TOLERANCE, ABSOLUTE_TOLERANCE_MS = 0.25, 15.0

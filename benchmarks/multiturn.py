@@ -1,8 +1,8 @@
 """Multi-turn conversations with the state tiers on and off, and a long prompt's host hit.
 
-    python benchmarks/multiturn.py                                # tiny model on CPU
-    python benchmarks/multiturn.py --shape llama3-8b              # Llama-3.1-8B shape, bf16 (GPU)
-    python benchmarks/multiturn.py --pd                           # over PD: decode offload off vs on
+    python -m benchmarks.multiturn                                # tiny model on CPU
+    python -m benchmarks.multiturn --shape llama3-8b              # Llama-3.1-8B shape, bf16 (GPU)
+    python -m benchmarks.multiturn --pd                           # over PD: decode offload off vs on
 
 Conversations: ``--users`` users × ``--rounds`` rounds. Each round's prompt is the user's whole
 conversation so far (previous prompts and answers) plus a new message of ``--message-len``
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_model_arguments, resolve_model_arguments, model_dir_for, release, synchronize, vocab_size_of  # noqa: E402
+from benchmarks.common import add_model_arguments, resolve_model_arguments, model_dir_for, release, synchronize, vocab_size_of
 
 
 def parse_args():
@@ -190,7 +187,7 @@ def main() -> None:
     vocab_size = vocab_size_of(model_dir)
     print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}")
     if args.pd:
-        from multiturn_pd import report_pd
+        from benchmarks.multiturn_pd import report_pd
 
         report_pd(model_dir, args, vocab_size, percentile)
         return

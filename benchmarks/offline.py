@@ -5,19 +5,19 @@ left-padded batch) and of its continuous-batching ``generate_batch`` (when prese
 of tandem to the better of the two, and the workload's roofline (weights + state bytes of every
 decode step over the measured copy bandwidth, FLOPs over the measured matrix rate).
 
-    python benchmarks/offline.py                                  # ~30M-parameter llama on CPU, fp32
-    python benchmarks/offline.py --preset qwen3-0.6b-nanovllm     # nano-vllm's workload (GPU)
-    python benchmarks/offline.py --preset llama3-8b-b1            # Llama-3.1-8B shape, batch 1, 32, 256
-    python benchmarks/offline.py --preset llama3-8b-b32
-    python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers
-    python benchmarks/offline.py --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
-    python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8  # FP8 weights
-    python benchmarks/offline.py --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8-block
-    python benchmarks/offline.py --min-output-len 16 --output-len 128   # mixed output lengths
-    python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
-    python benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2 \
+    python -m benchmarks.offline                                  # ~30M-parameter llama on CPU, fp32
+    python -m benchmarks.offline --preset qwen3-0.6b-nanovllm     # nano-vllm's workload (GPU)
+    python -m benchmarks.offline --preset llama3-8b-b1            # Llama-3.1-8B shape, batch 1, 32, 256
+    python -m benchmarks.offline --preset llama3-8b-b32
+    python -m benchmarks.offline --preset llama3-8b-b256 --skip-transformers
+    python -m benchmarks.offline --preset llama3-8b-b256 --skip-transformers --kv-cache-dtype fp8
+    python -m benchmarks.offline --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8  # FP8 weights
+    python -m benchmarks.offline --preset llama3-8b-b256 --kv-cache-dtype fp8 --quantization fp8-block
+    python -m benchmarks.offline --min-output-len 16 --output-len 128   # mixed output lengths
+    python -m benchmarks.offline --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2  # 2 GPUs
+    python -m benchmarks.offline --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2 \
         --distributed-executor-backend ray                        # the same, rank 1 a Ray actor
-    python benchmarks/offline.py --preset qwen3-30b-a3b-b64 --skip-transformers    # MoE, batch 64 (and -b256)
+    python -m benchmarks.offline --preset qwen3-30b-a3b-b64 --skip-transformers    # MoE, batch 64 (and -b256)
 
 For MoE models a decode step's roofline reads the routed experts its batch is expected to pick
 (uniform routing), and a token's FLOPs count its ``top_k`` experts only.
@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tandem.config import KV_CACHE_DTYPE_CHOICES  # noqa: E402
-from common import (Ceilings, ModelCost, add_quantization_argument, best_seconds, compiled_kernel_variants,  # noqa: E402
+from tandem.config import KV_CACHE_DTYPE_CHOICES
+from benchmarks.common import (Ceilings, ModelCost, add_quantization_argument, best_seconds, compiled_kernel_variants,
                     is_fp8_model, quantized_model_dir, release, synchronize, vocab_size_of)
 
 GPU = dict(dtype="bfloat16", load_format="dummy", skip_transformers_batch=True)

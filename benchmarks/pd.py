@@ -14,9 +14,9 @@ metadata row with its completion notification) and, for comparison, the same num
 one plain NIXL write between two registered contiguous buffers. Both layouts are measured: the
 pages of a fresh pool (consecutive: few large writes) and pages scattered as after churn.
 
-    python benchmarks/pd.py                                   # a llama-shaped model it builds
-    python benchmarks/pd.py --model DIR --input-len 512 --output-len 64 --concurrency 1 4
-    python benchmarks/pd.py --skip-serving --bandwidth-tokens 1024 8192
+    python -m benchmarks.pd                                   # a llama-shaped model it builds
+    python -m benchmarks.pd --model DIR --input-len 512 --output-len 64 --concurrency 1 4
+    python -m benchmarks.pd --skip-serving --bandwidth-tokens 1024 8192
 """
 from __future__ import annotations
 
@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
 BENCH_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64,
                    intermediate_size=1024, vocab_size=512)
@@ -212,7 +210,7 @@ class Cluster:
         self.processes = []
 
     def launch(self, name: str, arguments: list[str]):
-        import serve
+        from benchmarks import serve
 
         port = serve.free_port()
         log = open(self.log_directory / f"{name}.log", "w")
@@ -264,7 +262,7 @@ def serving_flags(arguments, max_num_seqs: int) -> list[str]:
 
 
 def run_setup(arguments, name: str, prompts_per_level: dict[int, list[list[int]]]) -> list:
-    import serve
+    from benchmarks import serve
 
     max_num_seqs = max(arguments.concurrency)
     cluster = Cluster(Path(arguments.log_directory))
@@ -311,7 +309,7 @@ def pd_metrics(prefill_url: str) -> str:
 
 
 def compare(colocated: list, disaggregated: list) -> None:
-    import serve
+    from benchmarks import serve
 
     header = (f"{'setup':>11} {'conc':>4} {'ok':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p90 ms':>17} "
               f"{'TPOT p50/p90 ms':>17}")
@@ -369,7 +367,7 @@ def main(argv=None) -> int:
                                      scattered) for tokens in arguments.bandwidth_tokens for scattered in (False, True)]
         print_bandwidth(results)
     if not arguments.skip_serving:
-        import serve
+        from benchmarks import serve
 
         vocab = serve.vocab_size_of(arguments.model)
         prompts = {concurrency: serve.make_prompts(arguments.requests_per_level or 4 * concurrency,

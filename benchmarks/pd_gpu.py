@@ -17,9 +17,9 @@ Goals (issue 13): bandwidth >= 0.85 of the device-to-device copy; TTFT added <= 
 deadline (``--deadline``, default 420 s); a backend that fails is reported as such and the
 others still run; the table prints whatever was measured.
 
-    python benchmarks/pd_gpu.py                                       # 2 GPUs: llama3-8b, bf16
-    python benchmarks/pd_gpu.py --device one-gpu                      # 1 GPU: PD's own TTFT steps, NIXL
-    python benchmarks/pd_gpu.py --device cpu --shape micro --input-len 64 --rounds 3   # check on a CPU
+    python -m benchmarks.pd_gpu                                       # 2 GPUs: llama3-8b, bf16
+    python -m benchmarks.pd_gpu --device one-gpu                      # 1 GPU: PD's own TTFT steps, NIXL
+    python -m benchmarks.pd_gpu --device cpu --shape micro --input-len 64 --rounds 3   # check on a CPU
 
 On a CPU both "devices" are host memory (NCCL runs over gloo, NIXL over shared memory): the
 figures mean nothing there; the steps are the same. Part 1 prints, besides the PD write, rows
@@ -40,12 +40,10 @@ import traceback
 from pathlib import Path
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
 BACKENDS = ("nixl", "nccl")
 
-from pd_gpu_bandwidth import MODES_HELP, Deadline, free_device_memory, run_bandwidth  # noqa: E402
+from benchmarks.pd_gpu_bandwidth import MODES_HELP, Deadline, free_device_memory, run_bandwidth
 
 
 # -- part 2: serving ----------------------------------------------------------------------------------------
@@ -107,7 +105,7 @@ def timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def measure_setup(url: str, prompts: list[list[int]], output_len: int, servers: dict[str, str]) -> dict:
-    import serve
+    from benchmarks import serve
 
     outputs = complete(url, prompts[0], output_len)
     before = timing_sums(servers)
@@ -123,8 +121,8 @@ def measure_setup(url: str, prompts: list[list[int]], output_len: int, servers: 
 
 def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
     """setup (colocated, nixl, nccl) -> {outputs, ttft, transfers} or {error}."""
-    import serve
-    from pd import Cluster, pd_metrics
+    from benchmarks import serve
+    from benchmarks.pd import Cluster, pd_metrics
 
     cluster = Cluster(Path(arguments.log_directory))
     results: dict[str, dict] = {}
@@ -229,7 +227,7 @@ def variant(text: str) -> tuple[float, float]:
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    from common import add_model_arguments
+    from benchmarks.common import add_model_arguments
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -302,7 +300,7 @@ def main(argv=None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(  # the servers import this checkout (and what the caller added)
         [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
     resolve_devices(arguments)
-    from common import model_dir_for
+    from benchmarks.common import model_dir_for
 
     arguments.model = arguments.model or model_dir_for(arguments.shape, arguments.load_format)
     arguments.log_directory = arguments.log_directory or tempfile.mkdtemp(prefix="tandem-pd-gpu-")

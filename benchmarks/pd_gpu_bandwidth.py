@@ -40,7 +40,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     them (and a scratch buffer the size of the prompt's pages, the target of the one-descriptor
     write), hand the prefill process what it needs, and answer each completion notification."""
     import torch
-    from pd import allocate_pages, answer_notifications, build_state
+    from benchmarks.pd import allocate_pages, answer_notifications, build_state
 
     from tandem.transfer.connector import create_backend
     from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
@@ -250,7 +250,7 @@ def sources_device(core) -> str:
 
 def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
     """backend -> {seconds, bytes, descriptors, copy_seconds} or {error}."""
-    from pd import allocate_pages, build_state
+    from benchmarks.pd import allocate_pages, build_state
 
     from tandem.transfer.metadata import MetadataBuffer
 

@@ -2,9 +2,9 @@
 forward alone against the whole engine step, and the host's share (scheduling, inputs, sampling
 and output handling).
 
-    python benchmarks/profile_decode.py                      # Llama-3.1-8B shape, batch 1 (GPU)
-    python benchmarks/profile_decode.py --batch 64 --shape qwen3-0.6b
-    python benchmarks/profile_decode.py --shape micro --batch 256 --prompt-len 800   # CPU: host work per sequence
+    python -m benchmarks.profile_decode                      # Llama-3.1-8B shape, batch 1 (GPU)
+    python -m benchmarks.profile_decode --batch 64 --shape qwen3-0.6b
+    python -m benchmarks.profile_decode --shape micro --batch 256 --prompt-len 800   # CPU: host work per sequence
 
 On a CPU the forward pass is timed apart (it is synchronous there), and the rest of a step, over
 the batch, is the host's work per sequence per step: scheduling, step inputs, sampling metadata,
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, model_dir_for, synchronize, vocab_size_of  # noqa: E402
+from benchmarks.common import SHAPES, model_dir_for, synchronize, vocab_size_of
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ in front of both; the difference of the TTFTs is the router's hop (reading the r
 the pair, sending both legs, relaying the first event). The router's own view (its
 ``tandem:router_time_to_first_token_seconds``) is printed beside it.
 
-    python benchmarks/router_hop.py                       # 2,048-token prompts, 50 requests
-    python benchmarks/router_hop.py --input-len 128 --requests 200 --answer-ms 0
+    python -m benchmarks.router_hop                       # 2,048-token prompts, 50 requests
+    python -m benchmarks.router_hop --input-len 128 --requests 200 --answer-ms 0
 """
 from __future__ import annotations
 
@@ -24,13 +24,11 @@ import time
 from pathlib import Path
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "benchmarks"))
 
-import httpx  # noqa: E402
+import httpx
 
-from serve import SseConnection, free_port, make_prompts, percentile, stream_one  # noqa: E402
-from stand_ins import MODEL  # noqa: E402
+from benchmarks.serve import SseConnection, free_port, make_prompts, percentile, stream_one
+from tests.support.stand_ins import MODEL
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPOSITORY_ROOT,
@@ -104,7 +102,7 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    stand_ins = str(REPOSITORY_ROOT / "benchmarks" / "stand_ins.py")
+    stand_ins = str(REPOSITORY_ROOT / "tests" / "support" / "stand_ins.py")
     processes = [start([sys.executable, stand_ins, role, str(ports[role]), "--answer-ms", str(arguments.answer_ms)],
                        logs / f"{role}.log") for role in ("prefill", "decode")]
     try:

@@ -6,9 +6,9 @@ offline ``LLM``'s on the same model, the same prompts, the same batch size (``ma
 set to the concurrency) and the same CPU threading as the server's engine, which isolates what
 serving costs: HTTP, SSE, ZMQ, the second process.
 
-    python benchmarks/serve.py                          # demo model, starts its own server
-    python benchmarks/serve.py --model DIR --input-len 256 --output-len 128 --concurrency 1 8 32 64
-    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --no-offline   # a running server
+    python -m benchmarks.serve                          # demo model, starts its own server
+    python -m benchmarks.serve --model DIR --input-len 256 --output-len 128 --concurrency 1 8 32 64
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --no-offline   # a running server
 
 Prompts are random token ids (seeded), sent as token-id prompts with ``ignore_eos`` so every
 request produces exactly ``--output-len`` tokens; sampling is greedy.
@@ -33,7 +33,6 @@ import httpx
 import msgspec
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
 
 
 @dataclass

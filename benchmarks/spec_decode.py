@@ -1,8 +1,8 @@
 """Speculative decoding: batch-1 time per output token (TPOT) with a draft model at simulated
 acceptance lengths, against no speculation, on random weights.
 
-    python benchmarks/spec_decode.py                        # tiny shapes on CPU (a smoke run)
-    python benchmarks/spec_decode.py --shape llama3-8b      # GPU: Llama-3.1-8B shape, Llama-3.2-1B-shaped draft
+    python -m benchmarks.spec_decode                        # tiny shapes on CPU (a smoke run)
+    python -m benchmarks.spec_decode --shape llama3-8b      # GPU: Llama-3.1-8B shape, Llama-3.2-1B-shaped draft
 
 Random weights agree with nothing, so the verification's outcome is simulated:
 ``TANDEM_SIMULATE_ACCEPT_LEN=L`` makes each verification accept drafts as if the mean
@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, best_seconds, model_dir_for, release, vocab_size_of  # noqa: E402
+from benchmarks.common import SHAPES, best_seconds, model_dir_for, release, vocab_size_of
 
 DRAFT_SHAPES = {"llama3-8b": "llama3.2-1b", "tiny-30m": "tiny-draft"}
 SIMULATE = "TANDEM_SIMULATE_ACCEPT_LEN"

@@ -1,7 +1,7 @@
 """Structured outputs: what a grammar costs per decode step, and what compiling one costs.
 
-    python benchmarks/structured.py                      # tiny model on CPU
-    python benchmarks/structured.py --shape llama3-8b    # Llama-3.1-8B shape, random bf16 weights (GPU)
+    python -m benchmarks.structured                      # tiny model on CPU
+    python -m benchmarks.structured --shape llama3-8b    # Llama-3.1-8B shape, random bf16 weights (GPU)
 
 Decode: ``--batch-sizes`` requests of ``--prompt-len`` tokens, each generating up to
 ``--output-len`` tokens, unconstrained and constrained by a function-calling JSON Schema of 10
@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_model_arguments, model_dir_for, release, resolve_model_arguments, synchronize, vocab_size_of  # noqa: E402
+from benchmarks.common import add_model_arguments, model_dir_for, release, resolve_model_arguments, synchronize, vocab_size_of
 
 
 def function_call_schema(name: str = "search_flights") -> dict:

@@ -1,7 +1,7 @@
 """Structured outputs: the host's share of a constrained decode step, without a model.
 
-    python benchmarks/structured_host.py                 # 64 rows, 128 steps, Llama-3's 128k vocabulary
-    python benchmarks/structured_host.py --profile       # and where the time goes (cProfile)
+    python -m benchmarks.structured_host                 # 64 rows, 128 steps, Llama-3's 128k vocabulary
+    python -m benchmarks.structured_host --profile       # and where the time goes (cProfile)
 
 ``--batch`` sequences constrained by the 10-field function-calling schema of
 ``benchmarks/structured.py`` each take, step after step, a random token their grammar allows (as a
@@ -17,18 +17,15 @@ import cProfile
 import pstats
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import model_dir_for, vocab_size_of  # noqa: E402
-from structured import function_call_schema  # noqa: E402
+from benchmarks.common import model_dir_for, vocab_size_of
+from benchmarks.structured import function_call_schema
 
 
 def parse_args():

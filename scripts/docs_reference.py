@@ -7,7 +7,7 @@
     python scripts/docs_reference.py            # rewrite both pages
     python scripts/docs_reference.py --check    # exit 1, naming the page, when one is out of date
 
-CI runs ``--check`` (tests/test_docs.py), so a new flag or series cannot go undocumented.
+CI runs ``--check`` (tests/unit/test_docs.py), so a new flag or series cannot go undocumented.
 """
 from __future__ import annotations
 

@@ -49,56 +49,56 @@ run() {  # run NAME COMMAND...: log to $LOG_DIR/NAME.log, remember a failure
 for part in "${@:-tests}"; do
   case $part in
     tests) run tests python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider tests ;;
-    kernels) run kernels_attention python3 benchmarks/kernels_attention.py
-             run kernels_fused python3 benchmarks/kernels_fused.py
-             run kernels_mla python3 benchmarks/kernels_mla.py
-             run kernels_moe python3 benchmarks/kernels_moe.py ;;
-    latency) run latency python3 benchmarks/latency.py --shape llama3-8b ;;
+    kernels) run kernels_attention python3 -m benchmarks.kernels_attention
+             run kernels_fused python3 -m benchmarks.kernels_fused
+             run kernels_mla python3 -m benchmarks.kernels_mla
+             run kernels_moe python3 -m benchmarks.kernels_moe ;;
+    latency) run latency python3 -m benchmarks.latency --shape llama3-8b ;;
     offline) for preset in llama3-8b-b1 llama3-8b-b32 qwen3-0.6b-nanovllm; do
-               run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1
+               run "offline_$preset" python3 -m benchmarks.offline --preset "$preset" --repeat 1
              done ;;
-    qwen3-moe) run qwen3_moe_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k qwen3_moe tests/test_gpu.py \
-                 tests/test_gpu_tiers.py tests/test_spec_decode.py
-               run kernels_moe python3 benchmarks/kernels_moe.py
+    qwen3-moe) run qwen3_moe_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k qwen3_moe tests/gpu/test_gpu.py \
+                 tests/gpu/test_gpu_tiers.py tests/models/test_spec_decode.py
+               run kernels_moe python3 -m benchmarks.kernels_moe
                for preset in qwen3-30b-a3b-b64 qwen3-30b-a3b-b256; do
-                 run "offline_$preset" python3 benchmarks/offline.py --preset "$preset" --repeat 1 --skip-transformers
+                 run "offline_$preset" python3 -m benchmarks.offline --preset "$preset" --repeat 1 --skip-transformers
                done ;;
-    tiers) run tiers_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_tiers.py tests/test_kernels_page_copy.py
-           run multiturn python3 benchmarks/multiturn.py --shape llama3-8b ;;
+    tiers) run tiers_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_tiers.py tests/kernels/test_kernels_page_copy.py
+           run multiturn python3 -m benchmarks.multiturn --shape llama3-8b ;;
     page-major) run page_major_tests python3 -m pytest -m gpu -q -p no:cacheprovider -k page-major tests
                 for layout in layer-major page-major; do
-                  run "offline_b64_$layout" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 \
+                  run "offline_b64_$layout" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 \
                     --skip-transformers --kv-cache-layout "$layout"
-                  run "latency_$layout" python3 benchmarks/latency.py --shape llama3-8b --kv-cache-layout "$layout"
+                  run "latency_$layout" python3 -m benchmarks.latency --shape llama3-8b --kv-cache-layout "$layout"
                 done ;;
-    pd-one-gpu) run pd_one_gpu python3 benchmarks/pd_gpu.py --device one-gpu --deadline 330 --rounds 5 ;;
-    pd) run pd python3 benchmarks/pd_gpu.py --deadline 300 --rounds 5
-        run pd_layer_major python3 benchmarks/pd_gpu.py --kv-cache-layout layer-major --skip-serving --deadline 120 ;;
-    tp) run tp_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tensor_parallel_gpu.py \
-          tests/test_transfer_ordering.py tests/test_allreduce_gpu.py
-        run allreduce python3 benchmarks/allreduce.py
+    pd-one-gpu) run pd_one_gpu python3 -m benchmarks.pd_gpu --device one-gpu --deadline 330 --rounds 5 ;;
+    pd) run pd python3 -m benchmarks.pd_gpu --deadline 300 --rounds 5
+        run pd_layer_major python3 -m benchmarks.pd_gpu --kv-cache-layout layer-major --skip-serving --deadline 120 ;;
+    tp) run tp_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+          tests/pd/test_transfer_ordering.py tests/gpu/test_allreduce_gpu.py
+        run allreduce python3 -m benchmarks.allreduce
         for size in 1 2; do
-          run "offline_tp$size" python3 benchmarks/offline.py --preset llama3-8b-b64 --repeat 1 --skip-transformers \
+          run "offline_tp$size" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
-    structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_structured_gpu.py
-                run structured python3 benchmarks/structured.py --shape llama3-8b ;;
-    itl-slo) run itl_slo_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_inter_token_budget.py
-             model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from common import model_dir_for; \
+    structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_structured_gpu.py
+                run structured python3 -m benchmarks.structured --shape llama3-8b ;;
+    itl-slo) run itl_slo_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/models/test_inter_token_budget.py
+             model=$(python3 -c "from benchmarks.common import model_dir_for; \
 print(model_dir_for('llama3-8b', 'dummy'))")
              for target in none 25; do
                flags=(); [ "$target" = none ] || flags=(--max-itl-ms "$target")
-               run "serve_c16_itl_$target" python3 benchmarks/serve.py --model "$model" --load-format dummy \
+               run "serve_c16_itl_$target" python3 -m benchmarks.serve --model "$model" --load-format dummy \
                  --dtype bfloat16 --input-len 2048 --output-len 256 --concurrency 16 --requests-per-level 96 \
                  --no-offline "${flags[@]}"
              done ;;
-    goodput-colocated) run goodput_colocated2 python3 benchmarks/goodput_deployments.py --deployment colocated:2 \
+    goodput-colocated) run goodput_colocated2 python3 -m benchmarks.goodput_deployments --deployment colocated:2 \
                          --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
-    goodput-slo) run goodput_colocated2_itl25 python3 benchmarks/goodput_deployments.py --deployment colocated:2 \
+    goodput-slo) run goodput_colocated2_itl25 python3 -m benchmarks.goodput_deployments --deployment colocated:2 \
                    --max-itl-ms 25 --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
-    goodput-pd) run goodput_1p1d python3 benchmarks/goodput_deployments.py --deployment 1p1d \
+    goodput-pd) run goodput_1p1d python3 -m benchmarks.goodput_deployments --deployment 1p1d \
                   --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
-    deploy) run deploy_gpu python3 benchmarks/deploy_gpu.py --log-dir "$LOG_DIR/deploy" ;;
+    deploy) run deploy_gpu python3 -m benchmarks.deploy_gpu --log-dir "$LOG_DIR/deploy" ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

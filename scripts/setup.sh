@@ -45,4 +45,4 @@ fi
 step "installing NIXL's meta package"
 python -m pip install -q --no-deps "nixl==1.5.1"
 step "ready. Serve the demo model: .venv/bin/tandem serve --port 8000;" \
-  "run the tests: . .venv/bin/activate && python -m pytest -m \"not gpu\" -q"
+  "run the tests: . .venv/bin/activate && python -m pytest -m \"not gpu\" -q -n 2 --dist loadfile"

@@ -7,7 +7,24 @@ import os
 os.environ["TANDEM_SANITIZE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def threads_per_worker() -> int | None:
+    """Under pytest-xdist (``-n N``), each worker's share of the cores this process may use;
+    None when the tests run in one process."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+# Workers that each ran as many threads as there are cores would oversubscribe them: every
+# parallel region of a tiny model's many small ops would wait for a core another worker holds.
+# OMP_NUM_THREADS is read when torch loads, here and in every server a test starts.
+if threads_per_worker() is not None:
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker())
+
 import torch  # noqa: E402
+
+if threads_per_worker() is not None:
+    torch.set_num_threads(threads_per_worker())
 
 # Without a CUDA device, Triton kernels run through Triton's interpreter (tiny shapes only). It
 # is read when a kernel is defined, so it is set before any kernel module is imported.
@@ -18,37 +35,13 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.oracle import Oracle  # noqa: E402
+from tests.support.models import ARCH_OPTIONS, ARCHS  # noqa: E402,F401  (ARCHS: importable from here too)
+from tests.support.oracle import Oracle  # noqa: E402
 
 # The GPU machine runs `-m gpu` without the server stack installed: skip collecting those files.
 SERVER_STACK = ("fastapi", "uvicorn", "zmq", "openai")
-SERVER_TESTS = ["test_server_*.py", "test_pd_serve.py", "test_pd_archs.py", "test_openapi*.py", "test_deploy*.py"]
+SERVER_TESTS = ["serving/*"]
 collect_ignore_glob = [] if all(importlib.util.find_spec(name) for name in SERVER_STACK) else SERVER_TESTS
-
-ARCHS = ("llama", "qwen2", "qwen3")
-
-# Per-architecture variations so each family's options are exercised:
-# llama with Llama-3.1 rope scaling, qwen2 with tied embeddings (and qkv bias), qwen3 with q/k norm.
-ARCH_OPTIONS = {
-    "llama": dict(rope_scaling="llama3", max_position_embeddings=4096),
-    "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(),
-    # gemma3: local, global, local (window 24, see make_model). Untied: with a tied head the
-    # sqrt(hidden)-scaled embedding dominates and greedy repeats one token (test_gemma3 covers tied).
-    "gemma3": dict(num_layers=3),
-    # DeepSeek family (MLA + MoE; layer 0 dense, the rest MoE; see make_model for the shapes):
-    # deepseek_v3 without a query LoRA; glm_moe_dsa with 3 layers so that the middle one reuses
-    # the first one's top-k (indexer_types full, shared, full).
-    "deepseek_v3": dict(num_layers=2),
-    "deepseek_v32": dict(num_layers=2),
-    # Recurrent hybrids: qwen3_next DeltaNet, attention, DeltaNet (dense MLP on layer 0, MoE
-    # after); nemotron_h Mamba-2, attention, MLP, MoE, Mamba-2. Two recurrent layers each.
-    "qwen3_next": dict(num_layers=3),
-    "nemotron_h": dict(num_layers=5),
-    "glm_moe_dsa": dict(num_layers=3),
-    # Qwen3-MoE: MoE, dense MLP (mlp_only_layers), MoE; 8 experts, 2 per token.
-    "qwen3_moe": dict(num_layers=3),
-}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,74 @@
+"""GPU checks (``pytest -m gpu`` on a CUDA machine): every family against the oracle on CUDA,
+with CUDA graphs and without."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tests.support.models import ARCH_OPTIONS, ARCHS
+from tests.support.oracle import Reference, assert_matches
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FAMILIES = list(dict.fromkeys(ARCHS + tuple(ARCH_OPTIONS)))  # every one decodes in CUDA graphs
+
+
+def prompts_for_test() -> list[list[int]]:
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    return ([[rng.randrange(3, 500) for _ in range(n)] for n in (1, 70, 200, 33, 150, 9)]
+            + [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 60)])
+
+
+@pytest.mark.parametrize("enforce_eager, layout", [(False, "layer-major"), (True, "layer-major"), (False, "page-major")],
+                         ids=["graphs", "eager", "graphs-page-major"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cuda_float32_matches_oracle(arch, enforce_eager, layout, model_dirs, oracles, monkeypatch):
+    """Greedy tokens equal and top-5 logprobs within 1e-3 (GPU reduction order differs), with
+    chunked prefill, prefix hits and preemption forced by a small pool; the state pools in
+    ``layout`` (``--kv-cache-layout``)."""
+    import tests.support.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    prompts = prompts_for_test()
+    llm = LLM(model=model_dirs[arch], device="cuda", dtype="float32", page_size=16, max_total_tokens=480,
+              max_num_batched_tokens=128, max_num_seqs=8, indexer_cache_dtype="float32",
+              enforce_eager=enforce_eager, kv_cache_layout=layout)
+    graphs = llm.engine.runner.graphs
+    assert (graphs is not None) == (not enforce_eager)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True))
+    assert llm.engine.stats().num_preemptions > 0
+    for output, prompt in zip(outputs, prompts):
+        reference: Reference = oracles[arch].greedy(prompt, 16)
+        assert_matches(output.outputs[0], reference, context=arch)
+    llm.engine.check_all_free()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cuda_bfloat16_runs(arch, model_dirs):
+    llm = LLM(model=model_dirs[arch], device="cuda", dtype="bfloat16", max_total_tokens=1024)
+    prompts = [list(range(3, 50)), list(range(7, 300))]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True))
+    for output in outputs:
+        assert len(output.outputs[0].token_ids) == 8
+        values = [entry.logprob for position in output.outputs[0].logprobs for entry in position.values()]
+        assert values and all(math.isfinite(value) for value in values)
+    llm.engine.check_all_free()
+
+
+def test_sampled_decoding_on_graphs_is_seeded(model_dirs):
+    """Seeded sampling gives the same tokens with and without CUDA graphs."""
+    prompts = [list(range(3, 40)), list(range(5, 90))]
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
+    results = []
+    for enforce_eager in (False, True):
+        llm = LLM(model=model_dirs["llama"], device="cuda", dtype="float32", max_total_tokens=1024,
+                  enforce_eager=enforce_eager)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.engine.check_all_free()
+    assert results[0] == results[1]

@@ -1,0 +1,41 @@
+"""The executor interface on one rank (the multiprocess one is exercised by every TP=2 test,
+its ``collective_rpc`` in tests/models/test_tensor_parallel.py): the in-process executor hands nothing
+on, agrees with itself, answers the named rank calls here and refuses any other name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.ranks.executor import RANK_CALLS, Executor, InProcessExecutor
+from tandem.engine.ranks.launcher import MultiprocessExecutor
+from tandem.kv.coordinator import StateCoordinator
+from tandem.kv.planner import allocate_buffers, plan_pools
+from tandem.kv.registry import StateRegistry
+from tandem.kv.spec import FullAttentionSpec
+
+
+def test_in_process_executor(model_dirs):
+    assert issubclass(MultiprocessExecutor, Executor) and issubclass(InProcessExecutor, Executor)
+    with pytest.raises(ValueError, match="tensor_parallel_size: the in-process executor runs 1 rank, not 2"):
+        InProcessExecutor.start(EngineConfig(model=model_dirs["llama"], tensor_parallel_size=2), torch.device("cpu"))
+    executor = InProcessExecutor.start(EngineConfig(model=model_dirs["llama"]), torch.device("cpu"))
+    registry = StateRegistry()
+    registry.register("attention", FullAttentionSpec(num_kv_heads=2, head_dim=4, dtype=torch.float32))
+    registry.finalize()
+    plan = executor.agree_on_pages(plan_pools(registry, 4, max_total_tokens=32, memory_budget_bytes=None))
+    assert plan.num_pages == 9 and executor.agree_on_count(7) == 7
+    allocate_buffers(registry, plan, torch.device("cpu"))
+    coordinator = StateCoordinator(registry, plan, enable_prefix_caching=False, sanitize=True)
+    with pytest.raises(RuntimeError, match="not attached"):
+        executor.collective_rpc("pool_pages")
+    executor.attach(coordinator, runner=None)
+    assert executor.collective_rpc("pool_pages") == [[9]]
+    # a page of 4 tokens holds a key and a value of 2 heads x 4 floats per token
+    assert executor.collective_rpc("state_bytes") == [9 * 4 * 2 * 2 * 4 * 4]
+    with pytest.raises(ValueError, match=r"collective_rpc: unknown rank call 'shutdown_host'"):
+        executor.collective_rpc("shutdown_host")
+    assert "shutdown_host" not in RANK_CALLS
+    executor.send_step(None, [], False)
+    executor.check()
+    executor.close()

@@ -1,0 +1,189 @@
+"""CUDA graphs under tensor parallelism, checked on a CPU (gloo): the graphs hold collectives,
+so every rank must replay the same graph for each step. Without a GPU nothing is captured, but
+with ``TANDEM_GRAPH_BUFFERS_ON_CPU=1`` every rank builds the graph runner's static buffers and
+runs decode steps through them (the graph path's choices, copies and collectives; the forward
+eager), rank 0's under the no-host-sync guard on the kernel paths. Also: a plan naming a graph
+a worker lacks, or one the worker would not choose, fails with a clear error, and ranks that
+disagree on the sizes to capture fail at start-up.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.parallel.graphs import same_on_every_rank
+from tandem.parallel.group import join, open_store
+from tandem.engine.ranks.plan import StepPlan
+from tandem.worker.cuda_graphs import CudaGraphRunner
+from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU
+from tandem.worker.step_inputs import StepInputs
+from tests.support.oracle import assert_matches
+from tests.models.test_graph_safety import kernel_paths, no_host_sync
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.models.test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, run_scenario
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracles, monkeypatch):
+    """The TP scenario (mixed batches, prompt logprobs, a fork, a prefix hit; the overlapped
+    loop: pending tokens broadcast into the static ids) with decode steps on the graph path:
+    rank 0 names the graph in each plan and the worker replays its own (it raises if its choice
+    differs), outputs equal transformers."""
+    monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
+    # The worker's layers run on the CPU paths (rank 0's on the kernel paths, under the guard),
+    # which read the per-chunk host lists a graph holds placeholders for (one token of context)
+    # and write padding rows' slot -1: one page holds every sequence, and there is a graph per
+    # batch size (no padding rows).
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, async_scheduling=True,
+              cuda_graph_sizes=list(range(1, 9)), **dict(ENGINE, page_size=64))
+    engine = llm.engine
+    sent = []
+    send_step = engine.executor.send_step
+
+    def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
+        sent.append((step.num_decode == len(step.chunks), graph_size))
+        send_step(step, ranges, inputs_from_root, graph_size)
+
+    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
+    runner = engine.runner
+    forward = CudaGraphRunner._forward
+
+    def guarded_forward(self, batch_size):
+        with kernel_paths(runner), no_host_sync():
+            return forward(self, batch_size)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", guarded_forward)
+    graphs = runner.graphs  # (shutdown releases the runner's graphs)
+    try:
+        assert engine.executor.graph_sizes == list(range(1, 9)) == graphs.batch_sizes
+        outputs, prompts = run_scenario(llm)
+        engine.check_all_free()
+        engine.check_health()  # the worker took every plan
+    finally:
+        engine.shutdown()
+    # Decode steps of the first batch (3 sequences) and of the third prompt replay graphs; the
+    # prefill and mixed steps run eagerly on every rank.
+    assert {size for decode, size in sent if decode} == {3, 1}, sent
+    assert all(size == 0 for decode, size in sent if not decode) and sum(not decode for decode, _ in sent) >= 3, sent
+    assert graphs.num_replays == sum(1 for _, size in sent if size)
+    assert runner.graphs is None  # released before the process group
+    for number, (output, prompt) in enumerate(zip(outputs, prompts)):
+        reference = oracles["llama"].greedy(prompt, MAX_TOKENS)
+        for index, sequence in enumerate(output.outputs):
+            assert_matches(sequence, reference, context=f"TP=2 graph path prompt {number} sequence {index}")
+
+
+def test_enforce_eager_keeps_every_rank_eager(model_dirs, oracles, monkeypatch):
+    monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, enforce_eager=True, **ENGINE)
+    sent = []
+    send_step = llm.engine.executor.send_step
+    monkeypatch.setattr(llm.engine.executor, "send_step",
+                        lambda step, *args: (sent.append(args[-1]), send_step(step, *args)))
+    prompt = list(range(3, 20))
+    try:
+        assert llm.engine.executor.graph_sizes == [] and llm.engine.runner.graphs is None
+        output = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
+    assert sent and set(sent) == {0}, sent
+    assert_matches(output.outputs[0], oracles["llama"].greedy(prompt, 3), context="TP=2 enforce_eager")
+
+
+def decode_step(runner, rows: int) -> StepInputs:
+    groups = runner.coordinator.num_groups
+    return StepInputs([], rows, np.arange(5, 5 + rows), np.arange(10, 10 + rows), list(range(rows + 1)),
+                      list(range(10, 10 + rows)), list(range(11, 11 + rows)),
+                      [np.ones((rows, 1), dtype=np.int32)] * groups, [np.arange(rows)] * groups, list(range(rows)))
+
+
+def through_plan(step: StepInputs, graph_size: int) -> tuple[StepInputs, int]:
+    """The step and graph size as a worker receives them (msgpack both ways)."""
+    import msgspec
+
+    payload = msgspec.msgpack.encode(StepPlan.of_step(step, [], [], True, graph_size))
+    plan = msgspec.msgpack.Decoder(StepPlan).decode(payload)
+    return plan.step_inputs(), plan.graph_size
+
+
+def test_plan_naming_a_graph_the_worker_lacks_or_would_not_choose_fails(model_dirs):
+    runner = LLM(model=model_dirs["llama"], **ENGINE).engine.runner
+    step, size = through_plan(decode_step(runner, 3), 4)
+    assert size == 4
+    with pytest.raises(RuntimeError, match="rank 0 replays its CUDA graph of 4 rows, but this rank has graphs of no rows"):
+        runner.execute_plan(step, [], True, size)
+    runner.graphs = CudaGraphRunner(runner, [1, 2], max_width=8)
+    with pytest.raises(RuntimeError, match=r"graph of 4 rows, but this rank has graphs of \[1, 2\] rows"):
+        runner.execute_plan(step, [], True, size)
+    runner.graphs = CudaGraphRunner(runner, [2, 4, 8], max_width=8)
+    assert runner.planned_graph_step(step, 4).num_tokens == 3
+    with pytest.raises(RuntimeError, match="step of 3 tokens, but this rank would replay its graph of 4 rows"):
+        runner.planned_graph_step(step, 8)
+    prefill = StepInputs([], 0, step.input_ids, step.positions, [0, 3], [0], [3], step.page_tables,
+                         step.slot_mappings, [2])
+    with pytest.raises(RuntimeError, match="step of 3 tokens, but this rank would run it eagerly"):
+        runner.planned_graph_step(prefill, 4)
+
+
+def test_ranks_that_disagree_on_graph_sizes_fail_at_start_up():
+    store, port = open_store(2)
+    errors: list = [None, None]
+
+    def rank(number: int, sizes: list[int]) -> None:
+        groups = join(number, 2, torch.device("cpu"), store=store if number == 0 else None, port=port)
+        same_on_every_rank(groups.control, [1, 2, 4], "agreed sizes")
+        try:
+            same_on_every_rank(groups.control, sizes, "the CUDA graph sizes to capture")
+        except ValueError as error:
+            errors[number] = str(error)
+
+    threads = [threading.Thread(target=rank, args=(0, [1, 2, 4, 8])), threading.Thread(target=rank, args=(1, [1, 2, 4]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors[0] == "tensor_parallel_size: the ranks disagree on the CUDA graph sizes to capture (rank 0 has [1, 2, 4, 8])"
+    assert errors[1] is not None and "rank 1 has [1, 2, 4]" in errors[1]
+
+
+def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs, monkeypatch):
+    """A draft on rank 0 and host-tier loads: a load registers every layer of its groups, the
+    draft's too, which only rank 0 ever reads. Both ranks must still choose alike between a graph
+    and an eager pass (a graph waits for none of its layers' loads; it is refused while any of the
+    layers it reads has one pending) and the worker must not keep the draft layers' loads forever.
+    (Outputs are not compared here: without a GPU the static buffers' placeholder lists give each
+    row one token of context; the eager CPU tests and the two-GPU test check them.)"""
+    monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, speculative_model=model_dirs["llama"],
+              num_speculative_tokens=2, cuda_graph_sizes=list(range(1, 25)), host_cache_size=0.05,
+              **dict(ENGINE, page_size=64))
+    engine = llm.engine
+    sent = []
+    send_step = engine.executor.send_step
+
+    def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
+        sent.append(graph_size)
+        send_step(step, ranges, inputs_from_root, graph_size)
+
+    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
+    prompt = [(5 * i + 7) % 500 + 3 for i in range(70)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
+    try:
+        first = llm.generate([prompt], params, use_tqdm=False)
+        engine.coordinator.tiers.drain()
+        assert engine.reset_prefix_cache() > 0  # the host keeps the prompt's pages
+        sent.clear()
+        again = llm.generate([prompt, prompt[:40] + [9, 9, 9]], params, use_tqdm=False)
+        assert engine.stats().tiers.host_hit_tokens >= 64
+        engine.check_all_free()
+        engine.check_health()  # the worker took every plan (it raises on a graph it would not choose)
+    finally:
+        engine.shutdown()
+    assert any(sent), f"no verification step replayed a graph after the host loads: {sent}"
+    assert sent[0] == 0, sent  # the step that loaded from the host ran eagerly on both ranks
+    assert len(first[0].outputs[0].token_ids) == len(again[0].outputs[0].token_ids) == MAX_TOKENS

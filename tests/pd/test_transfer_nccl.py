@@ -1,0 +1,186 @@
+"""The NCCL transfer backend's logic over gloo on 127.0.0.1 (the same code moves GPU memory
+through NCCL): writes land byte for byte (merged runs, staged and direct segments, pages out of
+order), notifications arrive after the bytes, failures end as ERROR and never hang, and a 1P1D
+pair of engine cores decodes exactly as ``transformers`` with ``backend="nccl"`` (and, after
+the handshake's warm-up write, with ``nixl``). The two-GPU
+path (NCCL and NIXL, pipelined staging) is checked by
+``test_transfer_ordering.py::test_the_notification_comes_after_every_page_and_the_row[gpu-...]``
+(marked gpu)."""
+import os
+import time
+
+os.environ["TANDEM_SANITIZE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tandem.transfer.byte_views import Segment, plan_segments, widest_element  # noqa: E402
+from tandem.transfer.backends import create_backend  # noqa: E402
+from tandem.transfer.connector import WriteStatus  # noqa: E402
+from tandem.transfer.descriptors import merge_adjacent, tensor_region  # noqa: E402
+from tests.support.pd import GREEDY, PDPair  # noqa: E402
+
+PAGE = 64  # bytes
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def finish(backend, handle, timeout: float = 20.0) -> WriteStatus:
+    wait_until(lambda: backend.poll(handle) is not WriteStatus.PENDING, timeout)
+    assert backend.release(handle)
+    return handle.status
+
+
+class Pair:
+    """A writer and a reader backend in this process, each with one registered buffer."""
+
+    def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE, **options):
+        self.writer = create_backend("nccl", "writer", connect_timeout=5.0, timeout=5.0)
+        self.reader = create_backend("nccl", "reader", connect_timeout=5.0, timeout=5.0)
+        for backend in (self.writer, self.reader):
+            for name, value in options.items():
+                setattr(backend, name, value)
+        generator = torch.Generator().manual_seed(0)
+        self.source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator).to(device)
+        self.target = torch.zeros(num_bytes, dtype=torch.uint8, device=reader_device)
+        self.writer.register([tensor_region(self.source)])
+        self.reader.register([tensor_region(self.target)])
+        self.peer = self.writer.add_peer(self.reader.local_metadata())
+
+    def pages(self, pairs: list[tuple[int, int]], pages: int = 1) -> list[tuple[int, int, int]]:
+        """(source page, destination page) -> descriptors of ``pages`` pages each."""
+        return [(self.source.data_ptr() + s * PAGE, self.target.data_ptr() + d * PAGE, pages * PAGE)
+                for s, d in pairs]
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+@pytest.fixture
+def pair():
+    pair = Pair(direct_bytes=4 * PAGE, staging_bytes=3 * PAGE)  # small: every kind of segment occurs
+    yield pair
+    pair.close()
+
+
+def test_descriptors_merge_and_split_into_segments():
+    assert merge_adjacent([(200, 20, 10), (100, 10, 5), (105, 15, 5), (110, 30, 5), (0, 0, 0)]) == \
+        [(100, 10, 10), (110, 30, 5), (200, 20, 10)]
+    assert plan_segments([1, 1, 5, 1, 1, 1, 1], direct_bytes=4, staging_bytes=3) == [
+        Segment(0, 2, 2, False), Segment(2, 3, 5, True), Segment(3, 6, 3, False), Segment(6, 7, 1, False)]
+    assert widest_element([8, 16], [24]) is torch.int64 and widest_element([8, 4], [4]) is torch.int32
+    assert widest_element([3], [8]) is torch.uint8
+
+
+def test_only_registered_memory_can_be_a_destination():
+    from tandem.transfer.byte_views import RegionViews
+
+    first, second = torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+    views = RegionViews()
+    views.add(tensor_region(second))
+    views.add(tensor_region(first))
+    views.check([first.data_ptr(), first.data_ptr() + 60, second.data_ptr()], [64, 4, 32])
+    for address, length in [(first.data_ptr() + 1, 64), (second.data_ptr() - 1, 2), (second.data_ptr() + 32, 1)]:
+        if first.data_ptr() <= address and address + length <= first.data_ptr() + 64:
+            continue  # (the two allocations may lie back to back)
+        with pytest.raises(ValueError, match="outside the registered memory"):
+            views.check([first.data_ptr(), address], [8, length])
+        with pytest.raises(ValueError, match="outside the registered memory"):
+            views.view(address, length)
+
+
+def test_pages_land_byte_for_byte_and_the_notification_follows(pair):
+    # out of order, some adjacent (merged), a long run (sent in place), scattered single pages (staged)
+    pairs = [(9, 2), (3, 40), (4, 41), (5, 42), (20, 7), (21, 30), (0, 63)]
+    descriptors = pair.pages(pairs) + pair.pages([(50, 10)], pages=6)
+    handle = pair.writer.write(pair.peer, descriptors, notification=b"done:1")
+    assert finish(pair.writer, handle) is WriteStatus.DONE, handle.error
+    notes = []
+    wait_until(lambda: notes.extend(pair.reader.notifications()) or notes)
+    assert notes == [("writer", b"done:1")]
+    expected = torch.zeros_like(pair.target)
+    for source, destination in pairs + [(50 + i, 10 + i) for i in range(6)]:
+        expected[destination * PAGE:(destination + 1) * PAGE] = pair.source[source * PAGE:(source + 1) * PAGE]
+    assert torch.equal(pair.target, expected)
+    # a second write on the warm pair, then a notification-only write
+    second = pair.writer.write(pair.peer, pair.pages([(33, 33)]))
+    third = pair.writer.write(pair.peer, [], notification=b"done:2")
+    assert finish(pair.writer, second) is WriteStatus.DONE and finish(pair.writer, third) is WriteStatus.DONE
+    wait_until(lambda: notes.extend(pair.reader.notifications()) or len(notes) == 2)
+    assert notes[1] == ("writer", b"done:2")
+    assert torch.equal(pair.target[33 * PAGE:34 * PAGE], pair.source[33 * PAGE:34 * PAGE])
+
+
+def test_injected_failure_is_an_error_and_nothing_moves():
+    writer = create_backend("nccl", "w", failure_probability=1.0, seed=0)
+    try:
+        handle = writer.write("nobody", [(1, 2, 3)])
+        assert handle.status is WriteStatus.ERROR and handle.error == "injected transfer failure"
+        assert writer.release(handle)
+    finally:
+        writer.close()
+
+
+def test_a_write_outside_registered_memory_fails_and_does_not_hang(pair):
+    outside = [(pair.source.data_ptr(), pair.target.data_ptr() + pair.target.numel(), PAGE)]
+    handle = pair.writer.write(pair.peer, outside, notification=b"x")
+    assert finish(pair.writer, handle) is WriteStatus.ERROR
+    later = pair.writer.write(pair.peer, pair.pages([(0, 0)]))
+    assert later.status is WriteStatus.ERROR  # the pair is torn down
+    assert pair.reader.notifications() == []
+
+
+def test_a_gone_peer_fails_the_write_instead_of_hanging(pair):
+    assert finish(pair.writer, pair.writer.write(pair.peer, pair.pages([(1, 1)]))) is WriteStatus.DONE
+    pair.reader.close()
+    started = time.monotonic()
+    handle = pair.writer.write(pair.peer, pair.pages([(2, 2)]))
+    assert finish(pair.writer, handle) is WriteStatus.ERROR and handle.error
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_peer_that_never_pairs_fails_the_queued_write():
+    reader = create_backend("nccl", "reader", connect_timeout=0.5)
+    metadata = reader.local_metadata()
+    reader.close()
+    reader.rendezvous.store = None  # the reader's store is gone
+    writer = create_backend("nccl", "writer", connect_timeout=0.5)
+    try:
+        peer = writer.add_peer(metadata)
+        source = torch.ones(PAGE, dtype=torch.uint8)
+        writer.register([tensor_region(source)])
+        handle = writer.write(peer, [(source.data_ptr(), 0, PAGE)])
+        assert finish(writer, handle, timeout=30) is WriteStatus.ERROR
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "nixl"])
+def test_pd_pair_decodes_exactly_after_a_warm_up(backend, model_dirs, oracles):
+    """1P1D (``backend="nccl"`` runs over gloo on this CPU): the handshake's warm-up write landed
+    in the decode engine's scratch; chunked prefill, the decode engine's tokens and logprobs
+    equal ``transformers``; every page and row is free afterwards."""
+    from tandem.disagg.agent_support import WARM_UP_BYTE
+    from tests.pd.test_pd_engine import LONG_PROMPT, SHORT_PROMPT, SMALL
+
+    pair = PDPair(model_dirs["llama"], transfer=dict(backend=backend), **SMALL)
+    try:
+        assert not pair.decode.pd.scratch.any()
+        prompts = {"long": LONG_PROMPT, "short": SHORT_PROMPT}
+        for request_id, prompt in prompts.items():
+            pair.submit(request_id, prompt)
+        pair.run_until(lambda: all(pair.finished(r) for r in prompts))
+        assert bool((pair.decode.pd.scratch == WARM_UP_BYTE).all())
+        for request_id, prompt in prompts.items():
+            pair.assert_matches(request_id, oracles["llama"].greedy(prompt, GREEDY.max_tokens))
+        assert pair.prefill.pd.touched == {d.key for d in pair.prefill.registry.buffers()}  # I1
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
