@@ -354,7 +354,9 @@ def test_killed_rank_ends_the_server(model_dirs, tmp_path):
         server.kill()
     assert status != 0, server.log()
     assert "tensor_parallel_size: rank 1" in server.log()
-    assert took < 10, f"the server took {took:.1f} s to go down"
+    # A few seconds on a quiet machine; beside another test worker on two cores it took 10.7 s.
+    # A hang would reach the 30 s wait above.
+    assert took < 20, f"the server took {took:.1f} s to go down"
     deadline = time.monotonic() + 10
     while any(process_alive(pid) for pid in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
