@@ -13,7 +13,7 @@ from tests.support.docs_blocks import ROOT, blocks, curl_calls, shell_commands, 
 
 # Programs the docs call that are not ours to check (shell built-ins and common tools).
 OTHER_PROGRAMS = {"curl", "head", "base64", "chmod", "until", "do", "done", "sleep", "cd", "export", "echo", "cat",
-                  "mkdocs", "pip", "grep", "kill", "wait", "nvidia-smi", "ls", "ray"}
+                  "mkdocs", "pip", "grep", "kill", "wait", "nvidia-smi", "ls", "ray", "zip"}
 
 
 def test_generated_reference_pages_are_current():
