@@ -325,7 +325,7 @@ class DecodeSide(PDSide):
         self.forget(transfer)
         sequence = transfer.sequence
         if hold:
-            transfer.hold_owner = self.coordinator.hold_inflight(f"pd-recv:{transfer.room}", sequence.state.page_tables)
+            transfer.hold_owner = self.coordinator.inflight.hold(f"pd-recv:{transfer.room}", sequence.state.page_tables)
             transfer.drain_deadline = time.monotonic() + self.config.peer_timeout + self.config.drain_timeout
             self.draining[transfer.room] = transfer
         elif transfer.row is not None:
@@ -357,7 +357,7 @@ class DecodeSide(PDSide):
         """The prefill side will write no more (or is dead): free the pages (poisoned) and row."""
         self.draining.pop(transfer.room, None)
         if transfer.hold_owner is not None:
-            self.coordinator.release_inflight(transfer.hold_owner)
+            self.coordinator.inflight.release(transfer.hold_owner)
             transfer.hold_owner = None
         if transfer.row is not None:
             self.metadata.release(transfer.row)

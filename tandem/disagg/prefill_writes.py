@@ -50,7 +50,7 @@ class PrefillWrites:
             kept.update(group)
         transfer.unsent_done = transfer.unsent_done or prompt_done
         if any(new):
-            transfer.unsent_holds.append(self.coordinator.hold_inflight(
+            transfer.unsent_holds.append(self.coordinator.inflight.hold(
                 f"pd-wait:{transfer.room}:{len(transfer.unsent_holds)}", new))
 
     def push_unsent(self, transfer: PrefillTransfer) -> None:
@@ -61,7 +61,7 @@ class PrefillWrites:
 
     def release_unsent(self, transfer: PrefillTransfer) -> None:
         for owner in transfer.unsent_holds:
-            self.coordinator.release_inflight(owner)
+            self.coordinator.inflight.release(owner)
         transfer.unsent_holds = []
         transfer.unsent = [{} for _ in transfer.unsent]
 
@@ -91,7 +91,7 @@ class PrefillWrites:
         self.touched |= plan.touched
         if not plan.descriptors:
             return
-        owner = self.coordinator.hold_inflight(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
+        owner = self.coordinator.inflight.hold(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
         if self.ranks is not None:  # every other rank writes its shard of the same pages (the owner names it)
             self.ranks.post(owner, transfer.peer.identity, pairs_per_group)
         transfer.num_writes += 1
@@ -158,7 +158,7 @@ class PrefillWrites:
             status = self.resolve(transfer, write, now)
             if status is None:
                 continue
-            self.coordinator.release_inflight(write.owner)
+            self.coordinator.inflight.release(write.owner)
             transfer.writes.remove(write)
             if status is WriteStatus.DONE:
                 transfer.bytes_written += write.handle.num_bytes
@@ -170,7 +170,7 @@ class PrefillWrites:
             return
         transfer.metadata_write = None
         if write.owner is not None:
-            self.coordinator.release_inflight(write.owner)
+            self.coordinator.inflight.release(write.owner)
         if status is WriteStatus.DONE and not transfer.status.terminal:
             transfer.bytes_written += write.handle.num_bytes
             transfer.status.advance(TransferState.DONE)
@@ -222,7 +222,7 @@ class PrefillWrites:
             self.ranks.cancel(write.owner)  # released once every rank's part resolved
             return
         if write.owner is not None:
-            self.coordinator.release_inflight(write.owner)
+            self.coordinator.inflight.release(write.owner)
         if write is transfer.metadata_write:
             transfer.metadata_write = None
         else:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 import torch
 
 from tandem.kv.accessor import PendingLoads
-from tandem.kv.block_pool import CACHE_OWNER, INFLIGHT_PREFIX, BlockPool, OutOfPagesError
+from tandem.kv.inflight import InflightHolds
+from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
@@ -69,7 +70,7 @@ class StateCoordinator:
         self.prefix_cache = PrefixCache(self.pools, plan.page_size, chain_hash) if enable_prefix_caching else None
         for manager in self.managers:
             manager.prefix_caching = self.prefix_cache is not None
-        self._inflight: dict[str, list[list[int]]] = {}
+        self.inflight = InflightHolds(self.pools)  # I2: pages in-flight operations hold (kv/inflight.py)
         # Speculation's job: the slots a speculative step copies pages aside into, reserved with
         # a sequence's pages, its draft chains' tables and its rollbacks (``set_aside.py``).
         self.speculation = SetAsideSlots(self.managers, self.pools, self.copy_page)
@@ -126,7 +127,7 @@ class StateCoordinator:
         sparse = [index for index, manager in enumerate(self.managers) if manager.sparse_prefix_entries]
         for group_index in range(self.num_groups):
             if group_index not in sparse:
-                counts[group_index] = cache.unlocked_pages[group_index] - self._held_cached_pages(group_index)
+                counts[group_index] = cache.unlocked_pages[group_index] - self.inflight.held_cached_pages(group_index)
         if sparse:  # a sparse entry can be dropped from any node where the cache alone holds it
             for node in cache.device_nodes():
                 for group_index in sparse:
@@ -387,39 +388,11 @@ class StateCoordinator:
         return [manager.final_page_indices(table, num_computed_tokens, prompt_done)
                 for manager, table in zip(self.managers, state.page_tables)]
 
-    # -- in-flight operations (I2) ---------------------------------------------------------------
-    def hold_inflight(self, operation: str, page_tables: list[list[int]]) -> str:
-        owner = f"inflight:{operation}"
-        live = [[page for page in pages if page != NULL_PAGE] for pages in page_tables]
-        for pool, pages in zip(self.pools, live):
-            pool.acquire(pages, owner)
-        self._inflight[owner] = live
-        return owner
-
-    def _held_cached_pages(self, group_index: int) -> int:
-        """Unlocked cached pages that in-flight operations also hold (a PD write, a tier copy):
-        evicting them frees nothing until those end, so they are not evictable now."""
-        if not self._inflight:
-            return 0
-        pool = self.pools[group_index]
-        pages = {page for tables in self._inflight.values() for page in tables[group_index]}
-        return sum(1 for page in pages if pool.holders(page)[CACHE_OWNER] > 0
-                   and all(count <= 0 or owner == CACHE_OWNER or owner.startswith(INFLIGHT_PREFIX)
-                           for owner, count in pool.holders(page).items()))
-
-    def has_inflight_holds(self) -> bool:
-        """Pages are held for in-flight operations: they come back once those end."""
-        return bool(self._inflight)
-
-    def release_inflight(self, owner: str) -> None:
-        for pool, pages in zip(self.pools, self._inflight.pop(owner)):
-            pool.release(pages, owner)
-
+    # -- the books' other holders ---------------------------------------------------------------------
     def inflight_references(self, group_index: int) -> Iterator[tuple[str, list[int]]]:
         """Every reference neither a page table nor the prefix cache holds: in-flight
-        operations' and speculation's set-aside slots."""
-        for owner, tables in self._inflight.items():
-            yield owner, tables[group_index]
+        operations' (I2) and speculation's set-aside slots."""
+        yield from self.inflight.references(group_index)
         yield from self.speculation.references(group_index)
 
     # -- accounting ----------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ class Scheduler:
                     if not self.running:
                         if self._wait_for_tier_copies():
                             continue
-                        if not self.coordinator.has_inflight_holds():
+                        if not self.coordinator.inflight.any():
                             raise RuntimeError("scheduler: a swapped sequence cannot fit an empty pool")
                     return
                 sequence.num_computed_tokens = swapped.num_computed_tokens
@@ -220,7 +220,7 @@ class Scheduler:
                 self._release(sequence)
                 if not self.running and self._wait_for_tier_copies():
                     continue  # pages held by tier copies come back once they complete
-                if empty and not self.coordinator.has_inflight_holds():  # (held pages come back: wait)
+                if empty and not self.coordinator.inflight.any():  # (held pages come back: wait)
                     raise RuntimeError("scheduler: an admitted sequence cannot fit an empty pool")
                 return
             self.waiting.popleft()

@@ -155,7 +155,7 @@ class TieredState(DiskPages, Swap):
     def _start(self, moves: list[Move], load: bool, device_tables: Optional[list[list[int]]],
                host_tables: list[list[int]]) -> _Operation:
         op_id = next(self._op_ids)
-        device_owner = self.coordinator.hold_inflight(f"tier{op_id}", device_tables) if device_tables else None
+        device_owner = self.coordinator.inflight.hold(f"tier{op_id}", device_tables) if device_tables else None
         host_owner = f"inflight:tier{op_id}"
         for pool, pages in zip(self.host.pools, host_tables):
             pool.acquire(pages, host_owner)
@@ -187,7 +187,7 @@ class TieredState(DiskPages, Swap):
                 if self.coordinator.mirror is not None:
                     # before the pages can be reused: the other ranks' copies must be done too
                     self.coordinator.mirror.tier_fence()
-                self.coordinator.release_inflight(op.device_owner)
+                self.coordinator.inflight.release(op.device_owner)
             for pool, pages in zip(self.host.pools, op.host_pages):
                 pool.release(pages, op.host_owner)
             for follow_up in op.on_done:
