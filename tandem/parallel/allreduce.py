@@ -152,9 +152,12 @@ class PeerAllReduce:
     it. Every method returns None where the message goes to NCCL instead."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, limits: AllReduceLimits,
-                 group_name: str) -> None:
+                 group_name: str, process_group=None) -> None:
         self.rank, self.world_size, self.device, self.limits = rank, world_size, device, limits
         self.group_name = group_name
+        # The process group registered under ``group_name`` (``_register_group``): torch's
+        # registry holds it weakly and its operators resolve it by name at every call.
+        self.process_group = process_group
         self.one_shot = PeerBuffers(limits.one_shot_bytes, device, group_name) if limits.one_shot_bytes else None
         two_shot = limits.two_shot_bytes and world_size in TWO_SHOT_WORLD_SIZES
         self.two_shot = PeerBuffers(limits.two_shot_bytes, device, group_name) if two_shot else None
@@ -215,9 +218,8 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     group_name = "tandem-tp-" + exchange(control, uuid.uuid4().hex.encode() if rank == 0 else b"")[0].decode()
     peer, failure = None, ""
     try:
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        _register_group(group_name, store, rank, size, tensor_backend)
-        peer = PeerAllReduce(rank, size, device, limits, group_name)
+        process_group = _register_group(group_name, store, rank, size, tensor_backend)
+        peer = PeerAllReduce(rank, size, device, limits, group_name, process_group)
     except Exception as error:  # noqa: BLE001 - reported, and every rank falls back alike
         failure = f"{type(error).__name__}: {error}"
     failures = [part.decode() for part in exchange(control, failure.encode())]
@@ -230,26 +232,23 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     return peer
 
 
-def _register_group(group_name: str, store, rank: int, size: int, tensor_backend=None) -> None:
+def _register_group(group_name: str, store, rank: int, size: int, tensor_backend=None):
     """Make ``group_name`` mean our ranks to torch's symmetric memory: its store, rank and size
     (``set_group_info``), and a process group registered under that name, which its
     rendezvous and operators resolve by name (our groups are backend objects outside
     ``torch.distributed``'s registry: the registered group wraps the tensor group's NCCL
-    backend)."""
+    backend). Returns that group (None without a backend); the caller keeps it alive."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
     group_store = dist.PrefixStore(f"symmetric-memory/{group_name}", store)
     _SymmetricMemory.set_group_info(group_name, rank, size, group_store)
-    if tensor_backend is not None:
-        group = dist.ProcessGroup(group_store, rank, size)
-        backend_type = dist.ProcessGroup.BackendType.NCCL
-        group._register_backend(torch.device("cuda"), backend_type, tensor_backend)
-        group._set_default_backend(backend_type)
-        group._set_group_name(group_name)
-        _register_process_group(group_name, group)
-        _REGISTERED_GROUPS[group_name] = group  # the registry holds it weakly
-
-
-# The process groups registered for symmetric memory, kept alive for the process's life.
-_REGISTERED_GROUPS: dict = {}
+    if tensor_backend is None:
+        return None
+    group = dist.ProcessGroup(group_store, rank, size)
+    backend_type = dist.ProcessGroup.BackendType.NCCL
+    group._register_backend(torch.device("cuda"), backend_type, tensor_backend)
+    group._set_default_backend(backend_type)
+    group._set_group_name(group_name)
+    _register_process_group(group_name, group)
+    return group

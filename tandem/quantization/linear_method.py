@@ -51,12 +51,12 @@ class Fp8LinearMethod:
 
     def apply(self, module, hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
         if flat.is_cuda and 0 < flat.shape[0] <= self.weight_only_tokens:
-            output = weight_only_matmul(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
-                                        module.weight_scale, self.block_columns)
+            output = weight_only_matmul(flat, module.weight, module.weight_scale, self.block_columns)
         elif flat.is_cuda and self._block_wise_scales(module) is not None:
-            output = block_wise_scaled_mm(flat if flat.stride(-1) == 1 else flat.contiguous(), module.weight,
-                                          module.weight_block_wise_scales)
+            output = block_wise_scaled_mm(flat, module.weight, module.weight_block_wise_scales)
         else:
             output = fp8_linear(flat, module.weight, module.weight_scale, self.block_columns)
         if bias is not None:
