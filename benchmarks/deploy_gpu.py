@@ -3,6 +3,7 @@ time to first token beside today's PD (``tandem serve --role ...`` by hand and `
 
     python -m benchmarks.deploy_gpu                      # both checks
     python -m benchmarks.deploy_gpu --skip-ttft          # outputs only
+    python -m benchmarks.deploy_gpu --transfer-backend nccl   # PD over NCCL (no NIXL installed)
 
 1. Outputs: the ``tiny-30m`` shape with random weights (the same on every server), greedy
    token-id prompts; a colocated ``tandem serve`` on GPU 0, then ``tandem deploy
@@ -85,7 +86,7 @@ def deploy(model: str, port: int, log: Path, flags: list[str]) -> subprocess.Pop
     return process
 
 
-def check_outputs(logs: Path) -> bool:
+def check_outputs(logs: Path, backend: list[str]) -> bool:
     model = model_dir_for("tiny-30m", "auto")
     prompts = [[(seed * 131 + index * 7) % 8000 + 5 for index in range(16 + 8 * seed)] for seed in range(8)]
     server = start(["serve", "--model", model, "--port", "18400"], logs / "colocated.log",
@@ -93,7 +94,7 @@ def check_outputs(logs: Path) -> bool:
     wait_healthy("http://127.0.0.1:18400", server, logs / "colocated.log")
     expected = greedy("http://127.0.0.1:18400", prompts, 32)
     stop(server)
-    deployment = deploy(model, 18401, logs / "deploy_outputs.log", [])
+    deployment = deploy(model, 18401, logs / "deploy_outputs.log", backend)
     try:
         got = greedy("http://127.0.0.1:18401", prompts, 32)
         reader = {**ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ray_address(logs / "deploy_outputs.log")}
@@ -123,9 +124,9 @@ def serve_benchmark(url: str, name: str, logs: Path) -> None:
     print(result.stdout[-3000:], flush=True)
 
 
-def check_ttft(logs: Path) -> None:
+def check_ttft(logs: Path, backend: list[str]) -> None:
     model = model_dir_for("llama3-8b", "dummy")
-    engine = ["--load-format", "dummy", "--dtype", "bfloat16"]
+    engine = ["--load-format", "dummy", "--dtype", "bfloat16", *backend]
     secret = logs / "pd_secret"
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
@@ -150,13 +151,16 @@ def check_ttft(logs: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--transfer-backend", choices=["nixl", "nccl"], default="nixl",
+                        help="the PD transfer backend of both the deployment and today's PD servers")
     parser.add_argument("--log-dir", default=os.environ.get("LOG_DIR", tempfile.mkdtemp(prefix="deploy-gpu-")))
     arguments = parser.parse_args()
     logs = Path(arguments.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    equal = check_outputs(logs)
+    backend = ["--transfer-backend", arguments.transfer_backend]
+    equal = check_outputs(logs, backend)
     if not arguments.skip_ttft:
-        check_ttft(logs)
+        check_ttft(logs, backend)
     return 0 if equal else 1
 
 

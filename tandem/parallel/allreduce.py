@@ -22,6 +22,13 @@ stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0``,
 Every rank must choose the same algorithm for the same call: ``choose_algorithm`` is a pure
 function of the message and of ``AllReduceLimits``, which every rank reads from the environment
 and checks equal over the control group at join.
+
+One symmetric-memory group per process: torch's rendezvous keeps per-process state across groups,
+and a process that rendezvoused with one group (an engine since shut down) and then joins a new
+group with fresh processes waits forever (seen on two H200s: a second TP=2 engine in one Python
+process hung in its first rendezvous). So a join where any rank has already made a
+symmetric-memory group in its process takes NCCL for every message, decided alike on every rank
+before any rendezvous. A server runs one engine per process and is unaffected.
 """
 from __future__ import annotations
 
@@ -47,6 +54,10 @@ KIB, MIB = 1 << 10, 1 << 20
 
 # The environment that must keep NVLink multicast off (set where the peer buffers are made,
 # before any symmetric allocation or NCCL communicator reads it).
+# Set once this process has made a symmetric-memory group (see the module docstring): a fact
+# about the process, which torch's own per-process state makes true for its whole life.
+_PROCESS_HAS_SYMMETRIC_MEMORY = False
+
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -214,6 +225,14 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     if len(set(hosts)) > 1:
         logger.info("peer all-reduce off: the ranks are on %d hosts", len(set(hosts)))
         return None
+    global _PROCESS_HAS_SYMMETRIC_MEMORY
+    earlier = [bool(part) for part in exchange(control, b"1" if _PROCESS_HAS_SYMMETRIC_MEMORY else b"")]
+    if any(earlier):
+        logger.warning("peer all-reduce off (NCCL for every message): rank(s) %s already made a symmetric-memory "
+                       "group in their process (an earlier engine), and torch's rendezvous cannot make a second "
+                       "one there", [index for index, used in enumerate(earlier) if used])
+        return None
+    _PROCESS_HAS_SYMMETRIC_MEMORY = True
     # One name for the symmetric-memory group, chosen by rank 0, unique per join.
     group_name = "tandem-tp-" + exchange(control, uuid.uuid4().hex.encode() if rank == 0 else b"")[0].decode()
     peer, failure = None, ""

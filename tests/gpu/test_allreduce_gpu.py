@@ -171,33 +171,49 @@ def test_peer_all_reduce_inside_a_cuda_graph():
     run_ranks(_check_graph)
 
 
+def _engine_outputs(model: str, options: dict, prompts, max_tokens: int) -> dict:
+    """One engine in this (fresh) process: its greedy tokens, top logprobs, decode replays and
+    whether its ranks took the peer all-reduce (one symmetric-memory group per process:
+    ``parallel/allreduce.py``, so every engine of the test runs in a process of its own)."""
+    llm = LLM(model=model, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+        results = llm.generate(prompts, params, use_tqdm=False)
+        graphs = llm.engine.runner.graphs
+        llm.engine.check_all_free()
+        return {"tokens": [list(result.outputs[0].token_ids) for result in results],
+                "logprobs": [[{token: entry.logprob for token, entry in position.items()}
+                              for position in result.outputs[0].logprobs] for result in results],
+                "replays": graphs.num_replays if graphs is not None else 0,
+                "peer": llm.engine.executor.shard.peer is not None}
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_tp2_engine_on_the_peer_path_equals_tp1(enforce_eager, model_dirs):
     """Llama (its layers leave the attention and MLP sums to the next norm: the fused kernel),
     float32: greedy tokens equal TP=1's and TP=2's on NCCL alone, logprobs within GPU reduction
-    noise; decode steps replay graphs holding the peer kernels."""
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    noise; decode steps replay graphs holding the peer kernels. Each engine runs in a spawned
+    process of its own (a process makes one symmetric-memory group)."""
+    from concurrent.futures import ProcessPoolExecutor
+
     prompts = [[5, 17, 301, 42, 9, 77, 12], list(range(3, 60)), [400, 2, 88]]
     options = dict(device="cuda", dtype="float32", page_size=16, max_total_tokens=1024, max_num_batched_tokens=128,
                    max_num_seqs=8, enforce_eager=enforce_eager)
     outputs = {}
     for name, extra in (("tp1", dict()), ("nccl", dict(tensor_parallel_size=2, disable_custom_all_reduce=True)),
                         ("peer", dict(tensor_parallel_size=2))):
-        llm = LLM(model=model_dirs["llama"], **options, **extra)
-        try:
-            if name != "tp1":
-                shard = llm.engine.executor.shard
-                assert (shard.peer is None) == (name == "nccl")
-            outputs[name] = llm.generate(prompts, params, use_tqdm=False)
-            if not enforce_eager:
-                assert llm.engine.runner.graphs.num_replays >= 6, f"{name}: decode steps ran eagerly"
-            llm.engine.check_all_free()
-        finally:
-            llm.engine.shutdown()
+        with ProcessPoolExecutor(1, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+            outputs[name] = pool.submit(_engine_outputs, model_dirs["llama"], {**options, **extra}, prompts,
+                                        12).result(timeout=600)
+        if name != "tp1":
+            assert outputs[name]["peer"] == (name == "peer"), name
+        if not enforce_eager:
+            assert outputs[name]["replays"] >= 6, f"{name}: decode steps ran eagerly"
     for number in range(len(prompts)):
-        tokens = {name: list(result[number].outputs[0].token_ids) for name, result in outputs.items()}
+        tokens = {name: result["tokens"][number] for name, result in outputs.items()}
         assert tokens["peer"] == tokens["tp1"] == tokens["nccl"], (number, tokens)
-        for entry, reference in zip(outputs["peer"][number].outputs[0].logprobs,
-                                    outputs["tp1"][number].outputs[0].logprobs):
+        for entry, reference in zip(outputs["peer"]["logprobs"][number], outputs["tp1"]["logprobs"][number]):
             for token, logprob in entry.items():
-                assert abs(logprob.logprob - reference[token].logprob) <= 1e-3, number
+                assert abs(logprob - reference[token]) <= 1e-3, number
