@@ -111,7 +111,7 @@ def check_outputs(logs: Path, backend: list[str]) -> bool:
 def ray_address(log: Path) -> str:
     for line in log.read_text().splitlines():
         if "started a local Ray at " in line:
-            return line.split("started a local Ray at ")[1].split()[0]
+            return line.split("started a local Ray at ")[1].split()[0].rstrip(";")
     return ""
 
 
