@@ -19,6 +19,8 @@
 #   bash scripts/gpu_checks.sh goodput-slo  # the same with --max-itl-ms 25
 #   bash scripts/gpu_checks.sh goodput-pd   # two GPUs: goodput of 1P1D behind the router
 #   bash scripts/gpu_checks.sh deploy       # two GPUs: tandem deploy 1P1D (Ray) equals a colocated server; TTFT beside PD
+#   bash scripts/gpu_checks.sh ray          # two GPUs: the Ray executor's GPU tests; TP=2 through Ray vs the multiprocess executor
+#   bash scripts/gpu_checks.sh regressions  # one GPU: batch-1 TPOT, the nano-vllm workload, 8B batch 256 with FP8 K/V
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -99,6 +101,15 @@ print(model_dir_for('llama3-8b', 'dummy'))")
     goodput-pd) run goodput_1p1d python3 -m benchmarks.goodput_deployments --deployment 1p1d \
                   --request-rates 2 4 6 8 10 --num-requests 96 --ttft-slo-ms 1000 --itl-slo-ms 50 ;;
     deploy) run deploy_gpu python3 -m benchmarks.deploy_gpu --log-dir "$LOG_DIR/deploy" ;;
+    ray) run ray_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_ray_executor_gpu.py
+         for backend in mp ray; do
+           run "offline_tp2_$backend" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers \
+             --tensor-parallel-size 2 --distributed-executor-backend "$backend"
+         done ;;
+    regressions) run latency_bf16 python3 -m benchmarks.latency --shape llama3-8b --skip-transformers --prefill-lengths 512
+                 run offline_nanovllm python3 -m benchmarks.offline --preset qwen3-0.6b-nanovllm --repeat 1 --skip-transformers
+                 run offline_b256_fp8kv python3 -m benchmarks.offline --preset llama3-8b-b256 --repeat 1 --skip-transformers \
+                   --kv-cache-dtype fp8 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done
