@@ -186,7 +186,8 @@ class WorkerTransfers:
         self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if transfer.role == "prefill" else 0,
                                   dtype=torch.uint8, device=memory)
         self.backend.register(regions + [tensor_region(self.scratch)])
-        self.peers: dict[str, tuple[str, RankAgent]] = {}  # decode engine id -> (agent name, its rank's agent)
+        # decode engine id -> (agent name, its rank's agent, the planner of writes into its pages)
+        self.peers: dict[str, tuple[str, RankAgent, Any]] = {}
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
         self.encoder = msgspec.msgpack.Encoder()
@@ -220,27 +221,27 @@ class WorkerTransfers:
         exchange(self.control, self.encoder.encode(TransferReport(outcomes)))
 
     def add_peer(self, operation: TransferOperation) -> None:
+        from tandem.transfer.descriptors import WritePlanner
+
         agent = operation.agents[self.rank - 1]
         try:
             name = self.backend.add_peer(agent.backend_metadata)
         except Exception as error:  # noqa: BLE001
             self.outcomes.append(WriteOutcome(operation.key, False, f"rank {self.rank}: {error}"))
             return
-        self.peers[operation.key] = (name, agent)
+        self.peers[operation.key] = (name, agent, WritePlanner(self.registry, list(agent.buffer_addresses)))
         self.outcomes.append(WriteOutcome(operation.key, True))
         if agent.scratch_address:
             self.writes[WARM_UP + operation.key] = RankWrite(
                 [(self.scratch.data_ptr(), agent.scratch_address, self.scratch.numel())], None, name, agent.device)
 
     def write(self, operation: TransferOperation) -> None:
-        from tandem.transfer.descriptors import plan_page_writes
-
         peer = self.peers.get(operation.peer)
         if peer is None:
             self.outcomes.append(WriteOutcome(operation.key, False,
                                               f"rank {self.rank} has no agent of decode engine {operation.peer}"))
             return
-        plan = plan_page_writes(self.registry, peer[1].buffer_addresses, operation.pairs)
+        plan = peer[2].plan(operation.pairs)
         if not plan.descriptors:
             self.outcomes.append(WriteOutcome(operation.key, True))
             return
