@@ -10,6 +10,7 @@ endpoint), so it always follows the bytes, and the writer must keep polling unti
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -35,6 +36,9 @@ def load_nixl():
                        "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
+FEW_DESCRIPTORS = 16  # a write of at most this many descriptors hands NIXL tuples (no numpy arrays)
+
+
 def _as_str(name) -> str:
     return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
@@ -54,8 +58,16 @@ class NixlBackend(TransferBackend):
         # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
         # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
         options = dict(capture_telemetry=True) if telemetry else {}
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
-                                                              **options))
+        # UCX's error handling ($TANDEM_NIXL_UCX_ERROR_HANDLING, the same on every engine; unset:
+        # NIXL's default, "peer", where a peer's failure fails the writes to it). It decides the
+        # transports: measured on a CPU host, a notified write under "peer" completes only once
+        # the reader has progressed (its notification took up to a few of the reader's polls),
+        # under "none" as soon as its bytes landed. benchmarks/pd_gpu.py --env compares them.
+        error_handling = os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                              backends=[] if error_handling else ["UCX"], **options))
+        if error_handling:
+            self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
         self._registered = []
 
     @property
@@ -82,7 +94,8 @@ class NixlBackend(TransferBackend):
         except Exception:  # noqa: BLE001 - already gone
             logger.debug("removing NIXL peer %s failed", peer, exc_info=True)
 
-    def _descriptor_list(self, rows: np.ndarray, device: int):
+    def _descriptor_list(self, rows, device: int):
+        """(address, length, device id) rows: a list of tuples or an N x 3 array."""
         memory_type = "DRAM" if device < 0 else "VRAM"
         return self.agent.get_xfer_descs(rows, memory_type)
 
@@ -90,9 +103,15 @@ class NixlBackend(TransferBackend):
               notification: bytes) -> None:
         # merged runs: NIXL pays per descriptor (one 256 MiB write ran at the link's rate between
         # two GPUs, the same bytes as 256 writes of 1 MiB at half of it)
-        array = np.asarray(merge_adjacent(descriptors), dtype=np.uint64).reshape(-1, 3)
-        local = np.stack([array[:, 0], array[:, 2], np.full(len(array), max(local_device, 0), np.uint64)], axis=1)
-        remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), max(remote_device, 0), np.uint64)], axis=1)
+        merged = merge_adjacent(descriptors)
+        local_id, remote_id = max(local_device, 0), max(remote_device, 0)
+        if 0 < len(merged) <= FEW_DESCRIPTORS:  # (a page-major write: a run per group, and the row)
+            local = [(source, length, local_id) for source, _, length in merged]
+            remote = [(destination, length, remote_id) for _, destination, length in merged]
+        else:
+            array = np.asarray(merged, dtype=np.uint64).reshape(-1, 3)
+            local = np.stack([array[:, 0], array[:, 2], np.full(len(array), local_id, np.uint64)], axis=1)
+            remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), remote_id, np.uint64)], axis=1)
         native = self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),
                                             self._descriptor_list(remote, remote_device), peer, notification)
         handle.native = native

@@ -143,6 +143,7 @@ class Rendezvous:
             connection, _ = self.listener.accept()
         except socket.timeout:
             return None
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acknowledgements leave at once
         connection.settimeout(self.timeout)
         try:
             token, writer, pair_id = receive_frame(connection).decode(errors="replace").split("\n")
