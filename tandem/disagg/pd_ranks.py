@@ -46,9 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import msgspec
-import torch
 
-from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES, compute_done_event
+from tandem.disagg.agent_support import compute_done_event, warm_up_scratch
 from tandem.parallel.group import exchange
 from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
@@ -182,9 +181,7 @@ class WorkerTransfers:
         regions = buffer_regions(registry)
         self.device_index = regions[0].device if regions else -1
         # the first write of each new pair (connection setup) goes here, at handshake (as rank 0's)
-        memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
-        self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if transfer.role == "prefill" else 0,
-                                  dtype=torch.uint8, device=memory)
+        self.scratch = warm_up_scratch(transfer.role, self.device_index)
         self.backend.register(regions + [tensor_region(self.scratch)])
         # decode engine id -> (agent name, its rank's agent, the planner of writes into its pages)
         self.peers: dict[str, tuple[str, RankAgent, Any]] = {}

@@ -56,6 +56,8 @@ def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
         for attempt in range(2):  # the first write on a new pair sets up its connections
             target_pages.zero_()
             target_row.zero_()
+            for device in {torch.device(name) for name in devices if name.startswith("cuda")}:
+                torch.cuda.synchronize(device)  # sources final when posted (no backend waits on this stream)
             handle = writer.write(peer, descriptors, notification=f"done:{attempt}".encode(), **devices_of)
             deadline, seen = time.monotonic() + 20, []
             while not seen:
