@@ -36,6 +36,19 @@ def load_nixl():
                        "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
+def ucx_error_handling() -> str:
+    """UCX's error handling for this engine's agent: $TANDEM_NIXL_UCX_ERROR_HANDLING ("none" or
+    "peer"; the same on every engine), else NIXL's default ("peer"). It decides UCX's
+    transports. Measured on a CPU host (host memory): under "peer" a notified write completes
+    only once the reader has progressed (its notification took up to a few of the decode
+    engine's polls), under "none" as soon as its bytes landed, and a dead peer's writes fail
+    under both (NIXL_ERR_REMOTE_DISCONNECT); but under "none" a tensor-parallel worker's
+    warm-up write between two worker processes never completed
+    (tests/pd/test_pd_tensor_parallel.py), so "none" is for measuring
+    (``benchmarks/pd_gpu.py --env``), not the default."""
+    return os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+
+
 FEW_DESCRIPTORS = 16  # a write of at most this many descriptors hands NIXL tuples (no numpy arrays)
 
 
@@ -58,12 +71,7 @@ class NixlBackend(TransferBackend):
         # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
         # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
         options = dict(capture_telemetry=True) if telemetry else {}
-        # UCX's error handling ($TANDEM_NIXL_UCX_ERROR_HANDLING, the same on every engine; unset:
-        # NIXL's default, "peer", where a peer's failure fails the writes to it). It decides the
-        # transports: measured on a CPU host, a notified write under "peer" completes only once
-        # the reader has progressed (its notification took up to a few of the reader's polls),
-        # under "none" as soon as its bytes landed. benchmarks/pd_gpu.py --env compares them.
-        error_handling = os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+        error_handling = ucx_error_handling()
         self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                               backends=[] if error_handling else ["UCX"], **options))
         if error_handling:
