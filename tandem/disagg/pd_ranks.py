@@ -83,13 +83,16 @@ class RankFanOut:
                     f"server described {len(agents) + 1}")
         self.operations.append(TransferOperation(PEER, identity, agents=list(agents)))
         self.outcomes[identity] = []
+        # each worker's warm-up write, polled until it resolves: awaited from the start, as it may
+        # resolve in the very report that answers the peer (a write that completes when posted)
+        self.outcomes[WARM_UP + identity] = []
         self.sync()
         outcomes = self.outcomes.pop(identity, [])
         failed = [outcome.error for outcome in outcomes if not outcome.done]
         if len(outcomes) < self.num_workers or failed:
+            self.outcomes.pop(WARM_UP + identity, None)
             return ("a prefill rank cannot load the decode engine's transfer metadata: "
                     f"{'; '.join(failed) or 'no answer'}")
-        self.outcomes[WARM_UP + identity] = []  # each worker's warm-up write: polled until it resolves
         return None
 
     def post(self, key: str, identity: str, pairs_per_group: list[list[tuple[int, int]]]) -> None:

@@ -36,17 +36,22 @@ def load_nixl():
                        "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
-def ucx_error_handling() -> str:
-    """UCX's error handling for this engine's agent: $TANDEM_NIXL_UCX_ERROR_HANDLING ("none" or
-    "peer"; the same on every engine), else NIXL's default ("peer"). It decides UCX's
-    transports. Measured on a CPU host (host memory): under "peer" a notified write completes
-    only once the reader has progressed (its notification took up to a few of the decode
-    engine's polls), under "none" as soon as its bytes landed, and a dead peer's writes fail
-    under both (NIXL_ERR_REMOTE_DISCONNECT); but under "none" a tensor-parallel worker's
-    warm-up write between two worker processes never completed
-    (tests/pd/test_pd_tensor_parallel.py), so "none" is for measuring
-    (``benchmarks/pd_gpu.py --env``), not the default."""
-    return os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def ucx_error_handling(host: str) -> str:
+    """UCX's error handling for this engine's agent: $TANDEM_NIXL_UCX_ERROR_HANDLING when set
+    ("none" or "peer"; the same on every engine), else "none" where the engines talk over
+    loopback (one host) and NIXL's default ("peer", returned as "") otherwise. It decides UCX's
+    transports. Measured on a CPU host: under "peer" a notified write completes only once the
+    reader has progressed (its notification waited for up to a few of the decode engine's
+    polls), under "none" as soon as its bytes landed; a dead peer's writes fail under both
+    (NIXL_ERR_REMOTE_DISCONNECT). Between hosts "peer" stays: there it is what turns a lost
+    peer into failed writes."""
+    chosen = os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+    if chosen:
+        return chosen
+    return "none" if host.startswith("127.") or host in LOOPBACK_HOSTS else ""
 
 
 FEW_DESCRIPTORS = 16  # a write of at most this many descriptors hands NIXL tuples (no numpy arrays)
@@ -60,8 +65,10 @@ class NixlBackend(TransferBackend):
     name = "nixl"
     notifies_on_poll = True
 
-    def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False) -> None:
-        """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics)."""
+    def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False,
+                 host: str = "127.0.0.1") -> None:
+        """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics);
+        ``host``: where peers reach this engine's control channel (``ucx_error_handling``)."""
         nixl_agent, nixl_agent_config = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self._name = agent_name
@@ -71,7 +78,7 @@ class NixlBackend(TransferBackend):
         # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
         # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
         options = dict(capture_telemetry=True) if telemetry else {}
-        error_handling = ucx_error_handling()
+        error_handling = ucx_error_handling(host)
         self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                               backends=[] if error_handling else ["UCX"], **options))
         if error_handling:
