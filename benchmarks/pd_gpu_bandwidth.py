@@ -122,7 +122,8 @@ MODES_HELP = """rows of part 1, per backend:
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
   nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
-                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
+                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends;
+                  a write of at most four runs, every page-major one, goes in place whatever they are)
 columns: descs = descriptors after merging those that continue on both sides; sends = what the
 backend posts for them per write (NIXL: descriptors; NCCL: sends, one group when several);
 PD ms = the whole row (its MiB over it: PD GB/s); plan ms = the peer's planner and filling the
