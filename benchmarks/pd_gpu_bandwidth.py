@@ -132,7 +132,8 @@ wait summed over a row's writes); row ms = the separate metadata-row write alone
 where there is one.
 The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
 row's writes): queued (write() call to the thread taking it), header (control frame sent),
-posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
+posting (every gather/send posted), draining (host waits for the sends: in host memory only;
+between GPUs the writer waits for nothing but the acknowledgement), ack (the reader's
 acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
 row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
 
