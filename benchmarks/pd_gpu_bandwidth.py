@@ -2,10 +2,12 @@
 and decode devices), per backend, against a plain torch device-to-device copy of the same bytes
 timed in the same process. Each process holds the model's real state registry and pools (dummy
 weights); the prefill process writes one prompt's pages exactly as the PD path does
-(``plan_page_writes``: every registry buffer, page runs coalesced, one write per run and group
-with page-major pools; the metadata row beside them and the completion notification in the same
-write), from planning to completion. See ``MODES_HELP`` for the rows that say where a write's
-time goes.
+(``WritePlanner``, made once per peer as at the handshake: every registry buffer, page runs
+coalesced, one write per run and group with page-major pools; the metadata row beside them and
+the completion notification in the same write), from planning to completion. See ``MODES_HELP``
+for the rows that say where a write's time goes; the ``sends`` column is the coalesced plan's
+count per write (NIXL: descriptors posted; NCCL: point-to-point sends, in one group when more
+than one).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     import torch
     from benchmarks.pd import allocate_pages, answer_notifications, build_state
 
-    from tandem.transfer.connector import create_backend
+    from tandem.transfer.backends import create_backend
     from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
     from tandem.transfer.metadata import MetadataBuffer
 
@@ -104,27 +106,34 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
-MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages x4": "pages in four writes",
-         "1 desc": "one descriptor"}
+MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
+         "pages+notif": "pages and notification", "pages x4": "pages in four writes", "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend:
   BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
                   the metadata row, with the completion notification; wait; the decode process saw it
   BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
                   with the notification, wait
   BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
+  BACKEND pages+row  the pages and the metadata row as one write, no notification
+  BACKEND pages+notif  the pages with the completion notification, no row (with "pages" and
+                  "pages+row": what the row and the notification each add to the PD write)
   BACKEND pages x4  the same runs as four writes posted at once, then waited for (does having
                   several requests in flight help?)
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
   nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
-                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends)
-columns: PD ms = the whole row (its MiB over it: PD GB/s); plan ms = plan_page_writes and filling
-the metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
+                  >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends;
+                  a write of at most four runs, every page-major one, goes in place whatever they are)
+columns: descs = descriptors after merging those that continue on both sides; sends = what the
+backend posts for them per write (NIXL: descriptors; NCCL: sends, one group when several);
+PD ms = the whole row (its MiB over it: PD GB/s); plan ms = the peer's planner and filling the
+metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
 wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
 where there is one.
 The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
 row's writes): queued (write() call to the thread taking it), header (control frame sent),
-posting (every gather/send posted), draining (host waits for the sends), ack (the reader's
+posting (every gather/send posted), draining (host waits for the sends: in host memory only;
+between GPUs the writer waits for nothing but the acknowledgement), ack (the reader's
 acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
 row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
 
@@ -137,8 +146,10 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     write again with the writer's segmenting changed (it travels in each write's header)."""
     import torch
 
-    from tandem.transfer.connector import WriteStatus, create_backend
-    from tandem.transfer.descriptors import buffer_regions, merge_adjacent, plan_page_writes, tensor_region
+    from tandem.transfer.byte_views import plan_segments
+    from tandem.transfer.backends import create_backend
+    from tandem.transfer.connector import WriteStatus
+    from tandem.transfer.descriptors import WritePlanner, buffer_regions, merge_adjacent, tensor_region
     from tandem.transfer.messages import done_notification, new_room
     from tandem.transfer.metadata import MetadataRow
 
@@ -147,8 +158,8 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     try:
         regions = buffer_regions(core.registry)
         pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
-        scratch = torch.ones(plan_page_writes(core.registry, remote_addresses, pairs).num_bytes, dtype=torch.uint8,
-                             device=sources_device(core))
+        planner = WritePlanner(core.registry, remote_addresses)  # as the prefill side makes it at the handshake
+        scratch = torch.ones(planner.plan(pairs).num_bytes, dtype=torch.uint8, device=sources_device(core))
         backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
         peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
@@ -184,36 +195,48 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                     times[key] = times.get(key, 0.0) + end - begin
             return time.perf_counter() - started
 
+        def sends(merged: list) -> int:
+            """What the backend posts for a write of ``merged`` descriptors."""
+            if name != "nccl":
+                return len(merged)
+            return len(plan_segments([length for _, _, length in merged], backend.direct_bytes,
+                                     backend.staging_bytes))
+
         def one_round(mode: str) -> dict:
             times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
             started = time.perf_counter()
             if mode == "one descriptor":
                 descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
             else:
-                descriptors = plan_page_writes(core.registry, remote_addresses, pairs).descriptors
-            notified = mode in ("pd", "two writes")
-            if notified:
-                room = new_room()
+                descriptors = planner.plan(pairs).descriptors
+            notified = mode in ("pd", "two writes", "pages and notification")
+            with_row = mode in ("pd", "two writes", "pages and row")
+            room = new_room()
+            if with_row:
                 metadata.write(0, MetadataRow(room=room, first_token=1))
                 row = (metadata.address(0), remote_rows, metadata.row_bytes)
             if mode != "one descriptor":
                 times["plan"] = time.perf_counter() - started
-            if mode == "pd":
+            if mode in ("pd", "pages and row"):
                 descriptors = descriptors + [row]
-            count, num_bytes = len(merge_adjacent(descriptors)), sum(length for _, _, length in descriptors)
+            merged = merge_adjacent(descriptors)
+            count, num_bytes = len(merged), sum(length for _, _, length in descriptors)
+            posted = sends(merged)
             if mode == "two writes":
                 timed_write(descriptors, times)
                 times["row"] = timed_write([row], times, done_notification(room))
-                count, num_bytes = count + 1, num_bytes + metadata.row_bytes
+                count, num_bytes, posted = count + 1, num_bytes + metadata.row_bytes, posted + 1
             elif mode == "pages in four writes":
                 quarter = -(-len(descriptors) // 4)
                 posting = time.perf_counter()
                 handles = [backend.write(peer, descriptors[first:first + quarter], local_device=local_device,
                                          remote_device=remote_device) for first in range(0, len(descriptors), quarter)]
-                posted = time.perf_counter()
+                posted_at = time.perf_counter()
                 for handle in handles:
                     wait(handle, times)
-                times["post"], times["wait"] = posted - posting, time.perf_counter() - posted
+                times["post"], times["wait"] = posted_at - posting, time.perf_counter() - posted_at
+                posted = sum(sends(merge_adjacent(descriptors[first:first + quarter]))
+                             for first in range(0, len(descriptors), quarter))
             else:
                 timed_write(descriptors, times, done_notification(room) if notified else b"")
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
@@ -221,7 +244,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 from_prefill.put("go")
                 if to_prefill.get(timeout=deadline.left(60)) != "seen":
                     raise RuntimeError("the decode process did not see the notification")
-            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, **times}
+            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted, **times}
 
         measured = {}
         runs = [(f"{name} {suffix}".strip(), mode, None) for suffix, mode in MODES.items()]
@@ -234,7 +257,8 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 results = [one_round(mode) for _ in range(rounds)]
                 measured[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
                 # (every round moves the same bytes; a median of an even count would be a float)
-                measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"])
+                measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"],
+                                       sends=results[0]["sends"])
             except Exception as error:  # noqa: BLE001 - a mode that fails ends the pair
                 measured[label] = {"error": f"{type(error).__name__}: {error}"}
                 break
@@ -327,5 +351,6 @@ def describe_bandwidth(result: dict) -> str:
                   f" ({result['nixl descriptors']:g} descriptors after its merging)")
     if any(key in result for key in THREAD_STEPS):
         split += "; NCCL writer thread: " + ", ".join(f"{key} {result.get(key, 0) * 1e3:.3f}" for key in THREAD_STEPS)
-    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors, {result['seconds'] * 1e3:.3f} ms"
+    return (f"{result['bytes'] / 2**20:.1f} MiB in {result['descriptors']} descriptors ({result['sends']} sends), "
+            f"{result['seconds'] * 1e3:.3f} ms"
             f" = {rate:.1f} GB/s; torch copy {copy_rate:.1f} GB/s; fraction {rate / copy_rate:.2f} (ms: {split})")

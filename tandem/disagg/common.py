@@ -13,9 +13,7 @@ import logging
 import time
 import uuid
 
-import torch
-
-from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES
+from tandem.disagg.agent_support import warm_up_scratch
 from tandem.disagg.metrics import TransferMetrics
 from tandem.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
 from tandem.disagg.pd_ranks import RankFanOut
@@ -72,8 +70,7 @@ class PDSide:
         # where each new pair's first (warm-up) write lands: beside the pages, so the connection
         # the pages take is the one set up at handshake (see PrefillSide.warm_up)
         memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
-        self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if config.role == "prefill" else 0, dtype=torch.uint8,
-                                  device=memory)
+        self.scratch = warm_up_scratch(config.role, self.device_index)
         # the metadata rows sit beside the pages (device memory for device pools), so that the last
         # write of a transfer carries the last pages, the row and the notification in one request
         self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,

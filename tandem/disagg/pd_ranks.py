@@ -46,9 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import msgspec
-import torch
 
-from tandem.disagg.agent_support import WARM_UP_BYTE, WARM_UP_BYTES, compute_done_event
+from tandem.disagg.agent_support import compute_done_event, warm_up_scratch
 from tandem.parallel.group import exchange
 from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
@@ -84,13 +83,16 @@ class RankFanOut:
                     f"server described {len(agents) + 1}")
         self.operations.append(TransferOperation(PEER, identity, agents=list(agents)))
         self.outcomes[identity] = []
+        # each worker's warm-up write, polled until it resolves: awaited from the start, as it may
+        # resolve in the very report that answers the peer (a write that completes when posted)
+        self.outcomes[WARM_UP + identity] = []
         self.sync()
         outcomes = self.outcomes.pop(identity, [])
         failed = [outcome.error for outcome in outcomes if not outcome.done]
         if len(outcomes) < self.num_workers or failed:
+            self.outcomes.pop(WARM_UP + identity, None)
             return ("a prefill rank cannot load the decode engine's transfer metadata: "
                     f"{'; '.join(failed) or 'no answer'}")
-        self.outcomes[WARM_UP + identity] = []  # each worker's warm-up write: polled until it resolves
         return None
 
     def post(self, key: str, identity: str, pairs_per_group: list[list[tuple[int, int]]]) -> None:
@@ -182,11 +184,10 @@ class WorkerTransfers:
         regions = buffer_regions(registry)
         self.device_index = regions[0].device if regions else -1
         # the first write of each new pair (connection setup) goes here, at handshake (as rank 0's)
-        memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
-        self.scratch = torch.full((WARM_UP_BYTES,), WARM_UP_BYTE if transfer.role == "prefill" else 0,
-                                  dtype=torch.uint8, device=memory)
+        self.scratch = warm_up_scratch(transfer.role, self.device_index)
         self.backend.register(regions + [tensor_region(self.scratch)])
-        self.peers: dict[str, tuple[str, RankAgent]] = {}  # decode engine id -> (agent name, its rank's agent)
+        # decode engine id -> (agent name, its rank's agent, the planner of writes into its pages)
+        self.peers: dict[str, tuple[str, RankAgent, Any]] = {}
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
         self.encoder = msgspec.msgpack.Encoder()
@@ -220,27 +221,27 @@ class WorkerTransfers:
         exchange(self.control, self.encoder.encode(TransferReport(outcomes)))
 
     def add_peer(self, operation: TransferOperation) -> None:
+        from tandem.transfer.descriptors import WritePlanner
+
         agent = operation.agents[self.rank - 1]
         try:
             name = self.backend.add_peer(agent.backend_metadata)
         except Exception as error:  # noqa: BLE001
             self.outcomes.append(WriteOutcome(operation.key, False, f"rank {self.rank}: {error}"))
             return
-        self.peers[operation.key] = (name, agent)
+        self.peers[operation.key] = (name, agent, WritePlanner(self.registry, list(agent.buffer_addresses)))
         self.outcomes.append(WriteOutcome(operation.key, True))
         if agent.scratch_address:
             self.writes[WARM_UP + operation.key] = RankWrite(
                 [(self.scratch.data_ptr(), agent.scratch_address, self.scratch.numel())], None, name, agent.device)
 
     def write(self, operation: TransferOperation) -> None:
-        from tandem.transfer.descriptors import plan_page_writes
-
         peer = self.peers.get(operation.peer)
         if peer is None:
             self.outcomes.append(WriteOutcome(operation.key, False,
                                               f"rank {self.rank} has no agent of decode engine {operation.peer}"))
             return
-        plan = plan_page_writes(self.registry, peer[1].buffer_addresses, operation.pairs)
+        plan = peer[2].plan(operation.pairs)
         if not plan.descriptors:
             self.outcomes.append(WriteOutcome(operation.key, True))
             return

@@ -23,6 +23,7 @@ from tandem.protocol import TransferParams
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
 from tandem.transfer.connector import WriteStatus
+from tandem.transfer.descriptors import WritePlanner
 from tandem.transfer.messages import (
     AbortTransfer,
     Destination,
@@ -163,6 +164,7 @@ class PrefillSide(PrefillWrites, PDSide):
                                                                error=f"PD handshake failed: {problem}"))
             return
         self.peers[identity] = DecodePeer(identity=identity, agent=agent, addresses=list(hello.buffer_addresses),
+                                          planner=WritePlanner(self.registry, list(hello.buffer_addresses)),
                                           device=hello.device, metadata_address=hello.metadata_address,
                                           row_bytes=hello.layout.metadata_row_bytes,
                                           num_rows=hello.num_metadata_rows, last_seen=now)

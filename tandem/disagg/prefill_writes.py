@@ -16,7 +16,6 @@ from tandem.disagg.transfers import PendingWrite, PrefillTransfer
 from tandem.protocol import RequestDelta
 from tandem.kv.planner import NULL_PAGE
 from tandem.transfer.connector import WriteHandle, WriteStatus
-from tandem.transfer.descriptors import plan_page_writes
 from tandem.transfer.messages import done_notification
 from tandem.transfer.metadata import MetadataRow
 from tandem.transfer.state import TransferState
@@ -87,7 +86,7 @@ class PrefillWrites:
                 pairs.append((page, target[index]))
             pairs_per_group.append(pairs)
             sources.append([source for source, _ in pairs])
-        plan = plan_page_writes(self.registry, transfer.peer.addresses, pairs_per_group)
+        plan = transfer.peer.planner.plan(pairs_per_group)  # the peer's spans were worked out at the handshake
         self.touched |= plan.touched
         if not plan.descriptors:
             return

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from tandem.protocol import RequestDelta
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.connector import WriteHandle
+from tandem.transfer.descriptors import WritePlanner
 from tandem.transfer.messages import Destination
 from tandem.transfer.state import TransferStatus
 
@@ -37,10 +38,12 @@ class PendingWrite:
 
 @dataclass
 class DecodePeer:
-    """A decode engine that said hello: where its pages and metadata rows are."""
+    """A decode engine that said hello: where its pages and metadata rows are, and the planner
+    of page writes into them (made once, at the handshake)."""
     identity: str
     agent: str
     addresses: list[int]
+    planner: WritePlanner
     device: int
     metadata_address: int
     row_bytes: int

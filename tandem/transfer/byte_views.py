@@ -10,16 +10,21 @@ Owner: the backend that registered the regions; the views alias the engine's sta
 stay valid while those do (for the engine's lifetime).
 
 A write's descriptors (already merged, ``descriptors.merge_adjacent``) become a list of
-segments, each one tensor send; writer and reader compute the same list from the same lengths::
+segments, each one tensor send; writer and reader compute the same list from the same lengths
+(the writer's ``direct_bytes`` and ``staging_bytes`` travel in the write's header)::
+
+    lengths   256M 16K                          at most FEW_RUNS runs (a page-major write: a run
+    segments [256M] [16K]                       per state group, and the metadata row): each in place
 
     lengths   96M  4M 4M 4M 4M 4M 4M 4M 4M 4M   4M 64K    >= direct_bytes (or > staging_bytes):
     segments [96M] [4M 4M 4M 4M 4M 4M 4M 4M]  [4M 4M 64K]  sent in place; smaller: packed into
                    gathered into staging, one send        staging buffers of <= staging_bytes
 
-Every segment is posted without waiting for the one before (the sends queue back to back on the
-link); staged ones take turns in the slots of a staging area, pipelined (``nccl_links.Link.move``):
-the gather of one overlaps the send of the one before. Point-to-point operations pay a fixed
-cost each (host and device), so a PD write of many page runs goes as a few large sends.
+A write whose staged segments fit the staging area at once goes as one batch (between GPUs, one
+group of point-to-point operations); otherwise the staged ones take turns in the slots of the
+staging area, pipelined (``nccl_links.Link.move``): the gather of one overlaps the send of the one
+before. Point-to-point operations pay a fixed cost each (host and device), so a PD write of many
+page runs goes as a few large sends.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from tandem.transfer.descriptors import MemoryRegion
 
 DIRECT_BYTES = 64 << 20  # a run this long is sent from (received into) the pages themselves
 STAGING_BYTES = 32 << 20  # shorter runs are packed into staged segments of at most this size
+FEW_RUNS = 4  # a write of at most this many runs sends each in place (one batch)
 
 
 class _DeviceBytes:
@@ -108,6 +114,13 @@ class Segment:
 
 def plan_segments(lengths: list[int], direct_bytes: int = DIRECT_BYTES,
                   staging_bytes: int = STAGING_BYTES) -> list[Segment]:
+    """The sends of a write of runs of ``lengths`` bytes (see the module docstring): every run in
+    place when there are at most FEW_RUNS (a gather and a scatter would cost more than the few
+    extra operations in one group), else runs of at least ``direct_bytes`` (or longer than
+    ``staging_bytes``) in place and the others packed, in order, into staged segments of at most
+    ``staging_bytes``."""
+    if len(lengths) <= FEW_RUNS:
+        return [Segment(index, index + 1, length, True) for index, length in enumerate(lengths)]
     segments: list[Segment] = []
     start, packed = 0, 0
     for index, length in enumerate(lengths):

@@ -3,7 +3,8 @@
 A backend registers memory regions (every state buffer of the registry, plus the metadata
 rows), exchanges an opaque description of itself with peers, and performs one-sided writes: a
 list of (local address, remote address, length) descriptors, optionally followed by a
-notification the peer receives once the write's bytes have landed. Completion is polled; the
+notification the peer receives once the write's bytes have landed. The source bytes of a write
+are final when it is posted (``write``). Completion is polled; the
 engine never blocks on a backend.
 
 Backends (chosen by name in ``backends.py``): ``nixl`` (NIXL over UCX; host or GPU memory; the default) and ``nccl``
@@ -96,7 +97,10 @@ class TransferBackend(abc.ABC):
 
     def write(self, peer: str, descriptors: list[tuple[int, int, int]], *, local_device: int = -1,
               remote_device: int = -1, notification: bytes = b"") -> WriteHandle:
-        """Post a write of ``descriptors`` (source, destination, length) to ``peer``."""
+        """Post a write of ``descriptors`` (source, destination, length) to ``peer``. The source
+        bytes must be final when this is called (device memory: the caller waited for the work
+        that writes them, e.g. a CUDA event of the forward pass); no backend orders its reads
+        after the caller's stream, so a write never waits for work launched after it."""
         handle = WriteHandle(peer=peer, num_bytes=sum(length for _, _, length in descriptors))
         if self.failure_probability > 0 and self._random.random() < self.failure_probability:
             handle.status, handle.error = WriteStatus.ERROR, "injected transfer failure"

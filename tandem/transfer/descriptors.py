@@ -92,36 +92,80 @@ class WritePlan:
     touched: set[BufferKey] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class BlockSpan:
+    """Where one state group's pages lie in one allocation, on both sides: page ``p`` is
+    ``length`` bytes at ``local + p * stride`` here and at ``remote + p * stride`` on the peer,
+    so a run of ``n`` pages is one write of ``(n - 1) * stride + length`` bytes. Layer-major:
+    one span per buffer; page-major: one per group (its pool's blocks, every buffer of the
+    group), covering the registry buffers ``keys``."""
+    group_id: int
+    local: int
+    remote: int
+    stride: int
+    length: int
+    keys: tuple[BufferKey, ...]
+
+
+def block_spans(registry: StateRegistry, remote_addresses: list[int]) -> list[BlockSpan]:
+    """The spans of every registry buffer, in registry order, for a peer whose buffer bases are
+    ``remote_addresses`` (registry order; the handshake checked that both registries list the
+    same buffers with the same page sizes, strides and offsets, and the same
+    ``kv_cache_layout``). A page-major group's pool is one span, made at its first buffer."""
+    spans: list[BlockSpan] = []
+    pool_span: dict[int, int] = {}  # group -> index of its pool's span
+    for descriptor, remote_base in zip(registry.buffers(), remote_addresses, strict=True):
+        if descriptor.pool is None:
+            spans.append(BlockSpan(descriptor.group_id, descriptor.tensor.data_ptr(), remote_base,
+                                   descriptor.page_stride, descriptor.page_bytes, (descriptor.key,)))
+        elif descriptor.group_id in pool_span:
+            index = pool_span[descriptor.group_id]
+            span = spans[index]
+            spans[index] = BlockSpan(span.group_id, span.local, span.remote, span.stride, span.length,
+                                     span.keys + (descriptor.key,))
+        else:
+            pool_span[descriptor.group_id] = len(spans)
+            spans.append(BlockSpan(descriptor.group_id, descriptor.pool.data_ptr(), remote_base - descriptor.offset,
+                                   descriptor.page_stride, descriptor.page_stride, (descriptor.key,)))
+    return spans
+
+
+class WritePlanner:
+    """Page writes to one peer, planned from (source page, destination page) pairs. Everything
+    that depends only on the two registries (each allocation's base here and there, strides,
+    block lengths, the buffers each covers) is worked out once, when the peer becomes known
+    (``block_spans``); a write then costs only the coalescing of its page pairs and one
+    descriptor per run and span: with page-major pools, a prompt's pages in a group are one
+    descriptor (a 2,048-token Llama-8B prompt: one of 256 MiB)."""
+
+    def __init__(self, registry: StateRegistry, remote_addresses: list[int]) -> None:
+        self.spans = block_spans(registry, remote_addresses)
+
+    def plan(self, pairs_per_group: list[list[tuple[int, int]]]) -> WritePlan:
+        """Writes for ``pairs_per_group[g]`` (source page, destination page) in every buffer of
+        group ``g``: one per run (``coalesce``) and span, in registry order."""
+        plan = WritePlan()
+        runs_per_group = [coalesce(pairs) for pairs in pairs_per_group]
+        plan.num_pages = sum(count for runs in runs_per_group for _, _, count in runs)
+        for span in self.spans:
+            runs = runs_per_group[span.group_id]
+            if not runs:
+                continue
+            plan.touched.update(span.keys)
+            stride, length = span.stride, span.length
+            for source, destination, count in runs:
+                num_bytes = (count - 1) * stride + length
+                plan.descriptors.append((span.local + source * stride, span.remote + destination * stride, num_bytes))
+                plan.num_bytes += num_bytes
+        return plan
+
+
 def plan_page_writes(registry: StateRegistry, remote_addresses: list[int],
                      pairs_per_group: list[list[tuple[int, int]]]) -> WritePlan:
-    """Writes for ``pairs_per_group[g]`` (source page, destination page) in every buffer of
-    group ``g``; ``remote_addresses`` are the peer's buffer bases in registry order (the
-    handshake checked that both registries list the same buffers with the same page sizes,
-    strides and offsets, and the same ``kv_cache_layout``). Layer-major: one write per run of
-    pages and buffer; page-major: one per run and group, covering every buffer of the group."""
-    plan = WritePlan()
-    runs_per_group = [coalesce(pairs) for pairs in pairs_per_group]
-    plan.num_pages = sum(count for runs in runs_per_group for _, _, count in runs)
-    written_pools: set[int] = set()
-    for descriptor, remote_base in zip(registry.buffers(), remote_addresses, strict=True):
-        runs = runs_per_group[descriptor.group_id]
-        if not runs:
-            continue
-        plan.touched.add(descriptor.key)
-        if descriptor.pool is None:
-            local_base, remote_base, length = descriptor.tensor.data_ptr(), remote_base, descriptor.page_bytes
-        elif descriptor.group_id in written_pools:
-            continue  # the group's blocks are written once, with its first buffer
-        else:
-            written_pools.add(descriptor.group_id)
-            local_base, remote_base = descriptor.pool.data_ptr(), remote_base - descriptor.offset
-            length = descriptor.page_stride
-        stride = descriptor.page_stride
-        for source, destination, count in runs:
-            plan.descriptors.append((local_base + source * stride, remote_base + destination * stride,
-                                     (count - 1) * stride + length))
-            plan.num_bytes += (count - 1) * stride + length
-    return plan
+    """One write plan, spans worked out on the spot (``WritePlanner`` keeps them per peer).
+    Layer-major: one write per run of pages and buffer; page-major: one per run and group,
+    covering every buffer of the group."""
+    return WritePlanner(registry, remote_addresses).plan(pairs_per_group)
 
 
 def merge_adjacent(descriptors: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

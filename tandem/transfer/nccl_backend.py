@@ -12,13 +12,18 @@ blocks. Pairs form in those threads too; the first write waits for that, and a t
 write at pairing sets up the NCCL connection, so the first real write pays no connection setup.
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
-``byte_views.plan_segments`` says: runs of at least ``direct_bytes`` in place, shorter ones
-gathered into staged segments of at most ``staging_bytes`` (``torch._foreach_copy_``: a few
-kernels for many runs), each sent as one message and scattered on the reader. The gathers and
-scatters run on a copy stream beside the link's stream, so the gather (scatter) of one segment
-overlaps the send (receive) of the one before; the host waits once per write, at its end.
-Source pages are read after the engine's stream reached the point where the write was posted
-(a CUDA event).
+``byte_views.plan_segments`` says: a write of a few runs (every page-major write: one run per
+state group, plus the metadata row on the last) sends each run in place, all of them as one
+group of point-to-point operations (one NCCL launch; the last write's pages and row together);
+otherwise runs of at least ``direct_bytes`` go in place and shorter ones are gathered into
+staged segments of at most ``staging_bytes`` (``torch._foreach_copy_``: a few kernels for many
+runs), each sent as one message and scattered on the reader. Staged segments that fit the
+staging area at once go in the same single batch; more are pipelined, the gathers and scatters
+on a copy stream beside the link's stream, so the gather (scatter) of one segment overlaps the
+send (receive) of the one before. The reader's host waits once per write, at its end; a writer
+between GPUs never waits on its sends (the reader's acknowledgement says every byte arrived).
+Source bytes are final when ``write`` is called (the connector's contract): the sends do not
+wait on the engine's stream, so a write never queues behind forward passes launched after it.
 
 Wire format of one write, in order::
 
@@ -44,7 +49,6 @@ from collections import deque
 from typing import Optional
 
 import msgspec
-import torch
 
 from tandem.transfer.byte_views import DIRECT_BYTES, STAGING_BYTES, RegionViews
 from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
@@ -121,11 +125,7 @@ class NcclBackend(TransferBackend):
             raise RuntimeError(f"no pair with {peer}")
         if link.error:
             raise RuntimeError(link.error)
-        ready = None
-        if self.views.device >= 0:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.views.device))
-        item = PendingSend(merge_adjacent(descriptors), bytes(notification), ready)
+        item = PendingSend(merge_adjacent(descriptors), bytes(notification))
         handle.native = item
         link.queue.put(item)
 

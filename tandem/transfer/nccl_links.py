@@ -49,7 +49,6 @@ class PendingSend:
     """One write queued on a writer link; the link's thread sets ``status``."""
     descriptors: list[tuple[int, int, int]]
     notification: bytes
-    ready: Optional[object] = None  # a CUDA event: the source pages are final once it completes
     status: WriteStatus = WriteStatus.PENDING
     error: str = ""
     started: bool = False
@@ -191,28 +190,78 @@ class Link:
 
     def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
              tensor_of, after=None) -> None:
-        """Post every segment's send or receive (``operation``) without waiting for the one
-        before, so they queue back to back on the link. Staged segments take turns in the
-        STAGING_SLOTS slots of the staging area, pipelined: the writer gathers a segment into its
-        slot on the copy stream (``tensor_of(segment, staging)``) and sends it from the link's
-        stream; the reader receives into the slot and scatters it (``after(segment, staging)``)
-        on the copy stream. A slot is refilled once what last used it finished: on a GPU by
-        stream-side waits only (the host waits once, at the end); in host memory by the thread.
-        ``tensor_of(segment, None)`` gives a direct segment's tensor."""
-        works = []
+        """Send (writer) or receive (reader) one write's runs as ``plan_segments`` splits them
+        (``operation`` posts one tensor's send or receive). ``tensor_of(segment, staging)`` gives
+        a segment's tensor: a direct segment's (``staging`` None), or a staged one's gathered
+        into ``staging`` (writer) or ``staging`` itself (reader), whose ``after(segment,
+        staging)`` scatters it. A write whose staged segments all fit the staging area at once
+        (every page-major write: its runs are few and sent in place) goes as one batch
+        (``move_batch``); longer ones pipelined through the slots (``move_pipelined``)."""
         slot_bytes = -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
         segments = plan_segments(lengths, direct_bytes, staging_bytes)
-        if any(not segment.direct for segment in segments) or not lengths:
+        staged = [segment for segment in segments if not segment.direct]
+        if staged or not lengths:
             self.ensure_staging(max(STAGING_SLOTS * slot_bytes, STAGING_ALIGNMENT))
+        if after is None and self.device >= 0:  # (writer) slots are refilled only after the last write's sends
+            with self.copy_context():
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if not lengths:  # the warm-up write: one element
-            works.append(operation([self.staging_slice(0, 8, torch.int64)[:1]]))
-        if self.coalesces(segments):  # one NCCL group: the runs share the link's channels at once
-            self.group._start_coalescing()
-            for segment in segments:
-                operation([tensor_of(segment, None)])
+            works = [operation([self.staging_slice(0, 8, torch.int64)[:1]])]
             self.posted_at = time.perf_counter()
-            self.drain([self.group._end_coalescing()])
-            return
+            self.finish(works, after is None)
+        elif len(staged) <= STAGING_SLOTS:
+            self.move_batch(segments, dtype, slot_bytes, operation, tensor_of, after)
+        else:
+            self.move_pipelined(segments, dtype, slot_bytes, operation, tensor_of, after)
+
+    def move_batch(self, segments, dtype: torch.dtype, slot_bytes: int, operation, tensor_of, after) -> None:
+        """Every segment at once: the staged ones (at most STAGING_SLOTS) each in a slot of its
+        own, gathered before anything is sent (writer) or scattered once everything arrived
+        (reader); all sends (receives) posted together, as one group of point-to-point operations
+        between GPUs (``post_all``). A page-major write is one run per state group, plus the
+        metadata row on the last write: one batch of as many sends."""
+        slots, tensors = {}, []
+        for segment in segments:
+            if not segment.direct:
+                slots[segment] = self.staging_slice(len(slots) * slot_bytes, segment.num_bytes, dtype)
+        if after is None:  # writer: gather on the copy stream, then send from the link's stream
+            with self.copy_context():
+                tensors = [tensor_of(segment, slots.get(segment)) for segment in segments]
+                gathered = self.record() if slots else None
+            self.after_event(gathered)
+        else:
+            tensors = [tensor_of(segment, slots.get(segment)) for segment in segments]
+        works = self.post_all(operation, tensors)
+        if after is not None and slots:  # reader: scatter once every receive is done
+            for work in works:
+                self.wait(work)
+            works = []
+            for segment, staging in slots.items():
+                after(segment, staging)
+        self.posted_at = time.perf_counter()
+        self.finish(works, after is None)
+
+    def post_all(self, operation, tensors: list[torch.Tensor]) -> list:
+        """Post one send (receive) per tensor: between GPUs as one NCCL group (one launch; the
+        operations share the link's channels), else one by one. ``TANDEM_NCCL_COALESCE=0``
+        posts them one by one between GPUs too (for measuring)."""
+        if (self.device >= 0 and len(tensors) > 1 and os.environ.get("TANDEM_NCCL_COALESCE", "1") != "0"
+                and hasattr(self.group, "_start_coalescing")):
+            self.group._start_coalescing()
+            for tensor in tensors:
+                operation([tensor])
+            return [self.group._end_coalescing()]
+        return [operation([tensor]) for tensor in tensors]
+
+    def move_pipelined(self, segments, dtype: torch.dtype, slot_bytes: int, operation, tensor_of, after) -> None:
+        """Post every segment's send or receive without waiting for the one before, so they
+        queue back to back on the link. Staged segments take turns in the STAGING_SLOTS slots
+        of the staging area, pipelined: the writer gathers a segment into its slot on the copy
+        stream and sends it from the link's stream; the reader receives into the slot and
+        scatters it on the copy stream. A slot is refilled once what last used it finished: on
+        a GPU by stream-side waits only (the host waits once, at the end); in host memory by
+        the thread."""
+        works = []
         in_use = [None] * STAGING_SLOTS  # per slot: the send (writer) or scatter event (reader) that last used it
         slot = 0
         for segment in segments:
@@ -240,15 +289,20 @@ class Link:
                     in_use[slot] = self.record()
             slot = (slot + 1) % STAGING_SLOTS
         self.posted_at = time.perf_counter()
-        self.drain(works)
+        self.finish(works, after is None)
 
-    def coalesces(self, segments) -> bool:
-        """Whether a write's segments go as one group of point-to-point operations: between
-        GPUs, when every segment is a run sent in place (staged ones need their scatter after
-        each receive). ``TANDEM_NCCL_COALESCE=0`` posts them one by one instead."""
-        return (self.device >= 0 and len(segments) > 1 and all(segment.direct for segment in segments)
-                and os.environ.get("TANDEM_NCCL_COALESCE", "1") != "0"
-                and hasattr(self.group, "_start_coalescing"))
+    def finish(self, works: list, writer: bool) -> None:
+        """The end of one side's part of a write. The reader drains (its acknowledgement says the
+        bytes landed); so does a writer in host memory (gloo works must be waited for). A writer
+        between GPUs does not wait at all: the reader's acknowledgement comes only once every
+        receive completed, which every send's bytes must have reached, so the sources were read
+        in full by then; its streams stay ordered (the next write's gathers wait on the link's
+        stream, ``move``)."""
+        if writer and self.device >= 0:
+            for work in works:
+                self.wait(work)  # (stream-side only: the link's stream, for the next write)
+            return
+        self.drain(works)
 
     def fail(self, error: BaseException | str) -> None:
         """End the pair: later writes fail; the peer's thread sees the connection close."""
@@ -327,11 +381,7 @@ class WriterLink(Link):
             parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
             return parts[0] if segment.direct else pack(parts, staging)
 
-        with self.stream_context():
-            if item.ready is not None:  # the source pages are read on both streams
-                self.stream.wait_event(item.ready)
-                with self.copy_context():
-                    self.after_event(item.ready)
+        with self.stream_context():  # (the sources are final: the caller waited for the device, connector.py)
             self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
                       lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
         item.timings["posted"], item.timings["drained"] = self.posted_at, time.perf_counter()

@@ -10,6 +10,7 @@ endpoint), so it always follows the bytes, and the writer must keep polling unti
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -35,6 +36,27 @@ def load_nixl():
                        "scripts/setup.sh does it), or use --transfer-backend nccl")
 
 
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def ucx_error_handling(host: str) -> str:
+    """UCX's error handling for this engine's agent: $TANDEM_NIXL_UCX_ERROR_HANDLING when set
+    ("none" or "peer"; the same on every engine), else "none" where the engines talk over
+    loopback (one host) and NIXL's default ("peer", returned as "") otherwise. It decides UCX's
+    transports. Measured on a CPU host: under "peer" a notified write completes only once the
+    reader has progressed (its notification waited for up to a few of the decode engine's
+    polls), under "none" as soon as its bytes landed; a dead peer's writes fail under both
+    (NIXL_ERR_REMOTE_DISCONNECT). Between hosts "peer" stays: there it is what turns a lost
+    peer into failed writes."""
+    chosen = os.environ.get("TANDEM_NIXL_UCX_ERROR_HANDLING", "")
+    if chosen:
+        return chosen
+    return "none" if host.startswith("127.") or host in LOOPBACK_HOSTS else ""
+
+
+FEW_DESCRIPTORS = 16  # a write of at most this many descriptors hands NIXL tuples (no numpy arrays)
+
+
 def _as_str(name) -> str:
     return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
@@ -43,8 +65,10 @@ class NixlBackend(TransferBackend):
     name = "nixl"
     notifies_on_poll = True
 
-    def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False) -> None:
-        """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics)."""
+    def __init__(self, agent_name: str, progress_thread: bool = False, telemetry: bool = False,
+                 host: str = "127.0.0.1") -> None:
+        """``telemetry``: NIXL times each write itself (``write_telemetry``; diagnostics);
+        ``host``: where peers reach this engine's control channel (``ucx_error_handling``)."""
         nixl_agent, nixl_agent_config = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self._name = agent_name
@@ -54,8 +78,11 @@ class NixlBackend(TransferBackend):
         # one-sided (shared memory, RDMA, NVLink; the receiver progresses only to set up the
         # connection). Where UCX emulates them (TCP between hosts), turn the thread on.
         options = dict(capture_telemetry=True) if telemetry else {}
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
-                                                              **options))
+        error_handling = ucx_error_handling(host)
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                              backends=[] if error_handling else ["UCX"], **options))
+        if error_handling:
+            self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
         self._registered = []
 
     @property
@@ -82,7 +109,8 @@ class NixlBackend(TransferBackend):
         except Exception:  # noqa: BLE001 - already gone
             logger.debug("removing NIXL peer %s failed", peer, exc_info=True)
 
-    def _descriptor_list(self, rows: np.ndarray, device: int):
+    def _descriptor_list(self, rows, device: int):
+        """(address, length, device id) rows: a list of tuples or an N x 3 array."""
         memory_type = "DRAM" if device < 0 else "VRAM"
         return self.agent.get_xfer_descs(rows, memory_type)
 
@@ -90,9 +118,15 @@ class NixlBackend(TransferBackend):
               notification: bytes) -> None:
         # merged runs: NIXL pays per descriptor (one 256 MiB write ran at the link's rate between
         # two GPUs, the same bytes as 256 writes of 1 MiB at half of it)
-        array = np.asarray(merge_adjacent(descriptors), dtype=np.uint64).reshape(-1, 3)
-        local = np.stack([array[:, 0], array[:, 2], np.full(len(array), max(local_device, 0), np.uint64)], axis=1)
-        remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), max(remote_device, 0), np.uint64)], axis=1)
+        merged = merge_adjacent(descriptors)
+        local_id, remote_id = max(local_device, 0), max(remote_device, 0)
+        if 0 < len(merged) <= FEW_DESCRIPTORS:  # (a page-major write: a run per group, and the row)
+            local = [(source, length, local_id) for source, _, length in merged]
+            remote = [(destination, length, remote_id) for _, destination, length in merged]
+        else:
+            array = np.asarray(merged, dtype=np.uint64).reshape(-1, 3)
+            local = np.stack([array[:, 0], array[:, 2], np.full(len(array), local_id, np.uint64)], axis=1)
+            remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), remote_id, np.uint64)], axis=1)
         native = self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),
                                             self._descriptor_list(remote, remote_device), peer, notification)
         handle.native = native

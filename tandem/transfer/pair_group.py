@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import hmac
+import os
 import socket
 import struct
 import uuid
@@ -94,6 +95,12 @@ def _nccl(store, rank: int, timeout: float):
         raise RuntimeError("transfer_backend nccl: this torch build has no NCCL")
     options = distributed.ProcessGroupNCCL.Options()
     options._timeout = timedelta(seconds=timeout)
+    # $TANDEM_NCCL_MIN_CTAS: at least this many channels (thread blocks) in the pair's
+    # communicator, which NCCL's point-to-point channels follow; this group's alone, unlike
+    # NCCL_MIN_P2P_NCHANNELS (for measuring: benchmarks/pd_gpu.py --env)
+    min_ctas = int(os.environ.get("TANDEM_NCCL_MIN_CTAS") or 0)
+    if min_ctas > 0 and hasattr(options, "config"):
+        options.config.min_ctas = min_ctas
     return distributed.ProcessGroupNCCL(store, rank, 2, options)
 
 
@@ -143,6 +150,7 @@ class Rendezvous:
             connection, _ = self.listener.accept()
         except socket.timeout:
             return None
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acknowledgements leave at once
         connection.settimeout(self.timeout)
         try:
             token, writer, pair_id = receive_frame(connection).decode(errors="replace").split("\n")

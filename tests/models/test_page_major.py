@@ -23,7 +23,7 @@ from tandem.config import EngineConfig
 from tandem.kv.planner import PAGE_MAJOR_ALIGNMENT, allocate_buffers, plan_pools
 from tandem.kv.registry import StateRegistry
 from tandem.kv.spec import FullAttentionSpec, RecurrentSpec
-from tandem.transfer.descriptors import buffer_addresses, buffer_regions, coalesce, plan_page_writes
+from tandem.transfer.descriptors import WritePlanner, buffer_addresses, buffer_regions, coalesce, plan_page_writes
 from tests.support.oracle import assert_matches
 from tests.support.pd import GREEDY, PDPair
 
@@ -160,19 +160,15 @@ LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(21)]
 def test_pd_writes_one_descriptor_per_run_and_group(backend, arch, layout, model_dirs, oracles, monkeypatch):
     """``auto`` is page-major on PD servers: one write descriptor per run of pages and group;
     layer-major (both servers) still pairs, one descriptor per run and buffer."""
-    import tandem.disagg.prefill_writes as prefill_writes
+    plans = []  # (plan, its page pairs per group), as the prefill side's per-peer planner made them
+    plan_pages = WritePlanner.plan
 
-    plans = []
-
-    def recording_plan(registry, remote_addresses, pairs_per_group):
-        plan = plan_page_writes(registry, remote_addresses, pairs_per_group)
-        per_group = [len(coalesce(pairs)) for pairs in pairs_per_group]
-        if registry.kv_cache_layout == "layer-major":
-            per_group = [runs * len(list(registry.buffers(group))) for group, runs in enumerate(per_group)]
-        plans.append((plan, sum(per_group)))
+    def recording_plan(planner, pairs_per_group):
+        plan = plan_pages(planner, pairs_per_group)
+        plans.append((plan, pairs_per_group))
         return plan
 
-    monkeypatch.setattr(prefill_writes, "plan_page_writes", recording_plan)
+    monkeypatch.setattr(WritePlanner, "plan", recording_plan)
     pair = PDPair(model_dirs[arch], transfer=dict(backend=backend), kv_cache_layout=layout, **SMALL)
     try:
         expected_layout = "page-major" if layout == "auto" else layout
@@ -185,8 +181,13 @@ def test_pd_writes_one_descriptor_per_run_and_group(backend, arch, layout, model
         for request_id, prompt in prompts.items():
             pair.assert_matches(request_id, oracles[arch].greedy(prompt, GREEDY.max_tokens))
         # page-major: (runs) where layer-major takes (runs x buffers of the group), 4+ buffers here
-        assert sum(expected for _, expected in plans) >= 2
-        assert all(len(plan.descriptors) == expected for plan, expected in plans)
+        registry = pair.prefill.registry
+        spans = {group: 1 if expected_layout == "page-major" else len(list(registry.buffers(group)))
+                 for group in range(len(registry.groups))}
+        expected = [sum(len(coalesce(pairs)) * spans[group] for group, pairs in enumerate(pairs_per_group))
+                    for _, pairs_per_group in plans]
+        assert sum(expected) >= 2
+        assert [len(plan.descriptors) for plan, _ in plans] == expected
         assert pair.prefill.pd.touched == {d.key for d in pair.prefill.registry.buffers()}  # I1
         pair.settle()
         pair.assert_all_free()

@@ -72,6 +72,8 @@ def pair():
 def test_descriptors_merge_and_split_into_segments():
     assert merge_adjacent([(200, 20, 10), (100, 10, 5), (105, 15, 5), (110, 30, 5), (0, 0, 0)]) == \
         [(100, 10, 10), (110, 30, 5), (200, 20, 10)]
+    assert plan_segments([1, 5, 1], direct_bytes=4, staging_bytes=3) == [  # few runs: each in place
+        Segment(0, 1, 1, True), Segment(1, 2, 5, True), Segment(2, 3, 1, True)]
     assert plan_segments([1, 1, 5, 1, 1, 1, 1], direct_bytes=4, staging_bytes=3) == [
         Segment(0, 2, 2, False), Segment(2, 3, 5, True), Segment(3, 6, 3, False), Segment(6, 7, 1, False)]
     assert widest_element([8, 16], [24]) is torch.int64 and widest_element([8, 4], [4]) is torch.int32
@@ -115,6 +117,37 @@ def test_pages_land_byte_for_byte_and_the_notification_follows(pair):
     wait_until(lambda: notes.extend(pair.reader.notifications()) or len(notes) == 2)
     assert notes[1] == ("writer", b"done:2")
     assert torch.equal(pair.target[33 * PAGE:34 * PAGE], pair.source[33 * PAGE:34 * PAGE])
+
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_a_page_major_write_goes_as_one_group_between_gpus():
+    """Between two GPUs: a write of a long run and a row (the last write of a page-major
+    transfer: two sends in one NCCL group), then one with staged segments in the same batch
+    (gathered before the group, scattered after), land byte for byte before the notification."""
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE, direct_bytes=4 * PAGE, staging_bytes=3 * PAGE)
+    try:
+        torch.cuda.synchronize("cuda:0")  # sources final when posted
+        writes = [pair.pages([(8, 16)], pages=40) + pair.pages([(60, 62)]),  # 2 runs: each in place
+                  pair.pages([(0, 0), (2, 3), (5, 7), (9, 11), (13, 60)]) + pair.pages([(20, 30)], pages=8)]
+        for number, descriptors in enumerate(writes):
+            pair.target.zero_()
+            torch.cuda.synchronize("cuda:1")
+            handle = pair.writer.write(pair.peer, descriptors, notification=f"done:{number}".encode(),
+                                       local_device=0, remote_device=1)
+            notes = []
+            wait_until(lambda: notes.extend(pair.reader.notifications()) or notes)
+            expected = torch.zeros_like(pair.target)
+            for source, destination, length in descriptors:
+                begin, end = destination - pair.target.data_ptr(), destination - pair.target.data_ptr() + length
+                expected[begin:end] = pair.source[source - pair.source.data_ptr():][:length].to("cuda:1")
+            assert notes == [("writer", f"done:{number}".encode())] and torch.equal(pair.target, expected)
+            assert finish(pair.writer, handle) is WriteStatus.DONE, handle.error
+    finally:
+        pair.close()
 
 
 def test_injected_failure_is_an_error_and_nothing_moves():

@@ -56,6 +56,8 @@ def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
         for attempt in range(2):  # the first write on a new pair sets up its connections
             target_pages.zero_()
             target_row.zero_()
+            for device in {torch.device(name) for name in devices if name.startswith("cuda")}:
+                torch.cuda.synchronize(device)  # sources final when posted (no backend waits on this stream)
             handle = writer.write(peer, descriptors, notification=f"done:{attempt}".encode(), **devices_of)
             deadline, seen = time.monotonic() + 20, []
             while not seen:
@@ -123,3 +125,16 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
     finally:
         side.backend.write = post
         pair.close()
+
+
+def test_nixl_error_handling_is_none_on_one_host_and_peer_between_hosts(monkeypatch):
+    """UCX's error handling decides NIXL's transports: "none" where the engines talk over
+    loopback (a notified write completes as soon as its bytes landed), NIXL's default ("peer",
+    given as "") for an address other hosts reach; the environment overrides both."""
+    from tandem.transfer.nixl_backend import ucx_error_handling
+
+    monkeypatch.delenv("TANDEM_NIXL_UCX_ERROR_HANDLING", raising=False)
+    assert [ucx_error_handling(host) for host in ("127.0.0.1", "127.0.1.1", "localhost", "::1")] == ["none"] * 4
+    assert ucx_error_handling("10.1.2.3") == ""
+    monkeypatch.setenv("TANDEM_NIXL_UCX_ERROR_HANDLING", "peer")
+    assert ucx_error_handling("127.0.0.1") == "peer"
