@@ -141,7 +141,7 @@ class RankFanOut:
 
     def flush_pages(self) -> None:
         """Send rank 0's pending page operations (poison of freed pages) to the workers now."""
-        if self.parallel.journal.pending():
+        if self.parallel.pages_pending():
             self.sync(force=True)
 
 

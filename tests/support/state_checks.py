@@ -35,13 +35,13 @@ def check_movers_touch_registry(engine, prompt_length: int = 37, after_step=None
     # Bytes, not values: unwritten slots of a page hold the poison (NaN) on both sides.
     before = {d.key: d.tensor[_live_pages(state.page_tables[d.group_id])].view(torch.uint8).clone()
               for d in engine.registry.buffers()}
-    tiers.mover.touched.clear()
+    tiers.local.mover.touched.clear()
     assert tiers.swap_out(state, sequence.num_computed_tokens)
     engine.coordinator.free(state, keep_swapped=True)  # the device pages go (poisoned)
     assert tiers.swap_in(state)
     tiers.drain()
     tiers.commit_swap_in(state)
-    assert tiers.mover.touched == registry_keys
+    assert tiers.local.mover.touched == registry_keys
     assert [[page == NULL_PAGE for page in table] for table in state.page_tables] == null_entries
     for descriptor in engine.registry.buffers():
         restored = descriptor.tensor[_live_pages(state.page_tables[descriptor.group_id])].view(torch.uint8)

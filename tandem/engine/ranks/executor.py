@@ -7,7 +7,8 @@
 
 Rank 0 keeps the books and runs its own shard in process; an executor hands every other rank
 what rank 0 does: each step's message (``send_step``: the model runner's inputs and the page
-operations journaled since the last message), and named calls that every rank answers
+operations rank 0's outbox recorded since the last message, which every rank applies through
+the same executor, ``kv/page_operations.py``), and named calls that every rank answers
 (``collective_rpc``, answers in rank order). In vLLM's words: ``send_step`` is
 ``execute_model``, ``check`` is ``check_health``, ``close`` is ``shutdown``; ``start`` brings the
 ranks up before the engine core builds its model (every rank builds its shard in step).
