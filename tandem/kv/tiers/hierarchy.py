@@ -38,8 +38,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-
 from tandem.kv.block_pool import CACHE_OWNER, SanitizerError
 from tandem.kv.page_operations import FENCE, HOST_POISON, LOAD, SAVE, PageMove, PageOperation
 from tandem.kv.planner import NULL_PAGE
