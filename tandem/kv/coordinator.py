@@ -2,7 +2,10 @@
 
 Owner of the block pools, the managers and the prefix cache. Sequences own a ``RequestState``
 (their page tables, one per group); the coordinator allocates into it and frees from it. All
-methods fan out over the groups; none knows what kind of state a group holds.
+methods fan out over the groups; none knows what kind of state a group holds. It touches no
+state buffer to move a page: copies and poison are page operations sent through its ``outbox``
+(``page_operations.py``), which this rank's executor applies and, under tensor parallelism, the
+other ranks' executors apply from the step message.
 """
 from __future__ import annotations
 

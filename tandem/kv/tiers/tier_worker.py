@@ -89,16 +89,21 @@ class TierWorker:
         if ticket is not None and not ticket.done():
             ticket.order_reader()
 
-    def _wait_for_host_pages(self, group: int, pages: list[int], forget: bool) -> None:
-        for page in pages:
-            key = (group, page)
+    def _wait_for_host_pages(self, pages: list[tuple[int, int]], forget: bool) -> None:
+        """Wait for the copies that last used these (group, host page)s (on rank 0: done already)."""
+        tickets = {}
+        for key in pages:
             ticket = self.host_page_copies.pop(key, None) if forget else self.host_page_copies.get(key)
-            if ticket is not None and not ticket.done():
+            if ticket is not None:
+                tickets[id(ticket)] = ticket
+        for ticket in tickets.values():
+            if not ticket.done():
                 ticket.wait()
 
     def _poison_host(self, operation: PageOperation) -> None:
-        self._wait_for_host_pages(operation.group_id, operation.pages, forget=True)  # a copy reading them first
-        self.host.poison(operation.group_id, operation.pages)
+        group = operation.group_id  # a copy still reading these pages runs first
+        self._wait_for_host_pages([(group, page) for page in operation.pages], forget=True)
+        self.host.poison(group, operation.pages)
 
     # -- the disk tier ----------------------------------------------------------------------------
     def _start_read(self, operation: PageOperation) -> Optional[Future]:
@@ -112,9 +117,8 @@ class TierWorker:
     def _write(self, operation: PageOperation) -> None:
         if self.disk is None:
             return
-        for group, page in enumerate(operation.pages):  # the saves that filled these host pages first
-            if page != NULL_PAGE:
-                self._wait_for_host_pages(group, [page], forget=False)
+        self._wait_for_host_pages([(group, page) for group, page in enumerate(operation.pages)  # (their saves)
+                                    if page != NULL_PAGE], forget=False)
         self.disk.write_async(operation.keys[0], encode_payload(self.host, operation.pages))
 
     def readable(self, keys: list[bytes]) -> int:
