@@ -10,8 +10,9 @@ the same points on every rank because there is only this one order:
 
 What differs by rank is named, not written twice: every rank has the same ``TierWorker`` (its
 side of the tiers, applying the page operations), and rank 0 keeps the books, so its tiers are
-the ``TieredState`` (which decides every copy) over its own tier worker; a draft model runs on rank 0 alone (a worker registers its state specs only, so its groups
-are rank 0's), an MTP module is sharded as the target is and runs on every rank.
+the ``TieredState`` (which decides every copy) over its own tier worker; a draft model runs on
+rank 0 alone (a worker registers its state specs only, so its groups are rank 0's), an MTP
+module is sharded as the target is and runs on every rank.
 """
 from __future__ import annotations
 
