@@ -23,9 +23,11 @@ answers each with the outcomes resolved since its last answer.
 
 Completion (I7). A page write counts as done only when rank 0's write and every worker's have
 resolved DONE (each landed in decode rank i's memory). The prefill side writes the metadata row
-with its notification only after all of a transfer's page writes are done, exactly as with one
-rank, so decode rank 0, the only rank that receives notifications, admits the request only after
-every rank's pages and the row landed. The decode side's completion path does not change.
+with its notification only after all of a transfer's page writes are done, as with one rank;
+the last pages travel in the same write as the row on rank 0, so the workers' parts of them
+must have resolved DONE before that write is posted (``post_last``). Decode rank 0, the only
+rank that receives notifications, thus admits the request only after every rank's pages and the
+row landed. The decode side's completion path does not change.
 
 Failures. A worker's failed write fails its page write, hence the transfer, through the
 single-rank path: source pages stay held until every rank's part resolved (I2), the decode side
@@ -119,6 +121,16 @@ class RankFanOut:
         num_bytes = sum(outcome.num_bytes for outcome in outcomes)
         return (WriteStatus.ERROR, "; ".join(errors), num_bytes) if errors else (WriteStatus.DONE, "", num_bytes)
 
+    def errors(self, key: str) -> Optional[str]:
+        """Without forgetting the key: None while a worker's part of write ``key`` is pending,
+        else the workers' errors ("" when every part is DONE)."""
+        outcomes = self.outcomes.get(key)
+        if outcomes is None:
+            return ""
+        if len(outcomes) < self.num_workers:
+            return None
+        return "; ".join(outcome.error for outcome in outcomes if not outcome.done)
+
     def pending(self) -> bool:
         return bool(self.operations) or any(len(outcomes) < self.num_workers for outcomes in self.outcomes.values())
 
@@ -143,7 +155,7 @@ class RankFanOut:
 
     def flush_pages(self) -> None:
         """Send rank 0's pending page operations (poison of freed pages) to the workers now."""
-        if self.parallel.journal.pending():
+        if self.parallel.pages_pending():
             self.sync(force=True)
 
 

@@ -234,6 +234,15 @@ class PrefillWrites:
         final = transfer.writes[0] if transfer.writes else None
         if final is not None and final.ready is not None and not final.ready.query():
             return  # the device is still computing the last chunk's pages: retried on the next poll
+        if final is not None and self.ranks is not None:
+            # The other ranks' parts of the last pages land before the notification goes out
+            # (rank 0's go in the same write as the row): the decode side reads every rank's.
+            errors = self.ranks.errors(final.owner)
+            if errors is None:
+                return  # retried on the next poll, once the workers answered
+            if errors:
+                self.end(transfer, TransferState.FAILED, f"a page write failed: {errors}")
+                return
         row = self.metadata.allocate()
         if row is None:
             return  # all rows busy: retried on the next poll

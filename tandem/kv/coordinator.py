@@ -2,11 +2,14 @@
 
 Owner of the block pools, the managers and the prefix cache. Sequences own a ``RequestState``
 (their page tables, one per group); the coordinator allocates into it and frees from it. All
-methods fan out over the groups; none knows what kind of state a group holds.
+methods fan out over the groups; none knows what kind of state a group holds. It touches no
+state buffer to move a page: copies and poison are page operations sent through its ``outbox``
+(``page_operations.py``), which this rank's executor applies and, under tensor parallelism, the
+other ranks' executors apply from the step message.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -14,6 +17,7 @@ from tandem.kv.accessor import PendingLoads
 from tandem.kv.inflight import InflightHolds
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool, OutOfPagesError
 from tandem.kv.managers import manager_class_for
+from tandem.kv.page_operations import COPY, POISON, Outbox, PageExecutor, PageOperation
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
 from tandem.kv.tiers.keys import chain_hash
@@ -26,31 +30,6 @@ if TYPE_CHECKING:
     from tandem.kv.tiers.hierarchy import TieredState
 
 
-class PageOperationSink(Protocol):
-    """Receives every page operation the coordinator applies to its buffers outside the forward
-    pass, in order (tensor parallelism replays them on the other ranks' shards)."""
-
-    def copy_page(self, group_id: int, source: int, destination: int) -> None: ...
-
-    def poison(self, group_id: int, pages: list[int]) -> None: ...
-
-    # the host tier's (kv/tiers/hierarchy.py): a save or a layer-wise load of one group's pages,
-    # the release of device pages a tier copy held, and host pages poisoned when freed
-    def tier_copy(self, load: bool, group_id: int, device_pages: list[int], host_pages: list[int]) -> None: ...
-
-    def tier_fence(self) -> None: ...
-
-    def poison_host(self, group_id: int, pages: list[int]) -> None: ...
-
-    # the disk tier's (kv/tiers/disk_pages.py, prefetch.py): a read started, a node's host pages
-    # written to the store, a payload read from it installed into host pages
-    def disk_prefetch(self, keys: list[bytes]) -> None: ...
-
-    def disk_write(self, key: bytes, host_pages: list[int]) -> None: ...
-
-    def disk_install(self, key: bytes, host_pages: list[int]) -> None: ...
-
-
 class StateCoordinator:
     def __init__(self, registry: StateRegistry, plan: PoolPlan, *, enable_prefix_caching: bool,
                  sanitize: bool) -> None:
@@ -58,9 +37,13 @@ class StateCoordinator:
         self.plan = plan
         self.page_size = plan.page_size
         self.sanitizer = Sanitizer(registry, sanitize)
-        # Tensor parallelism: rank 0's page operations outside the forward pass (copies, poison)
-        # are recorded here and replayed by the other ranks on their shards (tandem/parallel).
-        self.mirror: Optional[PageOperationSink] = None
+        # Per-layer completions of asynchronous loads into device pages; every read of a
+        # layer's state waits for its own (the accessor, I3; a page copy too).
+        self.pending_loads = PendingLoads()
+        # The page operations the books emit (copies, poison, the tiers'): applied to this rank's
+        # shard by its executor, and recorded for the other ranks under tensor parallelism
+        # (``kv/page_operations.py``; the rank's executor switches recording on).
+        self.outbox = Outbox(PageExecutor(registry, self.sanitizer, self.pending_loads))
         self.pools = [BlockPool(group.group_id, plan.pages_of(group.group_id), on_free=self._poison_freed)
                       for group in registry.groups]
         for pool in self.pools:  # a page never written reads as poison too (I6)
@@ -79,9 +62,6 @@ class StateCoordinator:
         # a prefix hit leaves its last page to be recomputed into pages of the request's own, and
         # a fork copies the page holding the last token instead of sharing it.
         self.state_reads_next_token = False
-        # Per-layer completions of asynchronous loads into device pages; every read of a
-        # layer's state waits for its own (the accessor, I3; ``copy_page`` here).
-        self.pending_loads = PendingLoads()
         self.tiers: Optional["TieredState"] = None  # host and disk tiers, when configured
 
     def attach_tiers(self, tiers: "TieredState") -> None:
@@ -359,19 +339,12 @@ class StateCoordinator:
         return True
 
     def copy_page(self, group_id: int, source: int, destination: int) -> None:
-        """Mover: copy one page across every buffer of the group (iterates the registry); it
-        reads the group's state, so it first waits for the group's pending loads (I3)."""
-        for layer_name in self.registry.groups[group_id].layer_names:
-            self.pending_loads.wait(layer_name)
-        for descriptor in self.registry.buffers(group_id):
-            descriptor.tensor[destination].copy_(descriptor.tensor[source])
-        if self.mirror is not None:
-            self.mirror.copy_page(group_id, source, destination)
+        """One page of the group copied across every buffer (a COPY: ``PageExecutor.copy_page``)."""
+        self.outbox.send(PageOperation(COPY, group_id, [source, destination]))
 
     def _poison_freed(self, group_id: int, pages: list[int]) -> None:
-        self.sanitizer.poison(group_id, pages)
-        if self.mirror is not None and self.sanitizer.enabled:
-            self.mirror.poison(group_id, pages)
+        if self.sanitizer.enabled and pages:
+            self.outbox.send(PageOperation(POISON, group_id, list(pages)))
 
     # -- PD transfer ------------------------------------------------------------------------------
     def destination_tables(self, state: RequestState) -> list[list[int]]:

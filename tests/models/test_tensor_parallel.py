@@ -23,6 +23,7 @@ from tandem.config import EngineConfig
 from tests.support.oracle import assert_matches, assert_position
 from tests.support.servers import ServerProcess, process_alive
 from tests.support.engines import GREEDY
+from tests.support.state_checks import check_movers_touch_registry
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -139,12 +140,13 @@ def host_tier_scenario(llm: LLM):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_tp2_host_tier_and_swap(arch, model_dirs, oracles):
-    """The host tier under TP=2: rank 0 keeps the books, the worker replays each save and
-    layer-wise load on its own host pages. Each rank holds half the heads, so a page the worker
+    """The host tier under TP=2: rank 0 keeps the books, every rank's tier worker applies each
+    save and layer-wise load to its own host pages. Each rank holds half the heads, so a page the worker
     did not save or restore changes the outputs (or reads poison: the sanitizer fails the step)."""
     llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **TIER_ENGINE)
     try:
         outputs, prompts = host_tier_scenario(llm)
+        check_movers_touch_registry(llm.engine)  # I1 on every rank: the movers their executors ran
     finally:
         llm.engine.shutdown()
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):

@@ -42,13 +42,13 @@ def test_delayed_load_is_waited_for_layer_by_layer(model_dirs, oracles):
             waited.append(layer_name)
         original_wait(self, layer_name)
 
-    tiers.stream.delay_s = DELAY
+    tiers.local.stream.delay_s = DELAY
     PendingLoads.wait = recording_wait
     try:
         second = llm.generate(prompts[1:], SamplingParams(max_tokens=4, **GREEDY))
     finally:
         PendingLoads.wait = original_wait
-        tiers.stream.delay_s = 0.0
+        tiers.local.stream.delay_s = 0.0
     assert tiers.stats.host_hit_tokens >= 80 - 16
     assert waited == llm.engine.registry.layer_names()  # each layer waited once, in order
     check_outputs(first + second, prompts, 4, oracles["llama"], "delayed load")
@@ -60,7 +60,7 @@ def test_read_without_the_wait_is_caught(model_dirs):
     llm = make_llm(model_dirs["llama"])
     tiers = llm.engine.coordinator.tiers
     cached_then_flushed(llm, prompts[0])
-    tiers.stream.delay_s = 0.5
+    tiers.local.stream.delay_s = 0.5
     original_wait = PendingLoads.wait
     PendingLoads.wait = lambda self, layer_name: self._waits.pop(layer_name, None)  # the wait removed
     try:
@@ -68,7 +68,7 @@ def test_read_without_the_wait_is_caught(model_dirs):
             llm.generate(prompts[1:], SamplingParams(max_tokens=2, **GREEDY))
     finally:
         PendingLoads.wait = original_wait
-        tiers.stream.delay_s = 0.0
+        tiers.local.stream.delay_s = 0.0
         tiers.drain()
 
 
@@ -78,7 +78,7 @@ def test_page_under_a_delayed_save_is_not_reused(model_dirs, oracles):
     llm = make_llm(model_dirs["llama"], max_total_tokens=288)
     engine = llm.engine
     tiers = engine.coordinator.tiers
-    tiers.stream.delay_s = 0.3
+    tiers.local.stream.delay_s = 0.3
     first = llm.generate(prompts[:1], SamplingParams(max_tokens=1, **GREEDY))
     # The write-through save of the first prompt's pages is still in flight: its pages are held.
     saved = [node for node in engine.coordinator.prefix_cache.all_nodes() if node.host_pages is not None]
@@ -93,7 +93,7 @@ def test_page_under_a_delayed_save_is_not_reused(model_dirs, oracles):
     # A request that needs the whole pool cannot have them while the copy runs: it waits for it.
     second = llm.generate(prompts[1:], SamplingParams(max_tokens=1, **GREEDY))
     assert engine.stats().prefix_cache_hit_tokens == 0
-    host = tiers.host
+    host = tiers.local.host
     layout = host.layouts[0]
     segment = layout.layer_segments("model.layers.0.self_attn")[0]
     for node, page in zip(saved, device_pages):
@@ -111,7 +111,7 @@ def test_tier_mover_touches_exactly_the_registry(arch, model_dirs):
     cached_then_flushed(llm, prompt, max_tokens=2)
     llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))  # a host hit: loads
     registry_keys = {descriptor.key for descriptor in engine.registry.buffers()}
-    assert engine.coordinator.tiers.mover.touched == registry_keys
+    assert engine.coordinator.tiers.local.mover.touched == registry_keys
     engine.check_all_free()
 
 

@@ -68,7 +68,7 @@ def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(mode
     rng = random.Random(4)
     first, second = random_tokens(rng, 21), random_tokens(rng, 30)
     try:
-        tiers.stream.delay_s = 0.3
+        tiers.local.stream.delay_s = 0.3
         pair.submit_destination_first("a", first, PARAMS)  # (the prefill server stores nothing first)
         pair.run_until(lambda: pair.decode.scheduler.running)
         sequence = decode.scheduler.running[0]
@@ -99,11 +99,11 @@ def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(mode
         assert bound and all(not pages & still_held for pages, still_held in bound)
         assert any(still_held & held for _, still_held in bound), "the copies completed before b was bound"
         tiers.drain()
-        tiers.stream.delay_s = 0.0
+        tiers.local.stream.delay_s = 0.0
         for page, node in saved.items():  # the copies read the pages as the request left them
-            layout = tiers.host.layouts[0]
+            layout = tiers.local.host.layouts[0]
             segment = layout.layer_segments("model.layers.0.self_attn")[0]
-            copied = tiers.host.arrays[0][node.host_pages[0], segment.offset:segment.offset + segment.width]
+            copied = tiers.local.host.arrays[0][node.host_pages[0], segment.offset:segment.offset + segment.width]
             assert torch.equal(copied, snapshot[page].view(torch.uint8).flatten())
         pair.settle()
         pair.assert_matches("a", oracles["llama"].greedy(first, TOKENS))
@@ -113,7 +113,7 @@ def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(mode
         store = tiers.disk
         assert store.stats.writes >= (len(first) + TOKENS - 1) // 4 - len(first) // 4
     finally:
-        tiers.stream.delay_s = 0.0
+        tiers.local.stream.delay_s = 0.0
         pair.close()
 
 

@@ -4,15 +4,18 @@
                     (``ray_executor.py``)
 ``start.py``        the one place that chooses an engine's executor (``start_executor``)
 ``build.py``        how every rank, rank 0 included, builds its shard of the model and the state
-``plan.py``         the step plan rank 0 broadcasts (the model runner's inputs + page operations)
+``plan.py``         the step plan rank 0 broadcasts (the model runner's inputs + the page operations
+                    its outbox recorded, ``kv/page_operations.py``)
 ``worker.py``       a worker rank: builds its shard, then executes rank 0's plans until told to stop
+                    (page operations through the same ``PageExecutor`` rank 0 applies them with)
 ``launcher.py``     the multiprocess executor: starts the workers, watches them, stops them
 ``ray_executor.py`` the Ray executor: a Ray actor per further rank, across a cluster's nodes
 ``ray_placement.py`` its placement group: one bundle per rank, rank 0's on the engine's node
 ``ray_worker.py``   the actor: a worker rank (``worker.py``'s ``WorkerRank``) in its bundle
-``worker_tiers.py`` a worker rank's host and disk tiers, replaying rank 0's tier operations
 
-The PD operations a plan carries are ``tandem/transfer/rank_operations.py``; each rank's own
+Every rank's page operations (rank 0's as its books emit them, the others' from each plan) run
+through one ``PageExecutor`` (``tandem/kv/page_operations.py``; the tiers' kinds through each rank's
+``TierWorker``, ``tandem/kv/tiers/tier_worker.py``). The PD operations a plan carries are ``tandem/transfer/rank_operations.py``; each rank's own
 transfer agent is ``tandem/disagg/pd_ranks.py``. The primitives (sharded layers, collectives,
 the process group) are ``tandem/parallel/``.
 """

@@ -8,10 +8,11 @@ the same points on every rank because there is only this one order:
       → tiers (host pages agreed) → model runner → the rank group attached → draft bound
       → decode graphs (captured in step)
 
-What differs by rank is named, not written twice: rank 0 keeps the books, so its tiers are the
-``TieredState`` (which decides every copy) and a worker's the ``WorkerTiers`` (which replays
-them); a draft model runs on rank 0 alone (a worker registers its state specs only, so its groups
-are rank 0's), an MTP module is sharded as the target is and runs on every rank.
+What differs by rank is named, not written twice: every rank has the same ``TierWorker`` (its
+side of the tiers, applying the page operations), and rank 0 keeps the books, so its tiers are
+the ``TieredState`` (which decides every copy) over its own tier worker; a draft model runs on
+rank 0 alone (a worker registers its state specs only, so its groups are rank 0's), an MTP
+module is sharded as the target is and runs on every rank.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tandem.engine.state_setup import build_coordinator, register_state
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import PoolPlan
 from tandem.kv.registry import StateRegistry
-from tandem.kv.tiers.setup import build_tiers, host_page_count, open_disk_store
+from tandem.kv.tiers.setup import build_tier_worker, build_tiers, host_page_count
 from tandem.models.loader import build_model
 from tandem.parallel.shard import TensorShard
 from tandem.spec_decode import build_draft_network, draft_state_specs, engine_config_for_speculation, graph_rows, \
@@ -63,7 +64,7 @@ class RankParts:
     draft: Optional[Any]  # the draft network this rank runs (spec_decode/networks.py), or None
     plan: PoolPlan
     coordinator: StateCoordinator
-    tiers: Optional[Any]  # rank 0: kv/tiers TieredState; a worker: WorkerTiers; None without a host tier
+    tiers: Optional[Any]  # rank 0: the books, TieredState; a worker: its TierWorker; None without a host tier
     runner: ModelRunner
 
 
@@ -105,16 +106,13 @@ def build_rank(config: EngineConfig, device: torch.device, group: RankGroup, ran
 def _build_tiers(config: EngineConfig, coordinator: StateCoordinator, device: torch.device, group: RankGroup,
                  rank: int):
     """The host tier (and the disk tier behind it), the same host pages on every rank (each
-    holds its shard's bytes of a page); None without one."""
+    holds its shard's bytes of a page): every rank's tier worker, and on rank 0 the books over
+    it; None without one."""
     if not config.has_host_tier:
         return None
     host_pages = group.agree_on_count(host_page_count(config, coordinator))
-    if rank == 0:
-        return build_tiers(config, coordinator, device, host_pages)
-    from tandem.engine.ranks.worker_tiers import WorkerTiers
-
-    disk = open_disk_store(config, coordinator, rank) if config.disk_cache_dir else None
-    return WorkerTiers(coordinator, host_pages, device, disk)
+    local = build_tier_worker(config, coordinator, device, host_pages, rank)
+    return build_tiers(config, coordinator, local, host_pages) if rank == 0 else local
 
 
 def _prepare_verification(runner: ModelRunner, coordinator: StateCoordinator, registry: StateRegistry,

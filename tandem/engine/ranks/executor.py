@@ -7,7 +7,8 @@
 
 Rank 0 keeps the books and runs its own shard in process; an executor hands every other rank
 what rank 0 does: each step's message (``send_step``: the model runner's inputs and the page
-operations journaled since the last message), and named calls that every rank answers
+operations rank 0's outbox recorded since the last message, which every rank applies through
+the same executor, ``kv/page_operations.py``), and named calls that every rank answers
 (``collective_rpc``, answers in rank order). In vLLM's words: ``send_step`` is
 ``execute_model``, ``check`` is ``check_health``, ``close`` is ``shutdown``; ``start`` brings the
 ranks up before the engine core builds its model (every rank builds its shard in step).
@@ -50,12 +51,28 @@ def sanitizer_on(rank: RankContext) -> bool:
     return bool(rank.coordinator.sanitizer.enabled)
 
 
+def moved_buffers(rank: RankContext) -> dict[str, list]:
+    """I1 on this rank: the registry's buffer keys, and those its movers touched since the last
+    call — the tier page mover's (``tiers``) and the sanitizer's poison (``poison``); both records
+    start again."""
+    coordinator = rank.coordinator
+    tiers = coordinator.outbox.executor.tiers
+    moved = {"registry": sorted(descriptor.key for descriptor in coordinator.registry.buffers()),
+             "tiers": sorted(tiers.mover.touched) if tiers is not None else [],
+             "poison": sorted(coordinator.sanitizer.touched)}
+    if tiers is not None:
+        tiers.mover.touched.clear()
+    coordinator.sanitizer.touched.clear()
+    return moved
+
+
 # The calls ``collective_rpc`` may name (nothing else runs on a rank's say-so: a worker looks the
 # name up here, it never resolves an attribute from a message).
 RANK_CALLS: "MappingProxyType[str, Callable[..., Any]]" = MappingProxyType({
     "pool_pages": pool_pages,
     "state_bytes": state_bytes,
     "sanitizer_on": sanitizer_on,
+    "moved_buffers": moved_buffers,
 })
 
 

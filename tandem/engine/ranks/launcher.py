@@ -28,12 +28,13 @@ import msgspec
 import torch
 
 from tandem.config import EngineConfig
+from tandem.kv.page_operations import Outbox
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import exchange, join, open_store, rank_device
 from tandem.engine.ranks.executor import Executor, RankContext, rank_call
-from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, PageJournal, PlanChannel, StepPlan
+from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -120,7 +121,7 @@ class MultiprocessExecutor(Executor):
         self.groups = join(0, size, self.device, store=store, custom_all_reduce=not config.disable_custom_all_reduce)
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
-        self.journal = PageJournal()
+        self.outbox: Optional[Outbox] = None  # rank 0's coordinator's, once attached
         self.graph_sizes: list[int] = []  # the decode graphs every rank captured (equal on all)
 
     @classmethod
@@ -137,24 +138,31 @@ class MultiprocessExecutor(Executor):
     def agree_on_count(self, count: int) -> int:
         return agree_on_count(count, self.groups.control)
 
+    def page_operations(self) -> list:
+        """The page operations rank 0 applied since the last plan, for the next one."""
+        return self.outbox.take() if self.outbox is not None else []
+
+    def pages_pending(self) -> bool:
+        return self.outbox is not None and self.outbox.pending()
+
     def flush(self) -> None:
-        """Send the page operations journaled since the last plan now (an idle engine: its
+        """Send the page operations recorded since the last plan now (an idle engine: its
         tiers' writes reach the other ranks' stores without waiting for the next step)."""
         self.check()
-        if self.journal.pending():
-            self.channel.send(StepPlan(PAGES, self.journal.take()))
+        if self.pages_pending():
+            self.channel.send(StepPlan(PAGES, self.page_operations()))
 
     def send_transfer(self, operations: list) -> None:
         """A TRANSFER plan: the page operations so far and PD's transfer operations for the
         workers' own agents (``tandem/disagg/pd_ranks.py``); no forward pass."""
         self.check()
-        self.channel.send(StepPlan(TRANSFER, self.journal.take(), transfer_operations=operations))
+        self.channel.send(StepPlan(TRANSFER, self.page_operations(), transfer_operations=operations))
 
     def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
         """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
         rank 0 broadcasts ``hidden`` (and its input ids, ``inputs_from_root``) right after."""
         self.check()
-        plan = StepPlan.of_step(step, [], self.journal.take(), inputs_from_root)
+        plan = StepPlan.of_step(step, [], self.page_operations(), inputs_from_root)
         plan.kind = DRAFT
         plan.hidden_dtype = str(hidden.dtype).removeprefix("torch.") if hidden is not None else ""
         self.channel.send(plan)
@@ -163,12 +171,14 @@ class MultiprocessExecutor(Executor):
         """How many leading pages of ``keys`` every rank read from its own store (rank 0 read
         ``count``): a DISK plan (with the page operations so far) asks the others."""
         self.check()
-        self.channel.send(StepPlan(DISK, self.journal.take(), disk_keys=list(keys)))
+        self.channel.send(StepPlan(DISK, self.page_operations(), disk_keys=list(keys)))
         return agree_on_count(count, self.groups.control)
 
     def attach(self, coordinator, runner) -> None:
-        """Record the coordinator's page operations and send a plan before each forward pass."""
-        coordinator.mirror = self.journal
+        """Record the page operations rank 0's coordinator applies (its outbox) for the other
+        ranks, and send a plan before each forward pass."""
+        coordinator.outbox.record_for_other_ranks()
+        self.outbox = coordinator.outbox
         runner.plan_sender = self
         self.context = RankContext(coordinator, runner)
 
@@ -179,7 +189,7 @@ class MultiprocessExecutor(Executor):
         if self.context is None:
             raise RuntimeError("collective_rpc: the executor is not attached to the engine's coordinator yet")
         self.check()
-        self.channel.send(StepPlan(RPC, self.journal.take(), rpc_method=method,
+        self.channel.send(StepPlan(RPC, self.page_operations(), rpc_method=method,
                                    rpc_arguments=msgspec.msgpack.encode(list(arguments))))
         answers = exchange(self.groups.control, msgspec.msgpack.encode(call(self.context, *arguments)))
         return [msgspec.msgpack.decode(answer) for answer in answers]
@@ -187,7 +197,7 @@ class MultiprocessExecutor(Executor):
     def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
                   graph_size: int = 0) -> None:
         self.check()
-        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.journal.take(), inputs_from_root,
+        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.page_operations(), inputs_from_root,
                                            graph_size))
 
     def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -214,7 +224,7 @@ class MultiprocessExecutor(Executor):
         self._closing.set()
         if self.failed is None:
             try:
-                self.channel.send(StepPlan(STOP, self.journal.take()))  # (the last page operations: disk writes)
+                self.channel.send(StepPlan(STOP, self.page_operations()))  # (the last page operations: disk writes)
             except RuntimeError:  # a worker died meanwhile: it is killed below
                 logger.warning("tensor-parallel workers did not take the stop plan")
         for process in self.workers:

@@ -15,7 +15,7 @@ builds its model and closes it at shutdown. Start-up:
    serves plans; rank 0 joins here.
 
 From then on it is the multiprocess executor's plan half (every step's message over the control
-group, collective calls, the page journal): only starting, watching and stopping the ranks
+group, collective calls, the page operations): only starting, watching and stopping the ranks
 differ. Lifecycle when an actor dies: a watcher thread waiting on the actors' ``run`` calls
 notices at once, marks the group failed and kills the other actors; rank 0's next (or pending)
 collective fails and the engine ends, as with a dead worker process (``launcher.py``; on CUDA the
@@ -40,7 +40,8 @@ from tandem.config import RAY_MISSING, EngineConfig
 from tandem.kv.planner import PoolPlan
 from tandem.engine.ranks.launcher import (CUDA_HANG_GRACE_SECONDS, STOP_TIMEOUT_SECONDS, MultiprocessExecutor,
                                           RankFailure, config_to_json)
-from tandem.engine.ranks.plan import STOP, PageJournal, PlanChannel, StepPlan
+from tandem.kv.page_operations import Outbox
+from tandem.engine.ranks.plan import STOP, PlanChannel, StepPlan
 from tandem.engine.ranks.ray_placement import (Placement, bundle_strategy, local_gpu_index, rank_devices,
                                                rank_zero_place, release, reserve)
 from tandem.engine.ranks.ray_worker import RankLaunch, RankPlace, TensorParallelRank
@@ -193,7 +194,7 @@ class RayExecutor(MultiprocessExecutor):
                            custom_all_reduce=not config.disable_custom_all_reduce)
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
-        self.journal = PageJournal()
+        self.outbox: Optional[Outbox] = None  # rank 0's coordinator's, once attached
         self.graph_sizes: list[int] = []
 
     # The start-up agreements: a rank whose build failed (a node without the model directory)
@@ -241,7 +242,7 @@ class RayExecutor(MultiprocessExecutor):
         ray = import_ray()
         if self.failed is None:
             try:
-                self.channel.send(StepPlan(STOP, self.journal.take()))  # (the last page operations: disk writes)
+                self.channel.send(StepPlan(STOP, self.page_operations()))  # (the last page operations: disk writes)
                 ray.wait(self._runs, num_returns=len(self._runs), timeout=STOP_TIMEOUT_SECONDS)
             except RuntimeError:  # an actor died meanwhile: it is killed below
                 logger.warning("tensor-parallel actors did not take the stop plan")

@@ -3,7 +3,8 @@
 The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
 reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own (same
 config, its own rank), agrees on the page counts (and the host tier's), then loops: receive a
-plan, replay its page operations on this rank's buffers (and host tier: ``worker_tiers.py``), run
+plan, apply its page operations to this rank's shard through the same ``PageExecutor`` rank 0
+applied them with (``kv/page_operations.py``; the tiers' kinds through this rank's ``TierWorker``), run
 the forward pass (replaying the CUDA graph the plan names: every rank captures the same ones at
 start-up, ``graphs.py``). It samples nothing and keeps no scheduler: its page tables arrive in
 every plan. It exits on a STOP plan; if rank 0 dies, the kernel kills it (``PR_SET_PDEATHSIG``)
@@ -101,6 +102,7 @@ class WorkerRank:
         self.groups = groups
         parts = build_rank(config, device, WorkerGroup(groups), rank=groups.rank)
         self.coordinator, self.tiers, self.runner = parts.coordinator, parts.tiers, parts.runner
+        self.pages = self.coordinator.outbox.executor  # this rank's page executor (rank 0's: the same class)
         # A draft model runs on rank 0 alone: its state groups exist here too (the same group
         # ids), unused; its layers' loads (registered here too) are waited for after each
         # forward pass. An MTP module is sharded as the target is: this rank runs its passes.
@@ -113,10 +115,10 @@ class WorkerRank:
     def serve(self, plan) -> bool:
         """Carry out one plan; False once it was the STOP plan."""
         from tandem.engine.ranks.launcher import agree_on_count
-        from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, replay
+        from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER
         from tandem.spec_decode.draft_batch import run_planned_rows
 
-        replay(plan.page_operations, self.coordinator, self.tiers)
+        self.pages.apply_all(plan.page_operations)
         if self.tiers is not None:
             self.tiers.poll()
         if plan.kind == STOP:

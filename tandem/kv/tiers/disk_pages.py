@@ -7,17 +7,14 @@ of the store's own checks; a mismatch is a miss.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from tandem.kv.block_pool import CACHE_OWNER
+from tandem.kv.page_operations import DISK_INSTALL, DISK_WRITE, PageOperation
 from tandem.kv.planner import NULL_PAGE
 from tandem.kv.prefix_cache import CacheNode
-
-logger = logging.getLogger(__name__)
-
 
 def encode_payload(host, host_pages) -> torch.Tensor:
     """A node's host pages (one per group, null where absent) as one object: a presence byte per
@@ -50,21 +47,18 @@ def copy_payload(host, data: torch.Tensor, host_pages) -> None:
 
 
 class DiskPages:
-    """Node payloads; mixed into ``TieredState`` (its host pool, layouts and disk store).
+    """Nodes to and from the disk store; mixed into ``TieredState`` (its host page books, its
+    outbox and this rank's ``TierWorker``, whose store and reads these are).
 
-    Under tensor parallelism (``peers`` set) every rank keeps its own store of its own shard;
-    rank 0 decides, and a read counts only as far as every rank read the same pages (the
-    ranks' ``agree_on_disk_reads``); each write and install is journaled for the other ranks."""
-
-    def _payload(self, node: CacheNode) -> torch.Tensor:
-        return encode_payload(self.host, node.host_pages)
+    The books decide and the ranks' tier workers move the bytes: a DISK_WRITE writes a node's
+    host pages on every rank; a read counts only as far as every rank read the same pages (each
+    rank's ``readable``, the smallest count taken: ``peers.agree_on_disk_reads`` under tensor
+    parallelism), and a DISK_INSTALL per node fills its new host pages on every rank."""
 
     def _write_to_disk(self, node: CacheNode) -> bool:
         if self.disk is None or node.host_pages is None:
             return False
-        self.disk.write_async(node.hash, self._payload(node))
-        if self.coordinator.mirror is not None:
-            self.coordinator.mirror.disk_write(node.hash, list(node.host_pages))
+        self.outbox.send(PageOperation(DISK_WRITE, -1, list(node.host_pages), [node.hash]))
         return True
 
     def _write_nodes_to_disk(self, nodes: list[CacheNode]) -> None:
@@ -75,33 +69,24 @@ class DiskPages:
     def _read_from_disk(self, node: CacheNode) -> bool:
         """Bring a node's pages from disk into new host pages; False on a miss (a rejected
         file is a miss: the store counted, logged and deleted it)."""
-        entry = self.disk.read_entry(node.hash)
-        if self.peers is not None and not self.peers.agree_on_disk_reads([node.hash], int(entry is not None)):
-            return False
+        entry = self._agree_on_reads([node.hash]).get(node.hash)
         return entry is not None and self._install_payload(node, *entry)
 
-    def _agreed_entries(self, entries: dict) -> dict:
-        """The leading read payloads (key -> entry, in chain order) every rank has too."""
-        if self.peers is None or not entries:
-            return entries
-        agreed = self.peers.agree_on_disk_reads(list(entries), len(entries))
-        return dict(list(entries.items())[:agreed])
+    def _agree_on_reads(self, keys: list[bytes]) -> dict[bytes, tuple[list[int], str]]:
+        """The leading pages of ``keys`` every rank read (its started reads, or read now): key ->
+        (presence per group, who wrote it), in chain order; each rank keeps their payloads."""
+        count = self.local.readable(keys)
+        if count and self.peers is not None:
+            count = self.peers.agree_on_disk_reads(list(keys), count)
+        return self.local.keep(count)
 
-    def _install_payload(self, node: CacheNode, payload, origin: str) -> bool:
-        """A payload read from the store into new host pages of ``node``; False when it does
-        not match this layout or the host tier has no room."""
-        data = torch.frombuffer(payload, dtype=torch.uint8)
-        mask = payload_mask(data, self.layouts)
-        if mask is None:
-            logger.warning("disk tier: page %s does not match this layout; treated as a miss", node.hash.hex())
-            return False
+    def _install_payload(self, node: CacheNode, mask: list[int], origin: str) -> bool:
+        """An agreed payload into new host pages of ``node``; False when the host tier has no room."""
         host = self._allocate_host(mask, CACHE_OWNER)
         if host is None:
             return False
         node.host_pages = tuple(pages[0] if present else NULL_PAGE for pages, present in zip(host, mask))
-        copy_payload(self.host, data, node.host_pages)
-        if self.coordinator.mirror is not None:
-            self.coordinator.mirror.disk_install(node.hash, list(node.host_pages))
+        self.outbox.send(PageOperation(DISK_INSTALL, -1, list(node.host_pages), [node.hash]))
         self._host_resident(node)
         self._read_from_disk_now[id(node)] = origin
         return True

@@ -1,8 +1,13 @@
 """The tiers behind the prefix cache: host memory and disk, and preemption by swap.
 
-Owner: the coordinator holds one ``TieredState`` when a host tier is configured. It moves whole
-prefix-cache nodes (one page per group) and whole requests (every page of every group) and
-knows nothing of what a group holds: the mover copies the registry's buffers as byte ranges.
+Owner: the coordinator holds one ``TieredState`` when a host tier is configured. It keeps the
+books — residency, the host LRU, the host pages' holders, copies in flight and their follow-ups,
+statistics — and moves nothing itself: each copy, release, poison, disk read, write and install
+is a page operation sent through the coordinator's outbox (``kv/page_operations.py``), which this
+rank's ``TierWorker`` (``tier_worker.py``) applies at once and every other rank's applies from the
+step message. It moves whole prefix-cache nodes (one page per group) and whole requests (every
+page of every group) and knows nothing of what a group holds: the mover copies the registry's
+buffers as byte ranges.
 
     device pool ──save (write policy)──▶ host pool ──write through──▶ disk store
         ▲                                   │  ▲                          │
@@ -33,20 +38,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-
 from tandem.kv.block_pool import CACHE_OWNER, SanitizerError
+from tandem.kv.page_operations import FENCE, HOST_POISON, LOAD, SAVE, PageMove, PageOperation
 from tandem.kv.planner import NULL_PAGE
 from tandem.kv.prefix_cache import CacheNode
-from tandem.kv.tiers.copy_stream import TierStream
-from tandem.kv.tiers.host_pool import HostPool, layouts_of
+from tandem.kv.tiers.host_pool import HostPageBooks, layouts_of
 from tandem.kv.tiers.disk_pages import DiskPages
 from tandem.kv.tiers.prefetch import DiskPrefetch
-from tandem.kv.tiers.page_mover import Move, TierMover, Transfer
+from tandem.kv.tiers.page_mover import Transfer
 from tandem.kv.tiers.swap import Swap, SwappedState
 
 if TYPE_CHECKING:
     from tandem.kv.coordinator import StateCoordinator
+    from tandem.kv.tiers.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class TierStats:
 
 @dataclass
 class _Operation:
+    op_id: int  # the copy id its SAVE / LOAD and FENCE name
     transfer: Transfer
     device_owner: Optional[str]
     host_owner: Optional[str]
@@ -91,11 +96,11 @@ def leading_fit(rows: list[list[int]], limits: list[int]) -> tuple[int, list[int
 
 
 def pair_pages(sources: list[tuple[int, ...]], fresh: list[list[int]],
-               to_host: bool) -> tuple[list[tuple[int, ...]], list[Move]]:
+               to_host: bool) -> tuple[list[tuple[int, ...]], list[PageMove]]:
     """Give each node's non-null entry (one page per group, in ``sources``) the next fresh page
     of its group: the nodes' new entries, and the moves (device ⇄ host pairs per group)."""
     cursors = [iter(pages) for pages in fresh]
-    moves = [Move(group, [], []) for group in range(len(fresh))]
+    moves = [PageMove(group, [], []) for group in range(len(fresh))]
     placed = []
     for entries in sources:
         new = []
@@ -113,21 +118,21 @@ def pair_pages(sources: list[tuple[int, ...]], fresh: list[list[int]],
 
 
 class TieredState(DiskPages, Swap):
-    def __init__(self, coordinator: "StateCoordinator", *, host_pages: int, write_policy: str,
-                 device: torch.device, disk=None) -> None:
+    def __init__(self, coordinator: "StateCoordinator", local: "TierWorker", *, host_pages: int,
+                 write_policy: str) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"host_cache_write_policy: must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self.coordinator = coordinator
         self.registry = coordinator.registry
         self.page_size = coordinator.page_size
         self.layouts = layouts_of(self.registry)
-        self.host = HostPool(self.layouts, host_pages, pin=device.type == "cuda",
-                             sanitize=coordinator.sanitizer.enabled)
-        self.host.on_poison = self._host_poisoned
-        self.stream = TierStream(device)
-        self.mover = TierMover(self.registry, self.host, self.stream, device)
+        self.host = HostPageBooks(len(self.layouts), host_pages, on_free=self._host_freed)
+        # This rank's side of the tiers: it applies what the books send (and under tensor
+        # parallelism every rank's does); the books read its completions and its disk reads.
+        self.local = local
+        self.outbox = coordinator.outbox
         self.policy = write_policy
-        self.disk = disk if disk is not None and disk.available else None
+        self.disk = local.disk  # this rank's store: its index is the disk residency
         self._ops: list[_Operation] = []
         self._op_ids = itertools.count()
         self._swapped: dict[str, SwappedState] = {}
@@ -139,9 +144,9 @@ class TieredState(DiskPages, Swap):
         self.prefetch = DiskPrefetch(self) if self.disk is not None else None
         self.peers = None  # tensor parallelism: the other ranks' agreement on disk reads (disk_pages.py)
 
-    def _host_poisoned(self, group: int, pages: list[int]) -> None:
-        if self.coordinator.mirror is not None:
-            self.coordinator.mirror.poison_host(group, pages)
+    def _host_freed(self, group: int, pages: list[int]) -> None:
+        if self.coordinator.sanitizer.enabled and pages:  # (I6: a load from a freed page fails loudly)
+            self.outbox.send(PageOperation(HOST_POISON, group, list(pages)))
 
     @property
     def _cache(self):
@@ -152,20 +157,16 @@ class TieredState(DiskPages, Swap):
         return len(self.layouts)
 
     # -- operations in flight (I2) ----------------------------------------------------------------
-    def _start(self, moves: list[Move], load: bool, device_tables: Optional[list[list[int]]],
+    def _start(self, moves: list[PageMove], load: bool, device_tables: Optional[list[list[int]]],
                host_tables: list[list[int]]) -> _Operation:
         op_id = next(self._op_ids)
         device_owner = self.coordinator.inflight.hold(f"tier{op_id}", device_tables) if device_tables else None
         host_owner = f"inflight:tier{op_id}"
         for pool, pages in zip(self.host.pools, host_tables):
             pool.acquire(pages, host_owner)
-        transfer = (self.mover.load(moves, self.coordinator.pending_loads) if load else self.mover.save(moves))
-        mirror = self.coordinator.mirror
-        if mirror is not None:  # tensor parallelism: the other ranks make the same copies of their shards
-            for move in moves:
-                if move.device_pages:
-                    mirror.tier_copy(load, move.group, move.device_pages, move.host_pages)
-        op = _Operation(transfer, device_owner, host_owner, host_tables)
+        moves = [move for move in moves if move.device_pages]
+        transfer = self.outbox.send(PageOperation(LOAD if load else SAVE, -1, [op_id], moves=moves))
+        op = _Operation(op_id, transfer, device_owner, host_owner, host_tables)
         self._ops.append(op)
         return op
 
@@ -176,17 +177,16 @@ class TieredState(DiskPages, Swap):
             return
         self._ops = [op for op in self._ops if op not in finished]
         for op in finished:
-            seconds = self.mover.elapsed_seconds(op.transfer)
+            seconds = op.transfer.seconds()
             if op.transfer.direction == "d2h":
                 self.stats.d2h_bytes += op.transfer.num_bytes
                 self.stats.d2h_seconds += seconds
             else:
                 self.stats.h2d_bytes += op.transfer.num_bytes
                 self.stats.h2d_seconds += seconds
+            # Before the pages can be reused, every rank's own copy must be done too.
+            self.outbox.send(PageOperation(FENCE, -1, [op.op_id]))
             if op.device_owner is not None:
-                if self.coordinator.mirror is not None:
-                    # before the pages can be reused: the other ranks' copies must be done too
-                    self.coordinator.mirror.tier_fence()
                 self.coordinator.inflight.release(op.device_owner)
             for pool, pages in zip(self.host.pools, op.host_pages):
                 pool.release(pages, op.host_owner)
@@ -209,20 +209,17 @@ class TieredState(DiskPages, Swap):
         return len(self._ops) + (self.disk.writes_in_flight if self.disk is not None else 0)
 
     def drain(self) -> None:
-        """Wait for every copy and disk write; release what they held."""
-        self.stream.synchronize()
+        """Wait for every copy and disk write of this rank; release what they held."""
+        for op in self._ops:
+            op.transfer.ticket.wait()
         self.poll()
-        if self.disk is not None:
-            self.disk.drain()
-            self.disk.poll()
+        self.local.drain()
 
     def close(self) -> None:
         if self.prefetch is not None:
             self.prefetch.close()
         self.drain()
-        self.stream.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.local.close()
 
     # -- host pages --------------------------------------------------------------------------------
     def _allocate_host(self, counts: list[int], owner: str) -> Optional[list[list[int]]]:
@@ -397,13 +394,13 @@ class TieredState(DiskPages, Swap):
             keys.append(key)
         return keys
 
-    def install_chain(self, token_ids: list[int], max_pages: int, entries: dict) -> int:
-        """Put read payloads (key -> (payload, origin)) into host pages of the nodes along
-        ``token_ids`` that need them (nodes past the tree's end are made), up to the first node
-        without one; returns how many were installed."""
+    def install_chain(self, token_ids: list[int], max_pages: int, keys: list[bytes]) -> int:
+        """Put the pages of ``keys`` read from the store (as far as every rank has them) into host
+        pages of the nodes along ``token_ids`` that need them (nodes past the tree's end are
+        made), up to the first node without one; returns how many were installed."""
         cache, size = self._cache, self.page_size
         node, installed = cache.root, []
-        entries = self._agreed_entries(entries)
+        entries = self._agree_on_reads(keys)
         for index in range(max_pages):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             child = node.children.get(tokens)

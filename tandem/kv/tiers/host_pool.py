@@ -7,7 +7,8 @@ array. The block is the same whatever the device layout (``--kv-cache-layout``);
 device pool is page-major, buffers that continue on both sides are copied as one ``Span``. The array is pinned on CUDA machines (copies run asynchronously, and the page-copy
 kernel reads and writes it directly).
 
-Books: each group's pages have reference counts with owner tags, as the device pools do
+Books (``HostPageBooks``, kept by the tiers' books; the blocks themselves, ``HostPages``, by each
+rank's ``TierWorker``): each group's pages have reference counts with owner tags, as the device pools do
 (``BlockPool``): ``"cache"`` for a prefix-cache node's host copy, ``"swap:<sequence>"`` for a
 preempted sequence's state, ``"inflight:<op>"`` for a copy that reads or writes the page (I2).
 Page 0 is never handed out. Freed pages are poisoned in sanitizer mode (NaN in float buffers'
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -126,34 +127,22 @@ def node_bytes(layouts: list[GroupLayout]) -> int:
     return sum(layout.block_bytes for layout in layouts)
 
 
-class HostPool:
-    """``num_pages`` host pages (plus the null page 0) in every group."""
+class HostPages:
+    """A rank's host page blocks: ``num_pages`` pages (plus the null page 0) in every group,
+    each holding this rank's shard of the page (the tensors; the books are ``HostPageBooks``).
+    Owner: the rank's ``TierWorker``."""
 
     def __init__(self, layouts: list[GroupLayout], num_pages: int, *, pin: bool, sanitize: bool) -> None:
         self.layouts = layouts
         self.sanitize = sanitize
-        self.on_poison: Optional[Callable[[int, list[int]], None]] = None  # told of each poisoning of freed pages
         self.arrays = []
         for layout in layouts:
             # Not zeroed (a page is written before it is read; sanitizer mode poisons it below).
             array = torch.empty((num_pages + 1, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
             array[0].zero_()
             self.arrays.append(array)
-        self.pools = [BlockPool(layout.group_id, num_pages + 1, on_free=self._poison) for layout in layouts]
         for group in range(len(layouts)):
             self.poison(group, list(range(1, num_pages + 1)))
-
-    @property
-    def num_pages(self) -> int:
-        return self.pools[0].num_usable if self.pools else 0
-
-    def num_free(self, group: int) -> int:
-        return self.pools[group].num_free
-
-    def _poison(self, group: int, pages: list[int]) -> None:
-        if self.sanitize and pages and self.on_poison is not None:
-            self.on_poison(group, pages)
-        self.poison(group, pages)
 
     def poison(self, group: int, pages: list[int]) -> None:
         """Sanitizer mode: fill the pages with a poison value (NaN in float buffers)."""
@@ -173,6 +162,21 @@ class HostPool:
     def payload(self, group: int, page: int) -> torch.Tensor:
         """One page block (a view of the pool)."""
         return self.arrays[group][page]
+
+
+class HostPageBooks:
+    """The host pages' books (``num_pages`` per group, the null page 0 never handed out), kept by
+    the tiers' books (``TieredState``); ``on_free`` is told of each group's freed pages."""
+
+    def __init__(self, num_groups: int, num_pages: int, on_free: Callable[[int, list[int]], None]) -> None:
+        self.pools = [BlockPool(group, num_pages + 1, on_free=on_free) for group in range(num_groups)]
+
+    @property
+    def num_pages(self) -> int:
+        return self.pools[0].num_usable if self.pools else 0
+
+    def num_free(self, group: int) -> int:
+        return self.pools[group].num_free
 
     def census(self) -> dict[str, int]:
         total: dict[str, int] = {}

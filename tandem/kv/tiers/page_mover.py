@@ -18,19 +18,12 @@ import torch
 
 from tandem.kernels.page_copy import copy_pages, copy_pages_reference
 from tandem.kv.accessor import PendingLoads
+from tandem.kv.page_operations import PageMove
 from tandem.kv.registry import StateRegistry
 from tandem.kv.tiers.copy_stream import Ticket, TierStream
-from tandem.kv.tiers.host_pool import HostPool, Span
+from tandem.kv.tiers.host_pool import HostPages, Span
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Move:
-    """Pages of one group: device page ``device_pages[i]`` ⇄ host page ``host_pages[i]``."""
-    group: int
-    device_pages: list[int]
-    host_pages: list[int]
 
 
 @dataclass
@@ -42,9 +35,16 @@ class Transfer:
     started: float
     start_event: object = None
 
+    def seconds(self) -> float:
+        """Seconds the transfer took (device events on CUDA; host wall time otherwise)."""
+        end = getattr(self.ticket, "event", None)
+        if self.start_event is not None and end is not None:
+            return self.start_event.elapsed_time(end) / 1e3
+        return time.perf_counter() - self.started
+
 
 class TierMover:
-    def __init__(self, registry: StateRegistry, host: HostPool, stream: TierStream, device: torch.device) -> None:
+    def __init__(self, registry: StateRegistry, host: HostPages, stream: TierStream, device: torch.device) -> None:
         self.registry = registry
         self.host = host
         self.stream = stream
@@ -53,7 +53,7 @@ class TierMover:
         self.touched: set[tuple[int, str, str]] = set()
 
     # -- one buffer's pages ------------------------------------------------------------------
-    def _indices(self, move: Move) -> torch.Tensor:
+    def _indices(self, move: PageMove) -> torch.Tensor:
         """``[device pages, host pages]`` where the copy runs (one upload per move)."""
         index = torch.tensor([move.device_pages, move.host_pages], dtype=torch.long)
         if self.device.type != "cuda":
@@ -79,19 +79,19 @@ class TierMover:
             destination[destination_page, destination_offset:destination_offset + width].copy_(
                 source[source_page, source_offset:source_offset + width], non_blocking=True)
 
-    def _save_span(self, span: Span, move: Move, index: torch.Tensor) -> None:
+    def _save_span(self, span: Span, move: PageMove, index: torch.Tensor) -> None:
         self._copy(span.device_rows(), self.host.arrays[move.group], index[0], index[1], 0, span.offset, span.width)
         self.touched.update(segment.descriptor.key for segment in span.segments)
 
-    def _load_span(self, span: Span, move: Move, index: torch.Tensor) -> None:
+    def _load_span(self, span: Span, move: PageMove, index: torch.Tensor) -> None:
         self._copy(self.host.arrays[move.group], span.device_rows(), index[1], index[0], span.offset, 0, span.width)
         self.touched.update(segment.descriptor.key for segment in span.segments)
 
-    def _bytes(self, moves: list[Move]) -> int:
+    def _bytes(self, moves: list[PageMove]) -> int:
         return sum(len(move.device_pages) * self.host.layouts[move.group].block_bytes for move in moves)
 
     # -- saves and loads -----------------------------------------------------------------------
-    def save(self, moves: list[Move]) -> Transfer:
+    def save(self, moves: list[PageMove]) -> Transfer:
         """Device → host, every buffer of each move's group, in one submission."""
         moves = [move for move in moves if move.device_pages]
         start = self._start_event()
@@ -104,7 +104,7 @@ class TierMover:
 
         return Transfer(self.stream.submit(work), self._bytes(moves), "d2h", time.perf_counter(), start)
 
-    def load(self, moves: list[Move], pending: PendingLoads) -> Transfer:
+    def load(self, moves: list[PageMove], pending: PendingLoads) -> Transfer:
         """Host → device, one submission per layer in the model's order; each layer's ticket
         is registered with ``pending`` under the layer's name."""
         moves = [move for move in moves if move.device_pages]
@@ -136,10 +136,3 @@ class TierMover:
         event = torch.cuda.Event(enable_timing=True)
         self.stream.record_start(event)
         return event
-
-    def elapsed_seconds(self, transfer: Transfer) -> float:
-        """Seconds the transfer took (device events on CUDA; host wall time otherwise)."""
-        end = getattr(transfer.ticket, "event", None)
-        if transfer.start_event is not None and end is not None:
-            return transfer.start_event.elapsed_time(end) / 1e3
-        return time.perf_counter() - transfer.started

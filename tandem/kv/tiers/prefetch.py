@@ -12,8 +12,10 @@ aborted sequence just forgets its read.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
+
+from tandem.kv.page_operations import DISK_PREFETCH, PageOperation
 
 if TYPE_CHECKING:
     from tandem.kv.tiers.hierarchy import TieredState
@@ -34,12 +36,13 @@ def read_chain(disk, keys: list[bytes]) -> dict[bytes, tuple[memoryview, str]]:
 
 
 class DiskPrefetch:
-    """Reads in flight, one per waiting sequence (by owner)."""
+    """Reads in flight, one per waiting sequence (by owner): a DISK_PREFETCH each, which every
+    rank's tier worker starts on its own reader thread (``tier_worker.py``); this rank's read is
+    the one waited for here."""
 
     def __init__(self, tiers: "TieredState") -> None:
         self.tiers = tiers
-        self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-disk-read")
-        self.reads: dict[str, Future] = {}  # owner -> its read
+        self.reads: dict[str, tuple[list[bytes], Future]] = {}  # owner -> its keys and this rank's read
         self.installed_pages = 0  # pages read this way (off the engine loop) so far
 
     def pending(self, owner: str, token_ids: list[int], max_pages: int, idle: bool = False) -> bool:
@@ -47,15 +50,12 @@ class DiskPrefetch:
         read is started if the store holds pages its match would take, and while one is in
         flight. When it is done, its payloads go into host pages and the answer is False.
         ``idle``: nothing else can run, so wait a little for the read here."""
-        read = self.reads.get(owner)
-        if read is None:
+        if owner not in self.reads:
             keys = self.tiers.disk_keys_to_read(token_ids, max_pages)
             if not keys:
                 return False
-            read = self.reads[owner] = self.readers.submit(read_chain, self.tiers.disk, keys)
-            mirror = self.tiers.coordinator.mirror
-            if mirror is not None:  # tensor parallelism: the other ranks start reading their shards too
-                mirror.disk_prefetch(keys)
+            self.reads[owner] = (keys, self.tiers.outbox.send(PageOperation(DISK_PREFETCH, -1, [], keys)))
+        keys, read = self.reads[owner]
         if not read.done() and idle:
             try:
                 read.result(timeout=WAIT_WHEN_IDLE_SECONDS)
@@ -63,24 +63,19 @@ class DiskPrefetch:
                 pass
         if not read.done():
             return True
-        del self.reads[owner]
-        try:
-            entries = read.result()
-        except Exception:  # noqa: BLE001 - an I/O failure is a miss: those pages are computed
-            entries = {}
-        self.installed_pages += self.tiers.install_chain(token_ids, max_pages, entries)
+        del self.reads[owner]  # (an I/O failure is a miss: those pages are computed)
+        self.installed_pages += self.tiers.install_chain(token_ids, max_pages, keys)
         return False
 
     def forget(self, owner: str) -> None:
         """The sequence ended or was aborted: its read's result is not wanted."""
-        read = self.reads.pop(owner, None)
-        if read is not None:
-            read.cancel()
+        started = self.reads.pop(owner, None)
+        if started is not None:
+            started[1].cancel()
 
     @property
     def in_flight(self) -> int:
         return len(self.reads)
 
     def close(self) -> None:
-        self.reads.clear()
-        self.readers.shutdown(wait=True, cancel_futures=True)
+        self.reads.clear()  # (the reader threads are the tier worker's)

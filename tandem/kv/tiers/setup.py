@@ -19,6 +19,7 @@ import torch
 
 from tandem.kv.tiers.hierarchy import TieredState
 from tandem.kv.tiers.host_pool import layouts_of, node_bytes
+from tandem.kv.tiers.tier_worker import TierWorker
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -101,14 +102,22 @@ def open_disk_store(config: "EngineConfig", coordinator: "StateCoordinator", ran
     return disk
 
 
-def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", device: torch.device,
+def build_tier_worker(config: "EngineConfig", coordinator: "StateCoordinator", device: torch.device,
+                      host_pages: int, rank: int = 0) -> TierWorker:
+    """This rank's side of the tiers (every rank's, rank 0's included): ``host_pages`` host pages
+    (``host_page_count``, the smallest any rank proposed: each holds its shard's bytes), its tier
+    stream and its own disk store; attached to the coordinator's page executor."""
+    disk = open_disk_store(config, coordinator, rank) if config.disk_cache_dir else None
+    worker = TierWorker(coordinator, host_pages, device, disk)
+    coordinator.outbox.executor.attach_tiers(worker)
+    return worker
+
+
+def build_tiers(config: "EngineConfig", coordinator: "StateCoordinator", local: TierWorker,
                 host_pages: int) -> TieredState:
-    """The host tier (and the disk tier behind it) of the books' rank: ``host_pages`` pages
-    (``host_page_count``, the smallest any rank proposed: each holds its shard's bytes)."""
+    """The tiers' books (the engine core's), over this rank's tier worker ``local``."""
     per_node = node_bytes(layouts_of(coordinator.registry))
-    disk = open_disk_store(config, coordinator) if config.disk_cache_dir else None
-    tiers = TieredState(coordinator, host_pages=host_pages, write_policy=config.host_cache_write_policy,
-                        device=device, disk=disk)
+    tiers = TieredState(coordinator, local, host_pages=host_pages, write_policy=config.host_cache_write_policy)
     logger.info("host tier: %d pages (%.2f GB, %s)%s", host_pages, host_pages * per_node / GIB,
                 config.host_cache_write_policy,
                 f"; disk tier: {config.disk_cache_dir} (cap {config.disk_cache_size} GB)"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.kv.planner import NULL_PAGE
-from tandem.kv.tiers.page_mover import Move
+from tandem.kv.page_operations import PageMove
 
 if TYPE_CHECKING:
     from tandem.kv.coordinator import RequestState
@@ -40,7 +40,7 @@ class Swap:
         if host is None:
             self.stats.swaps_refused += 1
             return False
-        moves = [Move(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
+        moves = [PageMove(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
         host_tables = []
         for table, host_pages in zip(state.page_tables, host):
             cursor = iter(host_pages)
@@ -65,7 +65,7 @@ class Swap:
         for table, host_table, pages in zip(state.page_tables, swapped.host_tables, device):
             cursor = iter(pages)
             table[:] = [NULL_PAGE if page == NULL_PAGE else next(cursor) for page in host_table]
-        moves = [Move(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
+        moves = [PageMove(group, pages, host_pages) for group, (pages, host_pages) in enumerate(zip(device, host))]
         self._start(moves, True, device, host)
         return True
 
