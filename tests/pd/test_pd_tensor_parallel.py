@@ -84,15 +84,24 @@ def test_a_write_failing_on_one_rank_fails_the_request_cleanly(tp_pair, monkeypa
 
 
 def test_a_rank_write_pending_past_drain_timeout_is_cancelled(tp_pair, monkeypatch):
-    """The decode side aborts while rank 1's part of a page write looks pending (its outcome is
-    held back here until rank 0 cancels it): the prefill side keeps the source pages and sends no
-    Drained until drain_timeout passed and it cancelled rank 1's part; then both sides free all."""
+    """The decode side aborts while rank 1's part of the last write's pages looks pending (its
+    outcome is held back here until rank 0 cancels it): the prefill side keeps the source pages and
+    sends no Drained until drain_timeout passed and it cancelled rank 1's part; then both sides
+    free all."""
     pair, ranks = tp_pair, tp_pair.prefill.pd.ranks
-    outcome = ranks.outcome
-    monkeypatch.setattr(ranks, "outcome", lambda key: outcome(key) if key in ranks.cancelled else None)
+    outcome, transfers = ranks.outcome, pair.prefill.pd.transfers
+
+    def in_last_write(key: str) -> bool:  # rank 1's part of the pages the last write carries
+        return any(transfer.metadata_write is not None and transfer.metadata_write.owner == key
+                   for transfer in transfers.values())
+
+    monkeypatch.setattr(ranks, "outcome",
+                        lambda key: None if in_last_write(key) and key not in ranks.cancelled else outcome(key))
     room = pair.submit("slow", LONG_PROMPT)
-    pair.run_until(lambda: any(transfer.writes or transfer.metadata_write is not None
-                               for transfer in pair.prefill.pd.transfers.values()))
+    # Aborted once the last write (the last pages, the row) is posted: it looks pending from then
+    # on. (Aborted earlier, while that write still waits for the workers' parts of its pages, the
+    # write is never posted and the workers' parts are cancelled at once: nothing to drain.)
+    pair.run_until(lambda: any(transfer.metadata_write is not None for transfer in pair.prefill.pd.transfers.values()))
     pair.decode.abort_requests(["slow"])
     aborted = time.monotonic()
     pair.run_until(lambda: room not in pair.decode.pd.draining and room not in pair.prefill.pd.transfers)
