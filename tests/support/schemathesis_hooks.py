@@ -7,7 +7,8 @@ max_tokens must fit the context, min_tokens must not exceed max_tokens (or what 
 best_of must equal n, the tool rules (a named tool_choice among the tools, unique tool names,
 valid parameter schemas, JSON call arguments), a structured output's grammar must parse
 (``protocol.STRUCTURED_OUTPUTS_RULE``). ``keep_documented_rules`` (a ``map_case`` hook) makes the *positive* cases of
-the two generation routes keep them too, as a client that read the descriptions would: best_of
+the two generation routes keep them too (a ``required`` or named tool choice is a structured output
+as well: the server builds its grammar from the tools, so the same rule holds), as a client that read the descriptions would: best_of
 becomes n, max_tokens (or max_completion_tokens) and min_tokens shrink to what the prompt leaves
 (counted by the server's own ``/tokenize``), and ``prompt_fits`` (a ``filter_case`` hook) drops a
 positive case whose prompt alone fills the context, or that breaks a tool rule or the structured-output
@@ -106,12 +107,35 @@ def broken_structured_outputs_rule(case) -> set[str]:
         return set()
     try:
         constraint = request.structured_constraint()
+        if constraint is None and case.path == "/v1/chat/completions":
+            constraint = tool_constraint(request)
         if constraint is not None:
             SamplingParams(structured_outputs=constraint, ignore_eos=request.ignore_eos,
                            min_tokens=request.min_tokens, max_tokens=None)
     except ValueError as error:
         return {str(error).partition(":")[0]}
     return set()
+
+
+def tool_constraint(request):
+    """The constraint a ``required`` or named ``tool_choice`` puts on the output, built and its
+    grammar checked as the server does (``chat.with_tool_constraint``); None for the other choices.
+    Raises ``ValueError("tools: ...")`` for a parameter schema the grammar engine cannot take."""
+    from tandem.entrypoints.openai.errors import OpenAIError
+    from tandem.entrypoints.openai.tool_choice import ToolCallingOptions, plan_tools
+    from tandem.sampling_params import StructuredOutputsParams
+    from tandem.structured.source import check
+
+    if not request.tools or request.tool_choice in (None, "none", "auto"):
+        return None
+    try:
+        plan = plan_tools(ToolCallingOptions(), request.tools, request.tool_choice, request.parallel_tool_calls)
+    except OpenAIError as error:  # (a tool rule: ``tool_rules`` names it)
+        raise ValueError(f"{error.param}: {error}") from None
+    schema = plan.schema
+    constraint = StructuredOutputsParams(json=schema)
+    check(constraint, "tools")
+    return constraint
 
 
 def tool_rules(body: dict[str, Any]) -> set[str]:
