@@ -97,6 +97,9 @@ def test_a_rank_write_pending_past_drain_timeout_is_cancelled(tp_pair, monkeypat
 
     monkeypatch.setattr(ranks, "outcome",
                         lambda key: None if in_last_write(key) and key not in ranks.cancelled else outcome(key))
+    # The decode side does not hear the last write's notification (it would commit the request,
+    # and its abort would then not reach the prefill side as one of a transfer in flight).
+    monkeypatch.setattr(pair.decode.pd.backend, "notifications", lambda: [])
     room = pair.submit("slow", LONG_PROMPT)
     # Aborted once the last write (the last pages, the row) is posted: it looks pending from then
     # on. (Aborted earlier, while that write still waits for the workers' parts of its pages, the
