@@ -3,6 +3,8 @@ its ``collective_rpc`` in tests/models/test_tensor_parallel.py): the in-process 
 on, agrees with itself, answers the named rank calls here and refuses any other name."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -36,6 +38,7 @@ def test_in_process_executor(model_dirs):
     with pytest.raises(ValueError, match=r"collective_rpc: unknown rank call 'shutdown_host'"):
         executor.collective_rpc("shutdown_host")
     assert "shutdown_host" not in RANK_CALLS
-    executor.send_step(None, [], False)
+    executor.attach_worker(SimpleNamespace(execute=lambda plan, feed: ("ran", plan, feed)))
+    assert executor.execute_step("plan", "feed") == ("ran", "plan", "feed")  # rank 0's worker, in process
     executor.check()
     executor.close()
