@@ -298,6 +298,7 @@ class EngineCore:
         self._sample(step, result)
         return step
 
+    @torch.inference_mode()
     def execute(self, chunks, pending=None) -> ExecuteResult:
         """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
         rank's worker through the executor; rank 0's result, checked and with prompt logprobs.
