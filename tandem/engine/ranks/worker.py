@@ -25,12 +25,17 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 import torch
 
 from tandem.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tandem.engine.ranks.build import RankParts
+    from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
+    from tandem.worker.model_runner import ForwardOutput
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -105,7 +110,7 @@ class Worker:
     kind of plan makes it do (the module docstring). Owner: rank 0's engine core (through its
     executor) or, on ranks 1..N-1, ``serve_plans``."""
 
-    def __init__(self, parts, groups=None, transfers=None) -> None:
+    def __init__(self, parts: "RankParts", groups=None, transfers=None) -> None:
         self.groups = groups  # ranks 1..N-1: the rank's groups (its answers go over the control group)
         self.coordinator, self.runner = parts.coordinator, parts.runner
         self.pages = self.coordinator.outbox.executor  # this rank's page executor (every rank's: the same class)
@@ -130,7 +135,7 @@ class Worker:
         transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
         return cls(parts, groups, transfers)
 
-    def execute(self, plan, feed=None):
+    def execute(self, plan: "ForwardPlan", feed=None) -> "ForwardOutput":
         """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it: hidden
         states, sampled rows' logits, each prompt range's logits (``ModelRunner.run``). ``feed``:
         rank 0's tokens still pending on its device, written into the input ids (and broadcast)."""
@@ -140,7 +145,7 @@ class Worker:
             self.coordinator.pending_loads.wait(name)
         return output
 
-    def draft(self, plan, input_ids: Optional[torch.Tensor] = None,
+    def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A sharded draft's pass of a DRAFT plan (``plan.DraftPlan``), as every rank runs it: the
         output hidden state of every row token. Rank 0 passes its device input ids and hidden
@@ -154,7 +159,7 @@ class Worker:
         """Before the process group goes (``ModelRunner.release_graphs``)."""
         self.runner.release_graphs()
 
-    def serve(self, plan) -> bool:
+    def serve(self, plan: "StepPlan") -> bool:
         """Ranks 1..N-1: carry out one plan received from rank 0; False once it was the STOP plan."""
         from tandem.engine.ranks.launcher import agree_on_count
         from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER
