@@ -9,7 +9,7 @@ private method of the engine core.
 
 The step pipeline and where the hooks sit:
 
-    schedule ─► prepare + execute (runner) ─► sample, or verify (speculation) ─► update
+    schedule ─► plan + execute (every rank's worker) ─► sample, or verify (speculation) ─► update
                                                      │                              │
                           banned_tokens, sampled_logprobs          token_delta, finish_reason,
                                                                    fork, collect_prompt_logprobs,
@@ -42,12 +42,17 @@ class StepContext(Protocol):
     registry: "StateRegistry"
     coordinator: "StateCoordinator"
     scheduler: "Scheduler"
-    runner: "ModelRunner"
+    runner: "ModelRunner"  # rank 0's (its worker's): start-up and rank 0's own draft passes
     sampler: "Sampler"
     structured: Any  # the grammar masks of constrained rows (engine/structured_outputs.py)
     executor: Any  # the ranks (engine/ranks/executor.py Executor)
     speculator: Any  # spec_decode.Speculator, or None
     pd: Any  # the PD side (disagg), or None
+
+    # -- executing a step ---------------------------------------------------------------------
+    def execute(self, chunks, pending=None) -> Any:
+        """One forward pass over ``chunks`` on every rank (``engine/step_planner.py`` plans it, the
+        executor runs it): rank 0's ``ExecuteResult``. A failure of rank 0's pass raises."""
 
     # -- sampling or verifying a step's rows --------------------------------------------------
     def banned_tokens(self, sequence: "Sequence", ahead: int = 0) -> list[int]:

@@ -1,8 +1,9 @@
-"""The engine core: schedule → execute → sample → update, one step at a time.
+"""The engine core: schedule → plan → execute → sample → update, one step at a time.
 
-Owner of the model, the state system (registry, pools, coordinator), the scheduler, the model
-runner and the sampler for one model replica. It speaks token ids only; text, stop strings
-and detokenizing belong to the frontend.
+Owner of the books of one model replica (registry, pools, coordinator, scheduler), the sampler,
+and the executor through which every rank's worker runs each step's forward pass (rank 0's worker,
+with its shard of the model and of the state, lives in this process: ``engine/ranks/worker.py``).
+It speaks token ids only; text, stop strings and detokenizing belong to the frontend.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tandem.engine.memory import resolve_device
 from tandem.engine.ranks.build import build_rank
 from tandem.engine.ranks.launcher import RankFailure
 from tandem.engine.ranks.start import start_executor
+from tandem.engine.ranks.worker import Worker
+from tandem.engine.step_planner import ExecuteResult, StepPlanner
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
@@ -45,7 +48,14 @@ class EngineCore:
         parts = build_rank(config, self.device, self.executor, rank=0)
         self.config = config = parts.config
         self.model, self.hf_config, self.model_info = parts.model, parts.hf_config, parts.model_info
-        self.registry, self.coordinator, self.runner = parts.registry, parts.coordinator, parts.runner
+        self.registry, self.coordinator = parts.registry, parts.coordinator
+        # Rank 0's worker (its model runner, page executor, tier worker, a sharded draft): the
+        # executor runs it on every step's message, as every other rank runs its own. The
+        # engine core reads its runner only at start-up and for rank 0's own draft passes.
+        self.worker = Worker(parts)
+        self.executor.attach_worker(self.worker)
+        self.runner = parts.runner
+        self.planner = StepPlanner(self.coordinator, self.runner)
         plan = parts.plan
         # The host and disk tiers (kv/tiers), when configured: the coordinator consults them
         # for prefix hits and frees; the engine and the scheduler drive them through this handle.
@@ -268,7 +278,7 @@ class EngineCore:
         sequence gets a pending token. Returns the launched step, or the error deltas."""
         pending = previous.pending_tokens() if previous is not None else None
         try:
-            result = self.runner.execute(chunks, pending)
+            result = self.execute(chunks, pending)
         except (SanitizerError, RankFailure):  # (the engine cannot go on: not one step's failure)
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
@@ -287,6 +297,15 @@ class EngineCore:
             step.earlier_deltas = self._complete(previous)
         self._sample(step, result)
         return step
+
+    @torch.inference_mode()
+    def execute(self, chunks, pending=None) -> ExecuteResult:
+        """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
+        rank's worker through the executor; rank 0's result, checked and with prompt logprobs.
+        A chunk whose input token is still pending reads it from ``pending`` on the device."""
+        planned = self.planner.plan(chunks, pending)
+        output = self.executor.execute_step(planned.plan, planned.feed)
+        return self.planner.result(planned, output)
 
     def _after_computed(self, step: "LaunchedStep") -> None:
         """Book the step's chunks as computed, once every token they read is known (the
@@ -537,7 +556,7 @@ class EngineCore:
             self.pd.close()
         if self.tiers is not None:
             self.tiers.close()  # queued disk writes finish first
-        self.runner.release_graphs()  # (before the workers leave the group: runner.release_graphs)
+        self.worker.release_graphs()  # (before the workers leave the group: runner.release_graphs)
         self.executor.close()
 
     def check_health(self) -> None:

@@ -57,10 +57,12 @@ class DraftOutput:
 
 @torch.inference_mode()
 def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: bool,
-             rows_as_decode: bool = False) -> DraftOutput:
+             rows_as_decode: bool = False, executor=None) -> DraftOutput:
     """One forward pass of ``network`` over ``rows`` (see the module docstring).
     ``rows_as_decode``: the draft keeps its state per token (rows of several tokens may replay
-    the graphs as single-token rows)."""
+    the graphs as single-token rows). A sharded draft under tensor parallelism runs on every
+    rank: ``executor`` (the engine core's, ``engine/ranks/executor.py``) hands the pass to every
+    rank's worker, rank 0's included, which all run ``run_planned_rows``."""
     order = sorted(range(len(rows)), key=lambda index: (len(rows[index].token_ids) > 1,
                                                         rows[index].start + len(rows[index].token_ids)))
     ordered = [rows[index] for index in order]
@@ -76,7 +78,7 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
     last_rows = to_device([end - 1 for end in step.query_starts[1:]], device, torch.long)
     wanted = [slot for slot, row in enumerate(ordered) if row.wants_logits]
     feed = _feed_last_tokens(ordered, step, device)
-    planned = network.runs_on_every_rank and runner.plan_sender is not None  # a sharded draft, under TP
+    planned = network.runs_on_every_rank and executor is not None and executor.world_size > 1  # sharded, under TP
     replayed = None if planned else _graph_rows(runner, network, step, rows_as_decode)
     if replayed is not None:
         output, all_logits = network.graphs.replay(replayed, feed, hidden_in=hidden_in)
@@ -90,7 +92,7 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         if feed is not None:
             feed(input_ids)
         if planned:
-            output = _planned_forward(runner, network, step, input_ids, hidden_in, feed is not None)
+            output = executor.execute_draft(step, feed is not None, input_ids, hidden_in)
         else:
             output = _forward(runner, network, step, input_ids, hidden_in)
         last_hidden = output.index_select(0, last_rows)
@@ -114,39 +116,27 @@ def _forward(runner, network: DraftNetwork, step, input_ids: torch.Tensor,
                            network.context(runner.group_metadata(step, network.groups)))
 
 
-def _planned_forward(runner, network: DraftNetwork, step, input_ids: torch.Tensor,
-                     hidden_in: Optional[torch.Tensor], inputs_from_root: bool) -> torch.Tensor:
-    """Rank 0's side of a sharded draft's pass: the plan, the broadcasts, then the pass (every
-    rank runs ``run_planned_rows``)."""
-    shard = runner.model.tensor_shard
-    runner.plan_sender.send_draft(step, inputs_from_root, hidden_in)
-    try:
-        if hidden_in is not None:
-            hidden_in = hidden_in.contiguous()
-            shard.broadcast(hidden_in)
-        if inputs_from_root:
-            shard.broadcast(input_ids)
-        return _forward(runner, network, step, input_ids, hidden_in)
-    except Exception as error:
-        runner.plan_sender.fail(f"rank 0's draft pass failed ({type(error).__name__}: {error})")
-        raise
-
-
 @torch.inference_mode()
-def run_planned_rows(runner, network: DraftNetwork, step, inputs_from_root: bool, hidden_dtype: str) -> None:
-    """A tensor-parallel worker's share of a sharded draft's pass that rank 0 planned (its
-    collectives): the hidden inputs and input ids as rank 0 broadcasts them; nothing sampled."""
+def run_planned_rows(runner, network: DraftNetwork, step, inputs_from_root: bool, hidden_dtype: str,
+                     input_ids: Optional[torch.Tensor] = None, hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A sharded draft's pass over ``step``'s rows, as every rank runs it (its collectives): rank
+    0 broadcasts its hidden inputs (``hidden_dtype`` "": none) and, ``inputs_from_root``, its
+    device input ids; the other ranks pass neither and receive them. The output hidden state of
+    every row token (rank 0 reads it; the others discard it)."""
     device = runner.device
     shard = runner.model.tensor_shard
-    input_ids = to_device(step.input_ids, device)
-    hidden_in = None
+    if input_ids is None:
+        input_ids = to_device(step.input_ids, device)
     if hidden_dtype:
-        hidden_in = torch.empty((len(step.input_ids), network.hidden_input[0]), dtype=getattr(torch, hidden_dtype),
-                                device=device)
+        if hidden_in is None:
+            hidden_in = torch.empty((len(step.input_ids), network.hidden_input[0]), dtype=getattr(torch, hidden_dtype),
+                                    device=device)
+        else:
+            hidden_in = hidden_in.contiguous()
         shard.broadcast(hidden_in)
     if inputs_from_root:
         shard.broadcast(input_ids)
-    _forward(runner, network, step, input_ids, hidden_in)
+    return _forward(runner, network, step, input_ids, hidden_in)
 
 
 def _graph_rows(runner, network: DraftNetwork, step, rows_as_decode: bool):

@@ -176,7 +176,8 @@ class Proposer:
         if not entries:
             return
         output = run_rows(self.core.runner, self.network, [row for _, row in entries],
-                          self.coordinator.sanitizer.enabled, rows_as_decode=not self.chain_on_copies)
+                          self.coordinator.sanitizer.enabled, rows_as_decode=not self.chain_on_copies,
+                          executor=self.core.executor)
         drawing = []
         for (plan, _), hidden, logits in zip(entries, output.last_hidden, output.logits):
             plan.hidden = hidden

@@ -1,8 +1,12 @@
-"""The model runner: turns a step's scheduled chunks into one flattened forward pass.
+"""The model runner: one rank's flattened forward pass over a step's host-side inputs.
 
-Owner of the model and the attention backend. It builds input ids, positions and per-group
-attention metadata from the sequences' page tables (read, never modified), runs the model, and
-returns the logits rows that the engine samples from, plus prompt logprobs where asked.
+Owner of the model (this rank's shard), the attention backend and the decode CUDA graphs. It
+copies a step's input ids, positions and per-group attention metadata (``StepInputs``, built from
+the scheduled chunks by the engine core: ``engine/step_planner.py``) to the device, runs the model
+(replaying a graph or eagerly) and returns the hidden states, the sampled rows' logits and the
+logits of each prompt-logprob range (``run``). Every rank runs it through its ``Worker``
+(``engine/ranks/worker.py``); the runner itself knows nothing of other ranks beyond its model's
+shard (whose collectives the layers make).
 """
 from __future__ import annotations
 
@@ -18,12 +22,10 @@ from tandem.kv.accessor import StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, as_decode_rows, build_step_inputs
-from tandem.worker.sampler import compute_logprobs
+from tandem.worker.step_inputs import StepInputs, as_decode_rows
 
 # Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
 # without capturing, on every rank (the tensor-parallel workers inherit the environment).
@@ -31,13 +33,11 @@ STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
 
 
 @dataclass
-class ExecuteResult:
-    sampling_chunks: list[ScheduledChunk]  # in the order of ``logits`` rows
-    logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
-    prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
-    step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
-    # until its next replay)
+class ForwardOutput:
+    """What a step's forward pass gives (``ModelRunner.run``); only rank 0 reads it."""
+    hidden: torch.Tensor  # [tokens, hidden] the model's output (a replayed graph's: valid until its next replay)
+    logits: torch.Tensor  # [sampled rows, vocab] float32, in the order of ``StepInputs.sampling_rows``
+    prompt_logits: list[torch.Tensor]  # [rows, vocab] float32 per prompt-logit range, in the plan's order
 
 
 class ModelRunner:
@@ -67,10 +67,6 @@ class ModelRunner:
         # drafts per sequence) replays the decode graphs with each token as a row of its own;
         # set by the speculator when every target group keeps its state per token.
         self.verify_as_decode_rows = False
-        self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
-        # Tensor parallelism, rank 0: sends each step's plan to the other ranks before the
-        # forward pass (tandem/engine/ranks/launcher.py); None with one rank.
-        self.plan_sender = None
 
     def capture_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> list[int]:
         """Capture decode graphs at these batch sizes (CUDA only, graph-safe models only), after
@@ -131,32 +127,22 @@ class ModelRunner:
         return ForwardContext(self.accessor, metadata, self.backend)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None) -> ExecuteResult:
-        """One forward pass over ``chunks``. A chunk whose input token is still pending (sampled
-        by the step before, which may still be running) reads it from ``pending`` on the device."""
-        sanitizer = self.coordinator.sanitizer
-        if sanitizer.enabled:
-            for chunk in chunks:
-                sanitizer.check_owner(self.coordinator, chunk.sequence.state.owner,
-                                      chunk.sequence.state.page_tables)
-        step = build_step_inputs(chunks, self.coordinator.num_groups, self.page_size, self.page_table_rows)
-        feed = pending.feed(step, self.device) if pending is not None else None
-        prompt_rows = prompt_logit_rows(step)
-        replayed = self._graph_step(step)
-        parallel = self.plan_sender is not None
-        if parallel:  # the plan names the graph this rank replays: every rank replays the same
-            self.plan_sender.send_step(step, [(start, count) for _, start, count in prompt_rows], feed is not None,
-                                       self.graphs.size_for(replayed) if replayed is not None else 0)
-        try:
-            if replayed is not None:
-                hidden, logits = self.graphs.replay(replayed, feed, broadcast_inputs=feed is not None and parallel)
-            else:
-                hidden, logits = self.forward(step, feed, feed is not None and parallel)
-            return self._outputs(step, hidden, logits, prompt_rows, sanitizer.enabled)
-        except Exception as error:
-            if self.plan_sender is not None:  # the other ranks are inside this step's collectives
-                self.plan_sender.fail(f"rank 0's forward pass failed ({type(error).__name__}: {error})")
-            raise
+    def run(self, step: StepInputs, graph_size: int, prompt_logit_ranges: list[tuple[int, int]], feed=None,
+            broadcast_inputs: bool = False) -> ForwardOutput:
+        """One step's forward pass, as every rank runs it (``engine/ranks/worker.py``'s ``Worker``):
+        replayed from this rank's graph of ``graph_size`` rows (0: eagerly), then the LM head over
+        each of ``prompt_logit_ranges`` (first row, rows), in order. Both hold collectives under
+        tensor parallelism, so every rank makes the same calls in the same order. ``feed`` writes
+        tokens still pending on this rank's device into the input ids (rank 0); with
+        ``broadcast_inputs`` rank 0's input ids then go to every rank."""
+        if graph_size:
+            rows = self.planned_graph_step(step, graph_size)
+            hidden, logits = self.graphs.replay(rows, feed, broadcast_inputs=broadcast_inputs)
+        else:
+            hidden, logits = self.forward(step, feed, broadcast_inputs)
+        prompt_logits = [self.model.compute_logits(hidden[start:start + count]).float()
+                         for start, count in prompt_logit_ranges]
+        return ForwardOutput(hidden, logits, prompt_logits)
 
     def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False):
         """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
@@ -174,22 +160,15 @@ class ModelRunner:
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return hidden, logits
 
-    @torch.inference_mode()
-    def execute_plan(self, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
-                     inputs_from_root: bool, graph_size: int = 0) -> None:
-        """A worker rank's share of a step rank 0 planned: the same forward pass and LM-head
-        calls (each holds collectives), nothing sampled; replayed from this rank's graph of
-        ``graph_size`` rows where rank 0 replays its own (0: eagerly)."""
-        if graph_size:
-            rows = self.planned_graph_step(step, graph_size)
-            self.graphs.replay(rows, broadcast_inputs=inputs_from_root)
-            return
-        hidden, _ = self.forward(step, broadcast_inputs=inputs_from_root)
-        for start, count in prompt_logit_ranges:
-            self.model.compute_logits(hidden[start:start + count])
+    def graph_size(self, step: StepInputs) -> int:
+        """The rows of the CUDA graph that replays this step (0: it runs eagerly): what the engine
+        core plans (``engine/step_planner.py``), a pure function of the step's inputs, the sizes
+        captured and the pending loads, so every rank would choose the same."""
+        replayed = self.graph_rows(step)
+        return self.graphs.size_for(replayed) if replayed is not None else 0
 
     def planned_graph_step(self, step: StepInputs, graph_size: int) -> StepInputs:
-        """The rows this rank replays for a step rank 0 replays in its graph of ``graph_size``
+        """The rows this rank replays for a step planned to replay the graph of ``graph_size``
         rows. The graphs hold the layers' collectives, so every rank must replay the same one
         (another would wait forever on NCCL): raises unless this rank has that graph and makes
         the same choice for the step (a pure function of the step's inputs and the sizes)."""
@@ -197,7 +176,7 @@ class ModelRunner:
         if graph_size not in sizes:
             raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows, "
                                f"but this rank has graphs of {sizes or 'no'} rows")
-        replayed = self._graph_step(step)
+        replayed = self.graph_rows(step)
         chosen = self.graphs.size_for(replayed) if replayed is not None else 0
         if chosen != graph_size:
             raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows for a "
@@ -205,7 +184,7 @@ class ModelRunner:
                                + (f"replay its graph of {chosen} rows" if chosen else "run it eagerly"))
         return replayed
 
-    def _graph_step(self, step: StepInputs) -> Optional[StepInputs]:
+    def graph_rows(self, step: StepInputs) -> Optional[StepInputs]:
         """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
         step, or a verification step laid out as single-token rows. Pending loads must be waited
         for layer by layer (I3): a replay cannot, so a step with any pending on a layer the model
@@ -239,40 +218,6 @@ class ModelRunner:
             chunk_start_positions=step.start_positions, chunk_context_lengths=step.context_lengths,
             zero_invalid=self.coordinator.sanitizer.enabled, decode_min_bucket=self.decode_min_bucket,
             host_page_table=step.page_tables[group])
-
-    def _outputs(self, step: StepInputs, hidden, logits, prompt_rows, check_finite: bool) -> ExecuteResult:
-        if check_finite and not torch.isfinite(logits).all():
-            from tandem.kv.block_pool import SanitizerError
-            raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
-        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
-        prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
-        for chunk, row_start, count in prompt_rows:
-            prompt_logprobs[id(chunk)] = self._prompt_logprobs(hidden, chunk, row_start, count)
-        return ExecuteResult(sampling_chunks, logits, prompt_logprobs, step, hidden)
-
-    def _prompt_logprobs(self, hidden, chunk: ScheduledChunk, row_start: int, count: int):
-        """Logprobs of prompt tokens ``start+1 .. start+count`` from this chunk's rows."""
-        sequence = chunk.sequence
-        logits = self.model.compute_logits(hidden[row_start:row_start + count]).float()
-        targets = torch.tensor(sequence.token_ids[chunk.start + 1:chunk.start + 1 + count],
-                               dtype=torch.long, device=logits.device)
-        chosen, ranks, top_ids, top_logprobs = compute_logprobs(logits, targets, sequence.params.prompt_logprobs)
-        return to_position_logprobs(targets, chosen, ranks, top_ids, top_logprobs)
-
-
-def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:
-    """(chunk, first row, rows) of each chunk whose prompt logprobs this step computes: the
-    rows of prompt tokens ``start .. min(end, prompt_len - 1) - 1`` (each predicts the next)."""
-    rows = []
-    if not step.wants_prompt_logprobs:
-        return rows
-    for row, chunk in enumerate(step.chunks):
-        if not chunk.prompt_logprobs:
-            continue
-        last_position = min(chunk.start + chunk.num_new_tokens, chunk.sequence.num_prompt_tokens - 1)
-        if last_position - chunk.start > 0:
-            rows.append((chunk, step.query_starts[row], last_position - chunk.start))
-    return rows
 
 
 def default_backend(device: torch.device) -> AttentionBackend:

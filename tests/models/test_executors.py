@@ -1,18 +1,25 @@
 """The executor interface on one rank (the multiprocess one is exercised by every TP=2 test,
-its ``collective_rpc`` in tests/models/test_tensor_parallel.py): the in-process executor hands nothing
-on, agrees with itself, answers the named rank calls here and refuses any other name."""
+its ``collective_rpc`` in tests/models/test_tensor_parallel.py): the in-process executor runs each
+step on rank 0's worker, agrees with itself, answers the named rank calls here and refuses any
+other name. Under TP=2, a failure of rank 0's worker inside a step the other rank started stops
+that rank (the executor's job, not the model runner's)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
+from tandem.engine.ranks.launcher import RankFailure
 from tandem.engine.ranks.executor import RANK_CALLS, Executor, InProcessExecutor
 from tandem.engine.ranks.launcher import MultiprocessExecutor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.kv.planner import allocate_buffers, plan_pools
 from tandem.kv.registry import StateRegistry
 from tandem.kv.spec import FullAttentionSpec
+from tests.models.test_tensor_parallel import ENGINE, GREEDY
 
 
 def test_in_process_executor(model_dirs):
@@ -36,6 +43,33 @@ def test_in_process_executor(model_dirs):
     with pytest.raises(ValueError, match=r"collective_rpc: unknown rank call 'shutdown_host'"):
         executor.collective_rpc("shutdown_host")
     assert "shutdown_host" not in RANK_CALLS
-    executor.send_step(None, [], False)
+    executor.attach_worker(SimpleNamespace(execute=lambda plan, feed: ("ran", plan, feed)))
+    assert executor.execute_step("plan", "feed") == ("ran", "plan", "feed")  # rank 0's worker, in process
     executor.check()
     executor.close()
+
+
+def test_rank_zero_forward_failure_stops_the_other_ranks(model_dirs):
+    """Rank 0's worker raises in the second step, after the executor sent the plan: the worker
+    process (waiting in that step's collectives) is stopped, the step's request ends with the
+    error, and the engine reports the failed group from then on."""
+    llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, **ENGINE)
+    engine, calls = llm.engine, []
+    run = engine.worker.runner.run
+
+    def run_failing_the_second_step(*arguments, **keywords):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return run(*arguments, **keywords)
+
+    engine.worker.runner.run = run_failing_the_second_step
+    try:
+        (output,) = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+        assert output.outputs[0].finish_reason == "error", output.outputs[0]
+        assert len(calls) == 2
+        with pytest.raises(RankFailure, match=r"rank 0's forward pass failed \(RuntimeError: injected failure\)"):
+            engine.check_health()
+        assert all(process.poll() is not None for process in engine.executor.workers)
+    finally:
+        engine.shutdown()

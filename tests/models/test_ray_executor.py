@@ -221,7 +221,7 @@ def test_a_rank_that_cannot_build_fails_the_start_naming_it(ray_cluster, model_d
 
 def check_killed_actor_fails(llm) -> None:
     executor = llm.engine.executor
-    execute, steps = llm.engine.runner.execute, []
+    execute, steps = executor.execute_step, []
 
     def execute_after_the_third_step_kills(*arguments, **keywords):
         steps.append(len(steps))
@@ -230,7 +230,7 @@ def check_killed_actor_fails(llm) -> None:
             ray.wait(executor._runs, timeout=30)  # its run call ends with the actor
         return execute(*arguments, **keywords)
 
-    llm.engine.runner.execute = execute_after_the_third_step_kills
+    executor.execute_step = execute_after_the_third_step_kills
     started = time.monotonic()
     try:
         outputs = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)

@@ -17,7 +17,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.parallel.graphs import same_on_every_rank
 from tandem.parallel.group import join, open_store
-from tandem.engine.ranks.plan import StepPlan
+from tandem.engine.ranks.plan import ForwardPlan, StepPlan
 from tandem.worker.cuda_graphs import CudaGraphRunner
 from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU
 from tandem.worker.step_inputs import StepInputs
@@ -43,13 +43,13 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
               cuda_graph_sizes=list(range(1, 9)), **dict(ENGINE, page_size=64))
     engine = llm.engine
     sent = []
-    send_step = engine.executor.send_step
+    execute_step = engine.executor.execute_step
 
-    def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
-        sent.append((step.num_decode == len(step.chunks), graph_size))
-        send_step(step, ranges, inputs_from_root, graph_size)
+    def recording_execute_step(plan, feed=None):
+        sent.append((plan.inputs.num_decode == len(plan.inputs.chunks), plan.graph_size))
+        return execute_step(plan, feed)
 
-    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
+    monkeypatch.setattr(engine.executor, "execute_step", recording_execute_step)
     runner = engine.runner
     forward = CudaGraphRunner._forward
 
@@ -82,9 +82,9 @@ def test_enforce_eager_keeps_every_rank_eager(model_dirs, oracles, monkeypatch):
     monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
     llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, enforce_eager=True, **ENGINE)
     sent = []
-    send_step = llm.engine.executor.send_step
-    monkeypatch.setattr(llm.engine.executor, "send_step",
-                        lambda step, *args: (sent.append(args[-1]), send_step(step, *args)))
+    execute_step = llm.engine.executor.execute_step
+    monkeypatch.setattr(llm.engine.executor, "execute_step",
+                        lambda plan, feed=None: (sent.append(plan.graph_size), execute_step(plan, feed))[1])
     prompt = list(range(3, 20))
     try:
         assert llm.engine.executor.graph_sizes == [] and llm.engine.runner.graphs is None
@@ -102,24 +102,25 @@ def decode_step(runner, rows: int) -> StepInputs:
                       [np.ones((rows, 1), dtype=np.int32)] * groups, [np.arange(rows)] * groups, list(range(rows)))
 
 
-def through_plan(step: StepInputs, graph_size: int) -> tuple[StepInputs, int]:
-    """The step and graph size as a worker receives them (msgpack both ways)."""
+def through_plan(step: StepInputs, graph_size: int) -> ForwardPlan:
+    """The step's forward plan as a worker receives it (msgpack both ways)."""
     import msgspec
 
-    payload = msgspec.msgpack.encode(StepPlan.of_step(step, [], [], True, graph_size))
-    plan = msgspec.msgpack.Decoder(StepPlan).decode(payload)
-    return plan.step_inputs(), plan.graph_size
+    payload = msgspec.msgpack.encode(StepPlan.of_forward(ForwardPlan(step, [], True, graph_size), []))
+    return msgspec.msgpack.Decoder(StepPlan).decode(payload).forward_plan()
 
 
 def test_plan_naming_a_graph_the_worker_lacks_or_would_not_choose_fails(model_dirs):
-    runner = LLM(model=model_dirs["llama"], **ENGINE).engine.runner
-    step, size = through_plan(decode_step(runner, 3), 4)
-    assert size == 4
+    worker = LLM(model=model_dirs["llama"], **ENGINE).engine.worker
+    runner = worker.runner
+    plan = through_plan(decode_step(runner, 3), 4)
+    step, size = plan.inputs, plan.graph_size
+    assert size == 4 and plan.inputs_from_root
     with pytest.raises(RuntimeError, match="rank 0 replays its CUDA graph of 4 rows, but this rank has graphs of no rows"):
-        runner.execute_plan(step, [], True, size)
+        worker.execute(plan)
     runner.graphs = CudaGraphRunner(runner, [1, 2], max_width=8)
     with pytest.raises(RuntimeError, match=r"graph of 4 rows, but this rank has graphs of \[1, 2\] rows"):
-        runner.execute_plan(step, [], True, size)
+        worker.execute(plan)
     runner.graphs = CudaGraphRunner(runner, [2, 4, 8], max_width=8)
     assert runner.planned_graph_step(step, 4).num_tokens == 3
     with pytest.raises(RuntimeError, match="step of 3 tokens, but this rank would replay its graph of 4 rows"):
@@ -164,13 +165,13 @@ def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs
               **dict(ENGINE, page_size=64))
     engine = llm.engine
     sent = []
-    send_step = engine.executor.send_step
+    execute_step = engine.executor.execute_step
 
-    def recording_send_step(step, ranges, inputs_from_root, graph_size=0):
-        sent.append(graph_size)
-        send_step(step, ranges, inputs_from_root, graph_size)
+    def recording_execute_step(plan, feed=None):
+        sent.append(plan.graph_size)
+        return execute_step(plan, feed)
 
-    monkeypatch.setattr(engine.executor, "send_step", recording_send_step)
+    monkeypatch.setattr(engine.executor, "execute_step", recording_execute_step)
     prompt = [(5 * i + 7) % 500 + 3 for i in range(70)]
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     try:

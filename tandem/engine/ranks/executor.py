@@ -5,13 +5,18 @@
       MultiprocessExecutor one host: a worker process per further rank (``launcher.py``)
       RayExecutor          many hosts: a Ray actor per further rank (``ray_executor.py``)
 
-Rank 0 keeps the books and runs its own shard in process; an executor hands every other rank
-what rank 0 does: each step's message (``send_step``: the model runner's inputs and the page
-operations rank 0's outbox recorded since the last message, which every rank applies through
-the same executor, ``kv/page_operations.py``), and named calls that every rank answers
-(``collective_rpc``, answers in rank order). In vLLM's words: ``send_step`` is
-``execute_model``, ``check`` is ``check_health``, ``close`` is ``shutdown``; ``start`` brings the
-ranks up before the engine core builds its model (every rank builds its shard in step).
+Every rank runs one ``Worker`` (``worker.py``), rank 0 included: rank 0's lives in the engine
+core's process (the books beside it), the others in the processes or actors the executor
+started. The executor hands each step's message to all of them (``execute_step``: the forward
+plan, ``plan.ForwardPlan``; the other ranks also get the page operations rank 0's outbox recorded
+since the last message, which every rank applies through the same executor,
+``kv/page_operations.py``) and runs rank 0's worker on it last, returning its result; a sharded
+draft's passes likewise (``execute_draft``); and named calls that every rank answers
+(``collective_rpc``, answers in rank order). When rank 0's part of a step the other ranks
+started fails, the executor stops them (they are inside the step's collectives): the engine
+cannot go on. In vLLM's words: ``execute_step`` is ``execute_model``, ``check`` is
+``check_health``, ``close`` is ``shutdown``; ``start`` brings the ranks up before the engine core
+builds its model (every rank builds its shard in step).
 """
 from __future__ import annotations
 
@@ -83,6 +88,15 @@ def rank_call(method: str) -> Callable[..., Any]:
         raise ValueError(f"collective_rpc: unknown rank call {method!r} (known: {sorted(RANK_CALLS)})") from None
 
 
+def draft_plan(step, inputs_from_root: bool, hidden: Optional[torch.Tensor]):
+    """The ``plan.DraftPlan`` of a sharded draft's pass over ``step``'s rows (with ``hidden``
+    inputs, which rank 0 broadcasts, or none)."""
+    from tandem.engine.ranks.plan import DraftPlan
+
+    dtype = str(hidden.dtype).removeprefix("torch.") if hidden is not None else ""
+    return DraftPlan(step, inputs_from_root, dtype)
+
+
 class Executor(abc.ABC):
     """The ranks of one model replica, at every size (one rank: ``InProcessExecutor``). Owner:
     the engine core, which starts one before it builds its model (``start_executor``) and closes
@@ -123,9 +137,19 @@ class Executor(abc.ABC):
         read ``count``)."""
 
     @abc.abstractmethod
-    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
-                  graph_size: int = 0) -> None:
-        """Hand every other rank this step's message (rank 0 runs the step itself)."""
+    def attach_worker(self, worker) -> None:
+        """Rank 0's ``Worker``, once built: it runs every step and draft message from now on."""
+
+    @abc.abstractmethod
+    def execute_step(self, plan, feed=None):
+        """Hand this step's message (``plan.ForwardPlan``) to every rank's worker, rank 0's last
+        (with ``feed``: its tokens still pending on its device); rank 0's ``ForwardOutput``."""
+
+    @abc.abstractmethod
+    def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,
+                      hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """A sharded draft's pass over ``step``'s rows on every rank's worker, rank 0's last (its
+        device ``input_ids`` and ``hidden`` inputs, broadcast to the others); rank 0's output."""
 
     @abc.abstractmethod
     def flush(self) -> None:
@@ -154,6 +178,7 @@ class InProcessExecutor(Executor):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.context: Optional[RankContext] = None
+        self.worker = None  # rank 0's Worker, once attached
         self.graph_sizes: list[int] = []
 
     @classmethod
@@ -179,8 +204,14 @@ class InProcessExecutor(Executor):
     def agree_on_disk_reads(self, keys, count) -> int:
         return count
 
-    def send_step(self, step, prompt_logit_ranges, inputs_from_root, graph_size=0) -> None:
-        return None  # no other rank
+    def attach_worker(self, worker) -> None:
+        self.worker = worker
+
+    def execute_step(self, plan, feed=None):
+        return self.worker.execute(plan, feed)
+
+    def execute_draft(self, step, inputs_from_root, input_ids, hidden):
+        return self.worker.draft(draft_plan(step, inputs_from_root, hidden), input_ids, hidden)
 
     def flush(self) -> None:
         return None

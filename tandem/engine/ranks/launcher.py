@@ -1,5 +1,5 @@
-"""Rank 0's side of tensor parallelism: start the workers, join the group, hand the model
-runner a plan sender, watch the workers, stop them.
+"""Rank 0's side of tensor parallelism: start the workers, join the group, hand every rank's
+worker each step's message (rank 0's in process), watch the workers, stop them.
 
 Owner: the engine core (rank 0) creates one ``MultiprocessExecutor`` (``executor.py``) before it
 builds its model and closes it at shutdown. The workers are child processes (``python -m tandem.engine.ranks.worker``); each
@@ -33,8 +33,8 @@ from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.group import exchange, join, open_store, rank_device
-from tandem.engine.ranks.executor import Executor, RankContext, rank_call
-from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER, PlanChannel, StepPlan
+from tandem.engine.ranks.executor import Executor, RankContext, draft_plan, rank_call
+from tandem.engine.ranks.plan import DISK, PAGES, RPC, STOP, TRANSFER, PlanChannel, StepPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -122,6 +122,7 @@ class MultiprocessExecutor(Executor):
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
         self.outbox: Optional[Outbox] = None  # rank 0's coordinator's, once attached
+        self.worker = None  # rank 0's Worker (worker.py), once attached
         self.graph_sizes: list[int] = []  # the decode graphs every rank captured (equal on all)
 
     @classmethod
@@ -158,14 +159,15 @@ class MultiprocessExecutor(Executor):
         self.check()
         self.channel.send(StepPlan(TRANSFER, self.page_operations(), transfer_operations=operations))
 
-    def send_draft(self, step, inputs_from_root: bool, hidden: Optional[torch.Tensor]) -> None:
-        """A sharded draft's pass over ``step``'s rows: every rank runs it (``draft_batch.py``);
-        rank 0 broadcasts ``hidden`` (and its input ids, ``inputs_from_root``) right after."""
+    def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,
+                      hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """A sharded draft's pass over ``step``'s rows: the DRAFT plan to the other ranks, then
+        rank 0's worker runs it (``Worker.draft``: every rank the same pass; rank 0 broadcasts
+        ``hidden`` and, ``inputs_from_root``, its device ``input_ids`` first)."""
         self.check()
-        plan = StepPlan.of_step(step, [], self.page_operations(), inputs_from_root)
-        plan.kind = DRAFT
-        plan.hidden_dtype = str(hidden.dtype).removeprefix("torch.") if hidden is not None else ""
-        self.channel.send(plan)
+        plan = draft_plan(step, inputs_from_root, hidden)
+        self.channel.send(StepPlan.of_draft(plan, self.page_operations()))
+        return self._on_rank_zero("draft pass", self.worker.draft, plan, input_ids, hidden)
 
     def agree_on_disk_reads(self, keys: list[bytes], count: int) -> int:
         """How many leading pages of ``keys`` every rank read from its own store (rank 0 read
@@ -176,11 +178,13 @@ class MultiprocessExecutor(Executor):
 
     def attach(self, coordinator, runner) -> None:
         """Record the page operations rank 0's coordinator applies (its outbox) for the other
-        ranks, and send a plan before each forward pass."""
+        ranks; rank 0 answers its own calls with its coordinator and runner."""
         coordinator.outbox.record_for_other_ranks()
         self.outbox = coordinator.outbox
-        runner.plan_sender = self
         self.context = RankContext(coordinator, runner)
+
+    def attach_worker(self, worker) -> None:
+        self.worker = worker
 
     def collective_rpc(self, method: str, *arguments) -> list:
         """An RPC plan (with the page operations so far) names the call; every rank answers
@@ -194,11 +198,21 @@ class MultiprocessExecutor(Executor):
         answers = exchange(self.groups.control, msgspec.msgpack.encode(call(self.context, *arguments)))
         return [msgspec.msgpack.decode(answer) for answer in answers]
 
-    def send_step(self, step, prompt_logit_ranges: list[tuple[int, int]], inputs_from_root: bool,
-                  graph_size: int = 0) -> None:
+    def execute_step(self, plan, feed=None):
+        """The STEP plan to the other ranks (after the page operations rank 0 applied since the
+        last message), then rank 0's worker runs the same forward pass (``Worker.execute``)."""
         self.check()
-        self.channel.send(StepPlan.of_step(step, prompt_logit_ranges, self.page_operations(), inputs_from_root,
-                                           graph_size))
+        self.channel.send(StepPlan.of_forward(plan, self.page_operations()))
+        return self._on_rank_zero("forward pass", self.worker.execute, plan, feed)
+
+    def _on_rank_zero(self, what: str, call, *arguments):
+        """Rank 0's part of a message the other ranks already run: if it raises, they wait inside
+        its collectives, so they are stopped (``fail``) and every later message raises."""
+        try:
+            return call(*arguments)
+        except Exception as error:
+            self.fail(f"rank 0's {what} failed ({type(error).__name__}: {error})")
+            raise
 
     def capture_graphs(self, runner, batch_sizes: list[int], max_model_len: int, max_num_batched_tokens: int) -> None:
         """Rank 0's side of ``capture_on_every_rank`` (the workers run theirs at start-up)."""

@@ -1,5 +1,10 @@
 """The step plan: what rank 0 sends the other ranks before each forward pass.
 
+``ForwardPlan`` is one step's forward pass as every rank runs it, rank 0 included (``worker.py``'s
+``Worker.execute``): the engine core plans it (``engine/step_planner.py``) and its executor hands it
+to every rank's worker. ``DraftPlan`` is a pass of a sharded draft, likewise. ``StepPlan`` is the
+message that carries either to ranks 1..N-1 over the control group.
+
 A plan is the model runner's host-side inputs of one step (``StepInputs`` without the
 scheduler's objects), the logits rows it computes (sampled rows, then each chunk's prompt
 logprob rows: every rank must run the LM head's gather in the same order), the CUDA graph rank
@@ -21,6 +26,7 @@ rank 0 then broadcasts the rows' hidden inputs (and its device-resident input id
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
@@ -48,6 +54,30 @@ class Array(msgspec.Struct, array_like=True):
 
     def value(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape).copy()
+
+
+@dataclass
+class ForwardPlan:
+    """One step's forward pass, as every rank runs it (``Worker.execute``): the runner's inputs
+    (rank 0's carry the scheduled chunks; another rank's none), the rows whose logits the LM head
+    computes after the sampled rows' (each chunk's prompt-logprob rows, in order: the head's gather
+    is a collective), whether the input ids come from rank 0's device (tokens still pending
+    there), and the CUDA graph every rank replays (its rows; 0: eagerly). The graph is a pure
+    function of the inputs and the captured sizes: each rank checks that it would choose it too."""
+    inputs: StepInputs
+    prompt_logit_ranges: list[tuple[int, int]]
+    inputs_from_root: bool = False
+    graph_size: int = 0
+
+
+@dataclass
+class DraftPlan:
+    """A pass of a sharded draft (an MTP module) over rows laid out as a step (``draft_batch.py``),
+    as every rank runs it (``Worker.draft``): the hidden inputs' dtype ("": none) and whether the
+    input ids come from rank 0's device; rank 0 broadcasts both before the pass."""
+    inputs: StepInputs
+    inputs_from_root: bool = False
+    hidden_dtype: str = ""
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -79,6 +109,29 @@ class StepPlan(msgspec.Struct, array_like=True):
                    [Array.of(table) for table in step.page_tables],
                    [Array.of(slots) for slots in step.slot_mappings], list(step.sampling_rows),
                    prompt_logit_ranges, inputs_from_root, graph_size)
+
+    @classmethod
+    def of_forward(cls, plan: ForwardPlan, page_operations: list[PageOperation]) -> "StepPlan":
+        """A STEP plan: ``plan`` for the other ranks, after the page operations before it."""
+        return cls.of_step(plan.inputs, plan.prompt_logit_ranges, page_operations, plan.inputs_from_root,
+                           plan.graph_size)
+
+    @classmethod
+    def of_draft(cls, plan: DraftPlan, page_operations: list[PageOperation]) -> "StepPlan":
+        """A DRAFT plan: ``plan`` for the other ranks, after the page operations before it."""
+        message = cls.of_step(plan.inputs, [], page_operations, plan.inputs_from_root)
+        message.kind = DRAFT
+        message.hidden_dtype = plan.hidden_dtype
+        return message
+
+    def forward_plan(self) -> ForwardPlan:
+        """A STEP plan as the forward pass this rank runs."""
+        return ForwardPlan(self.step_inputs(), [tuple(rows) for rows in self.prompt_logit_ranges],
+                           self.inputs_from_root, self.graph_size)
+
+    def draft_plan(self) -> DraftPlan:
+        """A DRAFT plan as the draft pass this rank runs."""
+        return DraftPlan(self.step_inputs(), self.inputs_from_root, self.hidden_dtype)
 
     def step_inputs(self) -> StepInputs:
         """The plan as the runner's inputs (no scheduled chunks: a worker samples nothing)."""

@@ -8,7 +8,7 @@ builds its model and closes it at shutdown. Start-up:
    down again at close) unless this process has joined one already;
 2. reserve a placement group of one bundle per rank, bundle 0 on this node (``ray_placement.py``);
 3. start one ``TensorParallelRank`` actor per further rank in its bundle (``ray_worker.py``: the
-   multiprocess executor's ``WorkerRank``), each with the environment every rank reads (the
+   ``Worker`` every rank runs), each with the environment every rank reads (the
    sanitizer, NCCL's and gloo's settings), and ask where each landed;
 4. open the TCP store (on loopback when every rank is on this node, else on this node's address
    as Ray knows it) and start each actor's long-running ``run`` call: it joins the group and
@@ -195,6 +195,7 @@ class RayExecutor(MultiprocessExecutor):
         self.shard = self.groups.shard
         self.channel = PlanChannel(self.groups.control, 0)
         self.outbox: Optional[Outbox] = None  # rank 0's coordinator's, once attached
+        self.worker = None  # rank 0's Worker (worker.py), once attached
         self.graph_sizes: list[int] = []
 
     # The start-up agreements: a rank whose build failed (a node without the model directory)

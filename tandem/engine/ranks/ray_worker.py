@@ -1,5 +1,5 @@
-"""A worker rank in a Ray actor: the same ``WorkerRank`` a worker process of the multiprocess
-executor runs (``worker.py``: ``serve_plans``), in the bundle of the placement group that
+"""A worker rank in a Ray actor: the same ``Worker`` a worker process of the multiprocess
+executor runs, and rank 0 too (``worker.py``: ``serve_plans``), in the bundle of the placement group that
 ``RayExecutor`` (``ray_executor.py``) gave it.
 
 The executor makes two calls on each actor. ``describe`` says where Ray put it (node, address,

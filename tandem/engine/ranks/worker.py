@@ -1,16 +1,23 @@
-"""A worker rank (1 .. N-1): its shard of the model and of the state, driven by rank 0's plans.
+"""A rank's worker: its shard of the model and of the state, and what each plan makes it do.
 
-The process rank 0 starts (``launcher.py``). It joins the groups first (so a failure after that
-reaches rank 0 through the collectives), builds its shard exactly as rank 0 builds its own (same
-config, its own rank), agrees on the page counts (and the host tier's), then loops: receive a
-plan, apply its page operations to this rank's shard through the same ``PageExecutor`` rank 0
-applied them with (``kv/page_operations.py``; the tiers' kinds through this rank's ``TierWorker``), run
-the forward pass (replaying the CUDA graph the plan names: every rank captures the same ones at
-start-up, ``graphs.py``). It samples nothing and keeps no scheduler: its page tables arrive in
-every plan. It exits on a STOP plan; if rank 0 dies, the kernel kills it (``PR_SET_PDEATHSIG``)
-and a pending collective fails. With a PD role it also has its own transfer agent, which TRANSFER
-plans drive instead of a forward pass (``pd_ranks.py``). With an MTP draft (sharded as the
-target) it runs the draft's passes too, as DRAFT plans name them.
+Every rank runs one ``Worker``, rank 0 included: the engine core's executor hands each step's
+message (``plan.py``) to every rank's worker, rank 0's in process (``executor.py``). A worker
+holds its rank's model runner, its page executor (and tier worker), a sharded draft where there
+is one, and (ranks 1..N-1) its PD transfer agent. ``execute`` is the one forward pass every rank
+runs for a STEP plan (``ModelRunner.run``: the graph replay or eager pass, the LM head over the
+prompt-logit ranges, the layers' collectives in the same order on every rank); ``draft`` the one
+pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the others discard it.
+
+Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
+Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
+builds its shard exactly as rank 0 builds its own (``build.py``: same config, its own rank),
+agrees on the page counts (and the host tier's), then loops (``serve_plans``): receive a plan,
+apply its page operations to this rank's shard through the same ``PageExecutor`` rank 0 applied
+them with (``kv/page_operations.py``; the tiers' kinds through this rank's ``TierWorker``), then
+do what the plan says. Such a rank samples nothing and keeps no scheduler: its page tables arrive
+in every plan. It exits on a STOP plan; if rank 0 dies, the kernel kills it (``PR_SET_PDEATHSIG``)
+and a pending collective fails. With a PD role it also has its own transfer agent, which
+TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -18,11 +25,17 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 import torch
 
 from tandem.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tandem.engine.ranks.build import RankParts
+    from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
+    from tandem.worker.model_runner import ForwardOutput
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -54,12 +67,13 @@ def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level:
 
 
 def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
+    """Ranks 1..N-1: build this rank's worker, then carry out rank 0's plans until the STOP plan."""
     from tandem.engine.ranks.plan import PlanChannel
 
-    rank = WorkerRank(config, groups, device)
+    worker = Worker.build(config, groups, device)
     channel = PlanChannel(groups.control, groups.rank)
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
-    while rank.serve(channel.receive()):
+    while worker.serve(channel.receive()):
         pass
 
 
@@ -91,38 +105,70 @@ class WorkerGroup:
         return capture_on_every_rank(runner, self.groups, batch_sizes, max_model_len, max_num_batched_tokens)
 
 
-class WorkerRank:
-    """This rank's shard of the model and of the state (``build_rank``, as rank 0 builds its
-    own), and what each kind of plan makes it do."""
+class Worker:
+    """One rank's shard of the model and of the state (``build_rank``'s parts), and what each
+    kind of plan makes it do (the module docstring). Owner: rank 0's engine core (through its
+    executor) or, on ranks 1..N-1, ``serve_plans``."""
 
-    def __init__(self, config: EngineConfig, groups, device: torch.device) -> None:
-        from tandem.disagg.pd_ranks import WorkerTransfers
-        from tandem.engine.ranks.build import build_rank
-
-        self.groups = groups
-        parts = build_rank(config, device, WorkerGroup(groups), rank=groups.rank)
-        self.coordinator, self.tiers, self.runner = parts.coordinator, parts.tiers, parts.runner
-        self.pages = self.coordinator.outbox.executor  # this rank's page executor (rank 0's: the same class)
-        # A draft model runs on rank 0 alone: its state groups exist here too (the same group
-        # ids), unused; its layers' loads (registered here too) are waited for after each
-        # forward pass. An MTP module is sharded as the target is: this rank runs its passes.
+    def __init__(self, parts: "RankParts", groups=None, transfers=None) -> None:
+        self.groups = groups  # ranks 1..N-1: the rank's groups (its answers go over the control group)
+        self.coordinator, self.runner = parts.coordinator, parts.runner
+        self.pages = self.coordinator.outbox.executor  # this rank's page executor (every rank's: the same class)
+        self.tiers = self.pages.tiers  # this rank's tier worker (rank 0's books drive theirs through the outbox)
+        # A draft model runs on rank 0 alone: on the other ranks its state groups exist (the same
+        # group ids), unused, and its layers' loads (registered there too) are waited for after
+        # each forward pass. An MTP module is sharded as the target is: every rank runs its passes.
         self.network = parts.draft
         self.unread_layers = ([] if self.network is not None else
                               [name for name in parts.registry.layer_names() if name not in self.runner.graph_layers])
-        # PD: this rank's own transfer agent (pd_ranks.py), made last, as rank 0 makes its PD side
-        self.transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
+        self.parallel = self.runner.model.tensor_shard.is_parallel
+        self.transfers = transfers  # ranks 1..N-1 with a PD role: this rank's transfer agent (pd_ranks.py)
 
-    def serve(self, plan) -> bool:
-        """Carry out one plan; False once it was the STOP plan."""
+    @classmethod
+    def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
+        """Ranks 1..N-1: this rank's shard (``build_rank``, as rank 0 builds its own), then its PD
+        transfer agent, made last as rank 0 makes its PD side."""
+        from tandem.disagg.pd_ranks import WorkerTransfers
+        from tandem.engine.ranks.build import build_rank
+
+        parts = build_rank(config, device, WorkerGroup(groups), rank=groups.rank)
+        transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
+        return cls(parts, groups, transfers)
+
+    def execute(self, plan: "ForwardPlan", feed=None) -> "ForwardOutput":
+        """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it: hidden
+        states, sampled rows' logits, each prompt range's logits (``ModelRunner.run``). ``feed``:
+        rank 0's tokens still pending on its device, written into the input ids (and broadcast)."""
+        output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
+                                 broadcast_inputs=plan.inputs_from_root and self.parallel)
+        for name in self.unread_layers:  # (after the forward pass: its own layers load first)
+            self.coordinator.pending_loads.wait(name)
+        return output
+
+    def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
+              hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A sharded draft's pass of a DRAFT plan (``plan.DraftPlan``), as every rank runs it: the
+        output hidden state of every row token. Rank 0 passes its device input ids and hidden
+        inputs, which it broadcasts; the other ranks receive them."""
+        from tandem.spec_decode.draft_batch import run_planned_rows
+
+        return run_planned_rows(self.runner, self.network, plan.inputs, plan.inputs_from_root, plan.hidden_dtype,
+                                input_ids, hidden)
+
+    def release_graphs(self) -> None:
+        """Before the process group goes (``ModelRunner.release_graphs``)."""
+        self.runner.release_graphs()
+
+    def serve(self, plan: "StepPlan") -> bool:
+        """Ranks 1..N-1: carry out one plan received from rank 0; False once it was the STOP plan."""
         from tandem.engine.ranks.launcher import agree_on_count
         from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER
-        from tandem.spec_decode.draft_batch import run_planned_rows
 
         self.pages.apply_all(plan.page_operations)
         if self.tiers is not None:
             self.tiers.poll()
         if plan.kind == STOP:
-            self.runner.release_graphs()  # before the process group goes (runner.release_graphs)
+            self.release_graphs()
             if self.transfers is not None:
                 self.transfers.close()
             if self.tiers is not None:
@@ -135,20 +181,17 @@ class WorkerRank:
         elif plan.kind == RPC:
             self._answer(plan.rpc_method, msgspec.msgpack.decode(plan.rpc_arguments))
         elif plan.kind == DRAFT:
-            run_planned_rows(self.runner, self.network, plan.step_inputs(), plan.inputs_from_root, plan.hidden_dtype)
+            self.draft(plan.draft_plan())
         elif plan.kind != PAGES:
-            self.runner.execute_plan(plan.step_inputs(), plan.prompt_logit_ranges, plan.inputs_from_root,
-                                     plan.graph_size)
-            for name in self.unread_layers:  # (after the forward pass: its own layers load first)
-                self.coordinator.pending_loads.wait(name)
+            self.execute(plan.forward_plan())
         return True
 
     def _answer(self, method: str, arguments: list) -> None:
         """This rank's answer to a ``collective_rpc`` (gathered by rank 0)."""
-        from tandem.engine.ranks.executor import RankContext, rank_call
+        from tandem.engine.ranks.executor import rank_call
         from tandem.parallel.group import exchange
 
-        answer = rank_call(method)(RankContext(self.coordinator, self.runner), *arguments)
+        answer = rank_call(method)(self, *arguments)
         exchange(self.groups.control, msgspec.msgpack.encode(answer))
 
 
