@@ -236,7 +236,8 @@ class DecodeSide(PDSide):
         """Bytes the prefill side writes: the destination pages that are final once the prompt
         is computed (the managers say which: not a recurrent group's checkpoint slot), in every
         buffer (a page-major group's block whole, as ``plan_page_writes`` writes it)."""
-        final = self.coordinator.pd_tables.final_page_indices(sequence.state, sequence.num_prompt_tokens, prompt_done=True)
+        final = self.coordinator.pd_tables.final_page_indices(sequence.state, sequence.num_prompt_tokens,
+                                                              prompt_done=True)
         live = [sum(index < len(table) and table[index] != NULL_PAGE for index in indices)
                 for indices, table in zip(final, tables)]
         total, pooled = 0, set()

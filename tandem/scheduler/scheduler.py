@@ -289,7 +289,7 @@ class Scheduler:
         sequence = chunk.sequence
         sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens if num_computed is None else num_computed
         self.coordinator.prefix_hits.cache_computed_pages(sequence.state, sequence.token_ids,
-                                              sequence.num_computed_tokens)
+                                                          sequence.num_computed_tokens)
         # After caching (the cache takes pages only while the sequence holds them all): release
         # pages no future step reads, e.g. those before a sliding window.
         self.coordinator.drop_unneeded_pages(sequence.state, sequence.num_computed_tokens)
