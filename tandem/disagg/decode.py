@@ -158,7 +158,7 @@ class DecodeSide(PDSide):
                     self.metrics.record_held_back()
                 return
             sequence = transfer.sequence
-            if self.coordinator.prefix_loading(sequence.state, sequence.token_ids):
+            if self.coordinator.prefix_hits.loading(sequence.state, sequence.token_ids):
                 return  # a prefix this server's disk store holds is being read (off the engine loop)
             if not self.bind(transfer, now):
                 if not transfer.held_back:
@@ -187,7 +187,7 @@ class DecodeSide(PDSide):
             return False
         sequence = transfer.sequence
         needed = self.coordinator.pages_needed(sequence.state, sequence.num_prompt_tokens + sequence.max_tokens)
-        evictable = self.coordinator.evictable_pages()  # the prefix cache gives way
+        evictable = self.coordinator.prefix_hits.evictable_pages()  # the prefix cache gives way
         return all(pool.num_free + spare - held >= count
                    for pool, spare, held, count in zip(self.coordinator.pools, evictable, reserved, needed))
 
@@ -212,7 +212,7 @@ class DecodeSide(PDSide):
         self.queue.remove(transfer)
         transfer.status.advance(TransferState.BOUND)
         transfer.bound_at = now
-        tables = self.coordinator.destination_tables(sequence.state)
+        tables = self.coordinator.pd_tables.destination_tables(sequence.state)
         if self.ranks is not None:  # freed pages are poisoned on every rank before they are written again
             self.ranks.flush_pages()
         # every rank receives its shard of the pages (the shards are equal in size)
@@ -226,7 +226,7 @@ class DecodeSide(PDSide):
     def match_prefix(self, sequence: Sequence) -> None:
         """Take the longest prefix this server's cache (and its tiers) holds for the prompt."""
         scheduler = self.scheduler
-        hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
+        hit = self.coordinator.prefix_hits.match(sequence.state, sequence.token_ids)
         scheduler.prefix_hit_tokens += hit
         scheduler.prefix_query_tokens += sequence.num_prompt_tokens
         if hit and self.scheduler.tiers is not None:
@@ -236,7 +236,8 @@ class DecodeSide(PDSide):
         """Bytes the prefill side writes: the destination pages that are final once the prompt
         is computed (the managers say which: not a recurrent group's checkpoint slot), in every
         buffer (a page-major group's block whole, as ``plan_page_writes`` writes it)."""
-        final = self.coordinator.final_page_indices(sequence.state, sequence.num_prompt_tokens, prompt_done=True)
+        final = self.coordinator.pd_tables.final_page_indices(sequence.state, sequence.num_prompt_tokens,
+                                                              prompt_done=True)
         live = [sum(index < len(table) and table[index] != NULL_PAGE for index in indices)
                 for indices, table in zip(final, tables)]
         total, pooled = 0, set()

@@ -36,7 +36,8 @@ class PrefillWrites:
     def final_pages(self, transfer: PrefillTransfer, prompt_done: bool) -> list[dict[int, int]]:
         """Per group: page-table index -> page, for every entry final after the last chunk."""
         state = transfer.sequence.state
-        indices = self.coordinator.final_page_indices(state, transfer.sequence.num_computed_tokens, prompt_done)
+        indices = self.coordinator.pd_tables.final_page_indices(state, transfer.sequence.num_computed_tokens,
+                                                                prompt_done)
         return [{index: table[index] for index in group_indices}
                 for group_indices, table in zip(indices, state.page_tables)]
 

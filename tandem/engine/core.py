@@ -430,7 +430,7 @@ class EngineCore:
                                        parent.params, parent.max_tokens)
             child.num_cached_tokens = parent.num_cached_tokens
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
-            forked = self.coordinator.fork(parent.state, child.state, parent.num_computed_tokens)
+            forked = self.coordinator.forks.fork(parent.state, child.state, parent.num_computed_tokens)
             child.num_computed_tokens = parent.num_computed_tokens if forked else 0
             self.scheduler.place_fork(child, forked)
             self._sequences[parent.request_id].append(child)
@@ -531,7 +531,7 @@ class EngineCore:
                            structured_outputs=self.structured.stats())
 
     def reset_prefix_cache(self) -> int:
-        return self.coordinator.reset_prefix_cache()
+        return self.coordinator.prefix_hits.reset()
 
     def check_all_free(self) -> None:
         """I5 at idle: flush the prefix cache, then every page must be free."""

@@ -26,6 +26,11 @@ CACHE_OWNER = "cache"
 INFLIGHT_PREFIX = "inflight:"
 
 
+def any_short(pools: Iterable["BlockPool"], needed: Iterable[int]) -> bool:
+    """Whether some pool has fewer free pages than ``needed`` of it (one count per pool)."""
+    return any(pool.num_free < count for pool, count in zip(pools, needed))
+
+
 class BlockPool:
     def __init__(self, group_id: int, num_pages: int,
                  on_free: Optional[Callable[[int, list[int]], None]] = None) -> None:

@@ -249,14 +249,14 @@ class Scheduler:
     def _prefix_loading(self, sequence: Sequence) -> bool:
         if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
             return False
-        return self.coordinator.prefix_loading(sequence.state, sequence.token_ids, idle=not self.running)
+        return self.coordinator.prefix_hits.loading(sequence.state, sequence.token_ids, idle=not self.running)
 
     def _match_prefix(self, sequence: Sequence) -> None:
         if any(sequence.state.page_tables) or sequence.wants_prompt_logprobs:
             if sequence.num_cached_tokens < 0:
                 sequence.num_cached_tokens = 0
             return
-        hit = self.coordinator.match_prefix(sequence.state, sequence.token_ids)
+        hit = self.coordinator.prefix_hits.match(sequence.state, sequence.token_ids)
         sequence.num_computed_tokens = hit
         if sequence.num_cached_tokens < 0:
             sequence.num_cached_tokens = hit
@@ -288,8 +288,8 @@ class Scheduler:
         decoding: the accepted drafts too, or fewer where a group rolled back)."""
         sequence = chunk.sequence
         sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens if num_computed is None else num_computed
-        self.coordinator.cache_computed_pages(sequence.state, sequence.token_ids,
-                                              sequence.num_computed_tokens)
+        self.coordinator.prefix_hits.cache_computed_pages(sequence.state, sequence.token_ids,
+                                                          sequence.num_computed_tokens)
         # After caching (the cache takes pages only while the sequence holds them all): release
         # pages no future step reads, e.g. those before a sliding window.
         self.coordinator.drop_unneeded_pages(sequence.state, sequence.num_computed_tokens)

@@ -105,7 +105,7 @@ def test_prefix_hit_takes_only_the_last_window_of_sliding_pages(model_dirs):
     llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))
     sliding, full = group_of_kind(engine, "sliding_window"), group_of_kind(engine, "full_attention")
     state = coordinator.new_state("probe#0")
-    hit = coordinator.match_prefix(state, prompt + [7])
+    hit = coordinator.prefix_hits.match(state, prompt + [7])
     assert hit == 96  # 12 whole pages of 8 (the cache holds the prompt's pages)
     # The next query (position 96) reads keys 73..96: pages 9.. (tokens 72..); pages 0..8 stay null.
     assert state.page_tables[sliding][:9] == [NULL_PAGE] * 9

@@ -35,7 +35,7 @@ def test_full_attention_pages_forks_final_pages_and_rollback():
     assert manager.fork_pages(table, 8) == (table[:2], [])
     assert manager.fork_pages(table, 8, private_last=True) == (table[:1], table[1:2])
     child = coordinator.new_state("a#1")
-    assert coordinator.fork(parent, child, 10)
+    assert coordinator.forks.fork(parent, child, 10)
     copy = child.page_tables[0][2]
     assert child.page_tables[0][:2] == table[:2] and copy not in table
     assert page_holds(coordinator, 0, copy, 3.0)  # every buffer of the group copied
@@ -108,13 +108,13 @@ def test_sliding_window_pages_are_cached_sparse_and_hit_again():
     coordinator.allocate(first, len(prompt))
     coordinator.drop_unneeded_pages(first, len(prompt))
     assert first.page_tables[1][:4] == [NULL_PAGE] * 4 and NULL_PAGE not in first.page_tables[0]
-    coordinator.cache_computed_pages(first, prompt, len(prompt))
+    coordinator.prefix_hits.cache_computed_pages(first, prompt, len(prompt))
     assert [node.pages[1] == NULL_PAGE for node in first.cache_path] == [True] * 4 + [False] * 2
     coordinator.free(first)
     check_books(coordinator, [])
 
     second = coordinator.new_state("b#0")
-    assert coordinator.match_prefix(second, prompt + [7, 8, 9]) == 24  # the window's pages are there
+    assert coordinator.prefix_hits.match(second, prompt + [7, 8, 9]) == 24  # the window's pages are there
     local = second.page_tables[1]
     start = coordinator.managers[1].window_start_index(6)
     assert local == [NULL_PAGE] * start + [node.pages[1] for node in second.cache_path[start:]] and start == 4
@@ -122,7 +122,7 @@ def test_sliding_window_pages_are_cached_sparse_and_hit_again():
     coordinator.free(second)
 
     # A request for every page: the cache's sliding entries are dropped and its nodes evicted.
-    evictable = coordinator.evictable_pages()
+    evictable = coordinator.prefix_hits.evictable_pages()
     assert evictable == [6, 2]
     everything = coordinator.new_state("c#0")
     assert coordinator.try_allocate(everything, coordinator.pools[0].num_usable * PAGE_SIZE)
@@ -144,7 +144,7 @@ def test_recurrent_slots_checkpoints_copy_on_write_forks_and_rollback():
     working, checkpoint = first.page_tables[1]
     write_page(coordinator, 1, working, 1.0)
     write_page(coordinator, 1, checkpoint, 2.0)  # the state after token 8 (a page boundary)
-    coordinator.cache_computed_pages(first, prompt, 8)
+    coordinator.prefix_hits.cache_computed_pages(first, prompt, 8)
     # The cache took the checkpoint (on the last whole page's node, null on the other); the
     # sequence handed its slot over and gets a fresh one at its next allocation.
     nodes = first.cache_path
@@ -154,7 +154,7 @@ def test_recurrent_slots_checkpoints_copy_on_write_forks_and_rollback():
 
     # A hit lands at the checkpoint; the first write copies it into a private working slot.
     second = coordinator.new_state("b#0")
-    assert coordinator.match_prefix(second, prompt) == 8
+    assert coordinator.prefix_hits.match(second, prompt) == 8
     assert second.page_tables[1] == [checkpoint]
     assert recurrent.num_new_pages(second.page_tables[1], 9) == 2  # copy on write + a checkpoint slot
     coordinator.allocate(second, 9)
@@ -164,11 +164,11 @@ def test_recurrent_slots_checkpoints_copy_on_write_forks_and_rollback():
 
     # No checkpoint on the path, no hit: the state at the first page boundary is not known.
     third = coordinator.new_state("c#0")
-    assert coordinator.match_prefix(third, prompt[:4] + [1, 2, 3, 4, 5]) == 0 and not any(third.page_tables)
+    assert coordinator.prefix_hits.match(third, prompt[:4] + [1, 2, 3, 4, 5]) == 0 and not any(third.page_tables)
 
     # A fork copies the working slot; nothing is shared.
     child = coordinator.new_state("a#1")
-    assert coordinator.fork(first, child, 9)
+    assert coordinator.forks.fork(first, child, 9)
     assert child.page_tables[1][0] != working and page_holds(coordinator, 1, child.page_tables[1][0], 1.0)
 
     # Rollback: with a token rejected, the copy set aside before the verification comes back.
@@ -186,6 +186,6 @@ def test_recurrent_slots_checkpoints_copy_on_write_forks_and_rollback():
     check_books(coordinator, [first, second, third, child])
     for state in (first, second, third, child):
         coordinator.free(state)
-    assert coordinator.reset_prefix_cache() == 2
+    assert coordinator.prefix_hits.reset() == 2
     coordinator.sanitizer.check_all_free(coordinator)
     assert page_holds(coordinator, 1, working, NAN) and page_holds(coordinator, 1, checkpoint, NAN)

@@ -57,7 +57,7 @@ def test_recorded_page_operations_make_a_second_shard_equal():
         write_pages(coordinator, parent.page_tables, seed=1)
     assert shards_equal(books, books_worker, other, other_worker)
 
-    assert books.fork(parent, child, 10)  # copies: the partial last page, the recurrent slot
+    assert books.forks.fork(parent, child, 10)  # copies: the partial last page, the recurrent slot
     assert tiers.swap_out(parent, 10)  # a save, waited for, then its fence
     books.free(parent, keep_swapped=True)  # poison
     assert tiers.swap_in(parent)  # a layer-wise load into fresh pages

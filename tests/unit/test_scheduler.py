@@ -43,7 +43,7 @@ def step(scheduler, allow_preemption: bool = True) -> dict[str, tuple[int, int]]
 def finish_all(scheduler) -> None:
     for sequence in scheduler.live_sequences():
         scheduler.finish(sequence, "abort")
-    scheduler.coordinator.reset_prefix_cache()
+    scheduler.coordinator.prefix_hits.reset()
     scheduler.coordinator.sanitizer.check_all_free(scheduler.coordinator)
 
 
@@ -131,7 +131,8 @@ def test_prefix_hits_take_whole_pages_and_eviction_comes_before_preemption():
 
     # The pool is full of cached pages nobody holds: a long prompt evicts them, preempting nobody.
     free_before = coordinator.pools[0].num_free
-    assert free_before < 16 and coordinator.evictable_pages() == [coordinator.pools[0].num_usable - free_before]
+    assert free_before < 16
+    assert coordinator.prefix_hits.evictable_pages() == [coordinator.pools[0].num_usable - free_before]
     long = make_sequence(coordinator, "long", prompt(2000, 60), 4, max_tokens=1)
     scheduler.add(long)
     assert step(scheduler) == {"long": (0, 60)} and scheduler.num_preemptions == 0

@@ -35,8 +35,9 @@ class StateManager:
 
     # -- hooks with defaults for token-paged state (overridden by per-sequence state) -----------
     # A cache node may hold no page of this group (null); hits then land only where
-    # ``usable_prefix_pages_on_path`` allows, and under page pressure the coordinator may drop
-    # a node's page of this group (least recently used first) while keeping the node.
+    # ``usable_prefix_pages_on_path`` allows, and under page pressure the prefix hits
+    # (``kv/prefix_hits.py``) may drop a node's page of this group (least recently used first)
+    # while keeping the node.
     sparse_prefix_entries: bool = False
     # Whether the entries a PD transfer filled may be cached like computed ones. A sparse group
     # whose entries are not per-token pages (a recurrent checkpoint) says no: the transfer

@@ -17,9 +17,9 @@ gets a private working slot with a copy of it (copy on write, as for any shared 
 
 Sizing: the pool has, per sequence seat, a working slot, a checkpoint slot and (with prefix
 caching) one more slot's worth of room for cached checkpoints. Cached checkpoints use whatever
-is free; when a sequence needs a slot, the coordinator drops the least recently used cached
-checkpoints (the nodes stay, with their other groups' pages), so a sequence never waits for
-checkpoints.
+is free; when a sequence needs a slot, the prefix cache gives way (``kv/prefix_hits.py``): the
+least recently used cached checkpoints are dropped (the nodes stay, with their other groups'
+pages), so a sequence never waits for checkpoints.
 
 Forks (n > 1): the child gets a copy of the working slot; nothing is shared.
 

@@ -434,7 +434,8 @@ class TieredState(DiskPages, Swap):
         rows = [[int(page != NULL_PAGE) for page in node.host_pages] for node in todo]
         available = [pool.num_free for pool in self.coordinator.pools]
         if any(need > free for need, free in zip(map(sum, zip(*rows)), available)):
-            available = [free + evictable for free, evictable in zip(available, self.coordinator.evictable_pages())]
+            evictable = self.coordinator.prefix_hits.evictable_pages()
+            available = [free + spare for free, spare in zip(available, evictable)]
         kept, totals = leading_fit(rows, available)
         todo = todo[:kept]
         if not todo:
