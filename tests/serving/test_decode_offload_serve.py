@@ -166,6 +166,8 @@ def test_a_decode_server_killed_mid_offload_leaves_only_whole_pages(deployment, 
     _, servers, routers, store = deployment
     victim, oracle = servers["decode"], oracles["llama"]
     prompt = [random.Random(3).randrange(3, 500) for _ in range(10)]
+    # earlier requests' writes land first, so the count below grows by this request's pages only
+    wait_for(lambda: victim.metric("offloads_in_flight") == 0, 60, "earlier store writes did not finish")
     written = victim.metric("offloaded_pages_total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: httpx.post(routers["one"].base_url + "/v1/completions", timeout=60, json={
