@@ -50,7 +50,8 @@ from tandem.kv.tiers.host_pool import HostPageBooks, layouts_of
 from tandem.kv.tiers.disk_pages import DiskPages
 from tandem.kv.tiers.prefetch import DiskPrefetch
 from tandem.kv.tiers.page_mover import Transfer
-from tandem.kv.tiers.swap import Swap, SwappedState
+from tandem.kv.request_state import SwappedState
+from tandem.kv.tiers.swap import Swap
 
 if TYPE_CHECKING:
     from tandem.kv.coordinator import StateCoordinator
