@@ -135,7 +135,7 @@ def long_prompt(model_dir, args, vocab_size) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def ttft(flush_host: bool) -> float:
-        engine.coordinator.tiers.drain()
+        engine.tiers.drain()
         engine.reset_prefix_cache()
         if flush_host:
             drop_host_copies(engine)
@@ -159,7 +159,7 @@ def long_prompt(model_dir, args, vocab_size) -> dict:
 
 
 def drop_host_copies(engine) -> None:
-    tiers = engine.coordinator.tiers
+    tiers = engine.tiers
     for node in engine.coordinator.prefix_cache.all_nodes():
         if node.host_pages is not None and node.pages is None and not node.lock_count:
             tiers._evict_from_host(node)

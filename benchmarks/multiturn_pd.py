@@ -63,7 +63,7 @@ def run_round(prefill, decode, prompts: list[list[int]], output_len: int, round_
             outputs[delta.request_id].extend(delta.new_token_ids)
             if delta.finish_reason:
                 finished.add(delta.request_id)
-    decode.coordinator.tiers.drain()  # the answer's pages land before the user's next message
+    decode.tiers.drain()  # the answer's pages land before the user's next message
     return [first[request_id] for request_id in ids], [outputs[request_id] for request_id in ids]
 
 

@@ -57,11 +57,11 @@ class EngineCore:
         self.runner = parts.runner
         self.planner = StepPlanner(self.coordinator, self.runner)
         plan = parts.plan
-        # The host and disk tiers (kv/tiers), when configured: the coordinator consults them
-        # for prefix hits and frees; the engine and the scheduler drive them through this handle.
+        # The host and disk tiers (kv/tiers), when configured: registered as the coordinator's
+        # listener (fed its events: frees, cached nodes, hits); the engine and the scheduler
+        # drive them through this handle.
         self.tiers = parts.tiers
         if self.tiers is not None:
-            self.coordinator.attach_tiers(self.tiers)
             self.tiers.peers = self.executor
         self.speculator = None  # speculative decoding (tandem/spec_decode), when configured
         if parts.draft is not None:

@@ -12,15 +12,19 @@ making room), freeing, dropping pages no step reads, page copies, accounting and
 Every other job is a class of its own it holds, called through it (``coordinator.<job>``):
 
 - ``prefix_hits`` (``prefix_hits.py``): hits, caching computed pages, the cache's eviction and
-  the tiers' part in a hit;
+  the listener's part in a hit;
 - ``forks`` (``forks.py``): a request's siblings for n > 1;
 - ``pd_tables`` (``pd_tables.py``): PD's destination tables and final entries;
 - ``speculation`` (``set_aside.py``): the slots a speculative step copies pages aside into;
 - ``inflight`` (``inflight.py``): in-flight operations' holds on pages (I2).
+
+Above it, a ``StateListener`` (``state_events.py``; the host and disk tiers register as one) is
+fed its events: a state freed, nodes cached, a path released, and the queries of a hit. The
+coordinator knows that interface only; the listener calls back into it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -28,20 +32,19 @@ from tandem.kv.accessor import PendingLoads
 from tandem.kv.block_pool import BlockPool, OutOfPagesError, any_short
 from tandem.kv.forks import Forks
 from tandem.kv.inflight import InflightHolds
+from tandem.kv.keys import chain_hash
 from tandem.kv.managers import manager_class_for
 from tandem.kv.page_operations import COPY, POISON, Outbox, PageExecutor, PageOperation
 from tandem.kv.pd_tables import PDPageTables
 from tandem.kv.planner import NULL_PAGE, PoolPlan
 from tandem.kv.prefix_cache import PrefixCache
 from tandem.kv.prefix_hits import PrefixHits
-from tandem.kv.tiers.keys import chain_hash
+from tandem.kv.keys import chain_hash
 from tandem.kv.registry import StateRegistry
 from tandem.kv.request_state import RequestState
 from tandem.kv.sanitizer import Sanitizer
 from tandem.kv.set_aside import SetAsideSlots
-
-if TYPE_CHECKING:
-    from tandem.kv.tiers.hierarchy import TieredState
+from tandem.kv.state_events import StateListener
 
 
 class StateCoordinator:
@@ -77,11 +80,12 @@ class StateCoordinator:
         self.forks = Forks(self.managers, self.pools, plan.page_size, self.prefix_hits, self.make_room,
                            self.copy_page)
         self.pd_tables = PDPageTables(self.managers, self.pools)
-        self.tiers: Optional["TieredState"] = None  # host and disk tiers, when configured
+        self.listener: Optional[StateListener] = None  # fed the events (the tiers, when configured)
 
-    def attach_tiers(self, tiers: "TieredState") -> None:
-        self.tiers = tiers
-        self.prefix_hits.attach_tiers(tiers)
+    def attach_listener(self, listener: StateListener) -> None:
+        """``listener`` is fed this coordinator's events and its prefix hits'."""
+        self.listener = listener
+        self.prefix_hits.attach_listener(listener)
 
     @property
     def state_reads_next_token(self) -> bool:
@@ -156,9 +160,9 @@ class StateCoordinator:
 
     def free(self, state: RequestState, keep_swapped: bool = False) -> None:
         """Release every reference the sequence holds and unlock its cache path (and, unless
-        ``keep_swapped``, its swapped-out copy in the host tier)."""
-        if state.swapped is not None and not keep_swapped:
-            self.tiers.drop_swapped(state)
+        ``keep_swapped``, its copy above the device: the listener's ``on_freed``)."""
+        if self.listener is not None and not keep_swapped:
+            self.listener.on_freed(state)
         for pool, table in zip(self.pools, state.page_tables):
             pool.release([page for page in table if page != NULL_PAGE], state.owner)
             table.clear()

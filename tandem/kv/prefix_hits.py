@@ -3,9 +3,9 @@
 A sequence's first admission takes the longest cached prefix of its prompt (``match``): whole
 pages, at least one token left to compute, as far as every group's manager can use the path (a
 sliding window's pages before the window stay null, a recurrent group needs a checkpoint at the
-hit's end). With tiers, the path is completed from the disk store and the host (``prefetch``
-reads the disk off the engine loop first: ``loading``), and nodes off the device are restored,
-their loads issued layer by layer (I3). As a sequence computes whole pages they are inserted
+hit's end). With a listener (``state_events.py``: the tiers), the path is completed from the
+tiers below the device (disk reads off the engine loop first: ``loading``), and nodes off the
+device are restored, their loads issued layer by layer (I3). As a sequence computes whole pages they are inserted
 (``cache_computed_pages``). When the pools run short, the cache gives way (``evictable_pages``,
 ``give_way``): sparse groups' entries first (recurrent checkpoints; their nodes stay), then the
 least recently used unlocked leaves.
@@ -19,16 +19,14 @@ coordinator, it fans out over the groups and never knows what kind of state a gr
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from tandem.kv.block_pool import CACHE_OWNER, BlockPool, any_short
 from tandem.kv.inflight import InflightHolds
 from tandem.kv.planner import NULL_PAGE
 from tandem.kv.prefix_cache import CacheNode, PrefixCache
 from tandem.kv.request_state import RequestState
-
-if TYPE_CHECKING:
-    from tandem.kv.tiers.hierarchy import TieredState
+from tandem.kv.state_events import StateListener
 
 
 class PrefixHits:
@@ -39,49 +37,48 @@ class PrefixHits:
         self._page_size = page_size
         self._cache = cache  # None: prefix caching is off, and every method here does nothing
         self._inflight = inflight  # cached pages only in-flight holds keep are not evictable
-        self._tiers: Optional["TieredState"] = None
+        self._listener: Optional[StateListener] = None  # the tiers: fed the cache's events
         # Set through the coordinator (``state_reads_next_token``): a hit then leaves its last
         # page to be recomputed into pages of the sequence's own.
         self.state_reads_next_token = False
 
-    def attach_tiers(self, tiers: "TieredState") -> None:
-        self._tiers = tiers
+    def attach_listener(self, listener: StateListener) -> None:
+        self._listener = listener
         if self._cache is not None:
-            self._cache.keeps_below = tiers.keeps_below
+            self._cache.keeps_below = listener.keeps_below
 
     # -- hits ----------------------------------------------------------------------------------------
     def loading(self, state: RequestState, token_ids: list[int], idle: bool = False) -> bool:
         """Whether the sequence must wait before ``match``: pages its match would take from the
-        disk store are being read off the engine loop (``tiers/prefetch.py``). ``idle``: nothing
-        else can run meanwhile."""
-        tiers = self._tiers
-        if self._cache is None or tiers is None or tiers.prefetch is None or any(state.page_tables):
+        tiers below are still being fetched (the listener's ``loading``). ``idle``: nothing else
+        can run meanwhile."""
+        if self._cache is None or self._listener is None or any(state.page_tables):
             return False
         max_pages = (len(token_ids) - 1) // self._page_size
-        return tiers.prefetch.pending(state.owner, token_ids, max_pages, idle)
+        return self._listener.loading(state.owner, token_ids, max_pages, idle)
 
     def match(self, state: RequestState, token_ids: list[int]) -> int:
         """Take the longest cached prefix (whole pages, leaving at least one token to compute).
 
         Returns the number of tokens hit. The sequence gets its own reference on each page and
-        locks the nodes. With tiers, nodes off the device are restored first (their loads are
+        locks the nodes. With a listener, nodes off the device are restored first (their loads are
         issued here and land layer by layer before the layers read them, I3)."""
         if self._cache is None or any(state.page_tables):
             return 0
         max_pages = (len(token_ids) - 1) // self._page_size
         path = self._cache.match(token_ids, max_pages)
-        if self._tiers is None:
+        if self._listener is None:
             if self.state_reads_next_token:
                 path = path[:-1]
             path = path[:self._usable_pages(path)]
             self._cache.lock(path)
         else:
             # Locked while it is completed and restored: making room must not evict it.
-            path = self._tiers.complete_path(path, token_ids, max_pages)
+            path = self._listener.complete_path(path, token_ids, max_pages)
             if self.state_reads_next_token:
                 path = self._truncate_locked(path, max(len(path) - 1, 0))
             path = self._truncate_locked(path, self._usable_pages(path))
-            path = self._truncate_locked(path, self._tiers.restore(path))
+            path = self._truncate_locked(path, self._listener.restore(path))
             path = self._truncate_locked(path, self._usable_pages(path))
         if not path:
             return 0
@@ -141,8 +138,8 @@ class PrefixHits:
         self._fill_sparse_entries(new_nodes, entries, start)
         self._cache.lock(new_nodes)
         state.cache_path.extend(new_nodes)
-        if self._tiers is not None:
-            self._tiers.on_cached(new_nodes)
+        if self._listener is not None:
+            self._listener.on_cached(new_nodes)
         for manager, table in zip(self._managers, state.page_tables):
             manager.after_cache_insert(table, state.owner)
 
@@ -169,8 +166,8 @@ class PrefixHits:
     def release(self, state: RequestState) -> None:
         """The sequence is freed: its path is unlocked, and a disk read started for its hit is
         no longer wanted."""
-        if self._tiers is not None and self._tiers.prefetch is not None:
-            self._tiers.prefetch.forget(state.owner)
+        if self._listener is not None:
+            self._listener.on_path_released(state.owner)
         if self._cache is not None and state.cache_path:
             self._cache.unlock(state.cache_path)
         state.cache_path = []

@@ -3,12 +3,19 @@ state system. Owner: the sequence; the coordinator allocates into it and frees f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from tandem.kv.prefix_cache import CacheNode
 
-if TYPE_CHECKING:
-    from tandem.kv.tiers.hierarchy import SwappedState
+
+@dataclass
+class SwappedState:
+    """A preempted sequence's state in the host tier (``kv/tiers/swap.py`` makes it): per
+    group, its page table's entries as host pages (null where the device table had null), and
+    how many tokens it had computed."""
+    owner: str
+    host_tables: list[list[int]]
+    num_computed_tokens: int
 
 
 @dataclass

@@ -30,7 +30,7 @@ def test_cuda_host_hit_and_swap(arch, layout, model_dirs, oracles):
     in one copy where they continue on both sides."""
     llm = make_llm(model_dirs[arch], device="cuda", dtype="float32", max_total_tokens=384,
                    max_num_batched_tokens=128, max_num_seqs=8, host_cache_size=0.05, kv_cache_layout=layout)
-    tiers = llm.engine.coordinator.tiers
+    tiers = llm.engine.tiers
     assert tiers.local.host.arrays[0].is_pinned()
     shared = prompts_for(31, (9, 30), shared=70)
     params = SamplingParams(max_tokens=6, **GREEDY)
@@ -45,5 +45,5 @@ def test_cuda_host_hit_and_swap(arch, layout, model_dirs, oracles):
     stats = llm.engine.stats().tiers
     assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
     check_outputs(outputs, crowd, 20, oracles[arch], f"{arch} cuda swap")
-    assert llm.engine.coordinator.tiers.local.mover.use_kernel  # the kernel addressed pinned host memory
+    assert llm.engine.tiers.local.mover.use_kernel  # the kernel addressed pinned host memory
     llm.engine.check_all_free()

@@ -90,7 +90,7 @@ def test_cuda_tp2_speculative_decoding(arch, model_dirs, oracles, monkeypatch):
               **(dict(speculative_method="mtp") if arch == "deepseek_v3" else dict(speculative_model=model_dirs[arch])))
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        llm.engine.coordinator.tiers.drain()
+        llm.engine.tiers.drain()
         assert llm.engine.reset_prefix_cache() > 0
         outputs += llm.generate(prompts, params, use_tqdm=False)  # host hits: loads of the draft's pages too
         assert llm.engine.stats().tiers.host_hit_tokens > 0

@@ -81,7 +81,7 @@ def test_fp8_engine_matches_the_fp8_rounded_oracle(arch, model_dirs, oracles, fp
 def test_fp8_pages_hold_more_tokens_in_the_same_memory(model_dirs, caplog):
     """The pool log line reports the doubled (here: quadrupled) capacity; the disk tier's layout
     fingerprint differs, so FP8 and wider pages are never shared through a disk directory."""
-    from tandem.kv.tiers.keys import layout_fingerprint
+    from tandem.kv.keys import layout_fingerprint
     from tandem.kv.tiers.setup import layout_fingerprint_parts
 
     budget = 1 << 20
@@ -149,7 +149,7 @@ def test_swap_and_host_hits_move_fp8_pages_whole(model_dirs, layout):
     outputs = tight.generate(prompts, params)
     swaps = tight.engine.stats().tiers.swaps
     assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps
-    tight.engine.coordinator.tiers.drain()
+    tight.engine.tiers.drain()
     assert tight.engine.reset_prefix_cache() > 0  # the device copies go; the host keeps them
     outputs += tight.generate(prompts[:1], params)
     assert tight.engine.stats().tiers.host_hit_tokens >= 48

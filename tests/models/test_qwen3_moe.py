@@ -75,7 +75,7 @@ def test_swap_preemption_and_host_hits(model_dirs, oracles):
                         preemption_mode="swap", host_cache_size=0.05)
     tiers = llm.engine.stats().tiers
     assert tiers.swaps["out"] > 0 and tiers.swaps["in"] == tiers.swaps["out"], tiers.swaps
-    llm.engine.coordinator.tiers.drain()
+    llm.engine.tiers.drain()
     llm.engine.reset_prefix_cache()  # the device copies (those the small pool kept) go; the host keeps them
     (again,) = llm.generate(SECOND[:1], SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
     assert llm.engine.stats().tiers.host_hit_tokens > tiers.host_hit_tokens and again.num_cached_tokens >= 64

@@ -80,7 +80,7 @@ def test_speculation_under_page_pressure_never_runs_out_midstep(arch, method, mo
                       for _, length in pairs]
             runs.append((pairs, llm.generate([prompt for prompt, _ in pairs], params, use_tqdm=False)))
             if flush:  # the next run hits the host tier
-                engine.coordinator.tiers.drain()
+                engine.tiers.drain()
                 engine.reset_prefix_cache()
         stats = engine.speculator.stats()
         preemptions = engine.scheduler.num_preemptions

@@ -129,7 +129,7 @@ def host_tier_scenario(llm: LLM):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.stats().tiers
     assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
-    llm.engine.coordinator.tiers.drain()
+    llm.engine.tiers.drain()
     assert llm.engine.reset_prefix_cache() > 0  # the device copies go; the host keeps them
     outputs += llm.generate(prompts[1:3], params, use_tqdm=False)
     assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens

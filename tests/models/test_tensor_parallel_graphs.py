@@ -176,7 +176,7 @@ def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     try:
         first = llm.generate([prompt], params, use_tqdm=False)
-        engine.coordinator.tiers.drain()
+        engine.tiers.drain()
         assert engine.reset_prefix_cache() > 0  # the host keeps the prompt's pages
         sent.clear()
         again = llm.generate([prompt, prompt[:40] + [9, 9, 9]], params, use_tqdm=False)

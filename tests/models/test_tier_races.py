@@ -24,7 +24,7 @@ DELAY = 0.05
 def cached_then_flushed(llm, prompt, max_tokens=4):
     """Run ``prompt`` once, wait for its host copies, drop the device copies."""
     first = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY))
-    llm.engine.coordinator.tiers.drain()
+    llm.engine.tiers.drain()
     llm.engine.reset_prefix_cache()
     return first
 
@@ -32,7 +32,7 @@ def cached_then_flushed(llm, prompt, max_tokens=4):
 def test_delayed_load_is_waited_for_layer_by_layer(model_dirs, oracles):
     prompts = prompts_for(21, (5, 9), shared=80)
     llm = make_llm(model_dirs["llama"])
-    tiers = llm.engine.coordinator.tiers
+    tiers = llm.engine.tiers
     first = cached_then_flushed(llm, prompts[0])
     waited: list[str] = []
     original_wait = PendingLoads.wait
@@ -58,7 +58,7 @@ def test_delayed_load_is_waited_for_layer_by_layer(model_dirs, oracles):
 def test_read_without_the_wait_is_caught(model_dirs):
     prompts = prompts_for(22, (5, 9), shared=80)
     llm = make_llm(model_dirs["llama"])
-    tiers = llm.engine.coordinator.tiers
+    tiers = llm.engine.tiers
     cached_then_flushed(llm, prompts[0])
     tiers.local.stream.delay_s = 0.5
     original_wait = PendingLoads.wait
@@ -77,7 +77,7 @@ def test_page_under_a_delayed_save_is_not_reused(model_dirs, oracles):
     # 288 tokens of pool: the second prompt needs every page the first one's cache holds.
     llm = make_llm(model_dirs["llama"], max_total_tokens=288)
     engine = llm.engine
-    tiers = engine.coordinator.tiers
+    tiers = engine.tiers
     tiers.local.stream.delay_s = 0.3
     first = llm.generate(prompts[:1], SamplingParams(max_tokens=1, **GREEDY))
     # The write-through save of the first prompt's pages is still in flight: its pages are held.
@@ -111,7 +111,7 @@ def test_tier_mover_touches_exactly_the_registry(arch, model_dirs):
     cached_then_flushed(llm, prompt, max_tokens=2)
     llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))  # a host hit: loads
     registry_keys = {descriptor.key for descriptor in engine.registry.buffers()}
-    assert engine.coordinator.tiers.local.mover.touched == registry_keys
+    assert engine.tiers.local.mover.touched == registry_keys
     engine.check_all_free()
 
 
@@ -128,7 +128,7 @@ def test_swapped_state_round_trip_restores_every_buffer(model_dirs):
     state = sequence.state
     before = {d.key: d.tensor[[p for p in state.page_tables[d.group_id] if p != NULL_PAGE]].clone()
               for d in engine.registry.buffers()}
-    tiers = engine.coordinator.tiers
+    tiers = engine.tiers
     assert tiers.swap_out(state, sequence.num_computed_tokens)
     engine.coordinator.free(state, keep_swapped=True)
     assert tiers.swap_in(state)

@@ -35,7 +35,7 @@ def test_host_hit_after_device_flush(arch, model_dirs, oracles):
     llm = make_llm(model_dirs[arch])
     params = SamplingParams(max_tokens=6, **GREEDY)
     first = llm.generate(prompts[:1], params)
-    llm.engine.coordinator.tiers.drain()
+    llm.engine.tiers.drain()
     assert llm.engine.reset_prefix_cache() > 0  # the device copies go; the host keeps them
     second = llm.generate(prompts[1:], params)
     stats = tier_stats(llm)
@@ -70,9 +70,9 @@ def test_disk_hits_host_hits_and_swap_in_one_workload(arch, layout, model_dirs, 
     outputs = llm.generate(again, params)
     stats = llm.engine.stats().tiers
     assert stats.disk_hit_tokens >= 96, stats
-    assert llm.engine.coordinator.tiers.prefetch.installed_pages >= 6  # read off the engine loop
+    assert llm.engine.tiers.prefetch.installed_pages >= 6  # read off the engine loop
     assert stats.swaps["out"] > 0 and stats.swaps["in"] == stats.swaps["out"], stats.swaps
-    llm.engine.coordinator.tiers.drain()
+    llm.engine.tiers.drain()
     llm.engine.reset_prefix_cache()
     repeat = llm.generate(again[1:3], params)
     assert llm.engine.stats().tiers.host_hit_tokens > stats.host_hit_tokens
@@ -98,7 +98,7 @@ def test_a_disk_prefix_is_read_while_running_sequences_step(model_dirs, oracles,
     monkeypatch.setattr(DiskStore, "read_entry", slow_read)
 
     llm = make_llm(model_dirs["llama"], disk_cache_dir=directory)
-    engine, prefetch = llm.engine, llm.engine.coordinator.tiers.prefetch
+    engine, prefetch = llm.engine, llm.engine.tiers.prefetch
     steps_during_read = []
     step = engine.step
 
@@ -171,12 +171,12 @@ def test_full_host_tier_moves_pages_on_to_disk(model_dirs, oracles, tmp_path):
     from tandem.kv.tiers.host_pool import node_bytes
 
     probe = make_llm(model_dirs["llama"])
-    per_page = node_bytes(probe.engine.coordinator.tiers.layouts)
+    per_page = node_bytes(probe.engine.tiers.layouts)
     probe.engine.shutdown()
     directory = str(tmp_path / "disk")
     llm = make_llm(model_dirs["llama"], host_cache_size=6.5 * per_page / (1 << 30),
                    disk_cache_dir=directory, max_total_tokens=256)
-    tiers = llm.engine.coordinator.tiers
+    tiers = llm.engine.tiers
     assert tiers.host.num_pages == 6
     params = SamplingParams(max_tokens=4, **GREEDY)
     prompts = prompts_for(45, (100, 90, 120))

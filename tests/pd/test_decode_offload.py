@@ -63,7 +63,7 @@ def inflight_tier_pages(engine, group: int = 0) -> set[int]:
 def test_finished_request_keeps_its_pages_until_its_offload_copies_complete(model_dirs, oracles, tmp_path):
     pair = offload_pair(model_dirs["llama"], "llama", tmp_path / "store")
     decode = pair.decode
-    tiers, pool = decode.coordinator.tiers, decode.coordinator.pools[0]
+    tiers, pool = decode.tiers, decode.coordinator.pools[0]
     keys = decode.registry.layer_buffers("model.layers.0.self_attn")["key"]
     rng = random.Random(4)
     first, second = random_tokens(rng, 21), random_tokens(rng, 30)
@@ -128,7 +128,7 @@ def converse(pair: PDPair, oracle, rng: random.Random, *, conversations: int, tu
         for number, prompt in history.items():
             pair.submit(f"c{number}t{turn}", prompt, PARAMS)
         pair.run_until(lambda: all(pair.finished(f"c{number}t{turn}") for number in history), timeout=60)
-        pair.decode.coordinator.tiers.drain()  # the offload lands before the next turn (else: fewer hits)
+        pair.decode.tiers.drain()  # the offload lands before the next turn (else: fewer hits)
         if turn and expect_decode_hits:
             # the pages the previous turn completed while decoding came from the store
             previous = [len(prompt) - TOKENS - message_length for prompt in history.values()]
@@ -173,7 +173,7 @@ def test_sliding_window_turns_hit_the_pages_the_decode_server_completed(model_di
             # the decode server binds first, as a server does: the store holds none of the prompt yet
             pair.submit_destination_first("turn1", first, params)
             pair.run_until(lambda: pair.finished("turn1"))
-            pair.decode.coordinator.tiers.drain()
+            pair.decode.tiers.drain()
             second = first + pair.tokens("turn1") + random_tokens(rng, 5)
             before = pair.prefill.stats().prefix_cache_hit_tokens, decode_origin_hits(pair)
             pair.submit_destination_first("turn2", second, params)

@@ -21,7 +21,7 @@ def _live_pages(table: list[int]) -> list[int]:
 
 def check_movers_touch_registry(engine, prompt_length: int = 37, after_step=None,
                                 require_nonzero: bool = False) -> None:
-    tiers = engine.coordinator.tiers
+    tiers = engine.tiers
     assert tiers is not None, "I1 runs the host tier's mover: build the engine with host_cache_size"
     registry_keys = {d.key for d in engine.registry.buffers()}
     engine.add_request(EngineRequest(request_id="r", prompt_token_ids=list(range(3, 3 + prompt_length)),

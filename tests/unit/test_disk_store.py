@@ -14,7 +14,7 @@ import torch
 
 from tandem.kv.tiers import disk_store, page_io
 from tandem.kv.tiers.disk_store import HEADER_SIZE, DiskStore
-from tandem.kv.tiers.keys import chain_hash, layout_fingerprint
+from tandem.kv.keys import chain_hash, layout_fingerprint
 
 FP = layout_fingerprint(["tiny-llama", torch.float32, 16, [("kv", 0, (2, 4, 16, 8))]])
 PAGE = 1000

@@ -1,6 +1,10 @@
 """The tiers behind the prefix cache: host memory and disk, and preemption by swap.
 
-Owner: the coordinator holds one ``TieredState`` when a host tier is configured. It keeps the
+Owner: the engine core holds one ``TieredState`` when a host tier is configured; it sits above
+the coordinator, registered as its ``StateListener`` (``kv/state_events.py``): the coordinator
+and its prefix hits feed it their events (a state freed, nodes cached, a path released) and ask
+it the queries of a hit (``loading``, ``complete_path``, ``restore``, ``keeps_below``), knowing
+that interface only, and it calls back into them (``make_room``, ``evictable_pages``). It keeps the
 books — residency, the host LRU, the host pages' holders, copies in flight and their follow-ups,
 statistics — and moves nothing itself: each copy, release, poison, disk read, write and install
 is a page operation sent through the coordinator's outbox (``kv/page_operations.py``), which this
@@ -46,10 +50,12 @@ from tandem.kv.tiers.host_pool import HostPageBooks, layouts_of
 from tandem.kv.tiers.disk_pages import DiskPages
 from tandem.kv.tiers.prefetch import DiskPrefetch
 from tandem.kv.tiers.page_mover import Transfer
-from tandem.kv.tiers.swap import Swap, SwappedState
+from tandem.kv.request_state import SwappedState
+from tandem.kv.tiers.swap import Swap
 
 if TYPE_CHECKING:
     from tandem.kv.coordinator import StateCoordinator
+    from tandem.kv.request_state import RequestState
     from tandem.kv.tiers.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
@@ -143,6 +149,7 @@ class TieredState(DiskPages, Swap):
         self.stats = TierStats()
         self.prefetch = DiskPrefetch(self) if self.disk is not None else None
         self.peers = None  # tensor parallelism: the other ranks' agreement on disk reads (disk_pages.py)
+        coordinator.attach_listener(self)  # fed the coordinator's events (kv/state_events.py)
 
     def _host_freed(self, group: int, pages: list[int]) -> None:
         if self.coordinator.sanitizer.enabled and pages:  # (I6: a load from a freed page fails loudly)
@@ -338,6 +345,22 @@ class TieredState(DiskPages, Swap):
         if node.host_pages is not None:
             return True
         return self.disk is not None and self.disk.contains(node.hash)
+
+    # -- the coordinator's events (kv/state_events.StateListener) -------------------------------------
+    def on_freed(self, state: "RequestState") -> None:
+        """A sequence is freed for good: its swapped-out copy on the host goes."""
+        if state.swapped is not None:
+            self.drop_swapped(state)
+
+    def on_path_released(self, owner: str) -> None:
+        """A disk read started for ``owner``'s hit is no longer wanted."""
+        if self.prefetch is not None:
+            self.prefetch.forget(owner)
+
+    def loading(self, owner: str, token_ids: list[int], max_pages: int, idle: bool) -> bool:
+        """Whether pages ``owner``'s match would take from the disk store are still being read
+        off the engine loop (``prefetch.py``)."""
+        return self.prefetch is not None and self.prefetch.pending(owner, token_ids, max_pages, idle)
 
     # -- hits ----------------------------------------------------------------------------------------
     def complete_path(self, path: list[CacheNode], token_ids: list[int], max_pages: int) -> list[CacheNode]:

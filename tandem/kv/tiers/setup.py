@@ -83,7 +83,7 @@ def store_location(config: "EngineConfig", rank: int = 0) -> str:
 
 def open_disk_store(config: "EngineConfig", coordinator: "StateCoordinator", rank: int = 0):
     """This rank's page store (logged and left unavailable when it cannot be used)."""
-    from tandem.kv.tiers.keys import layout_fingerprint
+    from tandem.kv.keys import layout_fingerprint
     from tandem.kv.tiers.store import open_store
 
     disk = open_store(store_location(config, rank), int(config.disk_cache_size * GIB),

@@ -9,23 +9,14 @@ an admission that fails keeps it for the next try.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.kv.planner import NULL_PAGE
 from tandem.kv.page_operations import PageMove
+from tandem.kv.request_state import SwappedState
 
 if TYPE_CHECKING:
-    from tandem.kv.coordinator import RequestState
-
-
-@dataclass
-class SwappedState:
-    """A preempted sequence's state in the host tier: per group, its page table's entries as
-    host pages (null where the device table had null), and how many tokens it had computed."""
-    owner: str
-    host_tables: list[list[int]]
-    num_computed_tokens: int
+    from tandem.kv.request_state import RequestState
 
 
 class Swap:
