@@ -89,9 +89,10 @@ ROWS, DIM = 3, 40  # DIM not a power of two: the column mask
 PLAIN_NUMEL = 2500  # two chunks of the plain kernel's 2,048
 
 
-def _rank_main(rank: int, buffers, pads, inputs, outputs) -> None:
+def _rank_main(rank: int, buffers, pads, inputs, outputs, between_calls) -> None:
     """One rank: two calls of each kernel; the pointers are this process's addresses of the
-    shared buffers (each process maps them at its own)."""
+    shared buffers (each process maps them at its own). Its signal slots are read once every
+    rank has finished the call and before any starts the next (whose barrier sets them again)."""
     from tandem.kernels.one_shot_allreduce import one_shot_all_reduce, one_shot_reduce_add_norm
 
     torch.set_num_threads(1)  # a forked child: no thread pool of the parent's to wait on
@@ -104,7 +105,9 @@ def _rank_main(rank: int, buffers, pads, inputs, outputs) -> None:
         outputs[rank][0][call].copy_(out)
         outputs[rank][1][call].copy_(new_residual)
         outputs[rank][2][call].copy_(one_shot_all_reduce(plain.clone(), **peers))
+        between_calls.wait()
         outputs[rank][3][call] = int(pads[rank].abs().sum())
+        between_calls.wait()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs the kernels only without a GPU")
@@ -120,7 +123,8 @@ def test_one_shot_kernels_between_two_processes():
     outputs = [(shared(2, ROWS, DIM), shared(2, ROWS, DIM), shared(2, PLAIN_NUMEL), shared(2))
                for _ in range(WORLD_SIZE)]
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank_main, args=(rank, buffers, pads, inputs, outputs))
+    between_calls = context.Barrier(WORLD_SIZE, timeout=120)
+    ranks = [context.Process(target=_rank_main, args=(rank, buffers, pads, inputs, outputs, between_calls))
              for rank in range(WORLD_SIZE)]
     for process in ranks:
         process.start()
