@@ -3,7 +3,7 @@
 The engine core (rank 0's process) turns the scheduled chunks into the step message every rank
 runs (``ForwardPlan``, ``engine/ranks/plan.py``): the runner's host-side inputs (``StepInputs``),
 the CUDA graph every rank replays (a pure function of the inputs, the sizes captured and the
-pending loads: ``ModelRunner.graph_size`` on rank 0's runner, which every rank checks against
+pending loads: ``ModelRunner.graph_size_and_rows`` on rank 0's runner, which every rank checks against
 its own), each prompt-logprob chunk's logits rows, and whether the input ids come from rank 0's
 device (tokens still pending there: the overlapped loop). Its executor hands the plan to every
 rank's worker, rank 0's included; rank 0's result comes back here, where the sanitizer checks it
@@ -66,8 +66,9 @@ class StepPlanner:
         step = build_step_inputs(chunks, coordinator.num_groups, coordinator.page_size, self.page_table_rows)
         feed = pending.feed(step, self.device) if pending is not None else None
         prompt_rows = prompt_logit_rows(step)
+        graph_size, graph_rows = self.runner.graph_size_and_rows(step)
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], feed is not None,
-                           self.runner.graph_size(step))
+                           graph_size, graph_rows)
         return PlannedStep(plan, feed, prompt_rows)
 
     def result(self, planned: PlannedStep, output: ForwardOutput) -> ExecuteResult:

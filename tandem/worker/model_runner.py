@@ -128,15 +128,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInputs, graph_size: int, prompt_logit_ranges: list[tuple[int, int]], feed=None,
-            broadcast_inputs: bool = False) -> ForwardOutput:
+            broadcast_inputs: bool = False, graph_rows: Optional[StepInputs] = None) -> ForwardOutput:
         """One step's forward pass, as every rank runs it (``engine/ranks/worker.py``'s ``Worker``):
         replayed from this rank's graph of ``graph_size`` rows (0: eagerly), then the LM head over
         each of ``prompt_logit_ranges`` (first row, rows), in order. Both hold collectives under
         tensor parallelism, so every rank makes the same calls in the same order. ``feed`` writes
         tokens still pending on this rank's device into the input ids (rank 0); with
-        ``broadcast_inputs`` rank 0's input ids then go to every rank."""
+        ``broadcast_inputs`` rank 0's input ids then go to every rank. ``graph_rows``: the replayed
+        rows as this rank planned them (``graph_size_and_rows``); else derived and checked here."""
         if graph_size:
-            rows = self.planned_graph_step(step, graph_size)
+            rows = graph_rows if graph_rows is not None else self.planned_graph_step(step, graph_size)
             hidden, logits = self.graphs.replay(rows, feed, broadcast_inputs=broadcast_inputs)
         else:
             hidden, logits = self.forward(step, feed, broadcast_inputs)
@@ -160,12 +161,12 @@ class ModelRunner:
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return hidden, logits
 
-    def graph_size(self, step: StepInputs) -> int:
-        """The rows of the CUDA graph that replays this step (0: it runs eagerly): what the engine
-        core plans (``engine/step_planner.py``), a pure function of the step's inputs, the sizes
-        captured and the pending loads, so every rank would choose the same."""
+    def graph_size_and_rows(self, step: StepInputs) -> tuple[int, Optional[StepInputs]]:
+        """The rows of the CUDA graph that replays this step (0: it runs eagerly) and the rows it
+        replays: what the engine core plans (``engine/step_planner.py``), a pure function of the
+        step's inputs, the sizes captured and the pending loads, so every rank would choose the same."""
         replayed = self.graph_rows(step)
-        return self.graphs.size_for(replayed) if replayed is not None else 0
+        return (self.graphs.size_for(replayed), replayed) if replayed is not None else (0, None)
 
     def planned_graph_step(self, step: StepInputs, graph_size: int) -> StepInputs:
         """The rows this rank replays for a step planned to replay the graph of ``graph_size``

@@ -68,6 +68,9 @@ class ForwardPlan:
     prompt_logit_ranges: list[tuple[int, int]]
     inputs_from_root: bool = False
     graph_size: int = 0
+    # The rows the graph replays, as the planner derived them (rank 0's plan only; they never
+    # travel): the rank that planned the step does not derive them again, the others check.
+    graph_rows: Optional[StepInputs] = None
 
 
 @dataclass

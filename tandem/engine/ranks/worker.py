@@ -140,7 +140,7 @@ class Worker:
         states, sampled rows' logits, each prompt range's logits (``ModelRunner.run``). ``feed``:
         rank 0's tokens still pending on its device, written into the input ids (and broadcast)."""
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
-                                 broadcast_inputs=plan.inputs_from_root and self.parallel)
+                                 broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
         return output
