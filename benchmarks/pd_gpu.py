@@ -9,7 +9,9 @@ device-to-device copy of the same bytes between the two GPUs, timed in the same 
 ``sends`` column is what the backend posts per write (NIXL descriptors, NCCL sends).
 
 Part 2, serving: a colocated server on cuda:0 and, per backend, ``tandem serve --role prefill``
-on cuda:0 + ``--role decode`` on cuda:1 + ``tandem router``, all started at once. Greedy outputs
+on cuda:0 + ``--role decode`` on cuda:1 + ``tandem router``, one setup at a time (each alone on
+the GPUs: processes sharing a GPU are time-sliced, so another setup's servers would slow the one
+measured). Greedy outputs
 of the prompt through each PD pair must equal the colocated server's; TTFT (streamed, median)
 of PD minus colocated is what disaggregation adds.
 
@@ -105,94 +107,65 @@ def timing_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return means
 
 
-def measure_setups(setups: dict[str, tuple[str, dict[str, str]]], prompts: list[list[int]], output_len: int,
-                   rounds: int) -> dict[str, dict]:
-    """Every setup (name -> (url, its servers)) is ready: one warm-up request each (its greedy
-    output kept), then the streamed requests in ``rounds`` turns, each setup taking its share of a
-    turn in order, so a slow spell of the machine falls on every setup alike. The server-side
-    timings are the histograms' means over the measured requests (setups share no server)."""
+def measure_setup(url: str, prompts: list[list[int]], output_len: int, servers: dict[str, str]) -> dict:
+    """One warm-up request (its greedy output kept), then the streamed requests one at a time;
+    the server-side timings are the histograms' means over the measured requests."""
     from benchmarks import serve
 
-    outputs = {name: complete(url, prompts[0], output_len) for name, (url, _) in setups.items()}
-    servers = {f"{name} {role}": url for name, (_, timed) in setups.items() for role, url in timed.items()}
+    outputs = complete(url, prompts[0], output_len)
     before = timing_sums(servers)
-    records: dict[str, list] = {name: [] for name in setups}
-    measured = prompts[1:]
-    share = -(-len(measured) // max(1, rounds))
-    for first in range(0, len(measured), share):
-        for name, (url, _) in setups.items():
-            level = asyncio.run(serve.run_level(url, "bench", measured[first:first + share], output_len, 1, None))
-            records[name] += level.records
-    timings = timing_means(before, timing_sums(servers))
-    results = {}
-    for name in setups:
-        done = [record for record in records[name] if record.ok]
-        if not done:
-            results[name] = {"error": f"no streamed request finished: {[r.error for r in records[name]][:1]}"}
-            continue
-        prefix = f"{name} "
-        results[name] = {"outputs": outputs[name], "ttft": statistics.median(record.ttft for record in done),
-                         "client ttft mean": statistics.mean(record.ttft for record in done),
-                         "timings": {key.removeprefix(prefix): value for key, value in timings.items()
-                                     if key.startswith(prefix)}}
-    return results
+    level = asyncio.run(serve.run_level(url, "bench", prompts[1:], output_len, 1, None))
+    done = level.completed
+    if not done:
+        raise RuntimeError(f"no streamed request finished: {[record.error for record in level.records][:1]}")
+    return {"outputs": outputs, "ttft": statistics.median(record.ttft for record in done),
+            "client ttft mean": statistics.mean(record.ttft for record in done),
+            "timings": timing_means(before, timing_sums(servers))}
+
+
+def start_setup(cluster, arguments, name: str, deadline: Deadline) -> tuple[str, dict[str, str]]:
+    """Start setup ``name`` (colocated, or a backend's prefill + decode + router) and wait until
+    it serves: (the URL to send to, the servers whose timings are read)."""
+    if name == "colocated":
+        url, process = cluster.launch("colocated", server_flags(arguments, arguments.prefill_device))
+        cluster.wait(url, process, timeout=deadline.left(600))
+        return url, {"colocated": url}
+    layout = ["--kv-cache-layout", arguments.kv_cache_layout]
+    prefill_url, prefill = cluster.launch(f"prefill-{name}", [*server_flags(arguments, arguments.prefill_device),
+                                                             "--role", "prefill", "--transfer-backend", name, *layout])
+    decode_url, decode = cluster.launch(f"decode-{name}", [*server_flags(arguments, arguments.decode_device),
+                                                           "--role", "decode", "--transfer-backend", name, *layout])
+    cluster.wait(prefill_url, prefill, timeout=deadline.left(600))
+    cluster.wait(decode_url, decode, timeout=deadline.left(600))
+    url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url, "--decode", decode_url])
+    cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
+    return url, {"prefill": prefill_url, "decode": decode_url, "router": url}
 
 
 def run_serving(arguments, deadline: Deadline) -> dict[str, dict]:
-    """setup (colocated, nixl, nccl) -> {outputs, ttft, transfers} or {error}. Every server starts
-    at once (their start-ups overlap), and none is measured before all are ready: a server still
-    loading or capturing graphs on a GPU would slow the one being measured there."""
+    """setup (colocated, nixl, nccl) -> {outputs, ttft, transfers} or {error}. One setup at a
+    time, alone on the GPUs (its servers stopped before the next starts): processes sharing a
+    GPU are time-sliced, so another setup's servers there (starting up, or a transfer backend's
+    kernel waiting) would slow the one measured."""
     from benchmarks import serve
     from benchmarks.pd import Cluster, pd_metrics
 
-    cluster = Cluster(Path(arguments.log_directory))
+    vocab = serve.vocab_size_of(arguments.model)
+    prompts = serve.make_prompts(arguments.requests + 1, arguments.input_len, vocab, arguments.seed)
     results: dict[str, dict] = {}
-    launched: dict[str, tuple] = {}
-    ready: dict[str, tuple[str, dict[str, str]]] = {}
-    try:
-        launched["colocated"] = cluster.launch("colocated", server_flags(arguments, arguments.prefill_device))
-        for name in arguments.backends:
-            layout = ["--kv-cache-layout", arguments.kv_cache_layout]
-            prefill = cluster.launch(f"prefill-{name}", [*server_flags(arguments, arguments.prefill_device),
-                                                         "--role", "prefill", "--transfer-backend", name, *layout])
-            decode = cluster.launch(f"decode-{name}", [*server_flags(arguments, arguments.decode_device),
-                                                       "--role", "decode", "--transfer-backend", name, *layout])
-            launched[name] = (prefill, decode)
-        vocab = serve.vocab_size_of(arguments.model)
-        prompts = serve.make_prompts(arguments.requests + 1, arguments.input_len, vocab, arguments.seed)
-        for name, servers in launched.items():
-            try:
-                if name == "colocated":
-                    url, process = servers
-                    cluster.wait(url, process, timeout=deadline.left(600))
-                    ready[name] = (url, {"colocated": url})
-                    continue
-                (prefill_url, prefill), (decode_url, decode) = servers
-                cluster.wait(prefill_url, prefill, timeout=deadline.left(600))
-                cluster.wait(decode_url, decode, timeout=deadline.left(600))
-                url, router = cluster.launch(f"router-{name}", ["router", "--prefill", prefill_url,
-                                                                "--decode", decode_url])
-                cluster.wait(url, router, "/v1/models", timeout=deadline.left(120))
-                ready[name] = (url, {"prefill": prefill_url, "decode": decode_url, "router": url})
-            except Exception as error:  # noqa: BLE001
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
+    for name in ("colocated", *arguments.backends):
+        cluster = Cluster(Path(arguments.log_directory))
         try:
-            results.update(measure_setups(ready, prompts, arguments.output_len, arguments.serving_rounds))
-        except Exception as error:  # noqa: BLE001
-            for name in ready:
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
-        for name in arguments.backends:
-            if "error" not in results.get(name, {"error": ""}):
-                results[name]["transfers"] = pd_metrics(ready[name][1]["prefill"])
-        for name in launched:
-            served = results.get(name, {"error": "not measured"})
-            print(f"   serving {name}: {served.get('error') or 'TTFT %.2f ms' % (served['ttft'] * 1e3)}", flush=True)
-    except Exception as error:  # noqa: BLE001 - a server could not even be launched
-        for name in ("colocated", *arguments.backends):
-            results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
-        traceback.print_exc()
-    finally:
-        cluster.stop()
+            url, servers = start_setup(cluster, arguments, name, deadline)
+            results[name] = measure_setup(url, prompts, arguments.output_len, servers)
+            if name != "colocated":
+                results[name]["transfers"] = pd_metrics(servers["prefill"])
+        except Exception as error:  # noqa: BLE001 - a setup that fails is reported; the others still run
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            cluster.stop()
+        served = results[name]
+        print(f"   serving {name}: {served.get('error') or 'TTFT %.2f ms' % (served['ttft'] * 1e3)}", flush=True)
     return results
 
 
@@ -280,8 +253,6 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--requests", type=int, default=16, help="streamed requests per setup (TTFT median)")
-    parser.add_argument("--serving-rounds", type=int, default=4,
-                        help="turns the setups take: each sends its share of the requests, one setup after another")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="prefill chunk of the servers: pages stream to the decode server as chunks complete, "
