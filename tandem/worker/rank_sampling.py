@@ -40,6 +40,8 @@ class RankSampling:
         return generator
 
     def generators(self, keys: Sequence[int], seeds: Sequence[Optional[int]]) -> list[Optional[torch.Generator]]:
+        if seeds.count(None) == len(seeds):  # (a batch without seeds: no lookups)
+            return [None] * len(seeds)
         return [self.generator(key, seed) for key, seed in zip(keys, seeds)]
 
     def generators_of(self, sequences) -> list[Optional[torch.Generator]]:
@@ -60,7 +62,7 @@ class RankSampling:
         """A host bitmask on the device, through the upload ring (pinned on CUDA)."""
         if bitmask is None:
             return None
-        view = self._bitmasks.take(bitmask.shape[0])
+        view = self._bitmasks.take(bitmask.shape[0], allow_all=False)
         np.copyto(view.numpy(), bitmask)
         return self._bitmasks.to_device(view)
 
