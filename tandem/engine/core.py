@@ -267,11 +267,20 @@ class EngineCore:
     def check_books(self) -> None:
         if not self.coordinator.sanitizer.enabled:
             return
+        live = self.scheduler.live_sequences()
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
-        self.coordinator.sanitizer.check_books(
-            self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
+        self.coordinator.sanitizer.check_books(self.coordinator, [s.state for s in live] + held)
         if self.tiers is not None:
             self.tiers.check_books()
+        self.check_generators(live)
+
+    def check_generators(self, live: list[Sequence]) -> None:
+        """No generator outlives its sequence: each one rank 0's worker keeps is a live
+        sequence's, or one whose end the next sampling message reports."""
+        orphans = (self.sampling.live_keys() - {s.arrival_order for s in live}
+                   - set(self.scheduler.pending_finished_keys()))
+        if orphans:
+            raise SanitizerError(f"generators of sequences that ended and were reported: keys {sorted(orphans)}")
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its

@@ -130,6 +130,10 @@ class Scheduler:
         elif sequence in self.remote:
             self.remote.remove(sequence)
 
+    def pending_finished_keys(self) -> list[int]:
+        """The keys of the sequences ended since ``take_finished_keys`` (read-only)."""
+        return list(self._finished_keys)
+
     def take_finished_keys(self) -> list[int]:
         """The keys of the sequences ended since the last call (each given once)."""
         keys, self._finished_keys = self._finished_keys, []

@@ -100,7 +100,8 @@ def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dir
                                          sampling_params=params))
     while engine.has_unfinished_requests():
         engine.step()
-        # No generator outlives its sequence: every key with one is a live sequence's.
+        # No generator outlives its sequence: every key with one is a live sequence's (the
+        # sanitizer's check_books checks it too, after every step of every test).
         live = {s.arrival_order for s in engine.scheduler.live_sequences()}
         assert engine.sampling.live_keys() <= live
     engine.check_all_free()
