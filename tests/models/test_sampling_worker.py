@@ -52,9 +52,9 @@ class Recorder:
         engine.sampling_plan, engine.worker.sample = recording_plan, recording_sample
 
 
-def replay(calls, eos_token_ids, seed: int) -> int:
+def replay(calls, eos_token_ids, seed: int, device: str) -> int:
     """Sample every recorded step again with a plain ``Sampler``; returns the rows compared."""
-    sampler = Sampler(seed=seed)
+    sampler = Sampler(seed=seed, device=device)
     generators: dict[int, torch.Generator] = {}
     compared = 0
     for call in calls:
@@ -63,13 +63,13 @@ def replay(calls, eos_token_ids, seed: int) -> int:
         outputs = [s.token_ids[s.num_prompt_tokens:][:count] for s, count in zip(sequences, call["outputs"])]
         for sequence in sequences:
             if sequence.params.seed is not None and id(sequence) not in generators:
-                generators[id(sequence)] = torch.Generator().manual_seed(sequence.params.seed + sequence.index)
+                generators[id(sequence)] = torch.Generator(device=device).manual_seed(sequence.params.seed + sequence.index)
         banned = [[] if len(output) >= p.min_tokens else
                   ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
                   for output, p in zip(outputs, params)]
-        bitmask = None if call["bitmask"] is None else torch.from_numpy(call["bitmask"])
+        bitmask = None if call["bitmask"] is None else torch.from_numpy(call["bitmask"]).to(device)
         metadata = SamplingMetadata.build(params, [generators.get(id(s)) for s in sequences],
-                                          [s.prompt_token_ids for s in sequences], outputs, banned, "cpu",
+                                          [s.prompt_token_ids for s in sequences], outputs, banned, device,
                                           token_bitmask=bitmask)
         tokens = sampler(call["logits"], metadata).token_ids.tolist()
         for sequence, output, token in zip(sequences, outputs, tokens):
@@ -80,8 +80,11 @@ def replay(calls, eos_token_ids, seed: int) -> int:
     return compared
 
 
-def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dirs):
-    llm = make_llm(model_dirs["llama"], async_scheduling=True, max_num_batched_tokens=128, max_num_seqs=8)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dirs, device):
+    llm = make_llm(model_dirs["llama"], async_scheduling=True, max_num_batched_tokens=128, max_num_seqs=8,
+                   device=device, dtype="float32")
     engine = llm.engine
     recorder = Recorder(engine)
     rng = random.Random(23)
@@ -120,7 +123,7 @@ def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dir
             if sequence.request_id == "forks" and count == 0:
                 parent_rows.setdefault("forks", row)
                 assert row == parent_rows["forks"]
-    compared = replay(recorder.calls, engine.model_info.eos_token_ids, engine.config.seed)
+    compared = replay(recorder.calls, engine.model_info.eos_token_ids, engine.config.seed, device)
     assert compared == sum(s.num_output_tokens for s in sequences.values())
     # The messages are host-only and travel as msgpack.
     for payload in recorder.messages:
