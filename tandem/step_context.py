@@ -4,12 +4,13 @@ Speculative decoding (``tandem/spec_decode``) runs the step while speculating an
 drafts; prefill/decode disaggregation (``tandem/disagg``) feeds a decode engine its first token
 and ends requests whose transfer failed. Both sit below the engine in the layering, so they see
 the engine core only as this ``StepContext``: the books (scheduler, coordinator, registry), the
-executing side (model runner, sampler), and the hooks below. Nothing outside the engine calls a
+executing side (model runner; rank 0's worker's sampler and per-sequence generators, ``sampling``),
+and the hooks below. Nothing outside the engine calls a
 private method of the engine core.
 
 The step pipeline and where the hooks sit:
 
-    schedule ─► plan + execute (every rank's worker) ─► sample, or verify (speculation) ─► update
+    schedule ─► plan + execute (every rank's worker) ─► sample (rank 0's worker), or verify ─► update
                                                      │                              │
                           banned_tokens, sampled_logprobs          token_delta, finish_reason,
                                                                    fork, collect_prompt_logprobs,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from tandem.scheduler.scheduler import Scheduler
     from tandem.scheduler.sequence import Sequence
     from tandem.worker.model_runner import ModelRunner
-    from tandem.worker.sampler import Sampler
+    from tandem.worker.rank_sampling import RankSampling
 
 
 class StepContext(Protocol):
@@ -43,7 +44,7 @@ class StepContext(Protocol):
     coordinator: "StateCoordinator"
     scheduler: "Scheduler"
     runner: "ModelRunner"  # rank 0's (its worker's): start-up and rank 0's own draft passes
-    sampler: "Sampler"
+    sampling: "RankSampling"  # rank 0's worker's: the sampler and each seeded sequence's generator
     structured: Any  # the grammar masks of constrained rows (engine/structured_outputs.py)
     executor: Any  # the ranks (engine/ranks/executor.py Executor)
     speculator: Any  # spec_decode.Speculator, or None

@@ -305,7 +305,7 @@ class DecodeSide(PDSide):
         sampler draws one vocabulary-sized Exp(1) vector per sampled step from a row's own
         generator (``Sampler.exponential_noise``), and the prefill engine made that draw for the
         first token."""
-        generator = sequence.generator
+        generator = self.core.sampling.generator(sequence.arrival_order, sequence.seed)
         if generator is not None and not sequence.params.is_greedy:
             torch.empty(self.core.model_info.vocab_size, device=generator.device).exponential_(generator=generator)
 

@@ -1,8 +1,11 @@
 """The engine core: schedule → plan → execute → sample → update, one step at a time.
 
-Owner of the books of one model replica (registry, pools, coordinator, scheduler), the sampler,
-and the executor through which every rank's worker runs each step's forward pass (rank 0's worker,
-with its shard of the model and of the state, lives in this process: ``engine/ranks/worker.py``).
+Owner of the books of one model replica (registry, pools, coordinator, scheduler) and the executor
+through which every rank's worker runs each step's forward pass (rank 0's worker, with its shard of
+the model and of the state, lives in this process: ``engine/ranks/worker.py``). Rank 0's worker
+also samples: after the forward pass the engine core hands it the step's sampling message
+(``engine/ranks/sampling_plan.py``: which rows sample, their parameters and sequence keys, the
+penalties' token ids, min_tokens' banned ids, the grammar bitmask), and reads the tokens back.
 It speaks token ids only; text, stop strings and detokenizing belong to the frontend.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tandem.kv.spec import KV_CACHE_DTYPES
 from tandem.engine.memory import resolve_device
 from tandem.engine.ranks.build import build_rank
 from tandem.engine.ranks.launcher import RankFailure
+from tandem.engine.ranks.sampling_plan import SamplingPlan
 from tandem.engine.ranks.start import start_executor
 from tandem.engine.ranks.worker import Worker
 from tandem.engine.step_planner import ExecuteResult, StepPlanner
@@ -31,7 +35,6 @@ from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.structured.matcher import GrammarViolation
 from tandem.worker.model_runner import to_position_logprobs
-from tandem.worker.sampler import ParameterTables, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +78,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.coordinator, tiers=self.tiers, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
-        self.sampler = Sampler(seed=config.seed, device=self.device)
-        self._parameter_tables = ParameterTables()  # the sampled rows' parameters, reused across steps
+        # Rank 0's worker's sampler and per-sequence generators (speculation and PD draw with them).
+        self.sampling = self.worker.sampling
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
@@ -157,13 +160,10 @@ class EngineCore:
         return rejections
 
     def _new_sequence(self, request_id: str, index: int, prompt: list[int], params, max_tokens: int) -> Sequence:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         return Sequence(request_id=request_id, index=index, token_ids=list(prompt),
                         num_prompt_tokens=len(prompt), params=params,
                         state=self.coordinator.new_state(f"{request_id}#{index}"),
-                        arrival_order=next(self._arrival), max_tokens=max_tokens, generator=generator)
+                        arrival_order=next(self._arrival), max_tokens=max_tokens)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """End every sequence of these requests and free their pages at once (no deltas)."""
@@ -175,6 +175,7 @@ class EngineCore:
                 if sequence.pending_forks:
                     sequence.pending_forks = 0
                 self._end(sequence, "abort")
+        self.drop_finished_generators()
 
     def finish_sequences(self, keys: list[tuple[str, int]]) -> None:
         """End single sequences as "stop" (the frontend saw a stop string); frees their pages."""
@@ -184,6 +185,7 @@ class EngineCore:
                     sequence.pending_forks = 0
                     self._end(sequence, "stop")
             self.forget_if_done(request_id)
+        self.drop_finished_generators()
 
     def forget_if_done(self, request_id: str) -> None:
         sequences = self._sequences.get(request_id)
@@ -230,13 +232,16 @@ class EngineCore:
         if self.structured.has_waiting():
             self._admit_compiled()
         if self.speculator is not None:
-            return self.speculator.run_step()
+            deltas = self.speculator.run_step()
+            self.drop_finished_generators()
+            return deltas
         previous = self._in_flight
         started = time.perf_counter()
         output = self.scheduler.schedule(allow_preemption=previous is None)
         if previous is not None and (output is None or not self._can_overlap(output)):
             self._in_flight = None
             deltas = self._complete(previous)
+            self.drop_finished_generators()
             self.check_books()
             return deltas
         deltas: list[RequestDelta] = []
@@ -255,17 +260,27 @@ class EngineCore:
                 self._in_flight = current
             else:
                 deltas += self._complete(current)
+        self.drop_finished_generators()
         self.check_books()
         return deltas
 
     def check_books(self) -> None:
         if not self.coordinator.sanitizer.enabled:
             return
+        live = self.scheduler.live_sequences()
         held = [s.state for step in (self._in_flight,) if step is not None for s in step.held]
-        self.coordinator.sanitizer.check_books(
-            self.coordinator, [s.state for s in self.scheduler.live_sequences()] + held)
+        self.coordinator.sanitizer.check_books(self.coordinator, [s.state for s in live] + held)
         if self.tiers is not None:
             self.tiers.check_books()
+        self.check_generators(live)
+
+    def check_generators(self, live: list[Sequence]) -> None:
+        """No generator outlives its sequence: each one rank 0's worker keeps is a live
+        sequence's, or one whose end the next sampling message reports."""
+        orphans = (self.sampling.live_keys() - {s.arrival_order for s in live}
+                   - set(self.scheduler.pending_finished_keys()))
+        if orphans:
+            raise SanitizerError(f"generators of sequences that ended and were reported: keys {sorted(orphans)}")
 
     def _can_overlap(self, output) -> bool:
         """Whether ``output`` may run before the step in flight has been read back: its
@@ -274,7 +289,7 @@ class EngineCore:
                        for chunk in output.chunks)
 
     def _launch(self, chunks, previous: Optional["LaunchedStep"], started: float = 0.0):
-        """Run the forward pass and the sampler (on the device, not waited for); each sampled
+        """Run the forward pass, then rank 0's worker samples (on the device, not waited for); each sampled
         sequence gets a pending token. Returns the launched step, or the error deltas."""
         pending = previous.pending_tokens() if previous is not None else None
         try:
@@ -329,6 +344,8 @@ class EngineCore:
         sequence.prompt_logprobs.extend(logprobs or [])
 
     def _sample(self, step: "LaunchedStep", result) -> None:
+        """Make the step's forks, then hand rank 0's worker the step's sampling message; each
+        sampled sequence gets a pending token."""
         sequences = step.sequences
         rows = None  # logits row of each sampled sequence, where forks repeat their parent's
         for row, chunk in enumerate(result.sampling_chunks):
@@ -344,20 +361,7 @@ class EngineCore:
                 rows.append(row)
         if not sequences:
             return
-        logits = result.logits if rows is None else result.logits[rows]
-        params = [s.params for s in sequences]
-        bitmask = self.structured.bitmask(sequences)
-        table = self._parameter_tables.get(params, self.device)
-        # Token ids are gathered only when some row's penalties read them, banned ids only
-        # while some row is below its min_tokens.
-        empty = [[]] * len(sequences)
-        metadata = SamplingMetadata.build(
-            params, [s.generator for s in sequences],
-            empty if table.no_penalties else [s.prompt_token_ids for s in sequences],
-            empty if table.no_penalties else [s.output_token_ids for s in sequences],
-            [self.banned_tokens(s) for s in sequences] if table.any_min_tokens else empty,
-            self.device, table, token_bitmask=bitmask)
-        step.sampled = self.sampler(logits, metadata)
+        step.sampled = self.executor.sample(self.sampling_plan(sequences, rows))
         step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
         positions = step.positions
         for sequence in sequences:
@@ -365,6 +369,31 @@ class EngineCore:
             positions.append(len(token_ids))
             if not sequence.is_finished:  # (it finished as the previous step completed: see _launch)
                 token_ids.append(PENDING_TOKEN)
+
+    def sampling_plan(self, sequences: list[Sequence], rows: Optional[list[int]] = None) -> SamplingPlan:
+        """The sampling message of ``sequences`` (reading logits ``rows``; None: one row each, in
+        order). Token ids are gathered only when some row's penalties read them, banned ids only
+        while some row is below its min_tokens; the sequences that ended since the last message
+        go with it (their generators are dropped after it is sampled)."""
+        params = [s.params for s in sequences]
+        penalties = any(p.uses_penalties for p in params)
+        empty = [[]] * len(sequences)
+        return SamplingPlan(
+            keys=[s.arrival_order for s in sequences], params=params, seeds=[s.seed for s in sequences],
+            logits_rows=rows,
+            prompt_token_ids=[s.prompt_token_ids for s in sequences] if penalties else empty,
+            output_token_ids=[s.output_token_ids for s in sequences] if penalties else empty,
+            banned_token_ids=[self.banned_tokens(s) for s in sequences] if any(p.min_tokens > 0 for p in params)
+            else empty,
+            token_bitmask=self.structured.host_bitmask(sequences),
+            finished_keys=self.scheduler.take_finished_keys())
+
+    def drop_finished_generators(self) -> None:
+        """Tell rank 0's worker the sequences that ended since the last sampling message (their
+        generators go): after each step, an abort, a stop string."""
+        keys = self.scheduler.take_finished_keys()
+        if keys:
+            self.executor.sample(SamplingPlan([], [], [], finished_keys=keys))
 
     def _complete(self, step: "LaunchedStep") -> list[RequestDelta]:
         """Read the step's tokens back, write them over the pending ones, finish sequences (a
@@ -417,6 +446,7 @@ class EngineCore:
         if step is None:
             return []
         deltas = self._complete(step)
+        self.drop_finished_generators()
         self.check_books()
         return deltas
 

@@ -28,7 +28,8 @@ from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, 
 
 @dataclass
 class ExecuteResult:
-    """A step's result as the engine core samples or verifies it."""
+    """A step's result as the engine core reads it: the sampled rows' chunks (rank 0's worker
+    samples them from the logits it kept) or, while speculating, the logits verification reads."""
     sampling_chunks: list[ScheduledChunk]  # in the order of ``logits`` rows
     logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens

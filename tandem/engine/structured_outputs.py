@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence as Sequences
 
+import numpy as np
 import torch
 
 from tandem.protocol import StructuredOutputsStats
@@ -135,10 +136,16 @@ class StructuredOutputs:
         return dropped
 
     # -- steps --------------------------------------------------------------------------------
+    def host_bitmask(self, sequences: Sequences[Sequence]) -> Optional[np.ndarray]:
+        """A sampling step's bitmask on the host, for the sampling message (``bitmask``, no
+        drafts): valid until the next bitmask is taken (the worker copies it when it samples)."""
+        return self.bitmask(sequences, on_host=True)
+
     def bitmask(self, sequences: Sequences[Sequence], drafts: Optional[Sequences[Sequences[int]]] = None,
-                count: bool = True) -> Optional[torch.Tensor]:
+                count: bool = True, on_host: bool = False):
         """The device bitmask of one row per sequence (``None`` if no row is constrained, or,
-        outside verification, none masks its next token: still thinking, or ended).
+        outside verification, none masks its next token: still thinking, or ended); with
+        ``on_host``, the host rows as a numpy array instead (``host_bitmask``).
 
         Each matcher is first brought level with its sequence's output tokens. With ``drafts``
         (verification), row ``i`` is after ``drafts[i]`` on top of the output: the matcher
@@ -164,7 +171,7 @@ class StructuredOutputs:
         if count:
             self.num_constrained_steps += 1
             self.num_constrained_rows += sum(grammar is not None for grammar in grammars)
-        return self._staging.to_device(host)
+        return host.numpy() if on_host else self._staging.to_device(host)
 
     def _fill_draft_bitmask(self, rows: torch.Tensor, sequences, grammars, drafts) -> None:
         for _, group in itertools.groupby(range(len(sequences)), key=lambda index: id(sequences[index])):

@@ -80,6 +80,9 @@ class Scheduler:
             max_itl_ms / 1e3, min_prefill_tokens=coordinator.page_size)
         # Prefill tokens the step being scheduled may still take (None: no cap); set by schedule().
         self._prefill_tokens_left: int | None = None
+        # The keys (``Sequence.arrival_order``) of sequences ended since ``take_finished_keys``:
+        # the engine core tells the sampling worker, which drops their generators.
+        self._finished_keys: list[int] = []
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, sequence: Sequence) -> None:
@@ -117,6 +120,7 @@ class Scheduler:
             return
         sequence.status = SequenceStatus.FINISHED
         sequence.finish_reason = reason
+        self._finished_keys.append(sequence.arrival_order)
         if release:
             self.coordinator.free(sequence.state)
         if sequence in self.running:
@@ -125,6 +129,15 @@ class Scheduler:
             self.waiting.remove(sequence)
         elif sequence in self.remote:
             self.remote.remove(sequence)
+
+    def pending_finished_keys(self) -> list[int]:
+        """The keys of the sequences ended since ``take_finished_keys`` (read-only)."""
+        return list(self._finished_keys)
+
+    def take_finished_keys(self) -> list[int]:
+        """The keys of the sequences ended since the last call (each given once)."""
+        keys, self._finished_keys = self._finished_keys, []
+        return keys
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> SchedulerOutput | None:

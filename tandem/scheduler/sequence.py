@@ -5,8 +5,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from tandem.protocol import PositionLogprobs
 from tandem.kv.coordinator import RequestState
 from tandem.sampling_params import SamplingParams
@@ -37,7 +35,6 @@ class Sequence:
     state: RequestState
     arrival_order: int
     max_tokens: int  # resolved against max_model_len
-    generator: Optional[torch.Generator] = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until admitted
     pending_forks: int = 0  # siblings to fork when the prompt has been computed
@@ -58,6 +55,13 @@ class Sequence:
     @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.index)
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The seed of the sequence's own random stream (sequence ``i`` of a request: its seed +
+        ``i``; the sampling worker's generator of this sequence starts from it); None without one."""
+        seed = self.params.seed
+        return None if seed is None else seed + self.index
 
     @property
     def prompt_token_ids(self) -> list[int]:

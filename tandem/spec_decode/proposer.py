@@ -196,10 +196,11 @@ class Proposer:
         probs = None
         if any(s.params.temperature >= GREEDY_TEMPERATURE_EPSILON for s in sequences):
             empty = [[] for _ in sequences]
-            metadata = SamplingMetadata.build([s.params for s in sequences], [s.generator for s in sequences],
-                                              empty, empty, empty, logits.device)
+            metadata = SamplingMetadata.build([s.params for s in sequences],
+                                              self.core.sampling.generators_of(sequences), empty, empty, empty,
+                                              logits.device)
             probs = Sampler.probabilities(logits.clone(), metadata)
-            drawn = self.core.sampler.draw(probs, metadata.generators)
+            drawn = self.core.sampling.sampler.draw(probs, metadata.generators)
             tokens = torch.where(greedy_mask(metadata.temperature.to(logits.device)), tokens, drawn)
         for index, (plan, token) in enumerate(zip(plans, tokens.unbind(0))):
             plan.tokens.append(token)  # on the device until the chain ends

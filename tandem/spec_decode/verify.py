@@ -53,12 +53,13 @@ class Verdict:
 
 
 class Verifier:
-    """Owned by the speculator; draws with the engine's sampler (its generator for rows without
-    a seed)."""
+    """Owned by the speculator; draws with the sampling worker's sampler (its generator for rows
+    without a seed) and the sequences' own generators (``core.sampling``)."""
 
     def __init__(self, core: StepContext, simulate_accept_length: Optional[float] = None) -> None:
         self.core = core
-        self.sampler: Sampler = core.sampler
+        self.sampling = core.sampling
+        self.sampler: Sampler = core.sampling.sampler
         self.device = core.device
         self.simulate_accept_length = simulate_accept_length
 
@@ -105,7 +106,8 @@ class Verifier:
         penalised = any(item.sequence.params.uses_penalties for item in row_items)
         core = self.core
         return SamplingMetadata.build(
-            [item.sequence.params for item in row_items], [item.sequence.generator for item in row_items],
+            [item.sequence.params for item in row_items],
+            self.sampling.generators_of([item.sequence for item in row_items]),
             [item.sequence.prompt_token_ids if penalised else [] for item in row_items],
             [item.sequence.output_token_ids + item.draft_token_ids[:offset] if penalised else []
              for item, offset in zip(row_items, ahead)],
@@ -131,7 +133,8 @@ class Verifier:
                 drafts = draft_of_row.index_select(0, draft_rows)
                 target = probs.index_select(0, draft_rows).gather(1, drafts[:, None]).squeeze(1)
                 draft = torch.cat([self._draft_probability(item) for item in items])
-                uniform = self._uniforms([item.sequence.generator for item in items for _ in item.draft_token_ids])
+                uniform = self._uniforms(self.sampling.generators_of(
+                    [item.sequence for item in items for _ in item.draft_token_ids]))
                 sampled = sampled.index_copy(0, draft_rows, uniform * draft <= target)
             accept = torch.where(greedy, accept, sampled)
         rejected_at = torch.where(accept & is_draft, len(rows.offsets), offset_of_row)
@@ -199,7 +202,7 @@ class Verifier:
             mass = residual.sum(dim=-1, keepdim=True)
             use = rejected[:, None] & (mass > 0)
             distributions = torch.where(use, residual / mass.clamp(min=1e-30), distributions)
-        drawn = self.sampler.draw(distributions, [item.sequence.generator for item in items])
+        drawn = self.sampler.draw(distributions, self.sampling.generators_of([item.sequence for item in items]))
         return torch.where(greedy.index_select(0, final_rows), tokens, drawn)
 
     def _logprobs(self, item: VerifyItem, host: list[torch.Tensor], first: int, count: int,

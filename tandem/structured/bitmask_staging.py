@@ -1,9 +1,12 @@
 """Reusable host buffers for the steps' token bitmasks, and their copies to the device.
 
-Owner: the engine's ``StructuredOutputs``. A fresh ``[64, 4008]`` int32 bitmask per step (a
-128k vocabulary) costs page faults and a full write on every step, and a pageable one would
-make its copy wait for the work queued before it; instead a small ring of buffers is
-allocated once (pinned on CUDA, grown when a step has more rows) and reused.
+Owners: the engine's ``StructuredOutputs`` (the masks it fills: a sampling step's travel on the
+host in the sampling message, speculation's go to the device here) and rank 0's worker's
+``RankSampling`` (the sampling message's mask, copied in and to the device). A fresh
+``[64, 4008]`` int32 bitmask per step (a 128k vocabulary) costs page faults and a full write on
+every step, and a pageable one would make its copy wait for the work queued before it; instead a
+small ring of buffers is allocated once (pinned on CUDA, grown when a step has more rows) and
+reused.
 
 A buffer is written only once the device has finished reading it: each copy to the device
 records an event on the device's stream, and ``take`` hands a slot's buffer out again only once
@@ -43,8 +46,9 @@ class BitmaskStaging:
         self._next = 0
         self._taken: Optional[int] = None  # the slot of the view handed out last
 
-    def take(self, rows: int) -> torch.Tensor:
-        """A host view of ``rows`` rows, each allowing every token; valid until ``to_device``."""
+    def take(self, rows: int, allow_all: bool = True) -> torch.Tensor:
+        """A host view of ``rows`` rows, each allowing every token (``allow_all=False``: left as
+        they were, for a caller that overwrites every row); valid until ``to_device``."""
         slot = self._next
         self._next = (slot + 1) % SLOTS
         buffer, copied = self._buffers[slot], self._copied[slot]
@@ -59,7 +63,8 @@ class BitmaskStaging:
             self._buffers[slot] = buffer
         self._taken = slot
         view = buffer[:rows]
-        view.numpy().fill(-1)  # (one thread: see the module docstring)
+        if allow_all:
+            view.numpy().fill(-1)  # (one thread: see the module docstring)
         return view
 
     def to_device(self, view: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ core's process (the books beside it), the others in the processes or actors the 
 started. The executor hands each step's message to all of them (``execute_step``: the forward
 plan, ``plan.ForwardPlan``; the other ranks also get the page operations rank 0's outbox recorded
 since the last message, which every rank applies through the same executor,
-``kv/page_operations.py``) and runs rank 0's worker on it last, returning its result; a sharded
-draft's passes likewise (``execute_draft``); and named calls that every rank answers
+``kv/page_operations.py``) and runs rank 0's worker on it last, returning its result; then
+rank 0's worker alone samples the step (``sample``: the sampling message, ``sampling_plan.py``);
+a sharded draft's passes likewise (``execute_draft``); and named calls that every rank answers
 (``collective_rpc``, answers in rank order). When rank 0's part of a step the other ranks
 started fails, the executor stops them (they are inside the step's collectives): the engine
 cannot go on. In vLLM's words: ``execute_step`` is ``execute_model``, ``check`` is
@@ -146,6 +147,11 @@ class Executor(abc.ABC):
         (with ``feed``: its tokens still pending on its device); rank 0's ``ForwardOutput``."""
 
     @abc.abstractmethod
+    def sample(self, plan):
+        """Rank 0's worker samples ``plan`` (``sampling_plan.SamplingPlan``) from the logits of the
+        step it ran last (the other ranks sample nothing); its ``SamplerOutput``, on the device."""
+
+    @abc.abstractmethod
     def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,
                       hidden: Optional[torch.Tensor]) -> torch.Tensor:
         """A sharded draft's pass over ``step``'s rows on every rank's worker, rank 0's last (its
@@ -209,6 +215,9 @@ class InProcessExecutor(Executor):
 
     def execute_step(self, plan, feed=None):
         return self.worker.execute(plan, feed)
+
+    def sample(self, plan):
+        return self.worker.sample(plan)
 
     def execute_draft(self, step, inputs_from_root, input_ids, hidden):
         return self.worker.draft(draft_plan(step, inputs_from_root, hidden), input_ids, hidden)

@@ -205,6 +205,11 @@ class MultiprocessExecutor(Executor):
         self.channel.send(StepPlan.of_forward(plan, self.page_operations()))
         return self._on_rank_zero("forward pass", self.worker.execute, plan, feed)
 
+    def sample(self, plan):
+        """Rank 0's worker samples the step it ran last: the other ranks sample nothing and wait
+        in no collective for it, so a failure here stops no rank."""
+        return self.worker.sample(plan)
+
     def _on_rank_zero(self, what: str, call, *arguments):
         """Rank 0's part of a message the other ranks already run: if it raises, they wait inside
         its collectives, so they are stopped (``fail``) and every later message raises."""

@@ -7,6 +7,9 @@ is one, and (ranks 1..N-1) its PD transfer agent. ``execute`` is the one forward
 runs for a STEP plan (``ModelRunner.run``: the graph replay or eager pass, the LM head over the
 prompt-logit ranges, the layers' collectives in the same order on every rank); ``draft`` the one
 pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the others discard it.
+Rank 0's worker also samples: ``sample`` runs a sampling message (``sampling_plan.py``) on the
+logits of the forward pass it ran last, with the sampler and the per-sequence generators it owns
+(``worker/rank_sampling.py``), and returns the sampled tokens and logprobs (on the device).
 
 Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
 Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
@@ -31,11 +34,15 @@ import msgspec
 import torch
 
 from tandem.config import EngineConfig
+from tandem.structured.bitmask import bitmask_words
+from tandem.worker.rank_sampling import RankSampling
 
 if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
+    from tandem.engine.ranks.sampling_plan import SamplingPlan
     from tandem.worker.model_runner import ForwardOutput
+    from tandem.worker.sampler import SamplerOutput
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -123,6 +130,10 @@ class Worker:
                               [name for name in parts.registry.layer_names() if name not in self.runner.graph_layers])
         self.parallel = self.runner.model.tensor_shard.is_parallel
         self.transfers = transfers  # ranks 1..N-1 with a PD role: this rank's transfer agent (pd_ranks.py)
+        # Rank 0 samples (``sample``): its sampler, parameter tables and per-sequence generators,
+        # and the logits of the last forward pass, which the next sampling message reads.
+        self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
+        self.logits: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
@@ -143,7 +154,20 @@ class Worker:
                                  broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
+        self.logits = output.logits
         return output
+
+    def sample(self, plan: "SamplingPlan") -> Optional["SamplerOutput"]:
+        """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last
+        forward pass's logits on the device (not waited for); then the generators of the
+        sequences that ended go. A plan without rows only drops generators (None)."""
+        sampled = None
+        if plan.num_rows:
+            logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
+            sampled = self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
+                                           plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
+        self.sampling.forget(plan.finished_keys)
+        return sampled
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""What the sampling rank keeps between steps: the sampler, the parameter tables, the
+per-sequence generators and the grammar masks' upload buffers.
+
+Owner: rank 0's worker (``engine/ranks/worker.py``), which samples each step's sampling message
+with it; speculative decoding's proposer and verifier and PD decode reach the sampler and the
+generators through it too (the engine core's step context names it ``sampling``). It knows
+sequences only by key (the engine core's, unique for the engine's lifetime) and the seed their
+generator starts from.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from tandem.sampling_params import SamplingParams
+from tandem.structured.bitmask_staging import BitmaskStaging
+from tandem.worker.sampler import ParameterTables, Sampler, SamplerOutput, SamplingMetadata
+
+
+class RankSampling:
+    def __init__(self, seed: Optional[int], device: torch.device, bitmask_words: int) -> None:
+        self.device = device
+        self.sampler = Sampler(seed=seed, device=device)  # rows without a seed share its generator
+        self.tables = ParameterTables()  # the sampled rows' parameters, reused across steps
+        self._generators: dict[int, torch.Generator] = {}  # sequence key -> its own generator
+        self._bitmasks = BitmaskStaging(bitmask_words, device)
+
+    # -- generators -----------------------------------------------------------------------------
+    def generator(self, key: int, seed: Optional[int]) -> Optional[torch.Generator]:
+        """The sequence's own generator (made from ``seed`` the first time ``key`` appears); None
+        for a sequence without a seed (it draws from the sampler's shared generator)."""
+        if seed is None:
+            return None
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[key] = generator
+        return generator
+
+    def generators(self, keys: Sequence[int], seeds: Sequence[Optional[int]]) -> list[Optional[torch.Generator]]:
+        if seeds.count(None) == len(seeds):  # (a batch without seeds: no lookups)
+            return [None] * len(seeds)
+        return [self.generator(key, seed) for key, seed in zip(keys, seeds)]
+
+    def generators_of(self, sequences) -> list[Optional[torch.Generator]]:
+        """The generators of scheduler sequences (by ``arrival_order``, from ``seed``)."""
+        return [self.generator(sequence.arrival_order, sequence.seed) for sequence in sequences]
+
+    def forget(self, keys: Sequence[int]) -> None:
+        """Drop the generators of sequences that ended."""
+        for key in keys:
+            self._generators.pop(key, None)
+
+    def live_keys(self) -> set[int]:
+        """The keys that have a generator (the sanitizer's check that none outlives its sequence)."""
+        return set(self._generators)
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def bitmask_to_device(self, bitmask: Optional[np.ndarray]) -> Optional[torch.Tensor]:
+        """A host bitmask on the device, through the upload ring (pinned on CUDA)."""
+        if bitmask is None:
+            return None
+        view = self._bitmasks.take(bitmask.shape[0], allow_all=False)
+        np.copyto(view.numpy(), bitmask)
+        return self._bitmasks.to_device(view)
+
+    def sample(self, logits: torch.Tensor, keys: Sequence[int], params: Sequence[SamplingParams],
+               seeds: Sequence[Optional[int]], prompt_token_ids: Sequence[Sequence[int]],
+               output_token_ids: Sequence[Sequence[int]], banned_token_ids: Sequence[Sequence[int]],
+               bitmask: Optional[np.ndarray]) -> SamplerOutput:
+        """One token per row of ``logits`` (on the device, not waited for)."""
+        table = self.tables.get(params, self.device)
+        metadata = SamplingMetadata.build(params, self.generators(keys, seeds), prompt_token_ids, output_token_ids,
+                                          banned_token_ids, self.device, table,
+                                          token_bitmask=self.bitmask_to_device(bitmask))
+        return self.sampler(logits, metadata)
