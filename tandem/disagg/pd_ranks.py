@@ -50,7 +50,7 @@ from typing import Any, Optional
 import msgspec
 
 from tandem.disagg.agent_support import compute_done_event, warm_up_scratch
-from tandem.parallel.group import exchange
+from tandem.parallel.control import exchange
 from tandem.transfer.rank_operations import CANCEL, PEER, WRITE, TransferOperation, TransferReport, WriteOutcome
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import RankAgent

@@ -7,15 +7,23 @@ cost nothing (double frees always raise, in the block pool).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
-from tandem.kv.block_pool import CACHE_OWNER, SanitizerError
+from tandem.kv.block_pool import CACHE_OWNER, BlockPool, SanitizerError
 from tandem.kv.registry import StateRegistry
 
-if TYPE_CHECKING:
-    from tandem.kv.coordinator import StateCoordinator
+
+class Books(Protocol):
+    """What the checks read of the page books (``kv/coordinator.py``'s ``StateCoordinator`` is
+    one): the pools, the prefix cache and the pages held by in-flight operations."""
+    pools: list[BlockPool]
+    prefix_cache: Optional[Any]  # kv/prefix_cache.py PrefixCache
+
+    def inflight_references(self, group_index: int) -> Iterable[tuple[str, list[int]]]:
+        ...
+
 
 POISON_BYTE = 0xA5  # integer and byte-packed buffers (the indexer's FP8 keys + scales): a fixed pattern
 FP8_NAN_BYTE = 0x7F  # NaN in float8 e4m3fn (and e5m2): FP8 K/V pages poison to NaN like wider floats
@@ -50,14 +58,14 @@ class Sanitizer:
             poison_fill(descriptor.tensor, index)
             self.touched.add(descriptor.key)
 
-    def check_owner(self, coordinator: "StateCoordinator", owner: str,
+    def check_owner(self, coordinator: Books, owner: str,
                     page_tables: list[list[int]]) -> None:
         if not self.enabled:
             return
         for pool, table in zip(coordinator.pools, page_tables):
             pool.check_owner(owner, table)
 
-    def check_books(self, coordinator: "StateCoordinator", live: Iterable) -> None:
+    def check_books(self, coordinator: Books, live: Iterable) -> None:
         """I5: per pool, every page's holders equal exactly what the live sequences' page
         tables, the prefix cache and in-flight operations account for; the census adds up."""
         if not self.enabled:
@@ -99,7 +107,7 @@ class Sanitizer:
             raise SanitizerError(f"prefix cache: {cache.unlocked_pages[group_index]} unlocked pages counted in "
                                  f"group {group_index}, {unlocked} found")
 
-    def check_all_free(self, coordinator: "StateCoordinator") -> None:
+    def check_all_free(self, coordinator: Books) -> None:
         """After idle and a cache flush, every page of every pool is free (I5)."""
         for group_index, pool in enumerate(coordinator.pools):
             if pool.num_free != pool.num_usable:

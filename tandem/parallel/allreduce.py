@@ -215,7 +215,7 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
     work: a CPU, one rank, more than 8, ranks on different hosts, or symmetric memory failing on
     any rank. Collective over ``control``: every rank calls it, and all decide alike."""
     from tandem.parallel.graphs import same_on_every_rank
-    from tandem.parallel.group import exchange
+    from tandem.parallel.control import exchange
 
     if device.type != "cuda" or size < 2 or size > MAX_PEER_WORLD_SIZE:
         return None

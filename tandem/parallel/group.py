@@ -105,16 +105,3 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def exchange(control, payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (an all-gather over the control group)."""
-    size = control.size()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    control.allgather([lengths], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
-    counts = [int(length.item()) for length in lengths]
-    longest = max(1, max(counts))
-    buffer = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    control.allgather([parts], [buffer]).wait()
-    return [part[:count].numpy().tobytes() for part, count in zip(parts, counts)]

@@ -32,7 +32,8 @@ from tandem.kv.page_operations import Outbox
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
-from tandem.parallel.group import exchange, join, open_store, rank_device
+from tandem.parallel.control import exchange
+from tandem.parallel.group import join, open_store, rank_device
 from tandem.engine.ranks.executor import Executor, RankContext, draft_plan, rank_call
 from tandem.engine.ranks.plan import DISK, PAGES, RPC, STOP, TRANSFER, PlanChannel, StepPlan
 

@@ -213,7 +213,7 @@ class Worker:
     def _answer(self, method: str, arguments: list) -> None:
         """This rank's answer to a ``collective_rpc`` (gathered by rank 0)."""
         from tandem.engine.ranks.executor import rank_call
-        from tandem.parallel.group import exchange
+        from tandem.parallel.control import exchange
 
         answer = rank_call(method)(self, *arguments)
         exchange(self.groups.control, msgspec.msgpack.encode(answer))

@@ -13,12 +13,9 @@ aborted sequence just forgets its read.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tandem.kv.page_operations import DISK_PREFETCH, PageOperation
-
-if TYPE_CHECKING:
-    from tandem.kv.tiers.hierarchy import TieredState
+from tandem.kv.page_operations import DISK_PREFETCH, Outbox, PageOperation
 
 READ_THREADS = 2
 WAIT_WHEN_IDLE_SECONDS = 0.005  # nothing else to run: wait this long for a read before yielding
@@ -35,12 +32,23 @@ def read_chain(disk, keys: list[bytes]) -> dict[bytes, tuple[memoryview, str]]:
     return entries
 
 
+class TierBooks(Protocol):
+    """What a prefetch asks of the tiers' books (``hierarchy.py``'s ``TieredState`` is them)."""
+    outbox: Outbox
+
+    def disk_keys_to_read(self, token_ids: list[int], max_pages: int) -> list[bytes]:
+        ...
+
+    def install_chain(self, token_ids: list[int], max_pages: int, keys: list[bytes]) -> int:
+        ...
+
+
 class DiskPrefetch:
     """Reads in flight, one per waiting sequence (by owner): a DISK_PREFETCH each, which every
     rank's tier worker starts on its own reader thread (``tier_worker.py``); this rank's read is
     the one waited for here."""
 
-    def __init__(self, tiers: "TieredState") -> None:
+    def __init__(self, tiers: TierBooks) -> None:
         self.tiers = tiers
         self.reads: dict[str, tuple[list[bytes], Future]] = {}  # owner -> its keys and this rank's read
         self.installed_pages = 0  # pages read this way (off the engine loop) so far
