@@ -186,7 +186,7 @@ def fail(message: str):
 
 # -- running --------------------------------------------------------------------------------------
 def run_deploy(arguments: argparse.Namespace) -> int:
-    from tandem.entrypoints.cli import configure_logging
+    from tandem.entrypoints.engine_arguments import configure_logging
 
     configure_logging(arguments.log_level)
     sizes = role_sizes(arguments)

@@ -17,7 +17,7 @@ DEPLOYMENT_OWNED = {"--role", "--pd-address", "--pd-secret-file", "--host", "--p
 
 def serve_flag_groups() -> list[tuple[str, list[argparse.Action]]]:
     """``tandem serve``'s argument groups and actions, less the ones the deployment owns."""
-    from tandem.entrypoints.cli import add_serve_arguments
+    from tandem.entrypoints.engine_arguments import add_serve_arguments
 
     serve = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve)
