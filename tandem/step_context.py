@@ -51,9 +51,10 @@ class StepContext(Protocol):
     pd: Any  # the PD side (disagg), or None
 
     # -- executing a step ---------------------------------------------------------------------
-    def execute(self, chunks, pending=None) -> Any:
+    def execute(self, chunks, pending=None, device_outputs: bool = False) -> Any:
         """One forward pass over ``chunks`` on every rank (``engine/step_planner.py`` plans it, the
-        executor runs it): rank 0's ``ExecuteResult``. A failure of rank 0's pass raises."""
+        executor runs it): rank 0's ``ExecuteResult`` (host values; with ``device_outputs``, the
+        step's logits and hidden states too). A failure of rank 0's pass raises."""
 
     # -- sampling or verifying a step's rows --------------------------------------------------
     def banned_tokens(self, sequence: "Sequence", ahead: int = 0) -> list[int]:

@@ -314,11 +314,13 @@ class EngineCore:
         return step
 
     @torch.inference_mode()
-    def execute(self, chunks, pending=None) -> ExecuteResult:
+    def execute(self, chunks, pending=None, device_outputs: bool = False) -> ExecuteResult:
         """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
-        rank's worker through the executor; rank 0's result, checked and with prompt logprobs.
-        A chunk whose input token is still pending reads it from ``pending`` on the device."""
-        planned = self.planner.plan(chunks, pending)
+        rank's worker through the executor; rank 0's result (its worker checked it and computed
+        the prompt logprobs). A chunk whose input token is still pending reads it from
+        ``pending`` on the device. ``device_outputs``: the result carries the step's logits and
+        hidden states (speculation reads them in process)."""
+        planned = self.planner.plan(chunks, pending, device_outputs)
         output = self.executor.execute_step(planned.plan, planned.feed)
         return self.planner.result(planned, output)
 

@@ -65,7 +65,7 @@ class SpeculativeStep:
         copies = {id(chunk): coordinator.speculation.set_aside(chunk.sequence.state, self.target_groups)
                   for chunk in chunks if chunk.num_draft_tokens}
         try:
-            result = core.execute(chunks)
+            result = core.execute(chunks, device_outputs=True)
         except SanitizerError:
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine

@@ -144,7 +144,7 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_step(self, plan, feed=None):
         """Hand this step's message (``plan.ForwardPlan``) to every rank's worker, rank 0's last
-        (with ``feed``: its tokens still pending on its device); rank 0's ``ForwardOutput``."""
+        (with ``feed``: its tokens still pending on its device); rank 0's ``plan.StepOutput``."""
 
     @abc.abstractmethod
     def sample(self, plan):

@@ -34,7 +34,10 @@ import msgspec
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.ranks.plan import StepOutput
+from tandem.kv.block_pool import SanitizerError
 from tandem.structured.bitmask import bitmask_words
+from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.rank_sampling import RankSampling
 
 if TYPE_CHECKING:
@@ -134,6 +137,7 @@ class Worker:
         # and the logits of the last forward pass, which the next sampling message reads.
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
+        self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
 
     @classmethod
     def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
@@ -146,16 +150,32 @@ class Worker:
         transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
         return cls(parts, groups, transfers)
 
-    def execute(self, plan: "ForwardPlan", feed=None) -> "ForwardOutput":
-        """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it: hidden
-        states, sampled rows' logits, each prompt range's logits (``ModelRunner.run``). ``feed``:
-        rank 0's tokens still pending on its device, written into the input ids (and broadcast)."""
+    def execute(self, plan: "ForwardPlan", feed=None) -> "StepOutput":
+        """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it
+        (``ModelRunner.run``: hidden states, sampled rows' logits, each prompt range's logits);
+        the sampled rows' logits stay here for the sampling message. ``feed``: rank 0's tokens
+        still pending on its device, written into the input ids (and broadcast). Rank 0's worker
+        then reads the output (``_output``); the other ranks' return nothing of it."""
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
                                  broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
         self.logits = output.logits
-        return output
+        if not self.reads_output:
+            return StepOutput([])
+        return self._output(plan, output)
+
+    def _output(self, plan: "ForwardPlan", output: "ForwardOutput") -> "StepOutput":
+        """Rank 0's output of a step: non-finite logits are a sanitizer error (a forward pass
+        read poisoned, freed, state); each prompt range's logprobs of its target tokens, as host
+        values; the device tensors only where the plan asks for them (speculation)."""
+        if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
+            raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
+        prompt_logprobs = [HostLogprobs.compute(logits, targets, top)
+                           for logits, targets, top in zip(output.prompt_logits, plan.prompt_targets, plan.prompt_top)]
+        if not plan.device_outputs:
+            return StepOutput(prompt_logprobs)
+        return StepOutput(prompt_logprobs, output.hidden, output.logits)
 
     def sample(self, plan: "SamplingPlan") -> Optional["SamplerOutput"]:
         """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last

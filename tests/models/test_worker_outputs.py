@@ -1,0 +1,94 @@
+"""The engine core keeps the books and no tensors: rank 0's worker returns host values.
+
+One overlapped engine run (prompt logprobs over a chunked prompt, sampled logprobs, seeded forks,
+greedy rows): every output the executor hands back for a step is host data (the prompt logprobs
+its worker computed from the logits it kept), and the prompt logprobs equal ``transformers``'s."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tests.support.engines import GREEDY, make_llm, random_prompt
+from tests.support.oracle import assert_position
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def tensors_in(value, path: str = "value", seen: set | None = None) -> list[str]:
+    """The paths of every tensor reachable from ``value``: through containers, dataclasses and
+    the project's objects (their attributes), and functions' closures."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool, np.ndarray)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [path]
+    found = []
+    if isinstance(value, dict):
+        items = [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+    elif isinstance(value, types.FunctionType):
+        items = [(f"{path}.<closure {index}>", cell.cell_contents)
+                 for index, cell in enumerate(value.__closure__ or ())]
+    elif dataclasses.is_dataclass(value) or type(value).__module__.startswith("tandem."):
+        attributes = dict(getattr(value, "__dict__", {}))
+        for name in getattr(type(value), "__slots__", ()) or ():
+            attributes[name] = getattr(value, name, None)
+        if hasattr(type(value), "__struct_fields__"):  # msgspec structs
+            attributes.update({name: getattr(value, name) for name in type(value).__struct_fields__})
+        items = [(f"{path}.{name}", item) for name, item in attributes.items()]
+    else:
+        return []
+    for item_path, item in items:
+        found += tensors_in(item, item_path, seen)
+    return found
+
+
+def test_the_worker_returns_host_values(model_dirs, oracles):
+    llm = make_llm(model_dirs["llama"], async_scheduling=True, max_num_batched_tokens=32, max_num_seqs=8)
+    engine = llm.engine
+    outputs = []
+    execute_step = engine.executor.execute_step
+
+    def recording_execute_step(plan, *arguments):
+        output = execute_step(plan, *arguments)
+        outputs.append((plan, output))
+        return output
+
+    engine.executor.execute_step = recording_execute_step
+    rng = random.Random(31)
+    prompt = random_prompt(rng, 45)  # two chunks of prompt logprobs (32 tokens a step)
+    requests = {
+        "prompt": (prompt, SamplingParams(max_tokens=3, prompt_logprobs=3, **GREEDY)),
+        "forks": (random_prompt(rng, 12), SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=6, logprobs=2,
+                                                          ignore_eos=True)),
+        "greedy": (random_prompt(rng, 7), SamplingParams(max_tokens=8, **GREEDY)),
+    }
+    results = llm.generate([token_ids for token_ids, _ in requests.values()],
+                           [params for _, params in requests.values()], use_tqdm=False)
+    engine.check_all_free()
+
+    # Every step's output came back as host values (no tensor reachable from it).
+    assert len(outputs) > 5
+    for number, (plan, output) in enumerate(outputs):
+        assert not tensors_in(output, f"step {number}'s output"), tensors_in(output, f"step {number}'s output")
+        assert len(output.prompt_logprobs) == len(plan.prompt_logit_ranges) == len(plan.prompt_targets)
+    ranges = [(plan, index) for plan, _ in outputs for index in range(len(plan.prompt_logit_ranges))]
+    assert len(ranges) == 2 and all(plan.prompt_top[index] == 3 for plan, index in ranges)
+    assert [token for plan, index in ranges for token in plan.prompt_targets[index]] == prompt[1:]
+
+    # The prompt logprobs the worker computed equal the oracle's.
+    positions = results[0].prompt_logprobs
+    assert positions[0] is None and len(positions) == len(prompt)
+    oracle_logprobs = oracles["llama"].prompt_logprobs(prompt)
+    for position in range(1, len(prompt)):
+        assert prompt[position] in positions[position]
+        assert_position(positions[position], oracle_logprobs[position - 1], 3, f"prompt position {position}")
+    assert all(len(choice.logprobs) == len(choice.token_ids) for choice in results[1].outputs)
