@@ -317,11 +317,12 @@ class EngineCore:
     def execute(self, chunks, pending=None, device_outputs: bool = False) -> ExecuteResult:
         """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
         rank's worker through the executor; rank 0's result (its worker checked it and computed
-        the prompt logprobs). A chunk whose input token is still pending reads it from
-        ``pending`` on the device. ``device_outputs``: the result carries the step's logits and
-        hidden states (speculation reads them in process)."""
+        the prompt logprobs). A chunk whose input token is still pending reads it on rank 0's
+        device (``pending``: the sampled rows of the step in flight, whose tokens its worker
+        kept). ``device_outputs``: the result carries the step's logits and hidden states
+        (speculation reads them in process)."""
         planned = self.planner.plan(chunks, pending, device_outputs)
-        output = self.executor.execute_step(planned.plan, planned.feed)
+        output = self.executor.execute_step(planned.plan)
         return self.planner.result(planned, output)
 
     def _after_computed(self, step: "LaunchedStep") -> None:
@@ -363,8 +364,7 @@ class EngineCore:
                 rows.append(row)
         if not sequences:
             return
-        step.sampled = self.executor.sample(self.sampling_plan(sequences, rows))
-        step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
+        step.host = self.executor.sample(self.sampling_plan(sequences, rows))  # (the step's one device-to-host copy)
         positions = step.positions
         for sequence in sequences:
             token_ids = sequence.token_ids

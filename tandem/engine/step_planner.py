@@ -6,15 +6,16 @@ the CUDA graph every rank replays (a pure function of the inputs, the sizes capt
 pending loads: ``ModelRunner.graph_size_and_rows`` on rank 0's runner, which every rank checks against
 its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
 logprobs the request asks for, and whether the input ids come from rank 0's device (tokens still
-pending there: the overlapped loop). Its executor hands the plan to every rank's worker, rank 0's
-included; rank 0's worker checks its logits (the sanitizer) and returns the prompt logprobs as
+pending there: the overlapped loop; the plan names the row of rank 0's worker's last sampled
+tokens each reads). Its executor hands the plan to every rank's worker, rank 0's included; rank
+0's worker checks its logits (the sanitizer) and returns the prompt logprobs as
 host values (``engine/ranks/plan.py``'s ``StepOutput``), which come back here as the protocol's
 ``PositionLogprobs``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -44,7 +45,6 @@ class ExecuteResult:
 class PlannedStep:
     """A step's plan, and what rank 0 keeps beside it to read the result."""
     plan: ForwardPlan
-    feed: Optional[Callable[[torch.Tensor], None]]  # writes the pending input tokens on rank 0's device
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, rows) per prompt-logit range
 
 
@@ -55,13 +55,13 @@ class StepPlanner:
     def __init__(self, coordinator: StateCoordinator, runner: ModelRunner) -> None:
         self.coordinator = coordinator
         self.runner = runner
-        self.device = runner.device
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
              device_outputs: bool = False) -> PlannedStep:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
-        the step before, which may still be running) reads it from ``pending`` on the device.
+        the step before, which may still be running) reads it from the tokens rank 0's worker
+        sampled last, on its device: the plan names the row of ``pending`` it reads.
         ``device_outputs``: rank 0's worker returns the step's hidden states and logits too."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
@@ -69,13 +69,14 @@ class StepPlanner:
             for chunk in chunks:
                 sanitizer.check_owner(coordinator, chunk.sequence.state.owner, chunk.sequence.state.page_tables)
         step = build_step_inputs(chunks, coordinator.num_groups, coordinator.page_size, self.page_table_rows)
-        feed = pending.feed(step, self.device) if pending is not None else None
+        targets, sources = pending.rows(step) if pending is not None else ([], [])
         prompt_rows = prompt_logit_rows(step)
         graph_size, graph_rows = self.runner.graph_size_and_rows(step)
-        plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], feed is not None,
+        plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
-                           [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], device_outputs)
-        return PlannedStep(plan, feed, prompt_rows)
+                           [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], device_outputs,
+                           targets, sources)
+        return PlannedStep(plan, prompt_rows)
 
     def result(self, planned: PlannedStep, output: StepOutput) -> ExecuteResult:
         """Rank 0's result of the step (its worker checked the logits): each prompt-logprob

@@ -2,7 +2,9 @@
 
 One overlapped engine run (prompt logprobs over a chunked prompt, sampled logprobs, seeded forks,
 greedy rows): every output the executor hands back for a step is host data (the prompt logprobs
-its worker computed from the logits it kept), and the prompt logprobs equal ``transformers``'s."""
+its worker computed from the logits it kept), the step in flight holds no tensor but its tokens'
+copy to the host (rank 0's worker keeps the tokens the next step reads, and the plan names the
+rows they go to), and the outputs equal ``transformers``'s and the one-step loop's."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tests.support.engines import GREEDY, make_llm, random_prompt
+from tandem.worker.sampler import HostSamplerOutput
+from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_position
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -37,6 +40,8 @@ def tensors_in(value, path: str = "value", seen: set | None = None) -> list[str]
     elif isinstance(value, types.FunctionType):
         items = [(f"{path}.<closure {index}>", cell.cell_contents)
                  for index, cell in enumerate(value.__closure__ or ())]
+    elif isinstance(value, HostSamplerOutput):  # the copy to the host: on the host
+        return [] if value.packed.device.type == "cpu" else [f"{path}.packed"]
     elif dataclasses.is_dataclass(value) or type(value).__module__.startswith("tandem."):
         attributes = dict(getattr(value, "__dict__", {}))
         for name in getattr(type(value), "__slots__", ()) or ():
@@ -63,6 +68,20 @@ def test_the_worker_returns_host_values(model_dirs, oracles):
         return output
 
     engine.executor.execute_step = recording_execute_step
+    step = engine.step
+    in_flight = []
+
+    def checking_step(*arguments):
+        deltas = step(*arguments)
+        launched = engine._in_flight
+        if launched is not None:
+            in_flight.append(launched)
+            # The core holds no tensor between steps: the step in flight, the planner's caches.
+            held = tensors_in(launched, "the step in flight") + tensors_in(engine.planner.page_table_rows, "rows")
+            assert not held, held
+        return deltas
+
+    engine.step = checking_step
     rng = random.Random(31)
     prompt = random_prompt(rng, 45)  # two chunks of prompt logprobs (32 tokens a step)
     requests = {
@@ -80,6 +99,13 @@ def test_the_worker_returns_host_values(model_dirs, oracles):
     for number, (plan, output) in enumerate(outputs):
         assert not tensors_in(output, f"step {number}'s output"), tensors_in(output, f"step {number}'s output")
         assert len(output.prompt_logprobs) == len(plan.prompt_logit_ranges) == len(plan.prompt_targets)
+    assert len(in_flight) > 5
+    # Decode rows read the tokens the worker sampled in the step before: the plan names the
+    # sample row of each (a steady batch: the same rows; after forks and finished rows, others).
+    pending = [plan for plan, _ in outputs if plan.pending_targets]
+    assert len(pending) > 3 and all(plan.inputs_from_root for plan in pending)
+    assert all(len(plan.pending_targets) == len(plan.pending_sources) for plan in pending)
+    assert any(plan.pending_sources != plan.pending_targets for plan in pending)
     ranges = [(plan, index) for plan, _ in outputs for index in range(len(plan.prompt_logit_ranges))]
     assert len(ranges) == 2 and all(plan.prompt_top[index] == 3 for plan, index in ranges)
     assert [token for plan, index in ranges for token in plan.prompt_targets[index]] == prompt[1:]
@@ -92,3 +118,12 @@ def test_the_worker_returns_host_values(model_dirs, oracles):
         assert prompt[position] in positions[position]
         assert_position(positions[position], oracle_logprobs[position - 1], 3, f"prompt position {position}")
     assert all(len(choice.logprobs) == len(choice.token_ids) for choice in results[1].outputs)
+    check_outputs(results[2:], [requests["greedy"][0]], 8, oracles["llama"], "greedy")
+    # The same tokens and logprobs as the one-step loop (seeded sampling included).
+    plain = make_llm(model_dirs["llama"], async_scheduling=False, max_num_batched_tokens=32, max_num_seqs=8)
+    again = plain.generate([token_ids for token_ids, _ in requests.values()],
+                           [params for _, params in requests.values()], use_tqdm=False)
+    as_values = lambda outputs: [[(choice.token_ids, [sorted((t, lp.logprob) for t, lp in entry.items())
+                                                      for entry in choice.logprobs or []])
+                                  for choice in output.outputs] for output in outputs]
+    assert as_values(results) == as_values(again)

@@ -142,14 +142,16 @@ class Executor(abc.ABC):
         """Rank 0's ``Worker``, once built: it runs every step and draft message from now on."""
 
     @abc.abstractmethod
-    def execute_step(self, plan, feed=None):
+    def execute_step(self, plan):
         """Hand this step's message (``plan.ForwardPlan``) to every rank's worker, rank 0's last
-        (with ``feed``: its tokens still pending on its device); rank 0's ``plan.StepOutput``."""
+        (it writes its tokens still pending on its device into the rows the plan names); rank
+        0's ``plan.StepOutput``."""
 
     @abc.abstractmethod
     def sample(self, plan):
         """Rank 0's worker samples ``plan`` (``sampling_plan.SamplingPlan``) from the logits of the
-        step it ran last (the other ranks sample nothing); its ``SamplerOutput``, on the device."""
+        step it ran last (the other ranks sample nothing) and keeps the token ids on its device;
+        the handle of their copy to the host (``HostSamplerOutput``; None for a plan without rows)."""
 
     @abc.abstractmethod
     def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,
@@ -213,8 +215,8 @@ class InProcessExecutor(Executor):
     def attach_worker(self, worker) -> None:
         self.worker = worker
 
-    def execute_step(self, plan, feed=None):
-        return self.worker.execute(plan, feed)
+    def execute_step(self, plan):
+        return self.worker.execute(plan)
 
     def sample(self, plan):
         return self.worker.sample(plan)

@@ -62,9 +62,10 @@ class ForwardPlan:
     """One step's forward pass, as every rank runs it (``Worker.execute``): the runner's inputs
     (rank 0's carry the scheduled chunks; another rank's none), the rows whose logits the LM head
     computes after the sampled rows' (each chunk's prompt-logprob rows, in order: the head's gather
-    is a collective), whether the input ids come from rank 0's device (tokens still pending
-    there), and the CUDA graph every rank replays (its rows; 0: eagerly). The graph is a pure
-    function of the inputs and the captured sizes: each rank checks that it would choose it too.
+    is a collective), whether the input ids come from rank 0's device (tokens its worker sampled
+    in the step before, still pending there), and the CUDA graph every rank replays (its rows; 0:
+    eagerly). The graph is a pure function of the inputs and the captured sizes: each rank checks
+    that it would choose it too.
     Rank 0's plan also says what its worker returns (``StepOutput``): the logprobs of each prompt
     range's target tokens, and whether the step's hidden states and logits come back too."""
     inputs: StepInputs
@@ -81,6 +82,11 @@ class ForwardPlan:
     # Rank 0's plan only: return the hidden states and the sampled rows' logits as well (on the
     # device: speculation reads them in the engine core's process); else the output is host-only.
     device_outputs: bool = False
+    # Rank 0's plan only (the overlapped loop): input row ``pending_targets[i]`` reads row
+    # ``pending_sources[i]`` of the tokens rank 0's worker sampled last, still on its device
+    # (``inputs_from_root``: it then broadcasts the input ids to the other ranks).
+    pending_targets: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -9,7 +9,8 @@ prompt-logit ranges, the layers' collectives in the same order on every rank); `
 pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the others discard it.
 Rank 0's worker also samples: ``sample`` runs a sampling message (``sampling_plan.py``) on the
 logits of the forward pass it ran last, with the sampler and the per-sequence generators it owns
-(``worker/rank_sampling.py``), and returns the sampled tokens and logprobs (on the device).
+(``worker/rank_sampling.py``), keeps the sampled token ids on its device (the next step's pending
+input tokens: the overlapped loop) and returns the handle of their copy to the host.
 
 Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
 Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
@@ -39,13 +40,14 @@ from tandem.kv.block_pool import SanitizerError
 from tandem.structured.bitmask import bitmask_words
 from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.rank_sampling import RankSampling
+from tandem.worker.step_inputs import feed_pending
 
 if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
     from tandem.engine.ranks.sampling_plan import SamplingPlan
     from tandem.worker.model_runner import ForwardOutput
-    from tandem.worker.sampler import SamplerOutput
+    from tandem.worker.sampler import HostSamplerOutput
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -137,6 +139,7 @@ class Worker:
         # and the logits of the last forward pass, which the next sampling message reads.
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
+        self.sampled_token_ids: Optional[torch.Tensor] = None  # [rows] of the last sampling message
         self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
 
     @classmethod
@@ -150,12 +153,16 @@ class Worker:
         transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
         return cls(parts, groups, transfers)
 
-    def execute(self, plan: "ForwardPlan", feed=None) -> "StepOutput":
+    def execute(self, plan: "ForwardPlan") -> "StepOutput":
         """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it
         (``ModelRunner.run``: hidden states, sampled rows' logits, each prompt range's logits);
-        the sampled rows' logits stay here for the sampling message. ``feed``: rank 0's tokens
-        still pending on its device, written into the input ids (and broadcast). Rank 0's worker
-        then reads the output (``_output``); the other ranks' return nothing of it."""
+        the sampled rows' logits stay here for the sampling message. Rank 0 first writes the
+        tokens it sampled last, still on its device, into the input rows the plan names (and
+        broadcasts the input ids). Rank 0's worker then reads the output (``_output``); the
+        other ranks' return nothing of it."""
+        feed = None
+        if plan.pending_targets:
+            feed = feed_pending(self.sampled_token_ids, plan.pending_targets, plan.pending_sources)
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
                                  broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
@@ -177,17 +184,21 @@ class Worker:
             return StepOutput(prompt_logprobs)
         return StepOutput(prompt_logprobs, output.hidden, output.logits)
 
-    def sample(self, plan: "SamplingPlan") -> Optional["SamplerOutput"]:
+    def sample(self, plan: "SamplingPlan") -> Optional["HostSamplerOutput"]:
         """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last
-        forward pass's logits on the device (not waited for); then the generators of the
-        sequences that ended go. A plan without rows only drops generators (None)."""
-        sampled = None
+        forward pass's logits on the device; their token ids stay here (the next step's pending
+        input tokens read them) and the tokens and logprobs start their one copy to the host,
+        whose handle is returned (not waited for). Then the generators of the sequences that
+        ended go. A plan without rows only drops generators (None)."""
+        host = None
         if plan.num_rows:
             logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
             sampled = self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
                                            plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
+            self.sampled_token_ids = sampled.token_ids
+            host = sampled.to_host_async()
         self.sampling.forget(plan.finished_keys)
-        return sampled
+        return host
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
