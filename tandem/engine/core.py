@@ -275,8 +275,8 @@ class EngineCore:
         self.check_generators(live)
 
     def check_generators(self, live: list[Sequence]) -> None:
-        """No generator outlives its sequence: each one rank 0's worker keeps is a live
-        sequence's, or one whose end the next sampling message reports."""
+        """No generator (nor drafts' distributions) outlives its sequence: each one rank 0's
+        worker keeps is a live sequence's, or one whose end the next sampling message reports."""
         orphans = (self.sampling.live_keys() - {s.arrival_order for s in live}
                    - set(self.scheduler.pending_finished_keys()))
         if orphans:
@@ -314,14 +314,14 @@ class EngineCore:
         return step
 
     @torch.inference_mode()
-    def execute(self, chunks, pending=None, device_outputs: bool = False) -> ExecuteResult:
+    def execute(self, chunks, pending=None, hidden_states: bool = False) -> ExecuteResult:
         """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
         rank's worker through the executor; rank 0's result (its worker checked it and computed
         the prompt logprobs). A chunk whose input token is still pending reads it on rank 0's
         device (``pending``: the sampled rows of the step in flight, whose tokens its worker
-        kept). ``device_outputs``: the result carries the step's logits and hidden states
-        (speculation reads them in process)."""
-        planned = self.planner.plan(chunks, pending, device_outputs)
+        kept). ``hidden_states``: the result carries the step's hidden states, on the device
+        (speculation's draft passes read them in process)."""
+        planned = self.planner.plan(chunks, pending, hidden_states)
         output = self.executor.execute_step(planned.plan)
         return self.planner.result(planned, output)
 

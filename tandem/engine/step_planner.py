@@ -30,13 +30,11 @@ from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, 
 @dataclass
 class ExecuteResult:
     """A step's result as the engine core reads it: the sampled rows' chunks (rank 0's worker
-    samples them from the logits it kept), each prompt-logprob chunk's logprobs, and, only while
-    speculating (``device_outputs``), the logits verification reads and the hidden states."""
+    samples or verifies them from the logits it kept), each prompt-logprob chunk's logprobs, and,
+    only while speculating (``hidden_states``), the hidden states the draft passes read."""
     sampling_chunks: list[ScheduledChunk]  # in the order of the logits rows
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    logits: Optional[torch.Tensor] = None  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts
-    # with drafts
     hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
     # until its next replay)
 
@@ -58,11 +56,11 @@ class StepPlanner:
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
-             device_outputs: bool = False) -> PlannedStep:
+             hidden_states: bool = False) -> PlannedStep:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
         the step before, which may still be running) reads it from the tokens rank 0's worker
         sampled last, on its device: the plan names the row of ``pending`` it reads.
-        ``device_outputs``: rank 0's worker returns the step's hidden states and logits too."""
+        ``hidden_states``: rank 0's worker returns the step's hidden states too."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
         if sanitizer.enabled:
@@ -74,7 +72,7 @@ class StepPlanner:
         graph_size, graph_rows = self.runner.graph_size_and_rows(step)
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
-                           [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], device_outputs,
+                           [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
                            targets, sources)
         return PlannedStep(plan, prompt_rows)
 
@@ -86,7 +84,7 @@ class StepPlanner:
         prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
         for (chunk, _, _), logprobs in zip(planned.prompt_rows, output.prompt_logprobs):
             prompt_logprobs[id(chunk)] = logprobs.positions()
-        return ExecuteResult(sampling_chunks, prompt_logprobs, step, output.logits, output.hidden)
+        return ExecuteResult(sampling_chunks, prompt_logprobs, step, output.hidden)
 
 
 def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:

@@ -127,3 +127,40 @@ def test_the_worker_returns_host_values(model_dirs, oracles):
                                                       for entry in choice.logprobs or []])
                                   for choice in output.outputs] for output in outputs]
     assert as_values(results) == as_values(again)
+
+
+def test_verification_is_a_message_to_the_worker(model_dirs, oracles):
+    """While speculating, the engine core hands rank 0's worker a host-only verification message
+    and books the verdicts it returns as host values; the drafts' distributions stay with the
+    worker (under their sequence's key, dropped when it ends). Greedy rows equal transformers."""
+    llm = make_llm(model_dirs["llama"], speculative_model=model_dirs["llama"], num_speculative_tokens=2,
+                   max_num_batched_tokens=32, max_num_seqs=8)
+    engine = llm.engine
+    verified, drawn_keys = [], set()
+    verify = engine.executor.verify
+
+    def recording_verify(plan):
+        drawn_keys.update(key for key in plan.keys if engine.sampling.draft_probs(key) is not None)
+        for sequence in engine.scheduler.live_sequences():  # the books: host values only
+            assert not tensors_in(sequence.speculation, "speculation state")
+        output = verify(plan)
+        verified.append((plan, output))
+        return output
+
+    engine.executor.verify = recording_verify
+    rng = random.Random(32)
+    prompts = [random_prompt(rng, n) for n in (11, 40)]
+    params = [SamplingParams(n=2, temperature=0.9, seed=8, max_tokens=7, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=9, **GREEDY)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    check_outputs(outputs[1:], prompts[1:], 9, oracles["llama"], "greedy while speculating")
+    assert all(len(choice.token_ids) == 7 and len(choice.logprobs) == 7 for choice in outputs[0].outputs)
+    assert len(verified) > 3 and any(sum(map(len, plan.draft_token_ids)) for plan, _ in verified)
+    assert any(any(plan.drawn) for plan, _ in verified)  # the sampled rows' drafts were drawn
+    for number, (plan, output) in enumerate(verified):
+        found = tensors_in(plan, f"verification {number}") + tensors_in(output, f"verdicts {number}")
+        assert not found, found
+        assert len(output.token_ids) == len(output.num_accepted) == plan.num_items
+    assert drawn_keys  # the worker kept drafts' distributions while they were verified ...
+    engine.check_all_free()
+    assert engine.sampling.live_keys() == set()  # ... and dropped them with their sequences

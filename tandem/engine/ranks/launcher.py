@@ -210,6 +210,10 @@ class MultiprocessExecutor(Executor):
         in no collective for it, so a failure here stops no rank."""
         return self.worker.sample(plan)
 
+    def verify(self, plan):
+        """Rank 0's worker verifies the step it ran last (like ``sample``: rank 0 alone)."""
+        return self.worker.verify(plan)
+
     def _on_rank_zero(self, what: str, call, *arguments):
         """Rank 0's part of a message the other ranks already run: if it raises, they wait inside
         its collectives, so they are stopped (``fail``) and every later message raises."""

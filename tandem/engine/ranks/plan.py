@@ -67,7 +67,7 @@ class ForwardPlan:
     eagerly). The graph is a pure function of the inputs and the captured sizes: each rank checks
     that it would choose it too.
     Rank 0's plan also says what its worker returns (``StepOutput``): the logprobs of each prompt
-    range's target tokens, and whether the step's hidden states and logits come back too."""
+    range's target tokens, and whether the step's hidden states come back too."""
     inputs: StepInputs
     prompt_logit_ranges: list[tuple[int, int]]
     inputs_from_root: bool = False
@@ -79,9 +79,9 @@ class ForwardPlan:
     # row predicts and how many top logprobs it reports.
     prompt_targets: list[list[int]] = field(default_factory=list)
     prompt_top: list[int] = field(default_factory=list)
-    # Rank 0's plan only: return the hidden states and the sampled rows' logits as well (on the
-    # device: speculation reads them in the engine core's process); else the output is host-only.
-    device_outputs: bool = False
+    # Rank 0's plan only: return the hidden states as well (on the device: speculation's draft
+    # passes read them in the engine core's process); else the output is host-only.
+    hidden_states: bool = False
     # Rank 0's plan only (the overlapped loop): input row ``pending_targets[i]`` reads row
     # ``pending_sources[i]`` of the tokens rank 0's worker sampled last, still on its device
     # (``inputs_from_root``: it then broadcasts the input ids to the other ranks).
@@ -92,10 +92,10 @@ class ForwardPlan:
 @dataclass
 class StepOutput:
     """What rank 0's worker returns for a ``ForwardPlan``: host values (each prompt range's
-    logprobs, in the plan's order), and the device tensors only where the plan asked for them."""
+    logprobs, in the plan's order), and the hidden states only where the plan asked for them (the
+    sampled rows' logits stay with the worker, which samples or verifies them)."""
     prompt_logprobs: list[HostLogprobs]
     hidden: Optional[torch.Tensor] = None  # [tokens, hidden] (a replayed graph's: valid until its next replay)
-    logits: Optional[torch.Tensor] = None  # [sampled rows, vocab] float32
 
 
 @dataclass

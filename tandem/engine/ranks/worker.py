@@ -10,7 +10,8 @@ pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the oth
 Rank 0's worker also samples: ``sample`` runs a sampling message (``sampling_plan.py``) on the
 logits of the forward pass it ran last, with the sampler and the per-sequence generators it owns
 (``worker/rank_sampling.py``), keeps the sampled token ids on its device (the next step's pending
-input tokens: the overlapped loop) and returns the handle of their copy to the host.
+input tokens: the overlapped loop) and returns the handle of their copy to the host; ``verify``
+runs a speculating step's verification message likewise and returns its verdicts as host values.
 
 Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
 Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from tandem.engine.ranks.sampling_plan import SamplingPlan
     from tandem.worker.model_runner import ForwardOutput
     from tandem.worker.sampler import HostSamplerOutput
+    from tandem.worker.verify_plan import VerifyOutput, VerifyPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -175,14 +177,12 @@ class Worker:
     def _output(self, plan: "ForwardPlan", output: "ForwardOutput") -> "StepOutput":
         """Rank 0's output of a step: non-finite logits are a sanitizer error (a forward pass
         read poisoned, freed, state); each prompt range's logprobs of its target tokens, as host
-        values; the device tensors only where the plan asks for them (speculation)."""
+        values; the hidden states only where the plan asks for them (speculation)."""
         if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
         prompt_logprobs = [HostLogprobs.compute(logits, targets, top)
                            for logits, targets, top in zip(output.prompt_logits, plan.prompt_targets, plan.prompt_top)]
-        if not plan.device_outputs:
-            return StepOutput(prompt_logprobs)
-        return StepOutput(prompt_logprobs, output.hidden, output.logits)
+        return StepOutput(prompt_logprobs, output.hidden if plan.hidden_states else None)
 
     def sample(self, plan: "SamplingPlan") -> Optional["HostSamplerOutput"]:
         """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last
@@ -199,6 +199,14 @@ class Worker:
             host = sampled.to_host_async()
         self.sampling.forget(plan.finished_keys)
         return host
+
+    def verify(self, plan: "VerifyPlan") -> "VerifyOutput":
+        """Rank 0: the verdicts of a verification message (``worker/verify_plan.py``) on the last
+        forward pass's logits, with the sampler, generators and drafts' distributions it owns
+        (``worker/rank_verification.py``): host values, after one copy."""
+        from tandem.worker.rank_verification import verify
+
+        return verify(self.logits, plan, self.sampling)
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
