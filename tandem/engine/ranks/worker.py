@@ -41,6 +41,7 @@ from tandem.kv.block_pool import SanitizerError
 from tandem.structured.bitmask import bitmask_words
 from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.rank_sampling import RankSampling
+from tandem.worker.rank_verification import verify
 from tandem.worker.step_inputs import feed_pending
 
 if TYPE_CHECKING:
@@ -204,8 +205,6 @@ class Worker:
         """Rank 0: the verdicts of a verification message (``worker/verify_plan.py``) on the last
         forward pass's logits, with the sampler, generators and drafts' distributions it owns
         (``worker/rank_verification.py``): host values, after one copy."""
-        from tandem.worker.rank_verification import verify
-
         return verify(self.logits, plan, self.sampling)
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
