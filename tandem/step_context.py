@@ -4,15 +4,17 @@ Speculative decoding (``tandem/spec_decode``) runs the step while speculating an
 drafts; prefill/decode disaggregation (``tandem/disagg``) feeds a decode engine its first token
 and ends requests whose transfer failed. Both sit below the engine in the layering, so they see
 the engine core only as this ``StepContext``: the books (scheduler, coordinator, registry), the
-executing side (model runner; rank 0's worker's sampler and per-sequence generators, ``sampling``),
+executing side (model runner; rank 0's worker's sampler, per-sequence generators and drafts'
+distributions, ``sampling``, which the proposer draws with; the executor, whose ``verify`` runs a
+speculating step's verification message on rank 0's worker),
 and the hooks below. Nothing outside the engine calls a
 private method of the engine core.
 
 The step pipeline and where the hooks sit:
 
-    schedule ─► plan + execute (every rank's worker) ─► sample (rank 0's worker), or verify ─► update
+    schedule ─► plan + execute (every rank's worker) ─► sample or verify (rank 0's worker) ─► update
                                                      │                              │
-                          banned_tokens, sampled_logprobs          token_delta, finish_reason,
+                          banned_tokens (the verification message) token_delta, finish_reason,
                                                                    fork, collect_prompt_logprobs,
                                                                    fail_chunks, check_books
     PD decode, before its first step: append_first_token; a leg that ends: forget_if_done
@@ -44,23 +46,21 @@ class StepContext(Protocol):
     coordinator: "StateCoordinator"
     scheduler: "Scheduler"
     runner: "ModelRunner"  # rank 0's (its worker's): start-up and rank 0's own draft passes
-    sampling: "RankSampling"  # rank 0's worker's: the sampler and each seeded sequence's generator
+    sampling: "RankSampling"  # rank 0's worker's: the sampler, each seeded sequence's generator, drafts' q
     structured: Any  # the grammar masks of constrained rows (engine/structured_outputs.py)
     executor: Any  # the ranks (engine/ranks/executor.py Executor)
     speculator: Any  # spec_decode.Speculator, or None
     pd: Any  # the PD side (disagg), or None
 
     # -- executing a step ---------------------------------------------------------------------
-    def execute(self, chunks, pending=None) -> Any:
+    def execute(self, chunks, pending=None, hidden_states: bool = False) -> Any:
         """One forward pass over ``chunks`` on every rank (``engine/step_planner.py`` plans it, the
-        executor runs it): rank 0's ``ExecuteResult``. A failure of rank 0's pass raises."""
+        executor runs it): rank 0's ``ExecuteResult`` (host values; with ``hidden_states``, the
+        step's hidden states too, on the device). A failure of rank 0's pass raises."""
 
     # -- sampling or verifying a step's rows --------------------------------------------------
     def banned_tokens(self, sequence: "Sequence", ahead: int = 0) -> list[int]:
         """Token ids the sequence's next token (``ahead`` tokens later) may not take (min_tokens)."""
-
-    def sampled_logprobs(self, sequences: list["Sequence"], sampled) -> list[Optional["PositionLogprobs"]]:
-        """Each sequence's logprobs of its sampled token, as many as it asked for (None if none)."""
 
     # -- updating the books with a step's tokens ------------------------------------------------
     def token_delta(self, sequence: "Sequence", position: int, token: int,

@@ -275,8 +275,8 @@ class EngineCore:
         self.check_generators(live)
 
     def check_generators(self, live: list[Sequence]) -> None:
-        """No generator outlives its sequence: each one rank 0's worker keeps is a live
-        sequence's, or one whose end the next sampling message reports."""
+        """No generator (nor drafts' distributions) outlives its sequence: each one rank 0's
+        worker keeps is a live sequence's, or one whose end the next sampling message reports."""
         orphans = (self.sampling.live_keys() - {s.arrival_order for s in live}
                    - set(self.scheduler.pending_finished_keys()))
         if orphans:
@@ -314,12 +314,15 @@ class EngineCore:
         return step
 
     @torch.inference_mode()
-    def execute(self, chunks, pending=None) -> ExecuteResult:
+    def execute(self, chunks, pending=None, hidden_states: bool = False) -> ExecuteResult:
         """One forward pass over ``chunks``: planned here (``step_planner.py``), run by every
-        rank's worker through the executor; rank 0's result, checked and with prompt logprobs.
-        A chunk whose input token is still pending reads it from ``pending`` on the device."""
-        planned = self.planner.plan(chunks, pending)
-        output = self.executor.execute_step(planned.plan, planned.feed)
+        rank's worker through the executor; rank 0's result (its worker checked it and computed
+        the prompt logprobs). A chunk whose input token is still pending reads it on rank 0's
+        device (``pending``: the sampled rows of the step in flight, whose tokens its worker
+        kept). ``hidden_states``: the result carries the step's hidden states, on the device
+        (speculation's draft passes read them in process)."""
+        planned = self.planner.plan(chunks, pending, hidden_states)
+        output = self.executor.execute_step(planned.plan)
         return self.planner.result(planned, output)
 
     def _after_computed(self, step: "LaunchedStep") -> None:
@@ -361,8 +364,7 @@ class EngineCore:
                 rows.append(row)
         if not sequences:
             return
-        step.sampled = self.executor.sample(self.sampling_plan(sequences, rows))
-        step.host = step.sampled.to_host_async()  # the step's one device-to-host copy
+        step.host = self.executor.sample(self.sampling_plan(sequences, rows))  # (the step's one device-to-host copy)
         positions = step.positions
         for sequence in sequences:
             token_ids = sequence.token_ids

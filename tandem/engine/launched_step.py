@@ -1,5 +1,6 @@
 """A step whose forward pass and sampling have been launched on the device but whose tokens
-have not been read back yet (the overlapped engine loop keeps one such step in flight).
+have not been read back yet (the overlapped engine loop keeps one such step in flight). It holds
+no tensor: the handle of the tokens' copy to the host, and host books.
 
 Owned by the engine core from launch until it is completed. ``held`` lists sequences that
 finished while the step still computed for them: their pages are released only when the step
@@ -12,7 +13,7 @@ from typing import Optional
 
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.scheduler.sequence import Sequence
-from tandem.worker.sampler import HostSamplerOutput, SamplerOutput
+from tandem.worker.sampler import HostSamplerOutput
 from tandem.worker.step_inputs import PendingTokens
 
 
@@ -22,8 +23,8 @@ class LaunchedStep:
     prompt_logprobs: dict  # id(chunk) -> that chunk's prompt logprobs
     sequences: list[Sequence] = field(default_factory=list)  # the sampled rows, in order
     positions: list[int] = field(default_factory=list)  # where each row's pending token stands
-    sampled: Optional[SamplerOutput] = None  # on the device
-    host: Optional[HostSamplerOutput] = None  # its copy to the host, in flight
+    host: Optional[HostSamplerOutput] = None  # the sampled tokens' copy to the host, in flight (rank 0's
+    # worker keeps them on its device too: the next step's pending input tokens)
     held: list[Sequence] = field(default_factory=list)
     computed: bool = False  # the scheduler has booked its chunks as computed
     # The previous step's deltas, when it was completed during this step's launch (a grammar's
@@ -39,7 +40,7 @@ class LaunchedStep:
         return id(sequence) in self._members
 
     def pending_tokens(self) -> Optional[PendingTokens]:
-        """The step's sampled tokens as the next step's device-side inputs."""
-        if self.sampled is None:
+        """The step's sampled rows, whose tokens the next step reads on rank 0's device."""
+        if not self.sequences:
             return None
-        return PendingTokens(self.sampled.token_ids, self.sequences)
+        return PendingTokens(self.sequences)

@@ -4,34 +4,35 @@ The engine core (rank 0's process) turns the scheduled chunks into the step mess
 runs (``ForwardPlan``, ``engine/ranks/plan.py``): the runner's host-side inputs (``StepInputs``),
 the CUDA graph every rank replays (a pure function of the inputs, the sizes captured and the
 pending loads: ``ModelRunner.graph_size_and_rows`` on rank 0's runner, which every rank checks against
-its own), each prompt-logprob chunk's logits rows, and whether the input ids come from rank 0's
-device (tokens still pending there: the overlapped loop). Its executor hands the plan to every
-rank's worker, rank 0's included; rank 0's result comes back here, where the sanitizer checks it
-and the prompt logprobs are computed from the returned logits (no collective).
+its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
+logprobs the request asks for, and whether the input ids come from rank 0's device (tokens still
+pending there: the overlapped loop; the plan names the row of rank 0's worker's last sampled
+tokens each reads). Its executor hands the plan to every rank's worker, rank 0's included; rank
+0's worker checks its logits (the sanitizer) and returns the prompt logprobs as
+host values (``engine/ranks/plan.py``'s ``StepOutput``), which come back here as the protocol's
+``PositionLogprobs``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from tandem.engine.ranks.plan import ForwardPlan
-from tandem.kv.block_pool import SanitizerError
+from tandem.engine.ranks.plan import ForwardPlan, StepOutput
 from tandem.kv.coordinator import StateCoordinator
 from tandem.protocol import PositionLogprobs
 from tandem.scheduler.scheduler import ScheduledChunk
-from tandem.worker.model_runner import ForwardOutput, ModelRunner, to_position_logprobs
-from tandem.worker.sampler import compute_logprobs
+from tandem.worker.model_runner import ModelRunner
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 
 
 @dataclass
 class ExecuteResult:
     """A step's result as the engine core reads it: the sampled rows' chunks (rank 0's worker
-    samples them from the logits it kept) or, while speculating, the logits verification reads."""
-    sampling_chunks: list[ScheduledChunk]  # in the order of ``logits`` rows
-    logits: torch.Tensor  # [sampling rows, vocab] float32: one per sampling chunk, 1 + drafts with drafts
+    samples or verifies them from the logits it kept), each prompt-logprob chunk's logprobs, and,
+    only while speculating (``hidden_states``), the hidden states the draft passes read."""
+    sampling_chunks: list[ScheduledChunk]  # in the order of the logits rows
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
     hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
@@ -42,7 +43,6 @@ class ExecuteResult:
 class PlannedStep:
     """A step's plan, and what rank 0 keeps beside it to read the result."""
     plan: ForwardPlan
-    feed: Optional[Callable[[torch.Tensor], None]]  # writes the pending input tokens on rank 0's device
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, rows) per prompt-logit range
 
 
@@ -53,36 +53,38 @@ class StepPlanner:
     def __init__(self, coordinator: StateCoordinator, runner: ModelRunner) -> None:
         self.coordinator = coordinator
         self.runner = runner
-        self.device = runner.device
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
-    def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None) -> PlannedStep:
+    def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
+             hidden_states: bool = False) -> PlannedStep:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
-        the step before, which may still be running) reads it from ``pending`` on the device."""
+        the step before, which may still be running) reads it from the tokens rank 0's worker
+        sampled last, on its device: the plan names the row of ``pending`` it reads.
+        ``hidden_states``: rank 0's worker returns the step's hidden states too."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
         if sanitizer.enabled:
             for chunk in chunks:
                 sanitizer.check_owner(coordinator, chunk.sequence.state.owner, chunk.sequence.state.page_tables)
         step = build_step_inputs(chunks, coordinator.num_groups, coordinator.page_size, self.page_table_rows)
-        feed = pending.feed(step, self.device) if pending is not None else None
+        targets, sources = pending.rows(step) if pending is not None else ([], [])
         prompt_rows = prompt_logit_rows(step)
         graph_size, graph_rows = self.runner.graph_size_and_rows(step)
-        plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], feed is not None,
-                           graph_size, graph_rows)
-        return PlannedStep(plan, feed, prompt_rows)
+        plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
+                           graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
+                           [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
+                           targets, sources)
+        return PlannedStep(plan, prompt_rows)
 
-    def result(self, planned: PlannedStep, output: ForwardOutput) -> ExecuteResult:
-        """Rank 0's result of the step: non-finite logits are a sanitizer error (a forward pass
-        read poisoned, freed, state); prompt logprobs from each range's logits."""
+    def result(self, planned: PlannedStep, output: StepOutput) -> ExecuteResult:
+        """Rank 0's result of the step (its worker checked the logits): each prompt-logprob
+        chunk's logprobs, from the host values its range came back with."""
         step = planned.plan.inputs
-        if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
-            raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
         sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
         prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
-        for (chunk, _, count), logits in zip(planned.prompt_rows, output.prompt_logits):
-            prompt_logprobs[id(chunk)] = chunk_prompt_logprobs(chunk, count, logits)
-        return ExecuteResult(sampling_chunks, output.logits, prompt_logprobs, step, output.hidden)
+        for (chunk, _, _), logprobs in zip(planned.prompt_rows, output.prompt_logprobs):
+            prompt_logprobs[id(chunk)] = logprobs.positions()
+        return ExecuteResult(sampling_chunks, prompt_logprobs, step, output.hidden)
 
 
 def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:
@@ -100,10 +102,6 @@ def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]
     return rows
 
 
-def chunk_prompt_logprobs(chunk: ScheduledChunk, count: int, logits: torch.Tensor) -> list[PositionLogprobs]:
-    """Logprobs of prompt tokens ``start+1 .. start+count`` from the logits of this chunk's rows."""
-    sequence = chunk.sequence
-    targets = torch.tensor(sequence.token_ids[chunk.start + 1:chunk.start + 1 + count],
-                           dtype=torch.long, device=logits.device)
-    chosen, ranks, top_ids, top_logprobs = compute_logprobs(logits, targets, sequence.params.prompt_logprobs)
-    return to_position_logprobs(targets, chosen, ranks, top_ids, top_logprobs)
+def prompt_targets(chunk: ScheduledChunk, count: int) -> list[int]:
+    """The prompt tokens ``start+1 .. start+count`` the chunk's ``count`` prompt-logit rows predict."""
+    return chunk.sequence.token_ids[chunk.start + 1:chunk.start + 1 + count]

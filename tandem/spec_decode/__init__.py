@@ -9,7 +9,8 @@ host copies and the sanitizer carry it as they carry the target's, with no draft
 - ``networks.py``   the two drafts and how their state is named in the registry
 - ``proposer.py``   the draft's catch-up with the target and its chain of proposals
 - ``draft_batch.py`` a draft forward pass over rows of several sequences
-- ``verify.py``     greedy acceptance and rejection sampling (exact target distribution)
+- ``verify.py``     greedy acceptance and rejection sampling (exact target distribution): the
+                    verification message rank 0's worker runs (``worker/rank_verification.py``)
 - ``step.py``       the engine step while speculating
 - ``state.py``      what is kept per sequence; ``metrics.py`` the counters
 

@@ -148,8 +148,10 @@ class Proposer:
         host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
         for plan in plans:
             plan.tokens, host = host[:len(plan.tokens)], host[len(plan.tokens):]
-            plan.work.sequence.draft_token_ids = plan.tokens
-            plan.state.draft_probs = torch.stack(plan.probs) if plan.probs else None
+            sequence = plan.work.sequence
+            sequence.draft_token_ids = plan.tokens
+            plan.state.drafts_drawn = bool(plan.probs)
+            self.core.sampling.keep_draft_probs(sequence.arrival_order, torch.stack(plan.probs) if plan.probs else None)
 
     def _plan(self, work: DraftWork) -> _Plan:
         sequence = work.sequence

@@ -29,7 +29,8 @@ class SpeculationState:
     num_computed: int = 0  # draft state holds positions [0, num_computed)
     carried_hidden: Optional[torch.Tensor] = None  # [hidden] the target's at position num_computed (MTP)
     last_hidden: Optional[torch.Tensor] = None  # [hidden] the target's at its last computed position (MTP)
-    draft_probs: Optional[torch.Tensor] = None  # [drafts, vocab] the distributions drafts were drawn from
+    drafts_drawn: bool = False  # its drafts were drawn: rank 0's worker keeps their distributions (its
+    # ``sampling.keep_draft_probs``), which their verification reads
     pending: bool = False  # propose before the next step (its state arrived from a prefill server)
     simulated_credit: float = 0.0  # TANDEM_SIMULATE_ACCEPT_LEN: accepted drafts owed
 
@@ -50,4 +51,4 @@ class SpeculationState:
 
     def fork(self) -> "SpeculationState":
         """A forked sibling's copy (it shares the parent's pages; no drafts of its own yet)."""
-        return replace(self, draft_probs=None, pending=False, last_hidden=None)
+        return replace(self, drafts_drawn=False, pending=False, last_hidden=None)

@@ -65,7 +65,7 @@ class SpeculativeStep:
         copies = {id(chunk): coordinator.speculation.set_aside(chunk.sequence.state, self.target_groups)
                   for chunk in chunks if chunk.num_draft_tokens}
         try:
-            result = core.execute(chunks)
+            result = core.execute(chunks, hidden_states=True)
         except SanitizerError:
             raise
         except Exception as error:  # a failed forward ends its sequences, not the engine
@@ -79,7 +79,7 @@ class SpeculativeStep:
             if not chunk.num_draft_tokens:
                 chunk.sequence.num_computed_tokens = chunk.start + chunk.num_new_tokens
         items, children = self._verify_items(result)
-        verdicts = self.verifier(result.logits, items) if items else []
+        verdicts = self.verifier(items) if items else []
         emitted = {id(item.sequence): self._until_finish(item.sequence, verdict)
                    for item, verdict in zip(items, verdicts)}
         for item in items:
@@ -115,7 +115,7 @@ class SpeculativeStep:
             sequence = chunk.sequence
             drafts = sequence.draft_token_ids[:chunk.num_draft_tokens]
             state = sequence.speculation
-            items.append(VerifyItem(sequence, row, drafts, state.draft_probs if drafts and state else None))
+            items.append(VerifyItem(sequence, row, drafts, bool(drafts) and state is not None and state.drafts_drawn))
             forked = self.core.fork(sequence)
             for child in forked:
                 child.speculation = state.fork() if state is not None else None

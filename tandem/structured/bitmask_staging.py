@@ -1,8 +1,9 @@
 """Reusable host buffers for the steps' token bitmasks, and their copies to the device.
 
 Owners: the engine's ``StructuredOutputs`` (the masks it fills: a sampling step's travel on the
-host in the sampling message, speculation's go to the device here) and rank 0's worker's
-``RankSampling`` (the sampling message's mask, copied in and to the device). A fresh
+host in the sampling message, a verification's in the verification message, a draft's proposals'
+go to the device here) and rank 0's worker's ``RankSampling`` (either message's mask, copied in
+and to the device). A fresh
 ``[64, 4008]`` int32 bitmask per step (a 128k vocabulary) costs page faults and a full write on
 every step, and a pageable one would make its copy wait for the work queued before it; instead a
 small ring of buffers is allocated once (pinned on CUDA, grown when a step has more rows) and

@@ -1,11 +1,13 @@
 """What the sampling rank keeps between steps: the sampler, the parameter tables, the
-per-sequence generators and the grammar masks' upload buffers.
+per-sequence generators, the distributions each sequence's drafts were drawn from, and the
+grammar masks' upload buffers.
 
 Owner: rank 0's worker (``engine/ranks/worker.py``), which samples each step's sampling message
-with it; speculative decoding's proposer and verifier and PD decode reach the sampler and the
-generators through it too (the engine core's step context names it ``sampling``). It knows
-sequences only by key (the engine core's, unique for the engine's lifetime) and the seed their
-generator starts from.
+and verifies each speculating step's verification message with it; speculative decoding's
+proposer and PD decode reach the sampler and the generators through it too (the engine core's
+step context names it ``sampling``), and the proposer leaves its drafts' distributions here for
+the verification. It knows sequences only by key (the engine core's, unique for the engine's
+lifetime) and the seed their generator starts from.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class RankSampling:
         self.sampler = Sampler(seed=seed, device=device)  # rows without a seed share its generator
         self.tables = ParameterTables()  # the sampled rows' parameters, reused across steps
         self._generators: dict[int, torch.Generator] = {}  # sequence key -> its own generator
+        self._draft_probs: dict[int, torch.Tensor] = {}  # sequence key -> [drafts, vocab] its drafts' q
         self._bitmasks = BitmaskStaging(bitmask_words, device)
 
     # -- generators -----------------------------------------------------------------------------
@@ -49,13 +52,27 @@ class RankSampling:
         return [self.generator(sequence.arrival_order, sequence.seed) for sequence in sequences]
 
     def forget(self, keys: Sequence[int]) -> None:
-        """Drop the generators of sequences that ended."""
+        """Drop the generators (and drafts' distributions) of sequences that ended."""
         for key in keys:
             self._generators.pop(key, None)
+            self._draft_probs.pop(key, None)
 
     def live_keys(self) -> set[int]:
-        """The keys that have a generator (the sanitizer's check that none outlives its sequence)."""
-        return set(self._generators)
+        """The keys that have a generator or drafts' distributions (the sanitizer's check that
+        none outlives its sequence)."""
+        return set(self._generators) | set(self._draft_probs)
+
+    # -- drafts' distributions (speculative decoding) ----------------------------------------------
+    def keep_draft_probs(self, key: int, probs: Optional[torch.Tensor]) -> None:
+        """The distributions the sequence's new drafts were drawn from ([drafts, vocab], on the
+        device; None: its drafts were not drawn, or it has none), for their verification."""
+        if probs is None:
+            self._draft_probs.pop(key, None)
+        else:
+            self._draft_probs[key] = probs
+
+    def draft_probs(self, key: int) -> Optional[torch.Tensor]:
+        return self._draft_probs.get(key)
 
     # -- sampling ---------------------------------------------------------------------------------
     def bitmask_to_device(self, bitmask: Optional[np.ndarray]) -> Optional[torch.Tensor]:

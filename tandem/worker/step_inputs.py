@@ -152,34 +152,40 @@ def layout_rows(chunks: list, ids: list[int], start_positions: list[int], length
 
 @dataclass
 class PendingTokens:
-    """Tokens sampled by the step in flight, still on the device (overlapped engine loop).
+    """The rows the step in flight sampled (overlapped engine loop), whose tokens are still on
+    rank 0's device (its worker kept them): host data only.
 
-    ``token_ids[row]`` is the token that stands as ``PENDING_TOKEN`` at the end of
-    ``sequences[row]``'s ``token_ids``."""
-    token_ids: torch.Tensor  # [rows] int64, on the device
+    Row ``row``'s token stands as ``PENDING_TOKEN`` at the end of ``sequences[row]``'s
+    ``token_ids``."""
     sequences: list  # the sampled sequences, in row order
 
     @cached_property
     def row_of(self) -> dict[int, int]:
         return {id(sequence): row for row, sequence in enumerate(self.sequences)}
 
-    def feed(self, step: StepInputs, device: torch.device) -> Optional[Callable[[torch.Tensor], None]]:
-        """A function writing the step's pending input tokens into its device input ids (None
-        when the step reads none). Only a decode chunk reads a pending token: its one input.
-        When the step's first rows are the sampled rows in the same order (a steady decode
-        batch), they are one slice copy."""
+    def rows(self, step: StepInputs) -> tuple[list[int], list[int]]:
+        """``(targets, sources)``: input row ``targets[i]`` of ``step`` reads sampled row
+        ``sources[i]`` (empty lists when the step reads none). Only a decode chunk reads a
+        pending token: its one input (``targets`` ascend)."""
         targets = np.flatnonzero(step.input_ids[:step.num_decode] == PENDING_TOKEN).tolist()
         if not targets:
-            return None
-        count, chunks = len(self.sequences), step.chunks
-        if (len(targets) == count and targets[-1] == count - 1
-                and [chunk.sequence for chunk in chunks[:count]] == self.sequences):
-            token_ids = self.token_ids
-            return lambda input_ids: input_ids[:count].copy_(token_ids)
-        row_of = self.row_of
-        sources = [row_of[id(chunks[row].sequence)] for row in targets]
-        indices = to_device([targets, sources], device, torch.long)
-        return lambda input_ids: input_ids.index_copy_(0, indices[0], self.token_ids.index_select(0, indices[1]))
+            return [], []
+        row_of, chunks = self.row_of, step.chunks
+        return targets, [row_of[id(chunks[row].sequence)] for row in targets]
+
+
+def feed_pending(token_ids: torch.Tensor, targets: list[int],
+                 sources: list[int]) -> Optional[Callable[[torch.Tensor], None]]:
+    """A function writing sampled ``token_ids`` (on the device) into a step's device input ids:
+    input row ``targets[i]`` gets ``token_ids[sources[i]]`` (None when no row reads one). Where
+    the rows are every sampled row in order (a steady decode batch) it is one slice copy."""
+    if not targets:
+        return None
+    count = len(targets)
+    if count == token_ids.shape[0] and targets[-1] == count - 1 and sources == targets:  # (targets ascend)
+        return lambda input_ids: input_ids[:count].copy_(token_ids)
+    indices = to_device([targets, sources], token_ids.device, torch.long)
+    return lambda input_ids: input_ids.index_copy_(0, indices[0], token_ids.index_select(0, indices[1]))
 
 
 def as_decode_rows(step: StepInputs) -> StepInputs:

@@ -43,8 +43,8 @@ def test_in_process_executor(model_dirs):
     with pytest.raises(ValueError, match=r"collective_rpc: unknown rank call 'shutdown_host'"):
         executor.collective_rpc("shutdown_host")
     assert "shutdown_host" not in RANK_CALLS
-    executor.attach_worker(SimpleNamespace(execute=lambda plan, feed: ("ran", plan, feed)))
-    assert executor.execute_step("plan", "feed") == ("ran", "plan", "feed")  # rank 0's worker, in process
+    executor.attach_worker(SimpleNamespace(execute=lambda plan: ("ran", plan)))
+    assert executor.execute_step("plan") == ("ran", "plan")  # rank 0's worker, in process
     executor.check()
     executor.close()
 

@@ -45,9 +45,9 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
     sent = []
     execute_step = engine.executor.execute_step
 
-    def recording_execute_step(plan, feed=None):
+    def recording_execute_step(plan):
         sent.append((plan.inputs.num_decode == len(plan.inputs.chunks), plan.graph_size))
-        return execute_step(plan, feed)
+        return execute_step(plan)
 
     monkeypatch.setattr(engine.executor, "execute_step", recording_execute_step)
     runner = engine.runner
@@ -84,7 +84,7 @@ def test_enforce_eager_keeps_every_rank_eager(model_dirs, oracles, monkeypatch):
     sent = []
     execute_step = llm.engine.executor.execute_step
     monkeypatch.setattr(llm.engine.executor, "execute_step",
-                        lambda plan, feed=None: (sent.append(plan.graph_size), execute_step(plan, feed))[1])
+                        lambda plan: (sent.append(plan.graph_size), execute_step(plan))[1])
     prompt = list(range(3, 20))
     try:
         assert llm.engine.executor.graph_sizes == [] and llm.engine.runner.graphs is None
@@ -167,9 +167,9 @@ def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs
     sent = []
     execute_step = engine.executor.execute_step
 
-    def recording_execute_step(plan, feed=None):
+    def recording_execute_step(plan):
         sent.append(plan.graph_size)
-        return execute_step(plan, feed)
+        return execute_step(plan)
 
     monkeypatch.setattr(engine.executor, "execute_step", recording_execute_step)
     prompt = [(5 * i + 7) % 500 + 3 for i in range(70)]

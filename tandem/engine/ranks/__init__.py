@@ -5,7 +5,8 @@ process) plans each step (``tandem/engine/step_planner.py``) and its executor ha
 every rank's worker, rank 0's in process.
 
 ``executor.py``     the executor interface: in-process (one rank), multiprocess (``launcher.py``), Ray
-                    (``ray_executor.py``); ``execute_step``/``execute_draft`` run a plan on every rank
+                    (``ray_executor.py``); ``execute_step``/``execute_draft`` run a plan on every rank,
+                    ``sample``/``verify`` a sampling or verification message on rank 0's worker
 ``start.py``        the one place that chooses an engine's executor (``start_executor``)
 ``build.py``        how every rank, rank 0 included, builds its shard of the model and the state
 ``plan.py``         the step message: ``ForwardPlan`` (what every rank's forward pass runs),

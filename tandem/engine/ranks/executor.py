@@ -11,7 +11,8 @@ started. The executor hands each step's message to all of them (``execute_step``
 plan, ``plan.ForwardPlan``; the other ranks also get the page operations rank 0's outbox recorded
 since the last message, which every rank applies through the same executor,
 ``kv/page_operations.py``) and runs rank 0's worker on it last, returning its result; then
-rank 0's worker alone samples the step (``sample``: the sampling message, ``sampling_plan.py``);
+rank 0's worker alone samples the step (``sample``: the sampling message, ``sampling_plan.py``)
+or verifies its drafts (``verify``: the verification message, ``worker/verify_plan.py``);
 a sharded draft's passes likewise (``execute_draft``); and named calls that every rank answers
 (``collective_rpc``, answers in rank order). When rank 0's part of a step the other ranks
 started fails, the executor stops them (they are inside the step's collectives): the engine
@@ -142,14 +143,21 @@ class Executor(abc.ABC):
         """Rank 0's ``Worker``, once built: it runs every step and draft message from now on."""
 
     @abc.abstractmethod
-    def execute_step(self, plan, feed=None):
+    def execute_step(self, plan):
         """Hand this step's message (``plan.ForwardPlan``) to every rank's worker, rank 0's last
-        (with ``feed``: its tokens still pending on its device); rank 0's ``ForwardOutput``."""
+        (it writes its tokens still pending on its device into the rows the plan names); rank
+        0's ``plan.StepOutput``."""
 
     @abc.abstractmethod
     def sample(self, plan):
         """Rank 0's worker samples ``plan`` (``sampling_plan.SamplingPlan``) from the logits of the
-        step it ran last (the other ranks sample nothing); its ``SamplerOutput``, on the device."""
+        step it ran last (the other ranks sample nothing) and keeps the token ids on its device;
+        the handle of their copy to the host (``HostSamplerOutput``; None for a plan without rows)."""
+
+    @abc.abstractmethod
+    def verify(self, plan):
+        """Rank 0's worker verifies ``plan`` (``worker/verify_plan.VerifyPlan``: a speculating
+        step's drafts) on the logits of the step it ran last; its ``VerifyOutput`` (host values)."""
 
     @abc.abstractmethod
     def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,
@@ -213,11 +221,14 @@ class InProcessExecutor(Executor):
     def attach_worker(self, worker) -> None:
         self.worker = worker
 
-    def execute_step(self, plan, feed=None):
-        return self.worker.execute(plan, feed)
+    def execute_step(self, plan):
+        return self.worker.execute(plan)
 
     def sample(self, plan):
         return self.worker.sample(plan)
+
+    def verify(self, plan):
+        return self.worker.verify(plan)
 
     def execute_draft(self, step, inputs_from_root, input_ids, hidden):
         return self.worker.draft(draft_plan(step, inputs_from_root, hidden), input_ids, hidden)

@@ -199,17 +199,21 @@ class MultiprocessExecutor(Executor):
         answers = exchange(self.groups.control, msgspec.msgpack.encode(call(self.context, *arguments)))
         return [msgspec.msgpack.decode(answer) for answer in answers]
 
-    def execute_step(self, plan, feed=None):
+    def execute_step(self, plan):
         """The STEP plan to the other ranks (after the page operations rank 0 applied since the
         last message), then rank 0's worker runs the same forward pass (``Worker.execute``)."""
         self.check()
         self.channel.send(StepPlan.of_forward(plan, self.page_operations()))
-        return self._on_rank_zero("forward pass", self.worker.execute, plan, feed)
+        return self._on_rank_zero("forward pass", self.worker.execute, plan)
 
     def sample(self, plan):
         """Rank 0's worker samples the step it ran last: the other ranks sample nothing and wait
         in no collective for it, so a failure here stops no rank."""
         return self.worker.sample(plan)
+
+    def verify(self, plan):
+        """Rank 0's worker verifies the step it ran last (like ``sample``: rank 0 alone)."""
+        return self.worker.verify(plan)
 
     def _on_rank_zero(self, what: str, call, *arguments):
         """Rank 0's part of a message the other ranks already run: if it raises, they wait inside

@@ -26,7 +26,7 @@ rank 0 then broadcasts the rows' hidden inputs (and its device-resident input id
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -35,6 +35,7 @@ import torch
 
 from tandem.kv.page_operations import PageOperation
 from tandem.transfer.rank_operations import TransferOperation
+from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.step_inputs import StepInputs
 
 STEP, STOP, TRANSFER, DISK, DRAFT, PAGES, RPC = "step", "stop", "transfer", "disk", "draft", "pages", "rpc"
@@ -61,9 +62,12 @@ class ForwardPlan:
     """One step's forward pass, as every rank runs it (``Worker.execute``): the runner's inputs
     (rank 0's carry the scheduled chunks; another rank's none), the rows whose logits the LM head
     computes after the sampled rows' (each chunk's prompt-logprob rows, in order: the head's gather
-    is a collective), whether the input ids come from rank 0's device (tokens still pending
-    there), and the CUDA graph every rank replays (its rows; 0: eagerly). The graph is a pure
-    function of the inputs and the captured sizes: each rank checks that it would choose it too."""
+    is a collective), whether the input ids come from rank 0's device (tokens its worker sampled
+    in the step before, still pending there), and the CUDA graph every rank replays (its rows; 0:
+    eagerly). The graph is a pure function of the inputs and the captured sizes: each rank checks
+    that it would choose it too.
+    Rank 0's plan also says what its worker returns (``StepOutput``): the logprobs of each prompt
+    range's target tokens, and whether the step's hidden states come back too."""
     inputs: StepInputs
     prompt_logit_ranges: list[tuple[int, int]]
     inputs_from_root: bool = False
@@ -71,6 +75,27 @@ class ForwardPlan:
     # The rows the graph replays, as the planner derived them (rank 0's plan only; they never
     # travel): the rank that planned the step does not derive them again, the others check.
     graph_rows: Optional[StepInputs] = None
+    # Rank 0's plan only (the other ranks return nothing): per prompt-logit range, the token each
+    # row predicts and how many top logprobs it reports.
+    prompt_targets: list[list[int]] = field(default_factory=list)
+    prompt_top: list[int] = field(default_factory=list)
+    # Rank 0's plan only: return the hidden states as well (on the device: speculation's draft
+    # passes read them in the engine core's process); else the output is host-only.
+    hidden_states: bool = False
+    # Rank 0's plan only (the overlapped loop): input row ``pending_targets[i]`` reads row
+    # ``pending_sources[i]`` of the tokens rank 0's worker sampled last, still on its device
+    # (``inputs_from_root``: it then broadcasts the input ids to the other ranks).
+    pending_targets: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What rank 0's worker returns for a ``ForwardPlan``: host values (each prompt range's
+    logprobs, in the plan's order), and the hidden states only where the plan asked for them (the
+    sampled rows' logits stay with the worker, which samples or verifies them)."""
+    prompt_logprobs: list[HostLogprobs]
+    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] (a replayed graph's: valid until its next replay)
 
 
 @dataclass

@@ -9,7 +9,9 @@ prompt-logit ranges, the layers' collectives in the same order on every rank); `
 pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the others discard it.
 Rank 0's worker also samples: ``sample`` runs a sampling message (``sampling_plan.py``) on the
 logits of the forward pass it ran last, with the sampler and the per-sequence generators it owns
-(``worker/rank_sampling.py``), and returns the sampled tokens and logprobs (on the device).
+(``worker/rank_sampling.py``), keeps the sampled token ids on its device (the next step's pending
+input tokens: the overlapped loop) and returns the handle of their copy to the host; ``verify``
+runs a speculating step's verification message likewise and returns its verdicts as host values.
 
 Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
 Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
@@ -34,15 +36,21 @@ import msgspec
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.ranks.plan import StepOutput
+from tandem.kv.block_pool import SanitizerError
 from tandem.structured.bitmask import bitmask_words
+from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.rank_sampling import RankSampling
+from tandem.worker.rank_verification import verify
+from tandem.worker.step_inputs import feed_pending
 
 if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
     from tandem.engine.ranks.sampling_plan import SamplingPlan
     from tandem.worker.model_runner import ForwardOutput
-    from tandem.worker.sampler import SamplerOutput
+    from tandem.worker.sampler import HostSamplerOutput
+    from tandem.worker.verify_plan import VerifyOutput, VerifyPlan
 
 logger = logging.getLogger("tandem.parallel")
 
@@ -134,6 +142,8 @@ class Worker:
         # and the logits of the last forward pass, which the next sampling message reads.
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
+        self.sampled_token_ids: Optional[torch.Tensor] = None  # [rows] of the last sampling message
+        self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
 
     @classmethod
     def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
@@ -146,28 +156,56 @@ class Worker:
         transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
         return cls(parts, groups, transfers)
 
-    def execute(self, plan: "ForwardPlan", feed=None) -> "ForwardOutput":
-        """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it: hidden
-        states, sampled rows' logits, each prompt range's logits (``ModelRunner.run``). ``feed``:
-        rank 0's tokens still pending on its device, written into the input ids (and broadcast)."""
+    def execute(self, plan: "ForwardPlan") -> "StepOutput":
+        """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it
+        (``ModelRunner.run``: hidden states, sampled rows' logits, each prompt range's logits);
+        the sampled rows' logits stay here for the sampling message. Rank 0 first writes the
+        tokens it sampled last, still on its device, into the input rows the plan names (and
+        broadcasts the input ids). Rank 0's worker then reads the output (``_output``); the
+        other ranks' return nothing of it."""
+        feed = None
+        if plan.pending_targets:
+            feed = feed_pending(self.sampled_token_ids, plan.pending_targets, plan.pending_sources)
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
                                  broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
         self.logits = output.logits
-        return output
+        if not self.reads_output:
+            return StepOutput([])
+        return self._output(plan, output)
 
-    def sample(self, plan: "SamplingPlan") -> Optional["SamplerOutput"]:
+    def _output(self, plan: "ForwardPlan", output: "ForwardOutput") -> "StepOutput":
+        """Rank 0's output of a step: non-finite logits are a sanitizer error (a forward pass
+        read poisoned, freed, state); each prompt range's logprobs of its target tokens, as host
+        values; the hidden states only where the plan asks for them (speculation)."""
+        if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
+            raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
+        prompt_logprobs = [HostLogprobs.compute(logits, targets, top)
+                           for logits, targets, top in zip(output.prompt_logits, plan.prompt_targets, plan.prompt_top)]
+        return StepOutput(prompt_logprobs, output.hidden if plan.hidden_states else None)
+
+    def sample(self, plan: "SamplingPlan") -> Optional["HostSamplerOutput"]:
         """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last
-        forward pass's logits on the device (not waited for); then the generators of the
-        sequences that ended go. A plan without rows only drops generators (None)."""
-        sampled = None
+        forward pass's logits on the device; their token ids stay here (the next step's pending
+        input tokens read them) and the tokens and logprobs start their one copy to the host,
+        whose handle is returned (not waited for). Then the generators of the sequences that
+        ended go. A plan without rows only drops generators (None)."""
+        host = None
         if plan.num_rows:
             logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
             sampled = self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
                                            plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
+            self.sampled_token_ids = sampled.token_ids
+            host = sampled.to_host_async()
         self.sampling.forget(plan.finished_keys)
-        return sampled
+        return host
+
+    def verify(self, plan: "VerifyPlan") -> "VerifyOutput":
+        """Rank 0: the verdicts of a verification message (``worker/verify_plan.py``) on the last
+        forward pass's logits, with the sampler, generators and drafts' distributions it owns
+        (``worker/rank_verification.py``): host values, after one copy."""
+        return verify(self.logits, plan, self.sampling)
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
