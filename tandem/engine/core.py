@@ -54,11 +54,12 @@ class EngineCore:
         self.registry, self.coordinator = parts.registry, parts.coordinator
         # Rank 0's worker (its model runner, page executor, tier worker, a sharded draft): the
         # executor runs it on every step's message, as every other rank runs its own. The
-        # engine core reads its runner only at start-up and for rank 0's own draft passes.
+        # engine core reads its runner only at start-up and for rank 0's own draft passes; the
+        # step planner chooses each step's graph with what the worker says it captured.
         self.worker = Worker(parts)
         self.executor.attach_worker(self.worker)
         self.runner = parts.runner
-        self.planner = StepPlanner(self.coordinator, self.runner)
+        self.planner = StepPlanner(self.coordinator, self.worker.graph_choice())
         plan = parts.plan
         # The host and disk tiers (kv/tiers), when configured: registered as the coordinator's
         # listener (fed its events: frees, cached nodes, hits); the engine and the scheduler

@@ -2,9 +2,9 @@
 
 The engine core (rank 0's process) turns the scheduled chunks into the step message every rank
 runs (``ForwardPlan``, ``engine/ranks/plan.py``): the runner's host-side inputs (``StepInputs``),
-the CUDA graph every rank replays (a pure function of the inputs, the sizes captured and the
-pending loads: ``ModelRunner.graph_size_and_rows`` on rank 0's runner, which every rank checks against
-its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
+the CUDA graph every rank replays (``worker/graph_choice.py``: a pure function of the inputs, what
+rank 0's worker said it captured, given once at start-up, and the coordinator's pending loads;
+every rank's worker checks the choice against its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
 logprobs the request asks for, and whether the input ids come from rank 0's device (tokens still
 pending there: the overlapped loop; the plan names the row of rank 0's worker's last sampled
 tokens each reads). Its executor hands the plan to every rank's worker, rank 0's included; rank
@@ -23,7 +23,7 @@ from tandem.engine.ranks.plan import ForwardPlan, StepOutput
 from tandem.kv.coordinator import StateCoordinator
 from tandem.protocol import PositionLogprobs
 from tandem.scheduler.scheduler import ScheduledChunk
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.graph_choice import GraphChoice
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 
 
@@ -47,12 +47,13 @@ class PlannedStep:
 
 
 class StepPlanner:
-    """Owner of the step inputs' host-side caches (page-table rows kept across steps). Reads
-    rank 0's runner for the graph choice only (its captured sizes, pending loads, graph layers)."""
+    """Owner of the step inputs' host-side caches (page-table rows kept across steps). Chooses
+    each step's graph with ``graphs``, what rank 0's worker captured (given at start-up), and
+    the coordinator's pending loads."""
 
-    def __init__(self, coordinator: StateCoordinator, runner: ModelRunner) -> None:
+    def __init__(self, coordinator: StateCoordinator, graphs: GraphChoice) -> None:
         self.coordinator = coordinator
-        self.runner = runner
+        self.graphs = graphs
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
@@ -69,7 +70,7 @@ class StepPlanner:
         step = build_step_inputs(chunks, coordinator.num_groups, coordinator.page_size, self.page_table_rows)
         targets, sources = pending.rows(step) if pending is not None else ([], [])
         prompt_rows = prompt_logit_rows(step)
-        graph_size, graph_rows = self.runner.graph_size_and_rows(step)
+        graph_size, graph_rows = self.graphs.size_and_rows(step, coordinator.pending_loads)
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
                            [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,

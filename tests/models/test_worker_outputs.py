@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tandem.engine import step_planner
+from tandem.worker.graph_choice import GraphChoice
+from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampler import HostSamplerOutput
 from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_position
@@ -85,6 +88,10 @@ def test_the_worker_returns_host_values(model_dirs, oracles, device):
         return deltas
 
     engine.step = checking_step
+    # The step planner chooses graphs from host values the worker gave it at start-up.
+    assert isinstance(engine.planner.graphs, GraphChoice) and not tensors_in(engine.planner.graphs, "graphs")
+    assert not any(isinstance(value, ModelRunner) for value in vars(step_planner).values())
+    assert not any(isinstance(value, ModelRunner) for value in vars(engine.planner).values())
     rng = random.Random(31)
     prompt = random_prompt(rng, 45)  # two chunks of prompt logprobs (32 tokens a step)
     requests = {

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
     from tandem.engine.ranks.sampling_plan import SamplingPlan
+    from tandem.worker.graph_choice import GraphChoice
     from tandem.worker.model_runner import ForwardOutput
     from tandem.worker.sampler import HostSamplerOutput
     from tandem.worker.verify_plan import VerifyOutput, VerifyPlan
@@ -216,6 +217,11 @@ class Worker:
 
         return run_planned_rows(self.runner, self.network, plan.inputs, plan.inputs_from_root, plan.hidden_dtype,
                                 input_ids, hidden)
+
+    def graph_choice(self) -> "GraphChoice":
+        """What this rank captured, as the graph choice reads it (host values): rank 0's worker
+        gives it to the engine core's step planner at start-up (``worker/graph_choice.py``)."""
+        return self.runner.graph_choice()
 
     def release_graphs(self) -> None:
         """Before the process group goes (``ModelRunner.release_graphs``)."""
