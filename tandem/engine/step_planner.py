@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from tandem.engine.ranks.plan import ForwardPlan, StepOutput
 from tandem.kv.coordinator import StateCoordinator
 from tandem.protocol import PositionLogprobs
@@ -29,14 +27,12 @@ from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, 
 
 @dataclass
 class ExecuteResult:
-    """A step's result as the engine core reads it: the sampled rows' chunks (rank 0's worker
-    samples or verifies them from the logits it kept), each prompt-logprob chunk's logprobs, and,
-    only while speculating (``hidden_states``), the hidden states the draft passes read."""
+    """A step's result as the engine core reads it (host values): the sampled rows' chunks (rank
+    0's worker samples or verifies them from the logits it kept) and each prompt-logprob chunk's
+    logprobs."""
     sampling_chunks: list[ScheduledChunk]  # in the order of the logits rows
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
-    # until its next replay)
 
 
 @dataclass
@@ -61,7 +57,7 @@ class StepPlanner:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
         the step before, which may still be running) reads it from the tokens rank 0's worker
         sampled last, on its device: the plan names the row of ``pending`` it reads.
-        ``hidden_states``: rank 0's worker returns the step's hidden states too."""
+        ``hidden_states``: rank 0's worker keeps the step's hidden states (the draft's passes)."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
         if sanitizer.enabled:
@@ -85,7 +81,7 @@ class StepPlanner:
         prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
         for (chunk, _, _), logprobs in zip(planned.prompt_rows, output.prompt_logprobs):
             prompt_logprobs[id(chunk)] = logprobs.positions()
-        return ExecuteResult(sampling_chunks, prompt_logprobs, step, output.hidden)
+        return ExecuteResult(sampling_chunks, prompt_logprobs, step)
 
 
 def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:
