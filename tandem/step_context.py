@@ -4,11 +4,11 @@ Speculative decoding (``tandem/spec_decode``) runs the step while speculating an
 drafts; prefill/decode disaggregation (``tandem/disagg``) feeds a decode engine its first token
 and ends requests whose transfer failed. Both sit below the engine in the layering, so they see
 the engine core only as this ``StepContext``: the books (scheduler, coordinator, registry), the
-executing side (model runner; rank 0's worker's sampler, per-sequence generators and drafts'
-distributions, ``sampling``, which the proposer draws with; the executor, whose ``verify`` runs a
-speculating step's verification message on rank 0's worker),
-and the hooks below. Nothing outside the engine calls a
-private method of the engine core.
+executor (every call to the executing side is a host-only message to rank 0's worker: ``verify``
+a speculating step's verification, ``draft_pass`` and ``end_proposal`` the proposer's draft
+passes, ``keep_carried_hidden`` and ``skip_first_draw`` PD decode's start of a sequence), and the
+hooks below. The context names no model runner, sampler or generator. Nothing outside the
+engine calls a private method of the engine core.
 
 The step pipeline and where the hooks sit:
 
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from tandem.protocol import PositionLogprobs, RequestDelta
     from tandem.scheduler.scheduler import Scheduler
     from tandem.scheduler.sequence import Sequence
-    from tandem.worker.model_runner import ModelRunner
-    from tandem.worker.rank_sampling import RankSampling
 
 
 class StepContext(Protocol):
@@ -45,18 +43,17 @@ class StepContext(Protocol):
     registry: "StateRegistry"
     coordinator: "StateCoordinator"
     scheduler: "Scheduler"
-    runner: "ModelRunner"  # rank 0's (its worker's): start-up and rank 0's own draft passes
-    sampling: "RankSampling"  # rank 0's worker's: the sampler, each seeded sequence's generator, drafts' q
     structured: Any  # the grammar masks of constrained rows (engine/structured_outputs.py)
-    executor: Any  # the ranks (engine/ranks/executor.py Executor)
+    executor: Any  # the ranks (engine/ranks/executor.py Executor): the messages to rank 0's worker
     speculator: Any  # spec_decode.Speculator, or None
     pd: Any  # the PD side (disagg), or None
 
     # -- executing a step ---------------------------------------------------------------------
     def execute(self, chunks, pending=None, hidden_states: bool = False) -> Any:
         """One forward pass over ``chunks`` on every rank (``engine/step_planner.py`` plans it, the
-        executor runs it): rank 0's ``ExecuteResult`` (host values; with ``hidden_states``, the
-        step's hidden states too, on the device). A failure of rank 0's pass raises."""
+        executor runs it): rank 0's ``ExecuteResult`` (host values; with ``hidden_states``, rank
+        0's worker keeps the step's hidden states for the draft's passes). A failure of rank 0's
+        pass raises."""
 
     # -- sampling or verifying a step's rows --------------------------------------------------
     def banned_tokens(self, sequence: "Sequence", ahead: int = 0) -> list[int]:

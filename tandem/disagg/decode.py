@@ -21,7 +21,6 @@ import logging
 import time
 from collections import deque
 
-import torch
 
 from tandem.disagg.common import PDSide
 from tandem.disagg.transfers import DecodeTransfer, PrefillLink
@@ -305,9 +304,8 @@ class DecodeSide(PDSide):
         sampler draws one vocabulary-sized Exp(1) vector per sampled step from a row's own
         generator (``Sampler.exponential_noise``), and the prefill engine made that draw for the
         first token."""
-        generator = self.core.sampling.generator(sequence.arrival_order, sequence.seed)
-        if generator is not None and not sequence.params.is_greedy:
-            torch.empty(self.core.model_info.vocab_size, device=generator.device).exponential_(generator=generator)
+        if sequence.seed is not None and not sequence.params.is_greedy:  # (rank 0's worker owns the generator)
+            self.core.executor.skip_first_draw(sequence.arrival_order, sequence.seed)
 
     # -- failure ------------------------------------------------------------------------------------------
     def give_up(self, transfer: DecodeTransfer, state: TransferState, reason: str) -> None:

@@ -54,11 +54,12 @@ class EngineCore:
         self.registry, self.coordinator = parts.registry, parts.coordinator
         # Rank 0's worker (its model runner, page executor, tier worker, a sharded draft): the
         # executor runs it on every step's message, as every other rank runs its own. The
-        # engine core reads its runner only at start-up and for rank 0's own draft passes.
+        # engine core reads its runner only at start-up and for rank 0's own draft passes; the
+        # step planner chooses each step's graph with what the worker says it captured.
         self.worker = Worker(parts)
         self.executor.attach_worker(self.worker)
         self.runner = parts.runner
-        self.planner = StepPlanner(self.coordinator, self.runner)
+        self.planner = StepPlanner(self.coordinator, self.worker.graph_choice())
         plan = parts.plan
         # The host and disk tiers (kv/tiers), when configured: registered as the coordinator's
         # listener (fed its events: frees, cached nodes, hits); the engine and the scheduler
@@ -78,8 +79,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.coordinator, tiers=self.tiers, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.resolved_preemption_mode, max_itl_ms=config.max_itl_ms)
-        # Rank 0's worker's sampler and per-sequence generators (speculation and PD draw with them).
-        self.sampling = self.worker.sampling
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
@@ -275,9 +274,10 @@ class EngineCore:
         self.check_generators(live)
 
     def check_generators(self, live: list[Sequence]) -> None:
-        """No generator (nor drafts' distributions) outlives its sequence: each one rank 0's
-        worker keeps is a live sequence's, or one whose end the next sampling message reports."""
-        orphans = (self.sampling.live_keys() - {s.arrival_order for s in live}
+        """No generator (nor drafts' distributions, nor a carried hidden state, nor a proposal's
+        drafts) outlives its sequence: each key rank 0's worker keeps anything under is a live
+        sequence's, or one whose end the next sampling message reports."""
+        orphans = (self.worker.live_keys() - {s.arrival_order for s in live}
                    - set(self.scheduler.pending_finished_keys()))
         if orphans:
             raise SanitizerError(f"generators of sequences that ended and were reported: keys {sorted(orphans)}")
@@ -319,8 +319,8 @@ class EngineCore:
         rank's worker through the executor; rank 0's result (its worker checked it and computed
         the prompt logprobs). A chunk whose input token is still pending reads it on rank 0's
         device (``pending``: the sampled rows of the step in flight, whose tokens its worker
-        kept). ``hidden_states``: the result carries the step's hidden states, on the device
-        (speculation's draft passes read them in process)."""
+        kept). ``hidden_states``: rank 0's worker keeps the step's hidden states (speculation's
+        draft passes, which it runs, read them)."""
         planned = self.planner.plan(chunks, pending, hidden_states)
         output = self.executor.execute_step(planned.plan)
         return self.planner.result(planned, output)

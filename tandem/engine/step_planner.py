@@ -2,9 +2,9 @@
 
 The engine core (rank 0's process) turns the scheduled chunks into the step message every rank
 runs (``ForwardPlan``, ``engine/ranks/plan.py``): the runner's host-side inputs (``StepInputs``),
-the CUDA graph every rank replays (a pure function of the inputs, the sizes captured and the
-pending loads: ``ModelRunner.graph_size_and_rows`` on rank 0's runner, which every rank checks against
-its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
+the CUDA graph every rank replays (``worker/graph_choice.py``: a pure function of the inputs, what
+rank 0's worker said it captured, given once at start-up, and the coordinator's pending loads;
+every rank's worker checks the choice against its own), each prompt-logprob chunk's logits rows with the tokens they predict and the top
 logprobs the request asks for, and whether the input ids come from rank 0's device (tokens still
 pending there: the overlapped loop; the plan names the row of rank 0's worker's last sampled
 tokens each reads). Its executor hands the plan to every rank's worker, rank 0's included; rank
@@ -17,26 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from tandem.engine.ranks.plan import ForwardPlan, StepOutput
 from tandem.kv.coordinator import StateCoordinator
 from tandem.protocol import PositionLogprobs
 from tandem.scheduler.scheduler import ScheduledChunk
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.graph_choice import GraphChoice
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 
 
 @dataclass
 class ExecuteResult:
-    """A step's result as the engine core reads it: the sampled rows' chunks (rank 0's worker
-    samples or verifies them from the logits it kept), each prompt-logprob chunk's logprobs, and,
-    only while speculating (``hidden_states``), the hidden states the draft passes read."""
+    """A step's result as the engine core reads it (host values): the sampled rows' chunks (rank
+    0's worker samples or verifies them from the logits it kept) and each prompt-logprob chunk's
+    logprobs."""
     sampling_chunks: list[ScheduledChunk]  # in the order of the logits rows
     prompt_logprobs: dict[int, list[PositionLogprobs]]  # id(chunk) -> logprobs of its prompt tokens
     step: Optional[StepInputs] = None  # the step's rows (chunk order, query starts)
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] the model's output (a replayed graph's: valid
-    # until its next replay)
 
 
 @dataclass
@@ -47,12 +43,13 @@ class PlannedStep:
 
 
 class StepPlanner:
-    """Owner of the step inputs' host-side caches (page-table rows kept across steps). Reads
-    rank 0's runner for the graph choice only (its captured sizes, pending loads, graph layers)."""
+    """Owner of the step inputs' host-side caches (page-table rows kept across steps). Chooses
+    each step's graph with ``graphs``, what rank 0's worker captured (given at start-up), and
+    the coordinator's pending loads."""
 
-    def __init__(self, coordinator: StateCoordinator, runner: ModelRunner) -> None:
+    def __init__(self, coordinator: StateCoordinator, graphs: GraphChoice) -> None:
         self.coordinator = coordinator
-        self.runner = runner
+        self.graphs = graphs
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
@@ -60,7 +57,7 @@ class StepPlanner:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
         the step before, which may still be running) reads it from the tokens rank 0's worker
         sampled last, on its device: the plan names the row of ``pending`` it reads.
-        ``hidden_states``: rank 0's worker returns the step's hidden states too."""
+        ``hidden_states``: rank 0's worker keeps the step's hidden states (the draft's passes)."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
         if sanitizer.enabled:
@@ -69,7 +66,7 @@ class StepPlanner:
         step = build_step_inputs(chunks, coordinator.num_groups, coordinator.page_size, self.page_table_rows)
         targets, sources = pending.rows(step) if pending is not None else ([], [])
         prompt_rows = prompt_logit_rows(step)
-        graph_size, graph_rows = self.runner.graph_size_and_rows(step)
+        graph_size, graph_rows = self.graphs.size_and_rows(step, coordinator.pending_loads)
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
                            [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
@@ -84,7 +81,7 @@ class StepPlanner:
         prompt_logprobs = {id(chunk): [] for chunk in step.chunks if chunk.prompt_logprobs}
         for (chunk, _, _), logprobs in zip(planned.prompt_rows, output.prompt_logprobs):
             prompt_logprobs[id(chunk)] = logprobs.positions()
-        return ExecuteResult(sampling_chunks, prompt_logprobs, step, output.hidden)
+        return ExecuteResult(sampling_chunks, prompt_logprobs, step)
 
 
 def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]:

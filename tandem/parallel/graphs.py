@@ -9,8 +9,8 @@ replay on one rank must meet the same replay on the others, so:
 - every rank captures the same sizes in the same order at start-up (the eager warm-up passes
   between captures hold collectives too): the sizes are checked equal over the control group
   before capturing, and the captured ones after;
-- for each step rank 0 decides graph or eager (``ModelRunner.graph_size_and_rows``, a pure function of
-  the step's inputs) and names the graph in the step plan; a worker checks that it has that graph
+- for each step the engine core's planner decides graph or eager (``worker/graph_choice.py``, a pure
+  function of the step's inputs, the pending loads and what rank 0's worker captured) and names the graph in the step plan; a worker checks that it has that graph
   and would choose the same (``ModelRunner.planned_graph_step``) and raises otherwise, instead
   of waiting forever on a collective no other rank runs.
 

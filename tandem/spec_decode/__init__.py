@@ -7,7 +7,11 @@ state) as ordinary specs in the target's registry, so prefix caching, preemption
 host copies and the sanitizer carry it as they carry the target's, with no draft-specific code.
 
 - ``networks.py``   the two drafts and how their state is named in the registry
-- ``proposer.py``   the draft's catch-up with the target and its chain of proposals
+- ``proposer.py``   the draft's catch-up with the target and its chain of proposals (the books)
+- ``draft_pass_plan.py`` the proposer's host-only messages to rank 0's worker: a draft pass,
+                    the end of a proposal
+- ``rank_drafts.py`` rank 0's worker's side: runs the passes, draws, keeps the drafts so far
+                    and an MTP layer's carried hidden states
 - ``draft_batch.py`` a draft forward pass over rows of several sequences
 - ``verify.py``     greedy acceptance and rejection sampling (exact target distribution): the
                     verification message rank 0's worker runs (``worker/rank_verification.py``)
@@ -124,8 +128,9 @@ class Speculator:
     """Speculative decoding for one engine (see the package docstring).
 
     Built in two phases: ``__init__`` takes the draft network the rank's build made, registered
-    and bound (``tandem/engine/ranks/build.py``); ``attach`` (once the model runner and the
-    sampler exist) makes the proposer, the verifier and the step."""
+    and bound (``tandem/engine/ranks/build.py``; rank 0's worker runs its passes and captures its
+    graphs, ``Worker.capture_draft_graphs``); ``attach`` (once the engine core's books exist)
+    makes the proposer, the verifier and the step."""
 
     def __init__(self, config: EngineConfig, network, target_layers: list[str], target) -> None:
         self.method = config.speculative_method
@@ -158,24 +163,8 @@ class Speculator:
         self.target_groups = sorted({core.registry.group_of(name) for name in self.target_layers})
         # Every page a speculative step copies aside is reserved when its sequence is scheduled.
         core.coordinator.speculation.reserve_for(self.target_groups + list(self.network.groups))
-        self.capture_graphs(core)
         self.step = SpeculativeStep(core, self.proposer, Verifier(core, self.simulate_accept_length),
                                     self.target_groups, self.metrics)
-
-    def capture_graphs(self, core: StepContext) -> None:
-        """Where the target replays CUDA graphs (verification steps too: ``build.py``), the draft
-        gets graphs of its own at the same sizes when its layers are graph-safe and it runs on
-        this rank alone."""
-        from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
-
-        target_graphs = core.runner.graphs
-        if target_graphs is None:
-            return
-        if model_is_graph_safe(self.network.module) and not self.network.runs_on_every_rank:
-            self.network.graphs = CudaGraphRunner(core.runner, target_graphs.batch_sizes, target_graphs.max_width,
-                                                  network=self.network)
-            if core.device.type == "cuda":  # (a CPU test replays the forward eagerly over the static buffers)
-                self.network.graphs.capture()
 
     # -- what the engine core and the PD sides call ------------------------------------------------
     def run_step(self) -> list[RequestDelta]:
@@ -190,7 +179,7 @@ class Speculator:
         state = sequence.speculation
         if state is None or state.last_hidden is None:
             return ()
-        return tuple(state.last_hidden.tolist())
+        return state.last_hidden
 
     def on_remote_prefill(self, sequence: Sequence, hidden: tuple[float, ...]) -> Optional[str]:
         """PD decode: the sequence's prompt state arrived (``hidden`` copied out of the metadata

@@ -20,33 +20,37 @@ slots, rewritten later) the catch-up and the ahead rows are one forward pass; wh
 the coordinator (``set_aside``, into slots the sequence reserved with its pages). Every proposal
 allocates the pages the next verification needs (``L + k`` tokens, those slots included); a
 sequence whose pages cannot be had proposes nothing.
+
+The proposer keeps the books of a proposal (positions, page tables, set-asides, pages, grammars);
+the draft's passes and draws run in rank 0's worker, one host-only message per pass
+(``draft_pass_plan.py``, ``rank_drafts.py``), and the drafts come back as host ids when the
+proposal ends.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from tandem.scheduler.sequence import Sequence
-from tandem.spec_decode.draft_batch import DraftNetwork, DraftRow, run_rows
+from tandem.spec_decode.draft_batch import DraftNetwork
+from tandem.spec_decode.draft_pass_plan import DraftPassPlan, DraftPassRow, ProposalEnd
 from tandem.spec_decode.state import SpeculationState
-from tandem.structured.bitmask import apply_bitmask
-from tandem.worker.sampler import GREEDY_TEMPERATURE_EPSILON, Sampler, SamplingMetadata, greedy_mask
+from tandem.worker.sampler import GREEDY_TEMPERATURE_EPSILON
 from tandem.step_context import StepContext
 
 
 @dataclass
 class HiddenRows:
-    """The target's output rows of one chunk: row ``row`` of ``tensor`` is position ``first``."""
-    tensor: torch.Tensor
+    """Where the target's output rows of one chunk are in the step's hidden states (rank 0's
+    worker keeps them): row ``row`` is position ``first``."""
     row: int
     first: int
 
-    def at(self, start: int, end: int) -> torch.Tensor:
+    def at(self, start: int, end: int) -> tuple[int, int]:
+        """The rows of positions ``[start, end)``."""
         if start < self.first:
             raise RuntimeError(f"speculation: the target's hidden state at position {start} is not at hand")
-        return self.tensor[self.row + start - self.first:self.row + end - self.first]
+        return self.row + start - self.first, self.row + end - self.first
 
 
 @dataclass
@@ -54,7 +58,7 @@ class DraftWork:
     """One sequence's draft work after a step (or before one: ``chunk_start`` None)."""
     sequence: Sequence
     chunk_start: Optional[int] = None  # where the step's chunk of the sequence started
-    hidden: Optional[HiddenRows] = None  # the target's output rows of that chunk
+    hidden: Optional[HiddenRows] = None  # where the target's output rows of that chunk are
     propose: bool = False  # the sequence goes on: propose drafts for its next step
     sampled: bool = False  # the step gave it a token
 
@@ -68,9 +72,12 @@ class _Plan:
     drafts: int  # how many to propose (0: catch-up only)
     tables: list[list[int]] = field(default_factory=list)  # where the chain runs
     owner: Optional[str] = None  # copies set aside for the chain
-    tokens: list = field(default_factory=list)  # drafts: 0-d device tensors while chaining, then ints
-    probs: list[torch.Tensor] = field(default_factory=list)
-    hidden: Optional[torch.Tensor] = None  # the last draft row's output (an MTP chain's input)
+    num_drawn: int = 0  # drafts drawn so far (on rank 0's worker until the proposal ends)
+    host_drafts: list[int] = field(default_factory=list)  # the drafts so far, where a grammar needs them
+
+    @property
+    def key(self) -> int:
+        return self.work.sequence.arrival_order
 
 
 class Proposer:
@@ -82,16 +89,17 @@ class Proposer:
         self.network = network
         self.num_speculative_tokens = num_speculative_tokens
         self.chain_on_copies = self.coordinator.speculation.copies_needed(network.groups)
+        self._begins = False  # the next pass is the first of a proposal
 
     # -- what a subclass says -----------------------------------------------------------------
-    def row(self, plan: _Plan, start: int, end: int, tables: list[list[int]], wants_logits: bool) -> DraftRow:
+    def row(self, plan: _Plan, start: int, end: int, tables: list[list[int]], wants_logits: bool) -> DraftPassRow:
         sequence = plan.work.sequence
-        return DraftRow(sequence.token_ids[start + self.shift:end + self.shift], start, tables,
-                        wants_logits=wants_logits)
+        return DraftPassRow(plan.key, sequence.token_ids[start + self.shift:end + self.shift], start, tables,
+                            wants_logits=wants_logits)
 
-    def chain_row(self, plan: _Plan) -> DraftRow:
-        return DraftRow([0], plan.known - self.shift + len(plan.tokens) - 1, plan.tables, wants_logits=True,
-                        last_token=plan.tokens[-1])
+    def chain_row(self, plan: _Plan) -> DraftPassRow:
+        return DraftPassRow(plan.key, [0], plan.known - self.shift + plan.num_drawn - 1, plan.tables,
+                            wants_logits=True, chained=True)
 
     def can_propose(self, plan: _Plan) -> bool:
         return True
@@ -117,6 +125,7 @@ class Proposer:
         for plan in plans:
             sanitizer.check_owner(self.coordinator, plan.work.sequence.state.owner,
                                   plan.work.sequence.state.page_tables)
+        self._begins = True
         merged = not self.chain_on_copies
         first = []
         for plan in plans:
@@ -127,7 +136,7 @@ class Proposer:
                                              and plan.drafts > 0)))
         self._forward(first)
         for plan in plans:
-            plan.state.num_computed, plan.state.carried_hidden = plan.computed, None
+            plan.state.num_computed, plan.state.carries_hidden = plan.computed, False
         proposing = [plan for plan in plans if plan.drafts]
         for plan in proposing:
             if merged:
@@ -139,19 +148,17 @@ class Proposer:
             self._forward([(plan, self.row(plan, plan.computed, plan.known - self.shift, plan.tables, True))
                            for plan in proposing if plan.known - self.shift > plan.computed])
         try:
-            self._chain([plan for plan in proposing if plan.tokens])
+            self._chain([plan for plan in proposing if plan.num_drawn])
         finally:
             for plan in proposing:
                 if plan.owner is not None:
                     self.coordinator.speculation.end_set_aside(plan.owner)
-        drawn = [token for plan in plans for token in plan.tokens]
-        host = torch.stack(drawn).tolist() if drawn else []  # the chain's one wait for the device
-        for plan in plans:
-            plan.tokens, host = host[:len(plan.tokens)], host[len(plan.tokens):]
-            sequence = plan.work.sequence
-            sequence.draft_token_ids = plan.tokens
-            plan.state.drafts_drawn = bool(plan.probs)
-            self.core.sampling.keep_draft_probs(sequence.arrival_order, torch.stack(plan.probs) if plan.probs else None)
+        output = self.core.executor.end_proposal(ProposalEnd([plan.key for plan in plans]))
+        for plan, tokens, last_hidden in zip(plans, output.token_ids, output.last_hidden):
+            plan.work.sequence.draft_token_ids = tokens
+            plan.state.drafts_drawn = bool(tokens) and plan.work.sequence.params.temperature >= GREEDY_TEMPERATURE_EPSILON
+            if last_hidden:
+                plan.state.last_hidden = last_hidden
 
     def _plan(self, work: DraftWork) -> _Plan:
         sequence = work.sequence
@@ -170,55 +177,36 @@ class Proposer:
 
     def _chain(self, plans: list[_Plan]) -> None:
         while plans:
-            plans = [plan for plan in plans if len(plan.tokens) < plan.drafts]
+            plans = [plan for plan in plans if plan.num_drawn < plan.drafts]
             self._forward([(plan, self.chain_row(plan)) for plan in plans])
 
-    def _forward(self, entries: list[tuple[_Plan, DraftRow]]) -> None:
-        """One forward pass over the rows; draw a draft for each row that wants logits."""
+    def _forward(self, entries: list[tuple[_Plan, DraftPassRow]]) -> None:
+        """One forward pass over the rows, on rank 0's worker; each row that wants logits draws
+        a draft there (the argmax for greedy requests, else a draw under the request's
+        parameters, its distribution kept for the verification)."""
         if not entries:
             return
-        output = run_rows(self.core.runner, self.network, [row for _, row in entries],
-                          self.coordinator.sanitizer.enabled, rows_as_decode=not self.chain_on_copies,
-                          executor=self.core.executor)
-        drawing = []
-        for (plan, _), hidden, logits in zip(entries, output.last_hidden, output.logits):
-            plan.hidden = hidden
-            if logits is not None:
-                drawing.append((plan, logits))
-        if drawing:
-            self._draw([plan for plan, _ in drawing], torch.stack([logits for _, logits in drawing]))
+        drawing = [plan for plan, row in entries if row.wants_logits]
+        sequences = [plan.work.sequence for plan in drawing]
+        bitmask = self._grammar_bitmask(drawing)
+        constrained = any(sequence.grammar is not None for sequence in sequences)
+        plan = DraftPassPlan([row for _, row in entries], [sequence.params for sequence in sequences],
+                             [sequence.seed for sequence in sequences], bitmask, return_tokens=constrained,
+                             begins=self._begins)
+        self._begins = False
+        tokens = self.core.executor.draft_pass(plan)
+        for index, drawer in enumerate(drawing):
+            drawer.num_drawn += 1
+            if tokens is not None:
+                drawer.host_drafts.append(tokens[index])
 
-    def _draw(self, plans: list[_Plan], logits: torch.Tensor) -> None:
-        """Each plan's next draft: the argmax for greedy requests, else a draw from the draft's
-        distribution under the request's temperature, top-k, top-p and min-p (kept: the
-        verification's rejection sampling needs it)."""
-        sequences = [plan.work.sequence for plan in plans]
-        logits = self._under_grammars(plans, logits)
-        tokens = logits.argmax(dim=-1)
-        probs = None
-        if any(s.params.temperature >= GREEDY_TEMPERATURE_EPSILON for s in sequences):
-            empty = [[] for _ in sequences]
-            metadata = SamplingMetadata.build([s.params for s in sequences],
-                                              self.core.sampling.generators_of(sequences), empty, empty, empty,
-                                              logits.device)
-            probs = Sampler.probabilities(logits.clone(), metadata)
-            drawn = self.core.sampling.sampler.draw(probs, metadata.generators)
-            tokens = torch.where(greedy_mask(metadata.temperature.to(logits.device)), tokens, drawn)
-        for index, (plan, token) in enumerate(zip(plans, tokens.unbind(0))):
-            plan.tokens.append(token)  # on the device until the chain ends
-            if probs is not None and plan.work.sequence.params.temperature >= GREEDY_TEMPERATURE_EPSILON:
-                plan.probs.append(probs[index])
-
-
-    def _under_grammars(self, plans: list[_Plan], logits: torch.Tensor) -> torch.Tensor:
-        """The draft's logits masked by each constrained request's grammar after its output and
-        its drafts so far, so that drafts are ones the target may accept (the drafts so far are
-        read back for that: only when some request is constrained)."""
+    def _grammar_bitmask(self, plans: list[_Plan]):
+        """The grammar masks of the drawing rows, each after its request's output and its drafts
+        so far, so that drafts are ones the target may accept (None: no request constrained)."""
         if all(plan.work.sequence.grammar is None for plan in plans):
-            return logits
-        drafts = [[int(token) for token in plan.tokens] for plan in plans]
-        bitmask = self.core.structured.bitmask([plan.work.sequence for plan in plans], drafts, count=False)
-        return logits if bitmask is None else apply_bitmask(logits.clone(), bitmask)
+            return None
+        return self.core.structured.bitmask([plan.work.sequence for plan in plans],
+                                            [list(plan.host_drafts) for plan in plans], count=False, on_host=True)
 
 
 class DraftModelProposer(Proposer):
@@ -236,40 +224,33 @@ class MTPProposer(Proposer):
     def __init__(self, core: StepContext, network: DraftNetwork, num_speculative_tokens: int, hidden_size: int) -> None:
         super().__init__(core, network, num_speculative_tokens)
         self.hidden_size = hidden_size
+        # A prefill server sends the target's hidden state at the last prompt position (the
+        # metadata row's): only there is it read back.
+        transfer = core.config.transfer
+        self.keeps_last_hidden = transfer is not None and transfer.role == "prefill"
 
     def can_propose(self, plan: _Plan) -> bool:
         return plan.computed == plan.known - 1 and plan.state.num_computed < plan.computed
 
-    def row(self, plan, start, end, tables, wants_logits) -> DraftRow:
+    def row(self, plan, start, end, tables, wants_logits) -> DraftPassRow:
         row = super().row(plan, start, end, tables, wants_logits)
-        row.hidden = self._target_hidden(plan, start, end)
-        if plan.work.sampled and not plan.drafts and end == plan.computed:
-            plan.state.last_hidden = row.hidden[-1].float().clone()  # the PD metadata row's
-        return row
-
-    def chain_row(self, plan) -> DraftRow:
-        row = super().chain_row(plan)
-        row.hidden = plan.hidden[None]
-        return row
-
-    def _target_hidden(self, plan: _Plan, start: int, end: int) -> torch.Tensor:
-        parts, position = [], start
-        state = plan.state
+        state, position = plan.state, start
         if state.carries(start):
-            parts.append(state.carried_hidden[None])
+            row.carried = True
             position += 1
         if position < end:
             if plan.work.hidden is None:
                 raise RuntimeError(f"speculation: no hidden state of the target at position {position}")
-            parts.append(self.network.target_hidden(plan.work.hidden.at(position, end)))
-        dtype = parts[-1].dtype
-        return torch.cat([part.to(dtype) for part in parts])
+            row.target_rows = plan.work.hidden.at(position, end)
+        row.keep_last_hidden = (self.keeps_last_hidden and plan.work.sampled and not plan.drafts
+                                and end == plan.computed)
+        return row
 
     def on_remote_prefill(self, sequence: Sequence, hidden: tuple[float, ...]) -> Optional[str]:
         if len(hidden) != self.hidden_size:
             return (f"the prefill server sent {len(hidden)} hidden values for the MTP layer, "
                     f"expected {self.hidden_size}")
-        carried = torch.tensor(hidden, dtype=torch.float32, device=self.core.device)
+        self.core.executor.keep_carried_hidden(sequence.arrival_order, hidden)
         sequence.speculation = SpeculationState(num_computed=sequence.num_computed_tokens - 1,
-                                                carried_hidden=carried, pending=True)
+                                                carries_hidden=True, pending=True)
         return None

@@ -11,8 +11,10 @@ computed tokens at the end of every step::
 
 An MTP layer's state at position ``p`` is computed from the target's hidden state at ``p`` and
 the token at ``p + 1``. After a PD transfer the decode side recomputes the last prompt
-position from the hidden state the metadata row carried (``carried_hidden``), which stands for
-position ``num_computed`` while ``num_computed`` is one behind the target's.
+position from the hidden state the metadata row carried (kept by rank 0's worker under the
+sequence's key while ``carries_hidden``), which stands for position ``num_computed`` while
+``num_computed`` is one behind the target's. The books hold no tensor: the hidden states a
+draft reads are the worker's.
 
 Owner: the speculator (``tandem/spec_decode``); the sequence only carries it.
 """
@@ -21,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
-
 
 @dataclass
 class SpeculationState:
     num_computed: int = 0  # draft state holds positions [0, num_computed)
-    carried_hidden: Optional[torch.Tensor] = None  # [hidden] the target's at position num_computed (MTP)
-    last_hidden: Optional[torch.Tensor] = None  # [hidden] the target's at its last computed position (MTP)
+    carries_hidden: bool = False  # rank 0's worker keeps the target's hidden state at position
+    # num_computed (MTP, PD decode: the prefill server's)
+    last_hidden: Optional[tuple[float, ...]] = None  # the target's at its last computed position (MTP,
+    # PD prefill: the metadata row's)
     drafts_drawn: bool = False  # its drafts were drawn: rank 0's worker keeps their distributions (its
     # ``sampling.keep_draft_probs``), which their verification reads
     pending: bool = False  # propose before the next step (its state arrived from a prefill server)
@@ -36,7 +38,7 @@ class SpeculationState:
 
     def carries(self, position: int) -> bool:
         """Whether the carried hidden state stands in for the target's at ``position``."""
-        return self.carried_hidden is not None and self.num_computed == position
+        return self.carries_hidden and self.num_computed == position
 
     def align(self, start: int) -> None:
         """Before a step's draft work for a chunk starting at ``start``: the draft's state must
@@ -47,8 +49,8 @@ class SpeculationState:
         if self.num_computed == start or (self.carries(start - 1) and start > 0):
             return
         self.num_computed = start
-        self.carried_hidden = None
+        self.carries_hidden = False
 
     def fork(self) -> "SpeculationState":
         """A forked sibling's copy (it shares the parent's pages; no drafts of its own yet)."""
-        return replace(self, drafts_drawn=False, pending=False, last_hidden=None)
+        return replace(self, drafts_drawn=False, pending=False, last_hidden=None, carries_hidden=False)

@@ -160,7 +160,7 @@ class SpeculativeStep:
         step = result.step
         works = []
         for index, chunk in enumerate(step.chunks):
-            hidden = None if result.hidden is None else HiddenRows(result.hidden, step.query_starts[index], chunk.start)
+            hidden = HiddenRows(step.query_starts[index], chunk.start)  # (rank 0's worker kept the step's)
             for sequence in [chunk.sequence] + children.get(id(chunk.sequence), []):
                 outcome = emitted.get(id(sequence))
                 goes_on = outcome is not None and not outcome[2] and not sequence.is_finished

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.worker.graph_choice import replayable, size_for
 from tandem.worker.host_staging import copy_to_device
 from tandem.worker.step_inputs import StepInputs
 
@@ -153,12 +154,8 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_replay(self, step: StepInputs) -> bool:
-        """A step of single-token rows that fits, whose every row continues a sequence (a first
-        token starts from no state: recurrent layers scan it eagerly), with no prompt logprobs."""
-        return (step.num_decode == len(step.query_starts) - 1 == step.num_tokens
-                and step.num_tokens <= self.batch_sizes[-1] and not step.wants_prompt_logprobs
-                and min(step.start_positions, default=0) > 0
-                and all(table.shape[1] <= self.max_width for table in step.page_tables if table is not None))
+        """Whether a step fits these graphs (``graph_choice.replayable``)."""
+        return replayable(step, self.batch_sizes[-1], self.max_width)
 
     def release(self) -> None:
         """Destroy the captured graphs and their outputs (after the device finished with them);
@@ -171,7 +168,7 @@ class CudaGraphRunner:
 
     def size_for(self, step: StepInputs) -> int:
         """The captured size a step (one ``can_replay`` admits) replays: the smallest that fits."""
-        return next(size for size in self.batch_sizes if size >= step.num_tokens)
+        return size_for(self.batch_sizes, step.num_tokens)
 
     def replay(self, step: StepInputs, feed=None, hidden_in: Optional[torch.Tensor] = None,
                broadcast_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

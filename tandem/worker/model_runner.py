@@ -23,9 +23,10 @@ from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
+from tandem.worker.graph_choice import GraphChoice
 from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
-from tandem.worker.step_inputs import StepInputs, as_decode_rows
+from tandem.worker.step_inputs import StepInputs
 
 # Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
 # without capturing, on every rank (the tensor-parallel workers inherit the environment).
@@ -135,7 +136,7 @@ class ModelRunner:
         tensor parallelism, so every rank makes the same calls in the same order. ``feed`` writes
         tokens still pending on this rank's device into the input ids (rank 0); with
         ``broadcast_inputs`` rank 0's input ids then go to every rank. ``graph_rows``: the replayed
-        rows as this rank planned them (``graph_size_and_rows``); else derived and checked here."""
+        rows as the plan names them; else derived and checked here (``planned_graph_step``)."""
         if graph_size:
             rows = graph_rows if graph_rows is not None else self.planned_graph_step(step, graph_size)
             hidden, logits = self.graphs.replay(rows, feed, broadcast_inputs=broadcast_inputs)
@@ -161,44 +162,30 @@ class ModelRunner:
             hidden.new_zeros((0, 0), dtype=torch.float32)
         return hidden, logits
 
-    def graph_size_and_rows(self, step: StepInputs) -> tuple[int, Optional[StepInputs]]:
-        """The rows of the CUDA graph that replays this step (0: it runs eagerly) and the rows it
-        replays: what the engine core plans (``engine/step_planner.py``), a pure function of the
-        step's inputs, the sizes captured and the pending loads, so every rank would choose the same."""
-        replayed = self.graph_rows(step)
-        return (self.graphs.size_for(replayed), replayed) if replayed is not None else (0, None)
+    def graph_choice(self) -> GraphChoice:
+        """What this rank captured, as the graph choice reads it (host values): rank 0's worker
+        gives it to the engine core's step planner at start-up; every rank checks a plan with its own."""
+        if self.graphs is None:
+            return GraphChoice(layers=self.graph_layers)
+        return GraphChoice(tuple(self.graphs.batch_sizes), self.graphs.max_width, self.graph_layers,
+                           self.verify_as_decode_rows)
 
     def planned_graph_step(self, step: StepInputs, graph_size: int) -> StepInputs:
         """The rows this rank replays for a step planned to replay the graph of ``graph_size``
         rows. The graphs hold the layers' collectives, so every rank must replay the same one
         (another would wait forever on NCCL): raises unless this rank has that graph and makes
-        the same choice for the step (a pure function of the step's inputs and the sizes)."""
+        the same choice for the step (``graph_choice.py``: a pure function of the step's inputs,
+        the sizes and the pending loads)."""
         sizes = self.graphs.batch_sizes if self.graphs is not None else []
         if graph_size not in sizes:
             raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows, "
                                f"but this rank has graphs of {sizes or 'no'} rows")
-        replayed = self.graph_rows(step)
-        chosen = self.graphs.size_for(replayed) if replayed is not None else 0
+        chosen, replayed = self.graph_choice().size_and_rows(step, self.pending_loads)
         if chosen != graph_size:
             raise RuntimeError(f"tensor parallelism: rank 0 replays its CUDA graph of {graph_size} rows for a "
                                f"step of {step.num_tokens} tokens, but this rank would "
                                + (f"replay its graph of {chosen} rows" if chosen else "run it eagerly"))
         return replayed
-
-    def graph_rows(self, step: StepInputs) -> Optional[StepInputs]:
-        """The rows a CUDA graph replays for this step (None: it runs eagerly): a pure decode
-        step, or a verification step laid out as single-token rows. Pending loads must be waited
-        for layer by layer (I3): a replay cannot, so a step with any pending on a layer the model
-        reads runs eagerly (a draft's layers are the draft pass's concern)."""
-        if self.graphs is None or self.pending_loads.any_for(self.graph_layers) or step.wants_prompt_logprobs:
-            return None
-        if len(step.sampling_rows) != step.num_tokens:  # a replay gives the logits of every row
-            return None
-        if step.num_decode != len(step.query_starts) - 1:  # (rows, not chunks: a worker's plan has none)
-            if not self.verify_as_decode_rows:
-                return None
-            step = as_decode_rows(step)
-        return step if self.graphs.can_replay(step) else None
 
     def group_metadata(self, step: StepInputs, groups) -> list[Optional[AttentionMetadata]]:
         """Attention metadata of ``groups`` (None for the others) for a step's rows."""

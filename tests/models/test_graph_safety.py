@@ -124,6 +124,7 @@ def test_graph_decode_is_capturable_and_exact(arch, model_dirs, oracles, monkeyp
     runner = llm.engine.runner
     assert model_is_graph_safe(runner.model)
     runner.graphs = CudaGraphRunner(runner, [2, 4], max_width=8)
+    llm.engine.planner.graphs = runner.graph_choice()  # (what the worker says at start-up)
     replays = []
     forward = CudaGraphRunner._forward
 
@@ -172,7 +173,8 @@ def test_speculation_graphs_are_capturable_and_exact(arch, model_dirs, oracles, 
     runner.graphs = CudaGraphRunner(runner, [2, 4, 8, 16], max_width=8)
     # What the build does for an engine that has graphs: verification as single-token rows.
     _prepare_verification(runner, engine.coordinator, engine.registry, sorted(runner.graph_layers))
-    speculator.capture_graphs(engine)
+    engine.worker.capture_draft_graphs()
+    engine.planner.graphs = runner.graph_choice()  # (what the worker says at start-up)
     network = speculator.network
     assert runner.verify_as_decode_rows and network.graphs is not None
     replays = {"target": [], "draft": []}

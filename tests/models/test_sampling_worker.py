@@ -106,9 +106,9 @@ def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dir
         # No generator outlives its sequence: every key with one is a live sequence's (the
         # sanitizer's check_books checks it too, after every step of every test).
         live = {s.arrival_order for s in engine.scheduler.live_sequences()}
-        assert engine.sampling.live_keys() <= live
+        assert engine.worker.live_keys() <= live
     engine.check_all_free()
-    assert engine.sampling.live_keys() == set()
+    assert engine.worker.live_keys() == set()
 
     sequences = {(s.request_id, s.index): s for call in recorder.calls for s in call["sequences"]}
     assert len(sequences) == 7 and all(s.num_output_tokens > 0 for s in sequences.values())
@@ -138,7 +138,7 @@ def test_worker_sampling_equals_the_plain_sampler_and_drops_generators(model_dir
                                      sampling_params=SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=40)))
     for _ in range(3):
         engine.step()
-    assert len(engine.sampling.live_keys()) == 2
+    assert len(engine.worker.live_keys()) == 2
     engine.abort_requests(["aborted"])
-    assert engine.sampling.live_keys() == set()
+    assert engine.worker.live_keys() == set()
     engine.check_all_free()

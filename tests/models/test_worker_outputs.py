@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tandem.engine import step_planner
+from tandem.step_context import StepContext
+from tandem.worker.graph_choice import GraphChoice
+from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampler import HostSamplerOutput
 from tests.support.engines import GREEDY, check_outputs, make_llm, random_prompt
 from tests.support.oracle import assert_position
@@ -85,6 +89,10 @@ def test_the_worker_returns_host_values(model_dirs, oracles, device):
         return deltas
 
     engine.step = checking_step
+    # The step planner chooses graphs from host values the worker gave it at start-up.
+    assert isinstance(engine.planner.graphs, GraphChoice) and not tensors_in(engine.planner.graphs, "graphs")
+    assert not any(isinstance(value, ModelRunner) for value in vars(step_planner).values())
+    assert not any(isinstance(value, ModelRunner) for value in vars(engine.planner).values())
     rng = random.Random(31)
     prompt = random_prompt(rng, 45)  # two chunks of prompt logprobs (32 tokens a step)
     requests = {
@@ -134,31 +142,54 @@ def test_the_worker_returns_host_values(model_dirs, oracles, device):
     assert as_values(results) == as_values(again)
 
 
-def test_verification_is_a_message_to_the_worker(model_dirs, oracles):
-    """While speculating, the engine core hands rank 0's worker a host-only verification message
-    and books the verdicts it returns as host values; the drafts' distributions stay with the
-    worker (under their sequence's key, dropped when it ends). Greedy rows equal transformers."""
-    llm = make_llm(model_dirs["llama"], speculative_model=model_dirs["llama"], num_speculative_tokens=2,
-                   max_num_batched_tokens=32, max_num_seqs=8)
+SPECULATION = {"llama": dict(speculative_model="same", num_speculative_tokens=2),
+               "deepseek_v3": dict(speculative_method="mtp", num_speculative_tokens=2)}
+
+
+@pytest.mark.parametrize("arch", sorted(SPECULATION))
+def test_speculation_is_messages_to_the_worker(arch, model_dirs, oracles):
+    """While speculating, the engine core hands rank 0's worker host-only messages and books the
+    host values they return: the verification (the verdicts) and the proposer's draft passes and
+    proposal ends (the drafts); the drafts' distributions, the proposal's device drafts and an MTP
+    layer's hidden inputs stay with the worker (under their sequence's key, dropped when it ends),
+    and no sequence's speculation state holds a tensor. The step context names no model runner
+    nor sampler. Greedy rows equal transformers (a draft model identical to the target; a random
+    MTP layer)."""
+    speculation = dict(SPECULATION[arch])
+    if speculation.get("speculative_model") == "same":
+        speculation["speculative_model"] = model_dirs[arch]
+    llm = make_llm(model_dirs[arch], max_num_batched_tokens=32, max_num_seqs=8, **speculation)
     engine = llm.engine
-    verified, drawn_keys = [], set()
-    verify = engine.executor.verify
+    assert not {"runner", "sampling"} & set(StepContext.__annotations__)
+    verified, passes, ends, drawn_keys, sequences = [], [], [], set(), {}
+    executor = engine.executor
+    verify, draft_pass, end_proposal = executor.verify, executor.draft_pass, executor.end_proposal
 
     def recording_verify(plan):
-        drawn_keys.update(key for key in plan.keys if engine.sampling.draft_probs(key) is not None)
-        for sequence in engine.scheduler.live_sequences():  # the books: host values only
-            assert not tensors_in(sequence.speculation, "speculation state")
+        drawn_keys.update(key for key in plan.keys if engine.worker.sampling.draft_probs(key) is not None)
+        sequences.update((id(sequence), sequence) for sequence in engine.scheduler.live_sequences())
         output = verify(plan)
         verified.append((plan, output))
         return output
 
-    engine.executor.verify = recording_verify
+    def recording_draft_pass(plan):
+        tokens = draft_pass(plan)
+        passes.append((plan, tokens))
+        return tokens
+
+    def recording_end_proposal(plan):
+        output = end_proposal(plan)
+        ends.append((plan, output))
+        return output
+
+    executor.verify, executor.draft_pass, executor.end_proposal = recording_verify, recording_draft_pass, \
+        recording_end_proposal
     rng = random.Random(32)
     prompts = [random_prompt(rng, n) for n in (11, 40)]
     params = [SamplingParams(n=2, temperature=0.9, seed=8, max_tokens=7, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=9, **GREEDY)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    check_outputs(outputs[1:], prompts[1:], 9, oracles["llama"], "greedy while speculating")
+    check_outputs(outputs[1:], prompts[1:], 9, oracles[arch], "greedy while speculating")
     assert all(len(choice.token_ids) == 7 and len(choice.logprobs) == 7 for choice in outputs[0].outputs)
     assert len(verified) > 3 and any(sum(map(len, plan.draft_token_ids)) for plan, _ in verified)
     assert any(any(plan.drawn) for plan, _ in verified)  # the sampled rows' drafts were drawn
@@ -166,6 +197,24 @@ def test_verification_is_a_message_to_the_worker(model_dirs, oracles):
         found = tensors_in(plan, f"verification {number}") + tensors_in(output, f"verdicts {number}")
         assert not found, found
         assert len(output.token_ids) == len(output.num_accepted) == plan.num_items
+    # The proposer's messages and what they return are host values.
+    assert len(passes) > 3 and len(ends) > 3
+    found = [path for number, (plan, tokens) in enumerate(passes)
+             for path in tensors_in(plan, f"draft pass {number}") + tensors_in(tokens, f"drawn {number}")]
+    found += [path for number, (plan, output) in enumerate(ends)
+              for path in tensors_in(plan, f"proposal end {number}") + tensors_in(output, f"drafts {number}")]
+    assert not found, found
+    rows = [row for plan, _ in passes for row in plan.rows]
+    assert any(row.chained for row in rows) and any(len(row.token_ids) > 1 for row in rows)
+    if arch == "deepseek_v3":  # the MTP rows read the target's hidden states the worker kept
+        assert all(row.target_rows is not None for row in rows if not row.chained)
+    assert any(any(tokens) for _, output in ends for tokens in output.token_ids)
+    # The books' speculation state holds no tensor, for live and ended sequences alike.
+    assert len(sequences) >= 3
+    for number, sequence in enumerate(sequences.values()):
+        assert sequence.speculation is not None
+        found = tensors_in(sequence.speculation, f"sequence {number}'s speculation state")
+        assert not found, found
     assert drawn_keys  # the worker kept drafts' distributions while they were verified ...
     engine.check_all_free()
-    assert engine.sampling.live_keys() == set()  # ... and dropped them with their sequences
+    assert engine.worker.live_keys() == set()  # ... and dropped them with their sequences

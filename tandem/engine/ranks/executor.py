@@ -12,8 +12,9 @@ plan, ``plan.ForwardPlan``; the other ranks also get the page operations rank 0'
 since the last message, which every rank applies through the same executor,
 ``kv/page_operations.py``) and runs rank 0's worker on it last, returning its result; then
 rank 0's worker alone samples the step (``sample``: the sampling message, ``sampling_plan.py``)
-or verifies its drafts (``verify``: the verification message, ``worker/verify_plan.py``);
-a sharded draft's passes likewise (``execute_draft``); and named calls that every rank answers
+or verifies its drafts (``verify``: the verification message, ``worker/verify_plan.py``) and
+runs speculation's proposer's draft passes (``draft_pass``, ``end_proposal``: host-only messages,
+``spec_decode/draft_pass_plan.py``; a sharded draft's passes go to every rank, ``execute_draft``); and named calls that every rank answers
 (``collective_rpc``, answers in rank order). When rank 0's part of a step the other ranks
 started fails, the executor stops them (they are inside the step's collectives): the engine
 cannot go on. In vLLM's words: ``execute_step`` is ``execute_model``, ``check`` is
@@ -158,6 +159,27 @@ class Executor(abc.ABC):
     def verify(self, plan):
         """Rank 0's worker verifies ``plan`` (``worker/verify_plan.VerifyPlan``: a speculating
         step's drafts) on the logits of the step it ran last; its ``VerifyOutput`` (host values)."""
+
+    # -- rank 0's worker alone, on host arguments (every executor holds rank 0's ``worker``) ---------
+    worker: Any
+
+    def draft_pass(self, plan):
+        """Rank 0's worker runs one of speculation's proposer's draft passes
+        (``spec_decode/draft_pass_plan.DraftPassPlan``; a sharded draft's on every rank, through
+        ``execute_draft``); the drawn ids where the plan asks (host), else None."""
+        return self.worker.draft_pass(plan, self)
+
+    def end_proposal(self, plan):
+        """Rank 0's worker ends a proposal (``ProposalEnd``): its ``ProposalOutput`` (host values)."""
+        return self.worker.end_proposal(plan)
+
+    def keep_carried_hidden(self, key: int, values) -> None:
+        """Rank 0's worker keeps the hidden state a prefill server sent for sequence ``key`` (MTP)."""
+        self.worker.keep_carried_hidden(key, list(values))
+
+    def skip_first_draw(self, key: int, seed) -> None:
+        """Rank 0's worker's generator of sequence ``key`` skips the prefill engine's first draw."""
+        self.worker.skip_first_draw(key, seed)
 
     @abc.abstractmethod
     def execute_draft(self, step, inputs_from_root: bool, input_ids: torch.Tensor,

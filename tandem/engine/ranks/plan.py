@@ -79,8 +79,8 @@ class ForwardPlan:
     # row predicts and how many top logprobs it reports.
     prompt_targets: list[list[int]] = field(default_factory=list)
     prompt_top: list[int] = field(default_factory=list)
-    # Rank 0's plan only: return the hidden states as well (on the device: speculation's draft
-    # passes read them in the engine core's process); else the output is host-only.
+    # Rank 0's plan only: its worker keeps the step's hidden states (speculation's draft passes,
+    # which it runs, read them).
     hidden_states: bool = False
     # Rank 0's plan only (the overlapped loop): input row ``pending_targets[i]`` reads row
     # ``pending_sources[i]`` of the tokens rank 0's worker sampled last, still on its device
@@ -92,10 +92,9 @@ class ForwardPlan:
 @dataclass
 class StepOutput:
     """What rank 0's worker returns for a ``ForwardPlan``: host values (each prompt range's
-    logprobs, in the plan's order), and the hidden states only where the plan asked for them (the
-    sampled rows' logits stay with the worker, which samples or verifies them)."""
+    logprobs, in the plan's order; the sampled rows' logits, and the hidden states where the plan
+    asked for them, stay with the worker, which samples, verifies and runs the draft's passes)."""
     prompt_logprobs: list[HostLogprobs]
-    hidden: Optional[torch.Tensor] = None  # [tokens, hidden] (a replayed graph's: valid until its next replay)
 
 
 @dataclass

@@ -11,7 +11,10 @@ Rank 0's worker also samples: ``sample`` runs a sampling message (``sampling_pla
 logits of the forward pass it ran last, with the sampler and the per-sequence generators it owns
 (``worker/rank_sampling.py``), keeps the sampled token ids on its device (the next step's pending
 input tokens: the overlapped loop) and returns the handle of their copy to the host; ``verify``
-runs a speculating step's verification message likewise and returns its verdicts as host values.
+runs a speculating step's verification message likewise and returns its verdicts as host values;
+``draft_pass`` runs one of speculation's proposer's draft passes (``spec_decode/rank_drafts.py``:
+the draft's forward pass and its draws, from a host-only message) and ``end_proposal`` returns
+the drafts as host ids. A speculating step's hidden states stay here for the draft's passes.
 
 Ranks 1..N-1 are processes rank 0 starts (``launcher.py``) or Ray actors (``ray_worker.py``).
 Each joins the groups first (so a failure after that reaches rank 0 through the collectives),
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
     from tandem.engine.ranks.sampling_plan import SamplingPlan
+    from tandem.spec_decode.draft_pass_plan import DraftPassPlan, ProposalEnd, ProposalOutput
+    from tandem.worker.graph_choice import GraphChoice
     from tandem.worker.model_runner import ForwardOutput
     from tandem.worker.sampler import HostSamplerOutput
     from tandem.worker.verify_plan import VerifyOutput, VerifyPlan
@@ -144,6 +149,17 @@ class Worker:
         self.logits: Optional[torch.Tensor] = None
         self.sampled_token_ids: Optional[torch.Tensor] = None  # [rows] of the last sampling message
         self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
+        self.vocab_size = parts.model_info.vocab_size
+        # Speculation (rank 0): the last step's hidden states where its plan asked for them (the
+        # draft's passes read them), and the proposer's side that runs those passes.
+        self.hidden: Optional[torch.Tensor] = None
+        self.drafts = None
+        if self.network is not None and self.reads_output:
+            from tandem.spec_decode.rank_drafts import RankDrafts
+
+            rows_as_decode = not self.coordinator.speculation.copies_needed(self.network.groups)
+            self.drafts = RankDrafts(self.runner, self.network, self.sampling, rows_as_decode)
+        self.capture_draft_graphs()
 
     @classmethod
     def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
@@ -171,6 +187,7 @@ class Worker:
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
         self.logits = output.logits
+        self.hidden = output.hidden if plan.hidden_states else None
         if not self.reads_output:
             return StepOutput([])
         return self._output(plan, output)
@@ -178,12 +195,12 @@ class Worker:
     def _output(self, plan: "ForwardPlan", output: "ForwardOutput") -> "StepOutput":
         """Rank 0's output of a step: non-finite logits are a sanitizer error (a forward pass
         read poisoned, freed, state); each prompt range's logprobs of its target tokens, as host
-        values; the hidden states only where the plan asks for them (speculation)."""
+        values (the hidden states, where the plan asks for them, stay here: ``draft_pass``)."""
         if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
         prompt_logprobs = [HostLogprobs.compute(logits, targets, top)
                            for logits, targets, top in zip(output.prompt_logits, plan.prompt_targets, plan.prompt_top)]
-        return StepOutput(prompt_logprobs, output.hidden if plan.hidden_states else None)
+        return StepOutput(prompt_logprobs)
 
     def sample(self, plan: "SamplingPlan") -> Optional["HostSamplerOutput"]:
         """Rank 0: the tokens of a sampling message (``sampling_plan.py``), sampled from the last
@@ -198,14 +215,61 @@ class Worker:
                                            plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
             self.sampled_token_ids = sampled.token_ids
             host = sampled.to_host_async()
-        self.sampling.forget(plan.finished_keys)
+        self.forget(plan.finished_keys)
         return host
+
+    def forget(self, keys: list[int]) -> None:
+        """Rank 0: drop what it keeps of sequences that ended (generators, drafts' distributions,
+        carried hidden states)."""
+        self.sampling.forget(keys)
+        if self.drafts is not None:
+            self.drafts.forget(keys)
+
+    def live_keys(self) -> set[int]:
+        """The sequence keys rank 0 keeps anything under (the sanitizer: none outlives its sequence)."""
+        return self.sampling.live_keys() | (self.drafts.live_keys() if self.drafts is not None else set())
 
     def verify(self, plan: "VerifyPlan") -> "VerifyOutput":
         """Rank 0: the verdicts of a verification message (``worker/verify_plan.py``) on the last
         forward pass's logits, with the sampler, generators and drafts' distributions it owns
         (``worker/rank_verification.py``): host values, after one copy."""
         return verify(self.logits, plan, self.sampling)
+
+    def draft_pass(self, plan: "DraftPassPlan", executor=None) -> Optional[list[int]]:
+        """Rank 0: one of the proposer's draft passes (``spec_decode/rank_drafts.py``), its rows
+        reading the last step's hidden states where they name them; a sharded draft's pass goes
+        to every rank through ``executor`` (``execute_draft``). The drawn ids where asked (host)."""
+        return self.drafts.run_pass(plan, self.hidden, executor)
+
+    def end_proposal(self, plan: "ProposalEnd") -> "ProposalOutput":
+        """Rank 0: the proposal's drafts as host ids; their distributions stay for the verification."""
+        return self.drafts.end(plan)
+
+    def keep_carried_hidden(self, key: int, values: list[float]) -> None:
+        """Rank 0 (PD decode, MTP): the hidden state the prefill server sent for the sequence."""
+        self.drafts.keep_carried_hidden(key, values)
+
+    def skip_first_draw(self, key: int, seed: Optional[int]) -> None:
+        """Rank 0 (PD decode): a seeded sequence's generator skips the draw the prefill engine
+        made for its first token (one vocabulary-sized Exp(1) vector: ``Sampler.exponential_noise``)."""
+        generator = self.sampling.generator(key, seed)
+        if generator is not None:
+            torch.empty(self.vocab_size, device=generator.device).exponential_(generator=generator)
+
+    def capture_draft_graphs(self) -> None:
+        """Where the target replays CUDA graphs (verification steps too: ``build.py``), a draft
+        that runs on this rank alone gets graphs of its own at the same sizes when its layers are
+        graph-safe (a CPU test replays the forward eagerly over the static buffers)."""
+        from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
+
+        target_graphs, network = self.runner.graphs, self.network
+        if target_graphs is None or network is None:
+            return
+        if model_is_graph_safe(network.module) and not network.runs_on_every_rank:
+            network.graphs = CudaGraphRunner(self.runner, target_graphs.batch_sizes, target_graphs.max_width,
+                                             network=network)
+            if self.runner.device.type == "cuda":
+                network.graphs.capture()
 
     def draft(self, plan: "DraftPlan", input_ids: Optional[torch.Tensor] = None,
               hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -216,6 +280,11 @@ class Worker:
 
         return run_planned_rows(self.runner, self.network, plan.inputs, plan.inputs_from_root, plan.hidden_dtype,
                                 input_ids, hidden)
+
+    def graph_choice(self) -> "GraphChoice":
+        """What this rank captured, as the graph choice reads it (host values): rank 0's worker
+        gives it to the engine core's step planner at start-up (``worker/graph_choice.py``)."""
+        return self.runner.graph_choice()
 
     def release_graphs(self) -> None:
         """Before the process group goes (``ModelRunner.release_graphs``)."""
