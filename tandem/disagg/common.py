@@ -1,11 +1,12 @@
-"""What both PD sides share: the base class that owns the transfer backend, the control
-channel, the metadata rows and the metrics, and the calls the engine core makes into a side.
+"""What both PD sides share: the base class that owns the control channel, the metadata rows,
+the metrics and the view of every rank's transfer agent (``ranks``), and the calls the engine
+core makes into a side.
 
 Owner: ``EngineCore`` builds one side (``create_pd``) when its config has a ``transfer``
 section, calls it at fixed points of a step (``poll`` first, ``after_computed`` after each
-chunk, ``filter_deltas`` after sampling) and on aborts, and closes it (backend, then channel).
-With tensor parallelism each rank moves its own shard, rank i to rank i (``ranks``:
-``tandem/disagg/pd_ranks.py``).
+chunk, ``filter_deltas`` after sampling) and on aborts, and closes it (rank 0's agent, then the
+channel). Every rank's worker moves its own shard with its own agent, rank i to rank i, rank 0's
+included (``ranks``: ``tandem/disagg/pd_ranks.py``); one rank takes the same path.
 """
 from __future__ import annotations
 
@@ -13,16 +14,13 @@ import logging
 import time
 import uuid
 
-from tandem.disagg.agent_support import warm_up_scratch
 from tandem.disagg.metrics import TransferMetrics
 from tandem.protocol import RequestDelta, TransferEndpoint, TransferParams, TransferStats
 from tandem.disagg.pd_ranks import RankFanOut
 from tandem.scheduler.sequence import Sequence
-from tandem.transfer.config import TransferConfig, failure_seed_from_environment
-from tandem.transfer.backends import create_backend
-from tandem.transfer.connector import TransferBackend
-from tandem.transfer.control import ControlChannel, advertised_host
-from tandem.transfer.descriptors import buffer_regions, describe_layout, tensor_region
+from tandem.transfer.config import TransferConfig
+from tandem.transfer.control import ControlChannel
+from tandem.transfer.descriptors import describe_layout, tensor_region
 from tandem.transfer.metadata import MetadataBuffer
 from tandem.step_context import StepContext
 
@@ -47,7 +45,7 @@ def model_dimensions(core: StepContext) -> dict[str, int]:
 
 
 class PDSide:
-    """What both sides share: backend, control channel, metadata rows, metrics."""
+    """What both sides share: rank 0's agent and the others', control channel, metadata rows, metrics."""
 
     role = ""
 
@@ -58,31 +56,26 @@ class PDSide:
         self.scheduler = core.scheduler
         self.registry = core.registry
         self.engine_id = f"tandem-{config.role}-{uuid.uuid4().hex[:16]}"
-        self.backend: TransferBackend = create_backend(config.backend, self.engine_id,
-                                                       failure_probability=config.injected_failure_probability,
-                                                       seed=failure_seed_from_environment(),
-                                                       progress_thread=config.progress_thread,
-                                                       host=advertised_host(config.bootstrap_address),
-                                                       connect_timeout=config.connect_timeout,
-                                                       timeout=config.transfer_timeout)
-        regions = buffer_regions(self.registry)
-        self.device_index = regions[0].device if regions else -1
+        # rank 0's worker's transfer agent (every rank's worker holds its own: pd_ranks.py), named
+        # with this engine's id: the sender its peers see on its notifications
+        self.agent = core.executor.open_transfers(config, self.engine_id)
+        self.device_index = self.agent.device_index
         # where each new pair's first (warm-up) write lands: beside the pages, so the connection
-        # the pages take is the one set up at handshake (see PrefillSide.warm_up)
+        # the pages take is the one set up at handshake (see PrefillSide.on_hello)
         memory = "cpu" if self.device_index < 0 else f"cuda:{self.device_index}"
-        self.scratch = warm_up_scratch(config.role, self.device_index)
+        self.scratch = self.agent.scratch
         # the metadata rows sit beside the pages (device memory for device pools), so that the last
         # write of a transfer carries the last pages, the row and the notification in one request
         self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,
                                        hidden_size=int(core.model_info.hidden_size), device=memory,
                                        sanitize=core.config.sanitizer_on)
-        self.backend.register(regions + [tensor_region(self.metadata.tensor), tensor_region(self.scratch)])
+        self.agent.register([tensor_region(self.metadata.tensor)])
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
                                       metadata_row_bytes=self.metadata.row_bytes,
                                       quantization=core.model_info.quantization)
-        # tensor parallelism: the workers' agents, each writing (or receiving) its own shard
-        self.ranks = RankFanOut(core.executor) if core.executor.world_size > 1 else None
+        # every rank's agent (rank 0's in process; the workers', each writing or receiving its own shard)
+        self.ranks = RankFanOut(core.executor, self.agent)
         self.channel = ControlChannel(self.engine_id, config.bootstrap_address, config.control_secret())
         self.outbox: list[RequestDelta] = []
         self.metrics = TransferMetrics(config.role)
@@ -133,7 +126,7 @@ class PDSide:
 
     def close(self) -> None:
         try:
-            self.backend.close()
+            self.core.executor.close_transfers()
         finally:
             self.channel.close()
 

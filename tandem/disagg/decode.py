@@ -29,7 +29,6 @@ from tandem.kv.block_pool import OutOfPagesError
 from tandem.kv.planner import NULL_PAGE
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
-from tandem.transfer.descriptors import buffer_addresses
 from tandem.transfer.messages import (
     AbortTransfer,
     Destination,
@@ -59,12 +58,12 @@ class DecodeSide(PDSide):
         self.draining: dict[str, DecodeTransfer] = {}  # failed; pages held until the prefill side drains
         self.links: dict[str, PrefillLink] = {}
         self.next_heartbeat = 0.0
+        own = self.ranks.agents[0]  # rank 0's worker's agent (the metadata rows registered)
         self.hello = Hello(sender=self.engine_id, layout=self.layout, backend=config.backend,
-                           backend_metadata=self.backend.local_metadata(),
-                           buffer_addresses=buffer_addresses(self.registry),
-                           device=self.device_index, metadata_address=self.metadata.address(0),
-                           num_metadata_rows=self.metadata.num_rows, scratch_address=self.scratch.data_ptr(),
-                           ranks=self.ranks.agents if self.ranks is not None else [])
+                           backend_metadata=own.backend_metadata, buffer_addresses=list(own.buffer_addresses),
+                           device=own.device, metadata_address=self.metadata.address(0),
+                           num_metadata_rows=self.metadata.num_rows, scratch_address=own.scratch_address,
+                           ranks=self.ranks.agents[1:])
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, sequence: Sequence, params: TransferParams) -> None:
@@ -212,8 +211,7 @@ class DecodeSide(PDSide):
         transfer.status.advance(TransferState.BOUND)
         transfer.bound_at = now
         tables = self.coordinator.pd_tables.destination_tables(sequence.state)
-        if self.ranks is not None:  # freed pages are poisoned on every rank before they are written again
-            self.ranks.flush_pages()
+        self.ranks.flush_pages()  # freed pages are poisoned on every rank before they are written again
         # every rank receives its shard of the pages (the shards are equal in size)
         transfer.num_bytes = self.destination_bytes(sequence, tables) * self.core.config.tensor_parallel_size \
             + self.metadata.row_bytes
@@ -250,7 +248,7 @@ class DecodeSide(PDSide):
 
     # -- completion ---------------------------------------------------------------------------------------
     def progress(self, now: float) -> None:
-        for agent, message in self.backend.notifications():
+        for agent, message in self.agent.notifications():  # decode rank 0 alone receives them
             room = room_of_notification(message)
             transfer = self.transfers.get(room) if room is not None else None
             if transfer is None or transfer.status.state is not TransferState.BOUND:

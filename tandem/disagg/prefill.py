@@ -4,9 +4,10 @@ until the last write landed: the pages of the prompt's last chunk, the metadata 
 token) and the completion notification travel in that one write, posted once every earlier
 write is done (so the notification means every page and the row landed: I7).
 
-Lifetimes: each write holds its source pages in flight until the backend reports it done or
-failed (or, after ``drain_timeout``, cancelled), on every rank with tensor parallelism
-(``tandem/disagg/pd_ranks.py``); then, if the decode side waits for it,
+Every write is carried out by every rank's worker with its own transfer agent, rank 0's
+included, one rank or several (``tandem/disagg/pd_ranks.py``); this side keeps the books.
+Lifetimes: each write holds its source pages in flight until every rank reports its part done
+or failed (or, after ``drain_timeout``, cancelled); then, if the decode side waits for it,
 ``Drained`` is sent. Nothing here knows model families: pages come from the coordinator
 (``final_page_indices``, answered by the managers) and bytes from the registry
 (``transfer/descriptors.py``).
@@ -22,7 +23,6 @@ from tandem.disagg.transfers import DecodePeer, PrefillTransfer
 from tandem.protocol import TransferParams
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
-from tandem.transfer.connector import WriteStatus
 from tandem.transfer.descriptors import WritePlanner
 from tandem.transfer.messages import (
     AbortTransfer,
@@ -31,6 +31,7 @@ from tandem.transfer.messages import (
     Heartbeat,
     Hello,
     HelloReply,
+    RankAgent,
     TransferFailed,
     check_room,
     first_difference,
@@ -150,45 +151,23 @@ class PrefillSide(PrefillWrites, PDSide):
             self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=True,
                                                                layout=self.layout))
             return
-        try:
-            agent = self.backend.add_peer(hello.backend_metadata)
-        except Exception as error:  # noqa: BLE001
-            self.channel.send_to_identity(identity, HelloReply(
-                sender=self.engine_id, accepted=False, error=f"PD handshake failed: cannot load the decode "
-                                                             f"engine's transfer metadata: {error}"))
-            return
-        problem = self.ranks.add_peer(identity, hello.ranks) if self.ranks is not None else None
+        # every rank (rank 0 included) loads its decode rank's agent and warms the connection up
+        # with a few bytes to that rank's scratch, from and to the pages' memory, so that
+        # connection setup (14.5 ms measured for NIXL between two GPUs) is paid now, not by the
+        # first request; a warm-up's outcome only matters to the log
+        own = RankAgent(hello.backend_metadata, list(hello.buffer_addresses), hello.device, hello.scratch_address)
+        problem = self.ranks.add_peer(identity, [own] + list(hello.ranks))
         if problem is not None:  # (ranks that loaded it keep a peer nothing is written to)
-            self.backend.remove_peer(agent)
             self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=False,
                                                                error=f"PD handshake failed: {problem}"))
             return
-        self.peers[identity] = DecodePeer(identity=identity, agent=agent, addresses=list(hello.buffer_addresses),
+        self.peers[identity] = DecodePeer(identity=identity,
                                           planner=WritePlanner(self.registry, list(hello.buffer_addresses)),
-                                          device=hello.device, metadata_address=hello.metadata_address,
+                                          metadata_address=hello.metadata_address,
                                           row_bytes=hello.layout.metadata_row_bytes,
                                           num_rows=hello.num_metadata_rows, last_seen=now)
         logger.info("PD: decode engine %s connected", identity)
-        self.warm_up(self.peers[identity], hello.scratch_address)
         self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=True, layout=self.layout))
-
-    def warm_up(self, peer: DecodePeer, scratch_address: int) -> None:
-        """Write a few bytes to the new peer's scratch, from and to the pages' memory, so that
-        connection setup (14.5 ms measured for NIXL between two GPUs) is paid now, not by the
-        first request. Its outcome only matters to the log."""
-        if scratch_address:
-            peer.warm_up = self.backend.write(peer.agent, [(self.scratch.data_ptr(), scratch_address,
-                                                            self.scratch.numel())],
-                                              local_device=self.device_index, remote_device=peer.device)
-
-    def progress_warm_ups(self) -> None:
-        for peer in self.peers.values():
-            if peer.warm_up is not None and self.backend.poll(peer.warm_up) is not WriteStatus.PENDING:
-                if peer.warm_up.status is WriteStatus.ERROR:
-                    logger.warning("PD: warm-up write to decode engine %s failed: %s", peer.identity,
-                                   peer.warm_up.error)
-                self.backend.release(peer.warm_up)
-                peer.warm_up = None
 
     def on_destination(self, identity: str, message: Destination, now: float) -> None:
         peer = self.peers.get(identity)
@@ -327,7 +306,7 @@ class PrefillSide(PrefillWrites, PDSide):
 
     def idle_wait_milliseconds(self) -> float:
         now = time.monotonic()
-        if self.backend.notifies_on_poll and any(transfer.metadata_write is not None and not transfer.status.terminal
+        if self.agent.backend.notifies_on_poll and any(transfer.metadata_write is not None and not transfer.status.terminal
                and now - transfer.metadata_write.posted_at < LAST_WRITE_SPIN_SECONDS
                for transfer in self.transfers.values()):
             return 0
@@ -335,7 +314,7 @@ class PrefillSide(PrefillWrites, PDSide):
 
     def awaiting_backend(self) -> bool:
         return any(transfer.outstanding or transfer.first_delta is not None for transfer in self.transfers.values()) \
-            or any(peer.warm_up is not None for peer in self.peers.values())
+            or self.ranks.pending()
 
     def busy(self) -> bool:
         return bool(self.transfers or self.outbox)

@@ -1,9 +1,11 @@
-"""The prefill side's page writes: each chunk's final pages posted once computed, their
-progress, failure and cancellation, and the last write (the last chunk's pages, the metadata
-row and the completion notification, posted once every earlier write is done: I7).
+"""The prefill side's page writes: each chunk's final pages posted to every rank's worker (rank
+0's included: ``pd_ranks.RankFanOut``) as one write, its progress (one outcome per rank),
+failure and cancellation, and the last write (rank 0's part of the last chunk's pages, the
+metadata row and the completion notification, posted on rank 0's worker once every earlier
+write is done and the other ranks' parts of the last pages landed: I7).
 
 A mixin of :class:`tandem.disagg.prefill.PrefillSide`, which holds the transfers, the peers and
-the backend these methods use.
+the view of every rank's agent (``ranks``) these methods use.
 """
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ import logging
 import time
 from typing import Optional
 
-from tandem.disagg.agent_support import compute_done_event
 from tandem.disagg.transfers import PendingWrite, PrefillTransfer
 from tandem.protocol import RequestDelta
 from tandem.kv.planner import NULL_PAGE
-from tandem.transfer.connector import WriteHandle, WriteStatus
+from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import done_notification
 from tandem.transfer.metadata import MetadataRow
 from tandem.transfer.state import TransferState
@@ -89,28 +90,21 @@ class PrefillWrites:
             sources.append([source for source, _ in pairs])
         plan = transfer.peer.planner.plan(pairs_per_group)  # the peer's spans were worked out at the handshake
         self.touched |= plan.touched
-        if not plan.descriptors:
+        if not plan.descriptors:  # (every rank's shard has the same buffers: nothing to write anywhere)
             return
         owner = self.coordinator.inflight.hold(f"pd-send:{transfer.room}:{transfer.num_writes}", sources)
-        if self.ranks is not None:  # every other rank writes its shard of the same pages (the owner names it)
-            self.ranks.post(owner, transfer.peer.identity, pairs_per_group)
         transfer.num_writes += 1
         transfer.first_write_at = transfer.first_write_at or time.monotonic()
         for earlier in transfer.writes:  # (one final write per transfer; should a second come, the first goes alone)
-            earlier.final = False
-        write = PendingWrite(None, owner, plan.descriptors, compute_done_event(self.device_index), final=prompt_done)
-        transfer.writes.append(write)
-        self.post_when_ready(transfer, write)
+            if earlier.final:
+                earlier.final = False
+                self.ranks.post_last(earlier.key, transfer.peer.identity, [], b"")
+        # every rank writes its shard of the same pages (the owner names the write); rank 0
+        # holds its part of the final pages for the last write
+        self.ranks.post(owner, transfer.peer.identity, pairs_per_group, hold=prompt_done)
+        transfer.writes.append(PendingWrite(owner, owner, final=prompt_done))
         if transfer.status.state is TransferState.BOUND:
             transfer.status.advance(TransferState.SENDING)
-
-    def post_when_ready(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
-        """Post a page write once the device computed its pages (at once in host memory); a
-        final write waits for the metadata row (``post_last``)."""
-        if write.handle is None and not write.final and (write.ready is None or write.ready.query()):
-            write.handle = self.backend.write(transfer.peer.agent, write.descriptors, local_device=self.device_index,
-                                              remote_device=transfer.peer.device)
-            write.descriptors, write.ready = [], None
 
     def filter_deltas(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Hold each PD request's first-token delta until its transfer is done."""
@@ -131,9 +125,7 @@ class PrefillWrites:
         return passed
 
     def progress(self, now: float) -> None:
-        if self.ranks is not None:
-            self.ranks.sync()  # the workers' writes: post what is new, learn what resolved
-        self.progress_warm_ups()
+        self.ranks.sync()  # every rank's writes: post what is new, learn what resolved
         for transfer in list(self.transfers.values()):
             self.progress_writes(transfer, now)
             if not transfer.status.terminal and transfer.first_delta is not None \
@@ -145,25 +137,19 @@ class PrefillWrites:
 
     def progress_writes(self, transfer: PrefillTransfer, now: float) -> None:
         for write in list(transfer.writes):
-            if write.handle is None:
-                if transfer.status.terminal:  # never posted here: only other ranks may still write
-                    write.handle = WriteHandle(transfer.peer.agent, 0, status=WriteStatus.ERROR,
-                                               error="never posted", released=True)
-                    if self.ranks is not None:
-                        self.ranks.cancel(write.owner)
-                else:
-                    self.post_when_ready(transfer, write)
-                    if write.handle is None:
-                        continue
+            if transfer.status.terminal and not self.ranks.posted(write.key):
+                self.ranks.cancel(write.key)  # never posted on rank 0: the other ranks' parts end now
+            elif write.final:
+                continue  # rank 0's part goes with the last write
             status = self.resolve(transfer, write, now)
             if status is None:
                 continue
             self.coordinator.inflight.release(write.owner)
             transfer.writes.remove(write)
             if status is WriteStatus.DONE:
-                transfer.bytes_written += write.handle.num_bytes
+                transfer.bytes_written += write.num_bytes
             elif not transfer.status.terminal:
-                self.end(transfer, TransferState.FAILED, f"a page write failed: {write.handle.error}")
+                self.end(transfer, TransferState.FAILED, f"a page write failed: {write.error}")
         write = transfer.metadata_write
         status = self.resolve(transfer, write, now) if write is not None else None
         if status is None:
@@ -172,7 +158,7 @@ class PrefillWrites:
         if write.owner is not None:
             self.coordinator.inflight.release(write.owner)
         if status is WriteStatus.DONE and not transfer.status.terminal:
-            transfer.bytes_written += write.handle.num_bytes
+            transfer.bytes_written += write.num_bytes
             transfer.status.advance(TransferState.DONE)
             transfer.ended_at = now
             self.metrics.record("done", transfer.bytes_written,
@@ -185,60 +171,38 @@ class PrefillWrites:
                 self.outbox.append(transfer.first_delta)
         elif status is WriteStatus.ERROR and not transfer.status.terminal:
             self.end(transfer, TransferState.FAILED, f"the last write (pages and metadata row) failed: "
-                                                     f"{write.handle.error}")
+                                                     f"{write.error}")
 
     def resolve(self, transfer: PrefillTransfer, write: PendingWrite, now: float) -> Optional[WriteStatus]:
-        """Poll a write: None while it is pending, here or (a page write) on another rank
-        (cancelled once its transfer ended more than ``drain_timeout`` ago), else its final
-        status, with its handle released."""
-        handle = write.handle
-        overdue = transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout
-        if not handle.released:
-            if self.backend.poll(handle) is WriteStatus.PENDING:
-                if overdue:
-                    self.cancel(transfer, write)
-                return None
-            self.backend.release(handle)
-        if write.owner is not None and self.ranks is not None:
-            outcome = self.ranks.outcome(write.owner)
-            if outcome is None:
-                if overdue:
-                    self.ranks.cancel(write.owner)
-                return None
-            status, error, num_bytes = outcome
-            handle.num_bytes += num_bytes
-            if status is WriteStatus.ERROR and handle.status is WriteStatus.DONE:
-                handle.status, handle.error = status, error
-        return handle.status
+        """None while a rank's part of a write is pending (cancelled on every rank once its
+        transfer ended more than ``drain_timeout`` ago), else its final status, the error and
+        the bytes every rank moved kept on ``write``."""
+        outcome = self.ranks.outcome(write.key)
+        if outcome is None:
+            if transfer.status.terminal and now - transfer.ended_at > self.config.drain_timeout:
+                self.cancel(transfer, write)
+            return None
+        write.status, write.error, write.num_bytes = outcome
+        return write.status
 
     def cancel(self, transfer: PrefillTransfer, write: PendingWrite) -> None:
-        """A failed transfer's write did not finish within drain_timeout: cancel it. If the backend
-        cannot, its pages stay held (never freed under a reader, I2)."""
-        if not self.backend.release(write.handle):
-            return
-        logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
-        write.handle.status, write.handle.error = WriteStatus.ERROR, "cancelled"
-        if write.owner is not None and self.ranks is not None and self.ranks.outcome(write.owner) is None:
-            self.ranks.cancel(write.owner)  # released once every rank's part resolved
-            return
-        if write.owner is not None:
-            self.coordinator.inflight.release(write.owner)
-        if write is transfer.metadata_write:
-            transfer.metadata_write = None
-        else:
-            transfer.writes.remove(write)
+        """A failed transfer's write did not finish within drain_timeout: cancel it on every rank.
+        A rank that cannot cancel its posted part keeps it pending: its pages stay held (never
+        freed under a reader, I2); the write resolves once every rank's part did."""
+        if write.key not in self.ranks.cancelled:
+            logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
+        self.ranks.cancel(write.key)
 
     def post_last(self, transfer: PrefillTransfer) -> None:
-        """The last write: the final pages (if any), the metadata row and the notification, in
-        one write. Every other write of the transfer is done (the caller checked), and a backend
-        delivers a write's notification only after all its bytes landed."""
+        """The last write: rank 0's part of the final pages (if any), the metadata row and the
+        notification, in one write on rank 0's worker. Every other write of the transfer is done
+        (the caller checked), and a backend delivers a write's notification only after all its
+        bytes landed."""
         final = transfer.writes[0] if transfer.writes else None
-        if final is not None and final.ready is not None and not final.ready.query():
-            return  # the device is still computing the last chunk's pages: retried on the next poll
-        if final is not None and self.ranks is not None:
+        if final is not None:
             # The other ranks' parts of the last pages land before the notification goes out
             # (rank 0's go in the same write as the row): the decode side reads every rank's.
-            errors = self.ranks.errors(final.owner)
+            errors = self.ranks.part_errors(final.key)
             if errors is None:
                 return  # retried on the next poll, once the workers answered
             if errors:
@@ -258,12 +222,13 @@ class PrefillWrites:
             hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
         transfer.local_row = row
         destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
-        descriptors = [(self.metadata.address(row), destination, self.metadata.row_bytes)]
         if final is not None:
             transfer.writes.remove(final)
-            descriptors = final.descriptors + descriptors
-        handle = self.backend.write(peer.agent, descriptors, local_device=self.device_index, remote_device=peer.device,
-                                    notification=done_notification(transfer.room))
-        transfer.metadata_write = PendingWrite(handle, final.owner if final is not None else None,
-                                               posted_at=time.monotonic())
+            write = PendingWrite(final.key, final.owner, last=True, posted_at=time.monotonic())
+        else:
+            write = PendingWrite(f"pd-row:{transfer.room}", None, last=True, posted_at=time.monotonic())
+        self.ranks.post_last(write.key, peer.identity, [(self.metadata.address(row), destination,
+                                                         self.metadata.row_bytes)],
+                             done_notification(transfer.room))
+        transfer.metadata_write = write
         transfer.status.advance(TransferState.FINISHING)

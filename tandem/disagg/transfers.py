@@ -7,11 +7,11 @@ in-flight holds (``PendingWrite.owner``, ``DecodeTransfer.hold_owner``) its side
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from tandem.protocol import RequestDelta
 from tandem.scheduler.sequence import Sequence
-from tandem.transfer.connector import WriteHandle
+from tandem.transfer.connector import WriteStatus
 from tandem.transfer.descriptors import WritePlanner
 from tandem.transfer.messages import Destination
 from tandem.transfer.state import TransferStatus
@@ -22,35 +22,33 @@ from tandem.transfer.state import TransferStatus
 
 @dataclass
 class PendingWrite:
-    """A write and the in-flight reference holding its source pages (None: no pages).
-    ``handle`` is None until it is posted: device pages are posted once ``ready`` (a CUDA event
-    recorded after the forward pass that computed them was launched) has completed, as the
-    engine loop does not wait for the device. A ``final`` write (the pages the prompt's last
-    chunk completed) is not posted on its own: it travels with the metadata row and the
-    completion notification, in one write, once every earlier write is done."""
-    handle: Optional[WriteHandle]
+    """A write, posted to every rank with a part of it (``pd_ranks.RankFanOut``, by ``key``), and
+    the in-flight reference holding its source pages (``owner``; None: no pages). A ``final``
+    write (the pages the prompt's last chunk completed) goes to the workers at once but rank 0
+    holds its part: that part travels with the metadata row and the completion notification, in
+    one write (``last``: posted), once every earlier write is done and the workers' parts landed.
+    Once every rank's part resolved: ``status``, ``error`` and the bytes every rank moved."""
+    key: str
     owner: Optional[str]
-    descriptors: list = field(default_factory=list)
-    ready: Optional[Any] = None
     final: bool = False
+    last: bool = False
     posted_at: float = 0.0
+    status: Optional[WriteStatus] = None
+    error: str = ""
+    num_bytes: int = 0
 
 
 @dataclass
 class DecodePeer:
-    """A decode engine that said hello: where its pages and metadata rows are, and the planner
-    of page writes into them (made once, at the handshake)."""
+    """A decode engine that said hello: where its metadata rows are, and the planner of page
+    writes into its rank 0's pages (made once, at the handshake; every rank plans its own)."""
     identity: str
-    agent: str
-    addresses: list[int]
     planner: WritePlanner
-    device: int
     metadata_address: int
     row_bytes: int
     num_rows: int
     last_seen: float
     dead: bool = False
-    warm_up: Optional[WriteHandle] = None  # the handshake's write, until it resolves
 
 
 @dataclass(eq=False)

@@ -1,8 +1,9 @@
-"""The PD part of a tensor-parallel plan: what rank 0 tells the workers to do with their own
-transfer agents, and what they answer (``tandem/disagg/pd_ranks.py`` says how both are used).
+"""The PD part of a rank's work: what the PD side tells every rank's worker to do with its own
+transfer agent, and what each answers (``tandem/disagg/pd_ranks.py`` says how both are used).
 
-Operations travel in a ``StepPlan`` of kind TRANSFER (no forward pass); every worker answers
-such a plan with its ``TransferReport`` (msgpack, over the control group).
+Rank 0's worker gets its operations in process (through its executor); the other ranks' travel
+in a ``StepPlan`` of kind TRANSFER (no forward pass), which every worker answers with its
+``TransferReport`` (msgpack, over the control group).
 """
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import msgspec
 
 from tandem.transfer.messages import RankAgent
 
-PEER, WRITE, CANCEL = "peer", "write", "cancel"
+PEER, WRITE, LAST, CANCEL = "peer", "write", "last", "cancel"
 
 
 class TransferOperation(msgspec.Struct, array_like=True):
-    kind: str  # PEER: load a decode engine's agents; WRITE: write page pairs to it; CANCEL: a write
-    key: str  # PEER: the decode engine's id; WRITE/CANCEL: the write's key
+    # PEER: load a decode engine's agents; WRITE: write page pairs to it; LAST (rank 0): post its
+    # held part of a write, with the metadata row and the completion notification; CANCEL: a write
+    kind: str
+    key: str  # PEER: the decode engine's id; WRITE/LAST/CANCEL: the write's key
     peer: str = ""  # WRITE: the decode engine's id
-    agents: list[RankAgent] = []  # PEER: the decode engine's ranks 1 .. N-1 (worker r takes entry r - 1)
+    agents: list[RankAgent] = []  # PEER: the decode engine's ranks (rank r takes entry r)
     pairs: list[list[tuple[int, int]]] = []  # WRITE: (source page, destination page) per state group
+    hold: bool = False  # WRITE: not posted until this rank's LAST (rank 0's part of a transfer's last pages)
+    row: list[tuple[int, int, int]] = []  # LAST: the metadata row's (source, destination, length), if any
+    notification: bytes = b""  # LAST: delivered once every byte of the write landed
 
 
 class WriteOutcome(msgspec.Struct, array_like=True):

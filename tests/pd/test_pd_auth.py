@@ -143,7 +143,7 @@ def test_forged_control_messages_are_dropped_counted_and_write_nothing(pair, ora
     room = new_room()
     prefill_request(pair, "target", room)
     pair.step(decode=False)
-    writes = count_writes(pair.prefill.pd.backend)
+    writes = count_writes(pair.prefill.pd.agent.backend)
     decode_id, prefill_id = pair.decode.pd.engine_id, pair.prefill.pd.engine_id
     forged_destination = msgspec.msgpack.encode(Destination(room=room, page_tables=[[1, 2, 3, 4]], metadata_row=0,
                                                             num_prompt_tokens=len(PROMPT)))
@@ -192,7 +192,7 @@ def test_engines_with_different_secrets_never_connect(model_dirs):
     pair = PDPair(model_dirs["llama"], transfer=dict(secret=SECRET, connect_timeout=1.0),
                   decode_transfer=dict(secret=WRONG_SECRET), **SMALL)
     try:
-        writes = count_writes(pair.prefill.pd.backend)
+        writes = count_writes(pair.prefill.pd.agent.backend)
         pair.submit("r", PROMPT)
         pair.run_until(lambda: pair.finished("r"), timeout=20)
         assert "PD secret" in pair.error("r")

@@ -54,7 +54,8 @@ def check_equals_colocated(pair: PDPair, model_dirs, oracles, arch: str = "llama
     assert pair.prefill.pd.metrics.bytes_total == pair.decode.pd.metrics.bytes_total > 0
     pair.settle()
     pair.assert_all_free()
-    assert not pair.prefill.pd.ranks.outcomes and not pair.prefill.pd.ranks.operations
+    ranks = pair.prefill.pd.ranks  # one outcome per rank per write, each forgotten once resolved
+    assert not ranks.outcomes and not ranks.expected and not ranks.operations and not ranks.local.writes
 
 
 def test_tp2_prefill_to_tp2_decode_equals_colocated_and_transformers(tp_pair, model_dirs, oracles):
@@ -65,10 +66,19 @@ def test_a_write_failing_on_one_rank_fails_the_request_cleanly(tp_pair, monkeypa
     """Rank 1's part of the page write fails (it is sent to a decode engine rank 1 never loaded):
     the transfer fails through the single-rank path, no metadata row is written, both legs end
     with the error, every page comes back; the next request goes through."""
+    import msgspec
+
+    from tandem.transfer.rank_operations import WRITE
+
     pair = tp_pair
-    post = pair.prefill.pd.ranks.post
-    monkeypatch.setattr(pair.prefill.pd.ranks, "post",
-                        lambda key, identity, pairs: post(key, "an-engine-rank-1-never-met", pairs))
+    send = pair.prefill.pd.ranks.send
+
+    def send_to_a_stranger_on_rank_1(operation, ranks):  # rank 0's part goes where it should
+        if operation.kind == WRITE and 0 not in ranks:
+            operation = msgspec.structs.replace(operation, peer="an-engine-rank-1-never-met")
+        send(operation, ranks)
+
+    monkeypatch.setattr(pair.prefill.pd.ranks, "send", send_to_a_stranger_on_rank_1)
     pair.submit("failing", LONG_PROMPT)
     pair.run_until(lambda: pair.finished("failing") and pair.prefill_error("failing") is not None)
     for error in (pair.error("failing"), pair.prefill_error("failing")):
@@ -99,7 +109,7 @@ def test_a_rank_write_pending_past_drain_timeout_is_cancelled(tp_pair, monkeypat
                         lambda key: None if in_last_write(key) and key not in ranks.cancelled else outcome(key))
     # The decode side does not hear the last write's notification (it would commit the request,
     # and its abort would then not reach the prefill side as one of a transfer in flight).
-    monkeypatch.setattr(pair.decode.pd.backend, "notifications", lambda: [])
+    monkeypatch.setattr(pair.decode.pd.agent.backend, "notifications", lambda: [])
     room = pair.submit("slow", LONG_PROMPT)
     # Aborted once the last write (the last pages, the row) is posted: it looks pending from then
     # on. (Aborted earlier, while that write still waits for the workers' parts of its pages, the

@@ -86,7 +86,7 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
 
     pair = PDPair(model_dirs["llama"], transfer=dict(backend=backend), **SMALL)
     side = pair.prefill.pd
-    post, writes = side.backend.write, []
+    post, writes = side.agent.backend.write, []
 
     def spy(peer, descriptors, **options):
         if descriptors and descriptors[0][0] == side.scratch.data_ptr():
@@ -96,7 +96,12 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         writes.append((list(descriptors), options.get("notification", b""), handle, earlier))
         return handle
 
-    side.backend.write = spy
+    side.agent.backend.write = spy
+    # one rank: its worker's agent carries the PD side's operations, one outcome per write
+    assert side.agent is pair.prefill.worker.transfers and side.ranks.num_ranks == 1
+    record, outcomes = side.ranks.record, []
+    side.ranks.record = lambda rank, resolved: (outcomes.extend((rank, o.key) for o in resolved),
+                                                record(rank, resolved))
     try:
         # the destination first (the prefill engine would otherwise compute both chunks before
         # it comes, and write them at once): the first chunk's pages then stream on their own
@@ -122,8 +127,12 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         assert all(status is WriteStatus.DONE for status in earlier)  # posted once every earlier write was done
         pair.settle()
         pair.assert_all_free()
+        writes_resolved = [key for _, key in outcomes if not key.startswith("warm-up:") and key not in side.peers]
+        assert {rank for rank, _ in outcomes} == {0} and len(writes_resolved) == len(set(writes_resolved)) == len(writes)
+        assert not side.ranks.outcomes and not side.ranks.expected and not side.agent.writes
     finally:
-        side.backend.write = post
+        side.ranks.record = record
+        side.agent.backend.write = post
         pair.close()
 
 

@@ -173,6 +173,13 @@ class Executor(abc.ABC):
         """Rank 0's worker ends a proposal (``ProposalEnd``): its ``ProposalOutput`` (host values)."""
         return self.worker.end_proposal(plan)
 
+    def open_transfers(self, transfer, name: str):
+        """Rank 0's worker's PD transfer agent (``tandem/disagg/pd_ranks.py``), opened now."""
+        return self.worker.open_transfers(transfer, name)
+
+    def close_transfers(self) -> None:
+        self.worker.close_transfers()
+
     def keep_carried_hidden(self, key: int, values) -> None:
         """Rank 0's worker keeps the hidden state a prefill server sent for sequence ``key`` (MTP)."""
         self.worker.keep_carried_hidden(key, list(values))

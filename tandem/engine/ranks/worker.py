@@ -3,7 +3,8 @@
 Every rank runs one ``Worker``, rank 0 included: the engine core's executor hands each step's
 message (``plan.py``) to every rank's worker, rank 0's in process (``executor.py``). A worker
 holds its rank's model runner, its page executor (and tier worker), a sharded draft where there
-is one, and (ranks 1..N-1) its PD transfer agent. ``execute`` is the one forward pass every rank
+is one, and with a PD role its transfer agent (``tandem/disagg/pd_ranks.py``: rank 0's too,
+opened when the PD side asks, which hands it its operations in process). ``execute`` is the one forward pass every rank
 runs for a STEP plan (``ModelRunner.run``: the graph replay or eager pass, the LM head over the
 prompt-logit ranges, the layers' collectives in the same order on every rank); ``draft`` the one
 pass of a sharded draft for a DRAFT plan. Rank 0 reads what they return; the others discard it.
@@ -24,8 +25,8 @@ apply its page operations to this rank's shard through the same ``PageExecutor``
 them with (``kv/page_operations.py``; the tiers' kinds through this rank's ``TierWorker``), then
 do what the plan says. Such a rank samples nothing and keeps no scheduler: its page tables arrive
 in every plan. It exits on a STOP plan; if rank 0 dies, the kernel kills it (``PR_SET_PDEATHSIG``)
-and a pending collective fails. With a PD role it also has its own transfer agent, which
-TRANSFER plans drive instead of a forward pass (``pd_ranks.py``).
+and a pending collective fails. With a PD role its transfer agent is driven by TRANSFER plans
+instead of a forward pass (``pd_ranks.py``).
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ class Worker:
         self.unread_layers = ([] if self.network is not None else
                               [name for name in parts.registry.layer_names() if name not in self.runner.graph_layers])
         self.parallel = self.runner.model.tensor_shard.is_parallel
-        self.transfers = transfers  # ranks 1..N-1 with a PD role: this rank's transfer agent (pd_ranks.py)
+        self.transfers = transfers  # with a PD role: this rank's transfer agent (pd_ranks.py; rank 0's: open_transfers)
         # Rank 0 samples (``sample``): its sampler, parameter tables and per-sequence generators,
         # and the logits of the last forward pass, which the next sampling message reads.
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
@@ -165,12 +166,31 @@ class Worker:
     def build(cls, config: EngineConfig, groups, device: torch.device) -> "Worker":
         """Ranks 1..N-1: this rank's shard (``build_rank``, as rank 0 builds its own), then its PD
         transfer agent, made last as rank 0 makes its PD side."""
-        from tandem.disagg.pd_ranks import WorkerTransfers
+        import uuid
+
+        from tandem.disagg.pd_ranks import RankTransfers
         from tandem.engine.ranks.build import build_rank
 
         parts = build_rank(config, device, WorkerGroup(groups), rank=groups.rank)
-        transfers = WorkerTransfers(config, groups, parts.registry) if config.transfer is not None else None
+        transfers = None
+        if config.transfer is not None:
+            name = f"tandem-{config.transfer.role}-{uuid.uuid4().hex[:16]}-rank{groups.rank}"
+            transfers = RankTransfers(config.transfer, groups.rank, parts.registry, name)
+            transfers.announce(groups.control)
         return cls(parts, groups, transfers)
+
+    def open_transfers(self, transfer, name: str):
+        """Rank 0: its PD transfer agent, made when the PD side asks (the last thing rank 0's
+        engine builds) and named ``name`` (the engine's id, the sender of its notifications)."""
+        from tandem.disagg.pd_ranks import RankTransfers
+
+        self.transfers = RankTransfers(transfer, 0, self.coordinator.registry, name)
+        return self.transfers
+
+    def close_transfers(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()
+            self.transfers = None
 
     def execute(self, plan: "ForwardPlan") -> "StepOutput":
         """The forward pass of a STEP plan (``plan.ForwardPlan``), as every rank runs it
@@ -306,7 +326,7 @@ class Worker:
                 self.tiers.close()  # (queued store writes finish first)
             return False
         if plan.kind == TRANSFER:
-            self.transfers.serve(plan.transfer_operations)
+            self.transfers.serve(plan.transfer_operations, self.groups.control)
         elif plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
             self.tiers.keep(agree_on_count(self.tiers.readable(plan.disk_keys), self.groups.control))
         elif plan.kind == RPC:
