@@ -161,7 +161,7 @@ class StepPlan(msgspec.Struct, array_like=True):
         return DraftPlan(self.step_inputs(), self.inputs_from_root, self.hidden_dtype)
 
     def step_inputs(self) -> StepInputs:
-        """The plan as the runner's inputs (no scheduled chunks: a worker samples nothing)."""
+        """The plan as the runner's inputs on ranks 1..N-1 (no scheduled chunks: rank 0's worker samples)."""
         value = lambda array: None if array is None else array.value()
         return StepInputs([], self.num_decode, value(self.input_ids), value(self.positions),
                           self.query_starts, self.start_positions, self.context_lengths,
