@@ -25,6 +25,7 @@ from typing import Any, Optional
 import msgspec
 import numpy as np
 
+from tandem.engine.ranks.plan import Array
 from tandem.sampling_params import SamplingParams
 
 
@@ -52,15 +53,13 @@ class SamplingPlan:
 
 def _encode_hook(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        array = np.ascontiguousarray(value)
-        return [array.dtype.str, list(array.shape), array.tobytes()]
+        return Array.of(value)  # (the step plan's array codec: dtype, shape, bytes)
     raise NotImplementedError(f"sampling plan: cannot encode {type(value).__name__}")
 
 
 def _decode_hook(kind: type, value: Any) -> Any:
     if kind is np.ndarray:
-        dtype, shape, data = value
-        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+        return Array(*value).value()
     raise NotImplementedError(f"sampling plan: cannot decode {kind}")
 
 
