@@ -277,7 +277,9 @@ class LaunchedServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--model", model_dir,
                    "--port", str(self.port), "--log-level", "warning", *engine_flags]
-        environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT)}
+        # the checkout first, then whatever the caller's path had (packages installed outside the environment)
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            part for part in (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH")) if part)}
         self.log_file = open(log_path, "w")
         self.process = subprocess.Popen(command, cwd=REPOSITORY_ROOT, env=environment, stdout=self.log_file,
                                         stderr=subprocess.STDOUT)

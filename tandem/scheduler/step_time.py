@@ -14,6 +14,14 @@ mean of the steps that fell in it, so a long run of decode-only steps refreshes 
 buckets without forgetting what prefill steps cost, and the fit follows drift (context growing,
 batch mix changing). Until two buckets hold steps (or while the fitted slope is not positive),
 there is no prediction and no cap.
+
+Steps that ran long for a reason other than their size (a kernel compiled or a graph shape met
+for the first time, a garbage collection, a page-out) must not teach the model that large steps
+are slow: the cap would then keep every step small, the large buckets would never be measured
+again, and prefill would crawl at one page a step. So a bucket's first ``SEED_STEPS`` steps keep
+their fastest, a later step counts at most ``SPIKE_FACTOR`` times the bucket's mean, and a bucket
+no step has fallen in for ``STALE_STEPS`` steps leaves the fit (with it gone the cap loosens, steps
+of that size run again and are measured afresh).
 """
 from __future__ import annotations
 
@@ -22,6 +30,12 @@ from typing import Optional
 
 # Weight of a new step in its bucket's running mean: about the last ten steps of that size count.
 BUCKET_WEIGHT = 0.2
+# A bucket's first steps: the fastest of them stands for the bucket (the first may have compiled).
+SEED_STEPS = 3
+# A later step counts at most this many times its bucket's mean.
+SPIKE_FACTOR = 2.0
+# A bucket with no step for this many steps leaves the fit.
+STALE_STEPS = 256
 
 
 @dataclass
@@ -29,8 +43,17 @@ class Bucket:
     """Running means of the steps whose token count falls in one power-of-two range."""
     tokens: float
     seconds: float
+    last_step: int
+    count: int = 1
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, step: int) -> None:
+        self.count += 1
+        self.last_step = step
+        if self.count <= SEED_STEPS:
+            if seconds < self.seconds:
+                self.tokens, self.seconds = float(tokens), seconds
+            return
+        seconds = min(seconds, SPIKE_FACTOR * self.seconds)
         self.tokens += BUCKET_WEIGHT * (tokens - self.tokens)
         self.seconds += BUCKET_WEIGHT * (seconds - self.seconds)
 
@@ -49,9 +72,11 @@ class StepTimeModel:
         self.num_steps += 1
         bucket = self.buckets.get(num_tokens.bit_length())
         if bucket is None:
-            self.buckets[num_tokens.bit_length()] = Bucket(float(num_tokens), seconds)
+            self.buckets[num_tokens.bit_length()] = Bucket(float(num_tokens), seconds, self.num_steps)
         else:
-            bucket.add(num_tokens, seconds)
+            bucket.add(num_tokens, seconds, self.num_steps)
+        for key in [key for key, old in self.buckets.items() if self.num_steps - old.last_step > STALE_STEPS]:
+            del self.buckets[key]
 
     def line(self) -> Optional[tuple[float, float]]:
         """``(intercept, slope)`` in seconds and seconds per token; None while the buckets cannot

@@ -53,6 +53,39 @@ def test_step_time_model_fits_and_follows_drift():
     assert falling.line() is None  # a falling line predicts nothing
 
 
+def test_slow_steps_of_other_causes_do_not_starve_prefill():
+    """A step slow for a reason other than its size (the first of its size compiled a kernel)
+    must not keep the cap at one page: a bucket's first steps keep their fastest, a later spike
+    counts at most SPIKE_FACTOR times the mean, and a bucket left unmeasured leaves the fit."""
+    from tandem.scheduler.step_time import SPIKE_FACTOR, STALE_STEPS
+
+    on_line = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
+    feed_line(on_line.observe)
+    fair = on_line.prefill_tokens(num_decode_tokens=20, token_budget=512)
+    # the first 1,000-token step took a second; the next two of that size were on the line
+    budget = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
+    budget.observe(1000, 1.0)
+    for tokens in (1, 3, 8, 40, 200):
+        budget.observe(tokens, INTERCEPT + SLOPE * tokens)
+    assert budget.prefill_tokens(num_decode_tokens=20, token_budget=512) < fair // 2  # believed, for now
+    budget.observe(1000, INTERCEPT + SLOPE * 1000)
+    assert budget.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(fair, abs=2)
+    # an established bucket: one spike moves its mean by at most BUCKET_WEIGHT x (SPIKE_FACTOR - 1)
+    before = budget.model.predict(1000)
+    budget.observe(1000, 5.0)
+    assert budget.model.predict(1000) < before * (1 + 0.2 * (SPIKE_FACTOR - 1)) + 1e-9
+    # a spike seeded a bucket and the cap then kept steps small: only small steps are measured
+    stuck = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
+    stuck.observe(1000, 1.0)
+    stuck.observe(1, INTERCEPT + SLOPE)
+    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == PAGE_SIZE
+    for step in range(STALE_STEPS + 1):
+        tokens = (1, 24)[step % 2]
+        stuck.observe(tokens, INTERCEPT + SLOPE * tokens)
+    assert 1000 .bit_length() not in stuck.model.buckets  # gone from the fit
+    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(fair, abs=2)
+
+
 def test_prefill_allowance():
     budget = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
     assert budget.prefill_tokens(num_decode_tokens=5, token_budget=512) == 512  # no fit yet: no cap
