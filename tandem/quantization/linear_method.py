@@ -48,7 +48,7 @@ class Fp8LinearMethod:
         or the GPU cannot take that path, or while a CUDA graph is being captured before it
         was made (that graph keeps the Triton GEMM)."""
         if not hasattr(module, "weight_block_wise_scales"):
-            if self.block_columns is None or torch.cuda.is_current_stream_capturing():
+            if self.block_columns is None or not module.weight.is_cuda or torch.cuda.is_current_stream_capturing():
                 return None
             usable = block_wise_scaled_mm_available(module.weight.device)
             module.weight_block_wise_scales = (block_wise_scales(module.weight_scale, self.block_columns)
