@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.fp8_activation import (FP8_DTYPE, FP8_MAX, MINIMUM_SCALE, ActivationLayout,  # noqa: F401
-                                           QuantizedActivation, quantize_token_groups_reference)
+from tandem.kernels.fp8_activation import (FP8_DTYPE, ActivationLayout, QuantizedActivation,
+                                           quantize_token_groups_reference)
 from tandem.kernels.triton_support import jit, tl, triton
 
 
