@@ -129,6 +129,7 @@ def test_activations_quantized_by_their_producers_leave_every_output_unchanged(f
     against the same engine with that fusion unlinked (each product quantizing its own input):
     the fused kernels quantize exactly what the unfused path does, so prompt logprobs (prefill
     products) and greedy tokens with their logprobs (decode graphs) are identical."""
+    from tandem.kernels.fp8_activation import QuantizedActivation
     from tandem.kernels.fp8_gemm import BLOCK_WISE_LAYOUT
 
     model_dir = make_checkpoint("llama", tmp_path / "llama", form, shape)
@@ -152,6 +153,14 @@ def test_activations_quantized_by_their_producers_leave_every_output_unchanged(f
     print(f"\n{form} {shape['hidden_size']}: activations at 256 tokens in {layout}")
     if shape is BLOCK_WISE_SHAPE and torch.cuda.get_device_capability() == (9, 0):
         assert layout == BLOCK_WISE_LAYOUT
+    # the producers write FP8 above the weight-only sizes and 16-bit at one decode token
+    layer = fused.engine.model.model.layers[0]
+    for tokens, written in ((256, QuantizedActivation), (1, torch.Tensor)):
+        hidden = torch.randn(tokens, shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
+        gate_up = torch.randn(tokens, 2 * shape["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+        assert isinstance(layer.input_layernorm(hidden), written)
+        assert isinstance(layer.post_attention_layernorm(hidden, hidden)[0], written)
+        assert isinstance(layer.mlp.activation(gate_up), written)
     fused_scores, fused_outputs = run(fused)
     del fused
 

@@ -94,7 +94,8 @@ def test_norm_writes_the_unfused_quantization(layout_name, with_residual, flavou
 @pytest.mark.parametrize("activation", [SILU, GELU_TANH, GELU], ids=["silu", "gelu_tanh", "gelu"])
 def test_gated_activation_writes_the_unfused_quantization(layout_name, activation):
     layout = LAYOUTS[layout_name]
-    gate_up = random(3, 2 * 40, seed=4, scale=2.0)
+    # 1,044 features: two programs a row in groups (QUANTIZED_GROUP_BLOCK), a partial last group
+    gate_up = random(3, 2 * 1044, seed=4, scale=2.0)
     gate_up[2] = 0.0
     fused = gated_activation_quantized(gate_up, activation, layout)
     unfused = UNFUSED_ACTIVATIONS[activation](gate_up)
