@@ -52,7 +52,8 @@ def _gated_activation_kernel(x_ptr, out_ptr, intermediate_size, x_row_stride, ge
     tl.store(out_ptr + row * intermediate_size + columns, (activated * up).to(dtype), mask=mask)
 
 
-@jit
+# the step's token count, and the token-major scales' group stride (the padded token count)
+@jit(do_not_specialize=["num_rows", "scale_group_stride"])
 def _gated_activation_quantize_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows, intermediate_size, x_row_stride,
                                       scale_token_stride, scale_group_stride, gelu_tanh_scale,
                                       ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):

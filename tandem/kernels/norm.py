@@ -30,7 +30,8 @@ from tandem.kernels.triton_support import jit, tl, triton
 ELEMENTS_PER_PROGRAM = 4096
 
 
-@jit(do_not_specialize=["num_rows"])  # the step's token count
+# the step's token count, and token-major scales' group stride (the padded token count)
+@jit(do_not_specialize=["num_rows", "scale_group_stride"])
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scales_ptr,
                      num_rows, num_heads, dim,
                      x_token_stride, x_head_stride, residual_token_stride, residual_head_stride,
