@@ -15,6 +15,10 @@
   FP8 matrix rate, the Triton kernel at 0.37–0.42 (``benchmarks/kernels_fp8.py --sweep``);
 - elsewhere (CPU, or shapes ``_scaled_mm`` does not take): ``fp8_linear_reference``.
 
+An activation may also arrive already quantized (``QuantizedActivation``, written by the norm or
+activation kernel that computed it in the layout ``fp8_linear_layout`` or ``BLOCK_WISE_LAYOUT``
+names): ``fp8_product`` and ``block_wise_product`` take it as it is.
+
 Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
 """
 from __future__ import annotations
