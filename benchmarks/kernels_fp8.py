@@ -18,7 +18,15 @@ scales, activations in and out) over the measured copy bandwidth and its FLOPs o
 matrix rate (bfloat16's for bf16, FP8's ``_scaled_mm`` rate at 8192^3 for the FP8 products).
 Targets: >= 0.8 of the FP8 rate at M >= 4096, >= 0.85 of the weight-read bandwidth at M <= 16.
 
-    python -m benchmarks.kernels_fp8            # the table
+A second table times the producers of the FP8 products' activations, fused against unfused
+(``tandem/kernels/fp8_activation.py``): the residual add + RMSNorm (hidden 4,096) and SiLU·mul
+(intermediate 14,336), each followed by ``quantize_token_groups`` (unfused) or writing FP8 itself
+(fused), per token and in cuBLASLt's block-wise layout, at 512, 4,096 and 16,384 tokens; with the
+fused kernel's fraction of the copy bandwidth (its bytes: 16-bit in, FP8 and scales out) and the
+time saved per layer.
+
+    python -m benchmarks.kernels_fp8            # the tables
+    python -m benchmarks.kernels_fp8 --fused    # the fused-producer table only
     python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
                                                 # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
 """
@@ -31,8 +39,10 @@ import triton
 
 
 from benchmarks.common import Ceilings
-from tandem.kernels.fp8_gemm import (BlockGemmConfig, block_gemm_config, block_scaled_matmul,
-                                     fp8_linear, quantize_token_groups)
+from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized
+from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, PER_TOKEN_LAYOUT, BlockGemmConfig, block_gemm_config,
+                                     block_scaled_matmul, fp8_linear, quantize_activation, quantize_token_groups)
+from tandem.kernels.norm import rms_norm
 from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,
                                             weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
@@ -128,15 +138,69 @@ def sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fl
                       f"{str(error).splitlines()[0][:160]}")
 
 
+FUSED_TOKENS = (512, 4096, 16384)
+FUSED_LAYOUTS = {"token": PER_TOKEN_LAYOUT, "1x128": BLOCK_WISE_LAYOUT}
+
+
+def producer_cases(tokens: int, hidden_size: int = 4096, intermediate_size: int = 14336):
+    """(name, unfused, fused, bytes the fused kernel moves) for each producer and layout."""
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(hidden)
+    weight = torch.randn(hidden_size, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(tokens, 2 * intermediate_size, device="cuda", dtype=torch.bfloat16)
+    cases = []
+    for layout_name, layout in FUSED_LAYOUTS.items():
+        groups = 1 if layout.group is None else hidden_size // layout.group
+        norm_bytes = tokens * hidden_size * (2 + 2 + 2 + 1) + tokens * groups * 4  # x, residual in; sum, FP8 out
+        cases.append((f"add+norm {layout_name}",
+                      lambda layout=layout: quantize_activation(rms_norm(hidden, weight, 1e-5, residual=residual)[0],
+                                                                layout),
+                      lambda layout=layout: rms_norm(hidden, weight, 1e-5, residual=residual, quantize=layout),
+                      norm_bytes))
+        groups = 1 if layout.group is None else intermediate_size // layout.group
+        activation_bytes = tokens * intermediate_size * (2 * 2 + 1) + tokens * groups * 4
+        cases.append((f"silu*mul {layout_name}",
+                      lambda layout=layout: quantize_activation(silu_and_mul(gate_up), layout),
+                      lambda layout=layout: silu_and_mul_quantized(gate_up, layout), activation_bytes))
+    return cases
+
+
+def fused_producer_table(bandwidth: float) -> None:
+    """Unfused (16-bit kernel, then quantize) against fused (the producer writes FP8), per layer
+    of the Llama-3.1-8B shape (one add+norm before qkv, one before gate_up, one SiLU·mul)."""
+    print(f"\nactivation producers writing FP8 (fused) against 16-bit kernel + quantize (unfused)\n"
+          f"{'producer':<17}{'M':>7}{'unfused ms':>12}{'fused ms':>10}{'saved ms':>10}{'fused bw':>10}")
+    for tokens in FUSED_TOKENS:
+        per_layer = {}
+        for name, unfused, fused, moved in producer_cases(tokens):
+            unfused_ms, fused_ms = median_ms(unfused), median_ms(fused)
+            layout = name.split()[-1]
+            count = 2 if name.startswith("add+norm") else 1
+            per_layer[layout] = per_layer.get(layout, 0.0) + count * (unfused_ms - fused_ms)
+            print(f"{name:<17}{tokens:>7}{unfused_ms:>12.4f}{fused_ms:>10.4f}{unfused_ms - fused_ms:>10.4f}"
+                  f"{moved / bandwidth * 1e3 / fused_ms:>10.2f}")
+        print("  saved per layer (2 norms + 1 activation): "
+              + ", ".join(f"{layout} {saved:.4f} ms (x32 layers: {32 * saved:.2f} ms)"
+                          for layout, saved in per_layer.items()))
+        torch.cuda.empty_cache()
+    print("fused bw: the fused kernel's bytes (16-bit in, FP8 and scales out) over its time, as a fraction "
+          "of the measured copy bandwidth")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
+    parser.add_argument("--fused", action="store_true",
+                        help="only the table of activation producers writing FP8, fused against unfused")
     arguments = parser.parse_args()
     bf16_ceilings = Ceilings.measure(torch.bfloat16)
     fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
     print(bf16_ceilings.describe())
     print(fp8_ceilings.describe())
+    if arguments.fused:
+        fused_producer_table(fp8_ceilings.bandwidth)
+        return
     weight_only_rows = []
     print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}"
           f"{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
@@ -182,6 +246,7 @@ def main() -> None:
     print("\n".join(weight_only_rows))
     print("\nroof: the roofline's time over the measured time (1.00 = at the roofline); chan/bf16, "
           "block/bf16: speed-up over bf16")
+    fused_producer_table(fp8_ceilings.bandwidth)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ As in the unfused ``activation(gate) * up``, the activation is computed in float
 to the input dtype, then multiplied by ``up`` and rounded again. Activations: ``silu``,
 ``gelu_tanh`` (``gelu(approximate="tanh")``, Gemma's ``gelu_pytorch_tanh``) and ``gelu``
 (exact, erf).
+
+``silu_and_mul_quantized`` (and ``gated_activation_quantized``) write the product as FP8 with
+scales in an ``ActivationLayout`` instead (``QuantizedActivation``): the 16-bit product the
+unfused kernel stores, quantized as ``quantize_token_groups`` would (``fp8_activation``).
 """
 from __future__ import annotations
 
@@ -13,10 +17,25 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
+                                           quantize_reference, store_quantized_tile, tile_block)
 from tandem.kernels.triton_support import jit, tl, triton
 
 SILU, GELU_TANH, GELU = 0, 1, 2
 BLOCK = 1024
+
+
+@jit
+def _activate(gate, gelu_tanh_scale, ACTIVATION: tl.constexpr):
+    """``activation(gate)`` in float32."""
+    if ACTIVATION == 0:  # SILU
+        activated = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 1:  # GELU_TANH: 0.5 g (1 + tanh(u)) == g / (1 + exp(-2u))
+        inner = gelu_tanh_scale * (gate + 0.044715 * gate * gate * gate)
+        activated = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:  # GELU
+        activated = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return activated
 
 
 @jit
@@ -29,15 +48,30 @@ def _gated_activation_kernel(x_ptr, out_ptr, intermediate_size, x_row_stride, ge
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_row_stride + intermediate_size + columns, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == 0:  # SILU
-        activated = gate / (1.0 + tl.exp(-gate))
-    elif ACTIVATION == 1:  # GELU_TANH: 0.5 g (1 + tanh(u)) == g / (1 + exp(-2u))
-        inner = gelu_tanh_scale * (gate + 0.044715 * gate * gate * gate)
-        activated = gate / (1.0 + tl.exp(-2.0 * inner))
-    else:  # GELU
-        activated = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    activated = activated.to(dtype).to(tl.float32)
+    activated = _activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * intermediate_size + columns, (activated * up).to(dtype), mask=mask)
+
+
+# the step's token count, and the token-major scales' group stride (the padded token count)
+@jit(do_not_specialize=["num_rows", "scale_group_stride"])
+def _gated_activation_quantize_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows, intermediate_size, x_row_stride,
+                                      scale_token_stride, scale_group_stride, gelu_tanh_scale,
+                                      ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """``_gated_activation_kernel``'s product, quantized: program ``(row, block)`` writes
+    ``BLOCK`` columns (whole groups of ``GROUP``; per token: the whole row) of dense FP8
+    ``quantized [rows, I]`` and their scales."""
+    row = tl.program_id(0)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < intermediate_size
+    dtype = x_ptr.dtype.element_ty
+    offsets = row.to(tl.int64) * x_row_stride + columns
+    gate = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + offsets + intermediate_size, mask=mask, other=0.0).to(tl.float32)
+    activated = _activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
+    product = (activated * up).to(dtype).to(tl.float32)
+    store_quantized_tile(tl.reshape(product, (1, BLOCK)), row + tl.arange(0, 1), columns, num_rows,
+                         intermediate_size, quantized_ptr, scales_ptr, scale_token_stride, scale_group_stride,
+                         1, BLOCK, GROUP)
 
 
 def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
@@ -57,6 +91,47 @@ def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
     _gated_activation_kernel[grid](rows, out, intermediate_size, rows.stride(0), math.sqrt(2.0 / math.pi),
                                    ACTIVATION=activation, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out
+
+
+# Columns one program of the grouped quantized kernel covers (whole groups).
+QUANTIZED_GROUP_BLOCK = 1024
+
+
+def _warps(block: int) -> int:
+    """Warps for a program of ``block`` columns: a whole 14336-feature token takes 16."""
+    return 1 if block < 512 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def gated_activation_quantized(x: torch.Tensor, activation: int, layout: ActivationLayout) -> QuantizedActivation:
+    """``_gated_activation``'s product of ``x [T, 2I]`` as a ``QuantizedActivation`` in
+    ``layout``; one launch (plus the padded rows' fills). Capturable in a CUDA graph."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"gated activation: x must be [T, 2I] (gate, up), got {tuple(x.shape)}")
+    tokens, intermediate_size = x.shape[0], x.shape[1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = allocate_quantized(tokens, intermediate_size, layout, x.dtype, x.device)
+    if tokens == 0 or intermediate_size == 0:
+        return out
+    block = tile_block(intermediate_size, layout)
+    if layout.group is not None:
+        block = max(layout.group, min(block, QUANTIZED_GROUP_BLOCK))
+    group = layout.group_size(block)
+    _gated_activation_quantize_kernel[(tokens, triton.cdiv(intermediate_size, block))](
+        x, out.values, out.scales, tokens, intermediate_size, x.stride(0), out.scales.stride(0),
+        out.scales.stride(1), math.sqrt(2.0 / math.pi), ACTIVATION=activation, BLOCK=block, GROUP=group,
+        num_warps=_warps(block))
+    return out
+
+
+def silu_and_mul_quantized(x: torch.Tensor, layout: ActivationLayout) -> QuantizedActivation:
+    """The Triton kernel: ``silu(x[..., :I]) * x[..., I:]`` as FP8 in ``layout``."""
+    return gated_activation_quantized(x, SILU, layout)
+
+
+def silu_and_mul_quantized_reference(x: torch.Tensor, layout: ActivationLayout) -> QuantizedActivation:
+    """``silu_and_mul_quantized`` in plain PyTorch: the 16-bit product, then quantized."""
+    return quantize_reference(silu_and_mul_reference(x), layout)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,10 @@
   FP8 matrix rate, the Triton kernel at 0.37–0.42 (``benchmarks/kernels_fp8.py --sweep``);
 - elsewhere (CPU, or shapes ``_scaled_mm`` does not take): ``fp8_linear_reference``.
 
+An activation may also arrive already quantized (``QuantizedActivation``, written by the norm or
+activation kernel that computed it in the layout ``fp8_linear_layout`` or ``BLOCK_WISE_LAYOUT``
+names): ``fp8_product`` and ``block_wise_product`` take it as it is.
+
 Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
 """
 from __future__ import annotations
@@ -25,26 +29,9 @@ from typing import Optional
 
 import torch
 
+from tandem.kernels.fp8_activation import (FP8_DTYPE, ActivationLayout, QuantizedActivation,
+                                           quantize_token_groups_reference)
 from tandem.kernels.triton_support import jit, tl, triton
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3fn value
-# A floor under every computed scale, so that an all-zero row quantizes to zeros (not NaN).
-MINIMUM_SCALE = 1e-12
-
-
-def quantize_token_groups_reference(hidden: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [M, K]`` in groups of ``group`` consecutive features per token (``group = K``:
-    per token) → ``(fp8 [M, K], scale [M, ceil(K/group)] float32)``."""
-    tokens, features = hidden.shape
-    groups = -(-features // group)
-    padded = hidden.float()
-    if groups * group != features:
-        padded = torch.nn.functional.pad(padded, (0, groups * group - features))
-    grouped = padded.view(tokens, groups, group)
-    scale = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=MINIMUM_SCALE)
-    quantized = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.view(tokens, groups * group)[:, :features].contiguous(), scale
 
 
 @jit
@@ -89,7 +76,20 @@ def quantize_token_groups(hidden: torch.Tensor, group: int, padded_tokens: Optio
     return quantized, scales
 
 
+def quantize_activation(hidden: torch.Tensor, layout: ActivationLayout) -> QuantizedActivation:
+    """``hidden [M, K]`` quantized in ``layout`` (``quantize_token_groups``): what a fused
+    producer kernel writes instead of ``hidden``."""
+    tokens, features = hidden.shape
+    values, scales = quantize_token_groups(hidden, layout.group_size(features), layout.rows(tokens),
+                                           token_major_scales=layout.token_major_scales)
+    return QuantizedActivation(values, scales, tokens, layout, hidden.dtype)
+
+
 BLOCK_WISE = 128  # cuBLASLt's block-wise mode: 1x128 activation groups, 128x128 weight blocks
+# The activations cuBLASLt's block-wise mode reads: 1x128 groups, token-major scales, rows
+# padded to a multiple of 4.
+BLOCK_WISE_LAYOUT = ActivationLayout(group=BLOCK_WISE, row_multiple=4, token_major_scales=True)
+PER_TOKEN_LAYOUT = ActivationLayout()
 
 
 def block_wise_scales(weight_scale: torch.Tensor, group: Optional[int]) -> Optional[torch.Tensor]:
@@ -132,14 +132,27 @@ def _block_wise_probe(device_index: int) -> bool:
 
 def block_wise_scaled_mm(hidden: torch.Tensor, weight: torch.Tensor, weight_blocks: torch.Tensor) -> torch.Tensor:
     """``fp8_linear`` with 128x128 block scales through cuBLASLt: the activations quantized per
-    1x128 group (token-major scales, rows padded to a multiple of 4 as cuBLASLt asks), then
-    ``torch._scaled_mm`` block-wise; ``weight_blocks`` from ``block_wise_scales``."""
-    tokens = hidden.shape[0]
-    padded = -(-tokens // 4) * 4
-    quantized, scales = quantize_token_groups(hidden, BLOCK_WISE, padded, token_major_scales=True)
-    output = torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_blocks, out_dtype=torch.bfloat16)
-    output = output[:tokens] if padded != tokens else output
-    return output if hidden.dtype == torch.bfloat16 else output.to(hidden.dtype)
+    1x128 group (``BLOCK_WISE_LAYOUT``), then ``torch._scaled_mm`` block-wise; ``weight_blocks``
+    from ``block_wise_scales``."""
+    return block_wise_product(quantize_activation(hidden, BLOCK_WISE_LAYOUT), weight, weight_blocks)
+
+
+def block_wise_product(activation: QuantizedActivation, weight: torch.Tensor,
+                       weight_blocks: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_mm`` block-wise of an activation in ``BLOCK_WISE_LAYOUT``; its padded rows
+    are cut off."""
+    output = torch._scaled_mm(activation.values, weight.t(), scale_a=activation.scales, scale_b=weight_blocks,
+                              out_dtype=torch.bfloat16)
+    output = output[:activation.tokens] if output.shape[0] != activation.tokens else output
+    return output if activation.dtype == torch.bfloat16 else output.to(activation.dtype)
+
+
+def row_wise_product(activation: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_mm`` with row-wise scales: a per-token activation times a per-row weight."""
+    # Row-wise scaling writes bfloat16 only.
+    output = torch._scaled_mm(activation.values, weight.t(), scale_a=activation.scales,
+                              scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+    return output if activation.dtype == torch.bfloat16 else output.to(activation.dtype)
 
 
 def _expand_columns(scale: torch.Tensor, group: int, features: int) -> torch.Tensor:
@@ -258,9 +271,22 @@ def fp8_linear_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scal
     return block_scaled_matmul_reference(quantized, scales, weight, weight_scale, size, hidden.dtype)
 
 
-def _takes_scaled_mm(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """``torch._scaled_mm`` wants 16-aligned inner and output sizes (and a CUDA device)."""
-    return hidden.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+def takes_scaled_mm(weight: torch.Tensor) -> bool:
+    """``torch._scaled_mm`` wants 16-aligned inner and output sizes."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def takes_block_scaled_gemm(group: int) -> bool:
+    """Whether the Triton block-scaled GEMM takes groups of ``group`` features."""
+    return group >= 16 and group & (group - 1) == 0
+
+
+def fp8_linear_layout(weight: torch.Tensor, group: Optional[int]) -> Optional[ActivationLayout]:
+    """The activation layout ``fp8_linear`` quantizes into on CUDA for this weight (None: its
+    PyTorch reference runs)."""
+    if group is None:
+        return PER_TOKEN_LAYOUT if takes_scaled_mm(weight) else None
+    return ActivationLayout(group=group) if takes_block_scaled_gemm(group) else None
 
 
 def fp8_linear(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -271,13 +297,18 @@ def fp8_linear(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         hidden = hidden.contiguous()
     if hidden.shape[0] == 0:
         return hidden.new_empty(0, weight.shape[0])
-    if group is None and _takes_scaled_mm(hidden, weight):
-        quantized, scales = quantize_token_groups(hidden, hidden.shape[-1])
-        # Row-wise scaling writes bfloat16 only.
-        output = torch._scaled_mm(quantized, weight.t(), scale_a=scales, scale_b=weight_scale.reshape(1, -1),
-                                  out_dtype=torch.bfloat16)
-        return output if hidden.dtype == torch.bfloat16 else output.to(hidden.dtype)
-    if group is not None and hidden.is_cuda and group >= 16 and group & (group - 1) == 0:
-        quantized, scales = quantize_token_groups(hidden, group)
-        return block_scaled_matmul(quantized, scales, weight, weight_scale, group, hidden.dtype)
-    return fp8_linear_reference(hidden, weight, weight_scale, group)
+    layout = fp8_linear_layout(weight, group) if hidden.is_cuda else None
+    if layout is None:
+        return fp8_linear_reference(hidden, weight, weight_scale, group)
+    return fp8_product(quantize_activation(hidden, layout), weight, weight_scale)
+
+
+def fp8_product(activation: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The product of an activation quantized in ``fp8_linear_layout(weight, group)`` (by a
+    fused producer, or by ``fp8_linear``) with the FP8 weight, in ``activation.dtype``."""
+    if activation.tokens == 0:
+        return torch.empty(0, weight.shape[0], dtype=activation.dtype, device=weight.device)
+    if activation.layout.group is None:
+        return row_wise_product(activation, weight, weight_scale)
+    return block_scaled_matmul(activation.values, activation.scales, weight, weight_scale, activation.layout.group,
+                               activation.dtype)

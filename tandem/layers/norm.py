@@ -11,11 +11,16 @@ import torch
 from torch import nn
 
 from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.layers.quantized_input import output_layout
 from tandem.parallel.shard import TensorShard
 
 
 class RMSNorm(nn.Module):
-    """``weight * normed.to(dtype)`` (Llama's convention)."""
+    """``weight * normed.to(dtype)`` (Llama's convention). A producer of FP8 inputs
+    (``tandem.layers.quantized_input``): where linked, on CUDA, its output is a
+    ``QuantizedActivation`` for the FP8 projection that reads it."""
+
+    output_quantization = None  # set by tandem.quantization where the norm feeds one FP8 projection
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -34,5 +39,7 @@ class RMSNorm(nn.Module):
                 if fused is not None:
                     return fused
             hidden = reduce_over.all_reduce(hidden)
-        normalize = rms_norm if hidden.is_cuda else rms_norm_reference
-        return normalize(hidden, self.weight, self.variance_epsilon, residual=residual)
+        if not hidden.is_cuda:
+            return rms_norm_reference(hidden, self.weight, self.variance_epsilon, residual=residual)
+        return rms_norm(hidden, self.weight, self.variance_epsilon, residual=residual,
+                        quantize=output_layout(self, hidden))

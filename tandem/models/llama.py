@@ -84,6 +84,11 @@ class LlamaAttentionBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Each norm's output is read by one projection alone (the residual is the norm's other
+    # output); a pair whose consumer is absent (an MoE layer's MLP) is not linked.
+    quantized_input_pairs = {"input_layernorm": "self_attn.qkv_proj",
+                             "post_attention_layernorm": "mlp.gate_up_proj"}
+
     def __init__(self, config, layer_index: int, options: LlamaOptions, state_dtype: torch.dtype,
                  rotary: RotaryEmbedding, shard: TensorShard = SINGLE) -> None:
         super().__init__()

@@ -19,6 +19,7 @@ from tandem.layers.linear import Linear, StackedLinear
 from tandem.layers.moe import FusedExperts
 from tandem.quantization.config import QuantizationConfig
 from tandem.quantization.fp8 import FP8_DTYPE
+from tandem.quantization.input_links import link_quantized_inputs
 from tandem.quantization.linear_method import Fp8LinearMethod
 
 
@@ -124,7 +125,10 @@ def convert_model(model: nn.Module, quantization: QuantizationConfig, plan: dict
     first FP8 weight is allocated: allocated one by one in between, the FP8 weights would land
     in the freed 16-bit weights' cached blocks and pin them (a 20 MiB segment held for a 4 MiB
     weight), so the memory planner, which reads the device's free memory, would see fewer
-    bytes than FP8 saves. The peak is the 16-bit model, not 16-bit plus FP8."""
+    bytes than FP8 saves. The peak is the 16-bit model, not 16-bit plus FP8.
+
+    Then each norm or activation whose output only an FP8 layer reads is linked to it, so that
+    on CUDA it writes that input already quantized (``link_quantized_inputs``)."""
     modules = dict(model.named_modules())
     devices = {name: _release_weights(modules[name]) for name in plan}
     if torch.cuda.is_available():
@@ -134,6 +138,7 @@ def convert_model(model: nn.Module, quantization: QuantizationConfig, plan: dict
             modules[name].to_fp8(quantization.block_columns, devices[name])
         else:
             convert_linear(modules[name], quantization.block_columns, devices[name])
+    link_quantized_inputs(model)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MINIMUM_SCALE
+from tandem.kernels.fp8_activation import FP8_DTYPE, FP8_MAX, MINIMUM_SCALE
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -32,10 +32,15 @@ DECODED_TOKENS = 96
 SHAPE = dict(hidden_size=256, intermediate_size=320, num_heads=4, num_kv_heads=2, init_std=0.05)
 
 
-def make_checkpoint(arch, directory, form):
+# Llama with every product in cuBLASLt's block-wise mode (K / 128 a multiple of 4, N whole
+# blocks: 128-wide heads, q|k|v = 1,024 rows, gate|up = 2,048, down K = 1,024).
+BLOCK_WISE_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_heads=4, num_kv_heads=2, init_std=0.03)
+
+
+def make_checkpoint(arch, directory, form, shape=None):
     from tandem.tools.make_model import make_model
 
-    options = {**ARCH_OPTIONS.get(arch, {}), **SHAPE}
+    options = {**ARCH_OPTIONS.get(arch, {}), **(shape or SHAPE)}
     return str(make_model(arch, directory, seed=1, quantize=form, **options))
 
 
@@ -110,6 +115,69 @@ def test_fp8_products_with_cuda_graphs_track_dequantized_weights(arch, form, tmp
                                   f"{arch} {form} unscaled")
     fp8.engine.check_all_free()
     fp8.engine.shutdown()
+
+
+def linked_producers(llm) -> list[str]:
+    return [name for name, module in llm.engine.model.named_modules()
+            if getattr(module, "output_quantization", None) is not None]
+
+
+@pytest.mark.parametrize("form, shape", [("compressed-tensors", SHAPE), ("fp8", SHAPE), ("fp8", BLOCK_WISE_SHAPE)],
+                         ids=["per_token", "triton_groups", "block_wise"])
+def test_activations_quantized_by_their_producers_leave_every_output_unchanged(form, shape, tmp_path, monkeypatch):
+    """The norms and SiLU·mul writing FP8 for the projections after them (CUDA graphs on)
+    against the same engine with that fusion unlinked (each product quantizing its own input):
+    the fused kernels quantize exactly what the unfused path does, so prompt logprobs (prefill
+    products) and greedy tokens with their logprobs (decode graphs) are identical."""
+    from tandem.kernels.fp8_activation import QuantizedActivation
+    from tandem.kernels.fp8_gemm import BLOCK_WISE_LAYOUT
+
+    model_dir = make_checkpoint("llama", tmp_path / "llama", form, shape)
+    sequences = long_prompts(4, 180, seed=23)
+    prompts = [sequence[:40 + 30 * number] for number, sequence in enumerate(sequences)]
+    options = dict(device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192, max_num_batched_tokens=256,
+                   max_num_seqs=16)
+    greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=3, ignore_eos=True)
+
+    def run(llm):
+        results = score(llm, sequences), llm.generate(prompts, greedy)
+        llm.engine.check_all_free()
+        llm.engine.shutdown()
+        return results
+
+    fused = LLM(model=model_dir, quantized_compute="fp8", **options)
+    layers = len(fused.engine.model.model.layers)
+    assert len(linked_producers(fused)) == 3 * layers  # both norms and the activation of every layer
+    down_proj = fused.engine.model.model.layers[0].mlp.down_proj
+    layout = down_proj.weight_method.input_layout(down_proj, 256, down_proj.weight.device)
+    print(f"\n{form} {shape['hidden_size']}: activations at 256 tokens in {layout}")
+    if shape is BLOCK_WISE_SHAPE and torch.cuda.get_device_capability() == (9, 0):
+        assert layout == BLOCK_WISE_LAYOUT
+    # the producers write FP8 above the weight-only sizes and 16-bit at one decode token
+    layer = fused.engine.model.model.layers[0]
+    for tokens, written in ((256, QuantizedActivation), (1, torch.Tensor)):
+        hidden = torch.randn(tokens, shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
+        gate_up = torch.randn(tokens, 2 * shape["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+        assert isinstance(layer.input_layernorm(hidden), written)
+        assert isinstance(layer.post_attention_layernorm(hidden, hidden)[0], written)
+        assert isinstance(layer.mlp.activation(gate_up), written)
+    fused_scores, fused_outputs = run(fused)
+    del fused
+
+    monkeypatch.setattr("tandem.quantization.convert.link_quantized_inputs", lambda model: [])
+    unfused = LLM(model=model_dir, quantized_compute="fp8", **options)
+    assert not linked_producers(unfused)
+    unfused_scores, unfused_outputs = run(unfused)
+
+    for fused_positions, unfused_positions in zip(fused_scores, unfused_scores):
+        assert [{token: entry.logprob for token, entry in position.items()} for position in fused_positions] == \
+            [{token: entry.logprob for token, entry in position.items()} for position in unfused_positions]
+    for fused_output, unfused_output in zip(fused_outputs, unfused_outputs):
+        assert fused_output.outputs[0].token_ids == unfused_output.outputs[0].token_ids
+        assert [{token: entry.logprob for token, entry in position.items()}
+                for position in fused_output.outputs[0].logprobs] == \
+            [{token: entry.logprob for token, entry in position.items()}
+             for position in unfused_output.outputs[0].logprobs]
 
 
 def test_online_fp8_with_dummy_weights_runs_in_cuda_graphs(tmp_path):
