@@ -29,6 +29,7 @@ from tandem.engine.ranks.start import start_executor
 from tandem.engine.ranks.worker import Worker
 from tandem.engine.step_planner import ExecuteResult, StepPlanner
 from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.step_time import step_interval
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
@@ -83,6 +84,7 @@ class EngineCore:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
         self._last_read_back = 0.0  # time.perf_counter() when the last step's tokens were read back
+        self._last_read_back_blocked = False  # whether that read-back waited for the device
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -404,8 +406,9 @@ class EngineCore:
         if host is None:
             self._release_held(step)
             return []
+        blocked = host.pending()
         sampled = host.wait()
-        self._record_step_time(step)
+        self._record_step_time(step, blocked)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
         logprobs = self.sampled_logprobs(step.sequences, sampled)
@@ -418,14 +421,23 @@ class EngineCore:
             deltas.append(self.token_delta(sequence, position, token, position_logprobs))
         return deltas
 
-    def _record_step_time(self, step: "LaunchedStep") -> None:
+    def _record_step_time(self, step: "LaunchedStep", blocked: bool) -> None:
         """Give the scheduler the step's duration as a running decode saw it: from the step's
         scheduling, or the previous read-back if that came later (the steps ran back to back on
-        the device), to this read-back."""
+        the device), to this read-back.
+
+        On a GPU that interval is the step's only where the device finished it as the host
+        waited (``blocked``) and the interval's start is when the device could begin it: its
+        scheduling, or a previous read-back that had waited too. When the host fell behind the
+        device, a read-back finds its step long done and the interval says nothing of it (two
+        read-backs in a row could be microseconds apart after a 2,000-token step): it is not
+        recorded."""
         now = time.perf_counter()
-        self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks),
-                                   now - max(step.started, self._last_read_back))
-        self._last_read_back = now
+        seconds = step_interval(now, step.started, self._last_read_back, synchronous=self.device.type != "cuda",
+                                blocked=blocked, previous_blocked=self._last_read_back_blocked)
+        if seconds is not None:
+            self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds)
+        self._last_read_back, self._last_read_back_blocked = now, blocked
 
     def _release_held(self, step: "LaunchedStep") -> None:
         for sequence in step.held:

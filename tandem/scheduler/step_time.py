@@ -133,3 +133,23 @@ class InterTokenBudget:
         if step_tokens is None:
             return token_budget
         return min(token_budget, max(self.min_prefill_tokens, step_tokens - num_decode_tokens))
+
+
+def step_interval(now: float, started: float, previous_read_back: float, *, synchronous: bool, blocked: bool,
+                  previous_blocked: bool) -> Optional[float]:
+    """The seconds a step took as its running decodes saw it, from when the device could begin
+    it — its scheduling, or the previous step's read-back if later — to its read-back ``now``;
+    None where the interval does not measure the step.
+
+    Off a GPU (``synchronous``) a step has finished when its launch returns: always measured.
+    On a GPU the read-back time is the step's end only if the host waited for the device
+    (``blocked``), and a previous read-back is the step's start only if that one waited too: a
+    host that fell behind finds steps long done, and two read-backs microseconds apart after a
+    2,000-token step would teach the model that large steps are free."""
+    if synchronous:
+        return now - max(started, previous_read_back)
+    if not blocked:
+        return None
+    if started >= previous_read_back:
+        return now - started
+    return now - previous_read_back if previous_blocked else None

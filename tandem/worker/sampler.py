@@ -206,6 +206,11 @@ class HostSamplerOutput:
     num_top: int  # -1: no top logprobs
     copied: Optional["torch.cuda.Event"]
 
+    def pending(self) -> bool:
+        """Whether the device is still computing towards these tokens (never off CUDA, where a
+        step has finished when its launch returns)."""
+        return self.copied is not None and not self.copied.query()
+
     def wait(self) -> SamplerOutput:
         if self.copied is not None:
             self.copied.synchronize()

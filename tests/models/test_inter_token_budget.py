@@ -18,7 +18,7 @@ from tandem.kv.spec import FullAttentionSpec
 from tandem.sampling_params import SamplingParams as Params
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import Sequence
-from tandem.scheduler.step_time import InterTokenBudget, StepTimeModel
+from tandem.scheduler.step_time import InterTokenBudget, StepTimeModel, step_interval
 from tests.support.oracle import assert_matches
 
 PAGE_SIZE = 4
@@ -84,6 +84,22 @@ def test_slow_steps_of_other_causes_do_not_starve_prefill():
         stuck.observe(tokens, INTERCEPT + SLOPE * tokens)
     assert 1000 .bit_length() not in stuck.model.buckets  # gone from the fit
     assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(fair, abs=2)
+
+
+def test_step_interval_measures_only_steps_the_host_waited_for():
+    """On a GPU a read-back ends a step's interval only if the host waited for the device; its
+    start is the step's scheduling or a previous read-back that waited too (a host that fell
+    behind sees steps microseconds apart: not measured). Off a GPU every interval counts."""
+    gpu = dict(synchronous=False)
+    # back to back on the device, both read-backs waited: previous read-back to this one
+    assert step_interval(1.030, 1.000, 1.010, blocked=True, previous_blocked=True, **gpu) == pytest.approx(0.020)
+    # scheduled after the previous read-back: from its scheduling, whatever that read-back did
+    assert step_interval(1.030, 1.015, 1.010, blocked=True, previous_blocked=False, **gpu) == pytest.approx(0.015)
+    # the host came late: the step was done before it waited, or the previous one was
+    assert step_interval(1.030, 1.000, 1.010, blocked=False, previous_blocked=True, **gpu) is None
+    assert step_interval(1.030, 1.000, 1.010, blocked=True, previous_blocked=False, **gpu) is None
+    assert step_interval(1.030, 1.000, 1.010, synchronous=True, blocked=False,
+                         previous_blocked=False) == pytest.approx(0.020)
 
 
 def test_prefill_allowance():
