@@ -52,11 +52,17 @@ def assert_near_reference(fused: QuantizedActivation, reference: torch.Tensor) -
     """``fused`` against the 16-bit ``reference`` it stands for: its scales within a few
     bfloat16 steps of the reference's, padded rows zero with scale 1, and on a GPU every value
     within one e4m3 rounding (the interpreter's float32 -> e4m3 conversion does not carry a
-    rounded-up mantissa into the exponent, so there values are held to the unfused path only)."""
+    rounded-up mantissa into the exponent, so there values are held to the unfused path only).
+
+    On a GPU the 16-bit value quantized may still be the reference's bfloat16 neighbour: the
+    norm kernel's sum of squares and ``rsqrt`` differ from PyTorch's in the last float32 bits,
+    which moves an output across a bfloat16 rounding boundary now and then (one step is up to
+    2^-7 of the value; over the ~10^5 groups of a 4,096-token 1x128 case some group maximum
+    does). So scales and values are held to two bfloat16 steps there."""
     expected = quantize_reference(reference, fused.layout)
     assert fused.values.shape == expected.values.shape and fused.scales.stride() == expected.scales.stride()
     assert not fused.values[fused.tokens:].float().any() and bool((fused.scales[fused.tokens:] == 1).all())
-    tolerance = 2 ** -8 if fused.values.is_cuda else 3 * 2 ** -7
+    tolerance = 2 ** -6 if fused.values.is_cuda else 3 * 2 ** -7
     torch.testing.assert_close(fused.scales, expected.scales, rtol=tolerance, atol=0)
     if fused.values.is_cuda:
         error = (fused.dequantize() - reference.float()).abs()
