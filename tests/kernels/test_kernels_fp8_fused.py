@@ -147,6 +147,18 @@ def test_gpu_fused_quantization_equals_the_unfused_path(layout_name, tokens):
 
 
 @gpu
+@pytest.mark.parametrize("layout_name", list(GPU_LAYOUTS))
+def test_gpu_activation_of_an_intermediate_size_past_16384(layout_name):
+    """An intermediate size past 16,384 (Qwen2.5-7B's 18,944): a whole token per program takes
+    32 warps in the per-token layout."""
+    layout = GPU_LAYOUTS[layout_name]
+    gate_up = random(33, 2 * 18944, seed=30, scale=2.0)
+    fused = silu_and_mul_quantized(gate_up, layout)
+    assert_same_quantization(fused, quantize_activation(silu_and_mul(gate_up), layout))
+    assert_near_reference(fused, silu_and_mul(gate_up))
+
+
+@gpu
 def test_gpu_fused_quantization_replays_from_a_cuda_graph():
     hidden, residual, weight = random(64, 4096, seed=20), random(64, 4096, seed=21), random(4096, seed=22)
     gate_up = random(64, 2 * 14336, seed=23)
