@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-# FP8_MAX, MINIMUM_SCALE and the reference quantization live beside the quantized activation;
-# this module, where they were first defined, still exports them.
+# The FP8 constants and the reference quantization live beside the quantized activation; this
+# module exports them too, as the home of the FP8 products.
 from tandem.kernels.fp8_activation import (FP8_DTYPE, FP8_MAX, MINIMUM_SCALE,  # noqa: F401
                                            ActivationLayout, QuantizedActivation, quantize_token_groups_reference)
 from tandem.kernels.triton_support import jit, tl, triton
