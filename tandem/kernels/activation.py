@@ -98,8 +98,10 @@ QUANTIZED_GROUP_BLOCK = 1024
 
 
 def _warps(block: int) -> int:
-    """Warps for a program of ``block`` columns: a whole 14336-feature token takes 16."""
-    return 1 if block < 512 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+    """Warps for a program of ``block`` columns: a whole 14336-feature token takes 16. Past
+    16,384 columns (a whole 18,944-feature token, Qwen2.5-7B) 32: with 16, gate and up alone
+    take 127 registers a thread (one program an SM), and at 65,536 they spill (H100, ptxas)."""
+    return 1 if block < 512 else 4 if block <= 2048 else 8 if block <= 8192 else 16 if block <= 16384 else 32
 
 
 def gated_activation_quantized(x: torch.Tensor, activation: int, layout: ActivationLayout) -> QuantizedActivation:

@@ -29,8 +29,10 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.fp8_activation import (FP8_DTYPE, ActivationLayout, QuantizedActivation,
-                                           quantize_token_groups_reference)
+# The FP8 constants and the reference quantization live beside the quantized activation; this
+# module exports them too, as the home of the FP8 products.
+from tandem.kernels.fp8_activation import (FP8_DTYPE, FP8_MAX, MINIMUM_SCALE,  # noqa: F401
+                                           ActivationLayout, QuantizedActivation, quantize_token_groups_reference)
 from tandem.kernels.triton_support import jit, tl, triton
 
 

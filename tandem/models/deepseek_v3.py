@@ -57,6 +57,12 @@ def indexer_kind(config, options: DeepseekOptions, layer_index: int) -> Optional
 
 
 class DeepseekDecoderLayer(nn.Module):
+    # A dense layer's second norm is read by its MLP's gate_up_proj alone (the residual is added
+    # outside it), so it may write FP8 for it (``tandem.layers.quantized_input``); an MoE layer's
+    # MLP has no such projection (its router reads the norm too), and the first norm feeds MLA's
+    # two down-projections: neither is linked.
+    quantized_input_pairs = {"post_attention_layernorm": "mlp.gate_up_proj"}
+
     def __init__(self, config, layer_index: int, options: DeepseekOptions, state_dtype: torch.dtype,
                  rotary: LatentRotary, indexer_quantized: bool, *, moe: bool, indexer: Optional[str],
                  shard: TensorShard = SINGLE) -> None:

@@ -52,11 +52,17 @@ def assert_near_reference(fused: QuantizedActivation, reference: torch.Tensor) -
     """``fused`` against the 16-bit ``reference`` it stands for: its scales within a few
     bfloat16 steps of the reference's, padded rows zero with scale 1, and on a GPU every value
     within one e4m3 rounding (the interpreter's float32 -> e4m3 conversion does not carry a
-    rounded-up mantissa into the exponent, so there values are held to the unfused path only)."""
+    rounded-up mantissa into the exponent, so there values are held to the unfused path only).
+
+    On a GPU the 16-bit value quantized may still be the reference's bfloat16 neighbour: the
+    norm kernel's sum of squares and ``rsqrt`` differ from PyTorch's in the last float32 bits,
+    which moves an output across a bfloat16 rounding boundary now and then (one step is up to
+    2^-7 of the value; over the ~10^5 groups of a 4,096-token 1x128 case some group maximum
+    does). So scales and values are held to two bfloat16 steps there."""
     expected = quantize_reference(reference, fused.layout)
     assert fused.values.shape == expected.values.shape and fused.scales.stride() == expected.scales.stride()
     assert not fused.values[fused.tokens:].float().any() and bool((fused.scales[fused.tokens:] == 1).all())
-    tolerance = 2 ** -8 if fused.values.is_cuda else 3 * 2 ** -7
+    tolerance = 2 ** -6 if fused.values.is_cuda else 3 * 2 ** -7
     torch.testing.assert_close(fused.scales, expected.scales, rtol=tolerance, atol=0)
     if fused.values.is_cuda:
         error = (fused.dequantize() - reference.float()).abs()
@@ -141,14 +147,31 @@ def test_gpu_fused_quantization_equals_the_unfused_path(layout_name, tokens):
 
 
 @gpu
+@pytest.mark.parametrize("layout_name", list(GPU_LAYOUTS))
+def test_gpu_activation_of_an_intermediate_size_past_16384(layout_name):
+    """An intermediate size past 16,384 (Qwen2.5-7B's 18,944): a whole token per program takes
+    32 warps in the per-token layout."""
+    layout = GPU_LAYOUTS[layout_name]
+    gate_up = random(33, 2 * 18944, seed=30, scale=2.0)
+    fused = silu_and_mul_quantized(gate_up, layout)
+    assert_same_quantization(fused, quantize_activation(silu_and_mul(gate_up), layout))
+    assert_near_reference(fused, silu_and_mul(gate_up))
+
+
+@gpu
 def test_gpu_fused_quantization_replays_from_a_cuda_graph():
     hidden, residual, weight = random(64, 4096, seed=20), random(64, 4096, seed=21), random(4096, seed=22)
     gate_up = random(64, 2 * 14336, seed=23)
+
+    def step():
+        return (rms_norm(hidden, weight, 1e-5, residual=residual, quantize=BLOCK_WISE_LAYOUT)[0],
+                silu_and_mul_quantized(gate_up, PER_TOKEN_LAYOUT))
+
+    step()  # compile outside the capture (this test may run alone)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        normed, _ = rms_norm(hidden, weight, 1e-5, residual=residual, quantize=BLOCK_WISE_LAYOUT)
-        activated = silu_and_mul_quantized(gate_up, PER_TOKEN_LAYOUT)
+        normed, activated = step()
     for seed in (24, 25):
         hidden.copy_(random(64, 4096, seed=seed))
         gate_up.copy_(random(64, 2 * 14336, seed=seed))

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from tandem.kernels.fp8_gemm import PER_TOKEN_LAYOUT
 from tandem.kernels.fp8_activation import ActivationLayout, quantize_reference
 from tandem.kernels.fp8_weight_only import GEMV_MAX_TOKENS, MAX_TOKENS
+from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 from tandem.quantization.config import QuantizationConfig
@@ -65,6 +66,22 @@ def test_producers_stay_16_bit_without_an_fp8_consumer():
     names = sorted(linked(build(Qwen3MoeForCausalLM, config, BLOCKS)))
     assert names == ["model.layers.0.input_layernorm", "model.layers.0.mlp.activation",
                      "model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm"]
+
+
+def test_deepseek_links_the_dense_mlp_norm_and_every_gated_mlp_activation():
+    """DeepSeek-V3: the dense layer's second norm feeds its MLP alone; the first norm feeds MLA's
+    two down-projections and an MoE layer's second norm its router and experts (never linked);
+    the shared experts' and the MTP layer's SiLU·mul feed their down_proj alone."""
+    config = DeepseekV3Config(**{**SMALL, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                              first_k_dense_replace=1, n_group=1, topk_group=1)
+    model = build(DeepseekV3ForCausalLM, config, BLOCKS)
+    assert sorted(linked(model)) == ["model.layers.0.mlp.activation", "model.layers.0.post_attention_layernorm",
+                                     "model.layers.1.mlp.shared_experts.activation",
+                                     "model.mtp_layers.0.mlp.shared_experts.activation"]
+    dense = model.model.layers[0]
+    assert linked(model)["model.layers.0.post_attention_layernorm"]._consumer is dense.mlp.gate_up_proj
 
 
 @pytest.mark.parametrize("quantization, weight_only, layout", [
