@@ -137,10 +137,13 @@ def quantize_tile(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.con
     """``values [ROWS, BLOCK]`` float32 (masked columns zero) in groups of ``GROUP`` columns →
     ``(quantized [ROWS, BLOCK] float32, already clamped to ±448, scales [ROWS, BLOCK // GROUP])``
     with ``scale = max(max|group| / 448, 1e-12)``, the arithmetic of
-    ``fp8_gemm._quantize_groups_kernel``."""
+    ``fp8_gemm._quantize_groups_kernel``. Both divide with IEEE rounding (``div_rn``): a plain
+    ``/`` compiles to an approximate division, and to a multiplication by the reciprocal where
+    the divisor is one value per program, so two kernels computing the same quotients could
+    round them differently (and differ from PyTorch's)."""
     grouped = tl.reshape(values, (ROWS, BLOCK // GROUP, GROUP))
-    scales = tl.maximum(tl.max(tl.abs(grouped), axis=2) / 448.0, 1e-12)
-    quantized = tl.clamp(grouped / scales[:, :, None], -448.0, 448.0)
+    scales = tl.maximum(tl.math.div_rn(tl.max(tl.abs(grouped), axis=2), 448.0), 1e-12)
+    quantized = tl.clamp(tl.math.div_rn(grouped, scales[:, :, None]), -448.0, 448.0)
     return tl.reshape(quantized, (ROWS, BLOCK)), scales
 
 

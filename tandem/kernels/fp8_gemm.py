@@ -45,8 +45,8 @@ def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, 
     columns = group * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (columns < features)
     values = tl.load(hidden + token * stride_hidden + columns, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(values), axis=0) / 448.0, 1e-12)
-    quantized_values = tl.clamp(values / scale, -448.0, 448.0)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(values), axis=0), 448.0), 1e-12)
+    quantized_values = tl.clamp(tl.math.div_rn(values, scale), -448.0, 448.0)
     tl.store(quantized + token * features + columns, quantized_values.to(quantized.dtype.element_ty), mask=mask)
     tl.store(scales + token * stride_scale_token + group * stride_scale_group, scale)
 
