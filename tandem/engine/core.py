@@ -436,7 +436,8 @@ class EngineCore:
         seconds = step_interval(now, step.started, self._last_read_back, synchronous=self.device.type != "cuda",
                                 blocked=blocked, previous_blocked=self._last_read_back_blocked)
         if seconds is not None:
-            self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds)
+            self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds,
+                                       with_prefill=any(chunk.num_new_tokens > 1 for chunk in step.chunks))
         self._last_read_back, self._last_read_back_blocked = now, blocked
 
     def _release_held(self, step: "LaunchedStep") -> None:

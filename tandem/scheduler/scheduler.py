@@ -154,11 +154,12 @@ class Scheduler:
             self._admit_waiting(output, budget)
         return output
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
+    def record_step(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:
         """A completed step's tokens and duration (from its start, or the previous step's
-        completion if later, to its tokens' read-back: what a running decode waited)."""
+        completion if later, to its tokens' read-back: what a running decode waited), and
+        whether it held a prompt chunk."""
         if self.inter_token_budget is not None:
-            self.inter_token_budget.observe(num_tokens, seconds)
+            self.inter_token_budget.observe(num_tokens, seconds, with_prefill)
 
     def _prefill_allowance(self, budget: int) -> int | None:
         """The prefill tokens this step may take under the inter-token gap target (None: no cap)."""

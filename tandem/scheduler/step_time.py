@@ -9,7 +9,8 @@ the step: prefill takes the whole budget. Prefill is never starved: it may alway
 ``min_prefill_tokens`` (one page) per step, even when the decodes alone are predicted over target.
 
 The model is a straight line, seconds = intercept + slope x tokens, fitted by least squares to
-one point per token-count bucket (powers of two). Each bucket holds an exponentially weighted
+one point per token-count bucket (powers of two), over the steps that held a prefill chunk (the
+steps the cap shapes; every step's line stands in until those have two sizes). Each bucket holds an exponentially weighted
 mean of the steps that fell in it, so a long run of decode-only steps refreshes the small
 buckets without forgetting what prefill steps cost, and the fit follows drift (context growing,
 batch mix changing). Until two buckets hold steps (or while the fitted slope is not positive),
@@ -119,17 +120,25 @@ class InterTokenBudget:
                              f"got {max_itl_seconds * 1e3:g}")
         self.max_itl_seconds = max_itl_seconds
         self.min_prefill_tokens = max(1, min_prefill_tokens)
-        self.model = StepTimeModel()
+        self.model = StepTimeModel()  # every step
+        # Steps with a prefill chunk: the cap is about those, and they cost more than their
+        # tokens say next to decode-only steps (those replay a captured graph, a prompt chunk
+        # runs eagerly), so a line through both would promise mixed steps too fast.
+        self.prefill_model = StepTimeModel()
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:
         self.model.observe(num_tokens, seconds)
+        if with_prefill:
+            self.prefill_model.observe(num_tokens, seconds)
 
     def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
         """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
         (decodes and their draft tokens), within the step's ``token_budget``."""
         if num_decode_tokens == 0:
             return token_budget
-        step_tokens = self.model.max_tokens_within(self.max_itl_seconds)
+        step_tokens = self.prefill_model.max_tokens_within(self.max_itl_seconds)
+        if step_tokens is None:  # not two sizes of steps with prefill yet: every step's line
+            step_tokens = self.model.max_tokens_within(self.max_itl_seconds)
         if step_tokens is None:
             return token_budget
         return min(token_budget, max(self.min_prefill_tokens, step_tokens - num_decode_tokens))

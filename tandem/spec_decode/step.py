@@ -56,7 +56,8 @@ class SpeculativeStep:
         output = core.scheduler.schedule()
         deltas = self._run(output.chunks) if output.chunks else []
         if output.chunks:  # the step is synchronous: its tokens are on the host now
-            core.scheduler.record_step(output.num_tokens, time.perf_counter() - started)
+            core.scheduler.record_step(output.num_tokens, time.perf_counter() - started,
+                                       with_prefill=any(chunk.num_new_tokens > 1 for chunk in output.chunks))
         core.check_books()
         return deltas
 

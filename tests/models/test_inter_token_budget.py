@@ -86,6 +86,22 @@ def test_slow_steps_of_other_causes_do_not_starve_prefill():
     assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(fair, abs=2)
 
 
+def test_the_cap_follows_the_steps_with_prefill():
+    """Decode-only steps replay a graph; a step with a prompt chunk costs more than its tokens
+    say beside them. The cap predicts steps with prefill from those steps alone once they come
+    in two sizes (every step's line until then)."""
+    budget = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
+    for tokens in (1, 8, 16):  # decode-only steps, on the line
+        budget.observe(tokens, INTERCEPT + SLOPE * tokens)
+    budget.observe(500, 0.003 + INTERCEPT + SLOPE * 500, with_prefill=True)
+    every_step = budget.prefill_tokens(num_decode_tokens=20, token_budget=512)
+    assert every_step == budget.model.max_tokens_within(0.010) - 20  # one size of prefill steps: no line of its own
+    budget.observe(100, 0.003 + INTERCEPT + SLOPE * 100, with_prefill=True)
+    # a prefill step carries 3 ms more: 30 fewer tokens fit in 10 ms than the every-step line allowed
+    assert budget.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(80 - 30 - 20, abs=2)
+    assert every_step > 80 - 30 - 20 + 5
+
+
 def test_step_interval_measures_only_steps_the_host_waited_for():
     """On a GPU a read-back ends a step's interval only if the host waited for the device; its
     start is the step's scheduling or a previous read-back that waited too (a host that fell
@@ -210,8 +226,8 @@ def run_capped_engine(model_dir, oracle, **options) -> tuple[list, list]:
     scheduler = llm.engine.scheduler
     measured, steps = [], []
 
-    def record_step(num_tokens, seconds):
-        measured.append((num_tokens, seconds))
+    def record_step(num_tokens, seconds, with_prefill=False):
+        measured.append((num_tokens, seconds, with_prefill))
         scheduler.inter_token_budget.observe(num_tokens, INTERCEPT + SLOPE * num_tokens)
 
     schedule = scheduler.schedule
@@ -233,7 +249,7 @@ def run_capped_engine(model_dir, oracle, **options) -> tuple[list, list]:
     capped = [prefill for decoding, prefill, _ in steps if decoding and prefill]
     assert len(capped) >= 10 and max(capped) <= 16, steps  # prompts went one page a step beside decodes
     assert steps[0] == (0, 64, 64), steps  # nothing decoding yet: the whole budget
-    assert measured and all(seconds > 0 for _, seconds in measured)
+    assert measured and all(seconds > 0 for _, seconds, _ in measured)
     llm.engine.check_all_free()
     return steps, measured
 
@@ -244,7 +260,9 @@ def test_engine_stays_exact_with_the_cap_on(overlapped, model_dirs, oracles):
     plain loop and with the overlapped one (step N+1 scheduled before step N is read back, as on
     CUDA)."""
     steps, measured = run_capped_engine(model_dirs["llama"], oracles["llama"], async_scheduling=overlapped)
-    assert [tokens for tokens, _ in measured] == [tokens for _, _, tokens in steps]  # every step, timed
+    # every step timed, and the steps holding a prompt chunk told apart
+    assert [(tokens, with_prefill) for tokens, _, with_prefill in measured] == [
+        (tokens, prefill > 0) for _, prefill, tokens in steps]
 
 
 @pytest.mark.gpu
