@@ -30,11 +30,10 @@ import httpx
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 from benchmarks.common import model_dir_for  # noqa: E402
+from benchmarks.serve import checkout_environment  # noqa: E402
 
 PYTHON = sys.executable
-# The repository first, then whatever path this process was given (packages installed aside).
-ENVIRONMENT = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY_ROOT),
-                                                                     os.environ.get("PYTHONPATH")]))}
+ENVIRONMENT = checkout_environment()
 
 
 def start(arguments: list[str], log: Path, environment: dict | None = None) -> subprocess.Popen:

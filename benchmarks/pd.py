@@ -216,8 +216,7 @@ class Cluster:
         log = open(self.log_directory / f"{name}.log", "w")
         process = subprocess.Popen(
             [sys.executable, "-m", "tandem.entrypoints.cli", *arguments, "--port", str(port), "--log-level", "warning"],
-            cwd=REPOSITORY_ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])}, stdout=log,
+            cwd=REPOSITORY_ROOT, env=serve.checkout_environment(), stdout=log,
             stderr=subprocess.STDOUT)
         self.processes.append((process, log))
         return f"http://127.0.0.1:{port}", process

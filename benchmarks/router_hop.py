@@ -27,12 +27,12 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 import httpx
 
-from benchmarks.serve import SseConnection, free_port, make_prompts, percentile, stream_one
+from benchmarks.serve import SseConnection, checkout_environment, free_port, make_prompts, percentile, stream_one
 from tests.support.stand_ins import MODEL
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPOSITORY_ROOT,
-                            env={**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT)})
+                            env=checkout_environment())
 
 
 def wait_healthy(url: str, timeout: float = 60.0) -> None:

@@ -269,6 +269,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def checkout_environment() -> dict[str, str]:
+    """This process's environment for a child (a server a benchmark starts) that must import
+    this checkout: the checkout first on ``PYTHONPATH``, then whatever the caller had there
+    (packages installed outside the environment stay importable)."""
+    paths = [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 class LaunchedServer:
     """``tandem serve`` as a child process for the benchmark's lifetime (stopped with SIGINT)."""
 
@@ -277,9 +285,7 @@ class LaunchedServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--model", model_dir,
                    "--port", str(self.port), "--log-level", "warning", *engine_flags]
-        # the checkout first, then whatever the caller's path had (packages installed outside the environment)
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            part for part in (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH")) if part)}
+        environment = checkout_environment()
         self.log_file = open(log_path, "w")
         self.process = subprocess.Popen(command, cwd=REPOSITORY_ROOT, env=environment, stdout=self.log_file,
                                         stderr=subprocess.STDOUT)
