@@ -56,6 +56,7 @@ from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
 from tandem.transfer.nccl_links import CLOSE_WAIT_SECONDS, MAX_STAGING_BYTES, AgentInfo, PendingSend, ReaderLink, \
     WriterLink
 from tandem.transfer.pair_group import POLL_SECONDS, Rendezvous
+from tandem.transfer.peer_memory import peer_copies_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,14 @@ class NcclBackend(TransferBackend):
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
                  timeout: float = 120.0, direct_bytes: Optional[int] = None,
-                 staging_bytes: Optional[int] = None) -> None:
+                 staging_bytes: Optional[int] = None, peer_copies: Optional[bool] = None) -> None:
         """``connect_timeout``: how long pairing may take; ``timeout``: how long one write's
         operations may take once its header went out (a write to a pair still forming waits).
         ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
-        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives)."""
+        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives).
+        ``peer_copies``: whether this side's writes between GPUs ask the reader for peer copies
+        (default yes; $TANDEM_NCCL_PEER_COPIES=0 sends through NCCL, for comparison); read when
+        a pair forms."""
         direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
         staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
         if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):
@@ -78,6 +82,8 @@ class NcclBackend(TransferBackend):
         self._name, self.host = agent_name, host
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.direct_bytes, self.staging_bytes = direct_bytes, staging_bytes
+        self.peer_copies = peer_copies_wanted(peer_copies)
+        self.fallback_logged = False
         self.views = RegionViews()
         self.received: deque[tuple[str, bytes]] = deque()
         self.writers: dict[str, WriterLink] = {}
@@ -144,6 +150,14 @@ class NcclBackend(TransferBackend):
                 return False  # being sent: its pages stay held until it resolves
             item.cancelled = True
             return True
+
+    def note_fallback(self, peer: str, error: BaseException) -> None:
+        """A pair between GPUs could not open its reader's memory and sends through NCCL: said
+        once per backend at WARNING (the rate is NCCL's then), after that at DEBUG."""
+        level = logging.DEBUG if self.fallback_logged else logging.WARNING
+        self.fallback_logged = True
+        logger.log(level, "transfer (nccl): peer copies to %s are not possible (%s); its writes go through NCCL "
+                          "send/receive", peer, error)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         received = []

@@ -25,18 +25,23 @@ ON_TWO_GPUS = pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.
 
 
 @pytest.mark.parametrize("devices", [("cpu", "cpu"), ON_TWO_GPUS], ids=["cpu", "gpu"])
-@pytest.mark.parametrize("backend", ["nixl", "nccl"])
+@pytest.mark.parametrize("backend", ["nixl", "nccl", "nccl send/receive"])
 def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
     """Scattered pages (and one long run) and a row in one write: the moment the reader sees the
     notification, the pages and the row are all in place (checked then, before the writer is
     asked again). NCCL's segmenting is set small, so staged segments cycle through the staging
-    slots many times (the pipelined gather/scatter) and the long run goes in place."""
+    slots many times (the pipelined gather/scatter) and the long run goes in place. Between GPUs
+    "nccl" copies into the reader's memory; "nccl send/receive" is forced onto NCCL's sends."""
     if backend == "nixl" and devices[0] != "cpu":  # (a GPU image may lack NIXL's CUDA build; CI's CPU run needs it)
         pytest.importorskip("nixl", reason="NIXL's CUDA build is not installed")
-    options = dict(connect_timeout=5.0, timeout=5.0) if backend == "nccl" else {}
-    writer, reader = create_backend(backend, "writer", **options), create_backend(backend, "reader", **options)
-    if backend == "nccl":
+    if backend == "nccl send/receive" and devices[0] == "cpu":
+        pytest.skip("host memory always goes through gloo (the nccl case)")
+    name = backend.split()[0]
+    options = dict(connect_timeout=5.0, timeout=5.0) if name == "nccl" else {}
+    writer, reader = create_backend(name, "writer", **options), create_backend(name, "reader", **options)
+    if name == "nccl":
         writer.direct_bytes, writer.staging_bytes = 4 * PAGE, 2 * PAGE
+        writer.peer_copies = backend == "nccl"
     try:
         generator = torch.Generator().manual_seed(1)
         pages = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=generator).to(devices[0])
