@@ -8,9 +8,10 @@ are final when it is posted (``write``). Completion is polled; the
 engine never blocks on a backend.
 
 Backends (chosen by name in ``backends.py``): ``nixl`` (NIXL over UCX; host or GPU memory; the default) and ``nccl``
-(``torch.distributed`` point-to-point between the GPUs of one host, gloo between host memories:
-``write`` is a send paired with a receive the peer's thread posts, announced by a small header
-tensor that also carries the notification; ``nccl_backend.py``).
+(engines of one host: between GPUs ``write`` is copies into the reader's memory, opened over CUDA
+IPC at pairing, then one control frame with the notification; NCCL send/receive where that memory
+cannot be opened, and gloo between host memories: a send paired with a receive the peer's thread
+posts, announced by a header; ``nccl_backend.py``).
 
 Fault injection for tests: with ``failure_probability`` > 0 (``TANDEM_TEST_TRANSFER_FAILURE_PROB``)
 each write fails at random instead of being posted, exactly as a failed post would.

@@ -1,15 +1,23 @@
-"""The NCCL transfer backend: one-sided writes over ``torch.distributed`` point-to-point between
-paired engines of one host (NCCL between GPUs; gloo between host memories, so CI runs the same
-logic on a CPU).
+"""The NCCL backend: one-sided writes between paired engines of one host. Between GPUs the
+bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
+memory over CUDA IPC (``peer_memory.py``) and a write is one device copy per merged run into it,
+on the pair's own stream, then one control frame carrying the notification once the copies'
+event completed (no receive to post, no acknowledgement: the writer saw its copies finish).
+Where the reader's memory cannot be opened (its GPU not visible here, an allocator whose memory
+IPC cannot share; said once, at WARNING), where the writer is told not to
+(``peer_copies=False``, $TANDEM_NCCL_PEER_COPIES=0) and between host memories, the bytes go
+through ``torch.distributed`` point-to-point (NCCL between GPUs; gloo between host memories, so
+CI runs the same logic on a CPU), as described below.
 
-A write is a send on the writer paired with a receive the reader posts: the reader cannot know
+A send/receive write is a send on the writer paired with a receive the reader posts: the reader cannot know
 a write is coming, so every write first sends a small header over the pair's control connection
 (a TCP socket, ``pair_group.py``) naming the destination runs and the notification; the
 reader's thread for that pair waits for the next header, receives the data as the header
 describes, queues the notification once the bytes landed and acknowledges. Per pair and side
-one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
+one thread does all of it (peer copies too), so the engine loop only posts and polls (``WriteHandle``), never
 blocks. Pairs form in those threads too; the first write waits for that, and a tiny warm-up
-write at pairing sets up the NCCL connection, so the first real write pays no connection setup.
+write at pairing sets up the NCCL connection (peer copies: a read of the reader's memory sets up
+peer access), so the first real write pays no connection setup.
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
 ``byte_views.plan_segments`` says: a write of a few runs (every page-major write: one run per
@@ -25,7 +33,7 @@ between GPUs never waits on its sends (the reader's acknowledgement says every b
 Source bytes are final when ``write`` is called (the connector's contract): the sends do not
 wait on the engine's stream, so a write never queues behind forward passes launched after it.
 
-Wire format of one write, in order::
+Wire format of one send/receive write, in order::
 
     control  frame   MAGIC, number of runs n, notification length k, element size, the writer's
                      direct_bytes and staging_bytes (int64 each: the reader plans the same segments);
@@ -33,10 +41,12 @@ Wire format of one write, in order::
     data     one tensor per segment (n = 0: one warm-up element)
     control  frame   reader -> writer: "landed" (the write is DONE only then)
 
-Failure: a send or receive that raises fails its write (ERROR) and every later write on the
-pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end of
-the control stream, so the write fails at once instead of hanging; a data operation that never
-completes fails after ``timeout``.
+Failure: a send, receive or copy that raises fails its write (ERROR) and every later write on
+the pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end
+of the control stream (a writer with peer copies looks before each write), so the write fails at
+once instead of hanging; a data operation that never completes fails after ``timeout``. Writes
+with peer copies that were in flight when their pair failed end as ERROR only once their copies
+stopped (a copy still reading a write's source pages keeps the write pending: I2).
 """
 from __future__ import annotations
 
