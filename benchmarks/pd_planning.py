@@ -11,7 +11,8 @@ the benchmark's worst case; the engine plans each chunk as its pages become fina
 the device), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
 (``NixlBackend.write`` of a write of the last write's descriptors cut to 64 bytes each, host memory
 to host memory, where UCX copies while posting: what the descriptor lists and NIXL's request cost;
-each write is waited for outside the timing).
+each write is waited for outside the timing), ``nixl post 1 page`` and ``nixl prepared 1 page``
+(one whole page described afresh, and from the lists prepared at pairing: ``block_index.py``).
 """
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ def median_microseconds(step, rounds: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def nixl_post_microseconds(registry, descriptors_of, rounds: int) -> float:
-    """``NixlBackend.write`` alone (each write waited for afterwards, untimed), host memory."""
+def nixl_post_microseconds(registry, planner, descriptors_of, rounds: int, prepared: bool) -> float:
+    """``NixlBackend.write`` alone (each write waited for afterwards, untimed), host memory;
+    ``prepared``: from descriptor lists prepared for the planner's spans (as at a PD handshake)."""
     from tandem.transfer.backends import create_backend
+    from tandem.transfer.block_index import BlockRuns, Blocks
     from tandem.transfer.connector import WriteStatus
     from tandem.transfer.descriptors import buffer_regions
 
@@ -66,6 +69,11 @@ def nixl_post_microseconds(registry, descriptors_of, rounds: int) -> float:
         writer.register(regions)
         reader.register(regions)  # (one registry: the reader's pages are the writer's, as a loop-back)
         peer = writer.add_peer(reader.local_metadata())
+        if prepared:
+            pages = next(registry.buffers()).tensor.shape[0]
+            writer.prepare(peer, [BlockRuns(Blocks(span.local, span.stride, span.length, pages),
+                                            Blocks(span.remote, span.stride, span.length, pages))
+                                  for span in planner.spans])
         samples = []
         for round_number in range(rounds + 10):
             descriptors = descriptors_of()
@@ -119,13 +127,22 @@ def main(argv=None) -> int:
         "merge": median_microseconds(lambda: merge_adjacent(last), arguments.rounds),
     }
     if not arguments.skip_nixl and arguments.device == "cpu":
+        # the chunk's pages (each whole blocks, prepared or described) cut to their first 64 bytes
+        # for the described post (NIXL's shared memory copies while posting: the bytes would
+        # dominate); the prepared post moves the chunk's first page (a prepared write is whole blocks)
         small = [(source, destination, 64) for source, destination, _ in planner.plan(chunk).descriptors]
-        measured["nixl post"] = nixl_post_microseconds(registry, lambda: small, min(arguments.rounds, 300))
+        first_page = planner.plan([chunk[0][:1]]).descriptors
+        rounds = min(arguments.rounds, 300)
+        measured["nixl post"] = nixl_post_microseconds(registry, planner, lambda: small, rounds, prepared=False)
+        measured["nixl post 1 page"] = nixl_post_microseconds(registry, planner, lambda: first_page, rounds,
+                                                              prepared=False)
+        measured["nixl prepared 1 page"] = nixl_post_microseconds(registry, planner, lambda: first_page, rounds,
+                                                                  prepared=True)
     size = planner.plan(prompt).num_bytes
     print(f"{arguments.shape}, {arguments.tokens} tokens ({pages} pages, {size / 2**20:.0f} MiB), "
           f"chunk {arguments.chunk_tokens}, {arguments.device}:")
     for name, microseconds in measured.items():
-        print(f"  {name:<11} {microseconds:8.1f} us")
+        print(f"  {name:<21} {microseconds:8.1f} us")
     return 0
 
 

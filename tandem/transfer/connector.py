@@ -89,6 +89,12 @@ class TransferBackend(abc.ABC):
     def notifications(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) of every notification received since the last call."""
 
+    def prepare(self, peer: str, runs: list, local_device: int = -1, remote_device: int = -1) -> None:
+        """Optional: the blocks writes to ``peer`` will move (``block_index.BlockRuns``: a state
+        group's pages on both sides, the metadata rows), told once when the peer is added, so a
+        backend may describe them ahead of time and a write of whole blocks costs less to post.
+        Writes stay correct whether or not a backend does anything with it."""
+
     def close(self) -> None:
         """Release the agent (registered memory stays owned by its tensors)."""
 

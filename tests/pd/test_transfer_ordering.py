@@ -132,6 +132,8 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         assert rows.tensor.device == next(side.registry.buffers()).tensor.device  # beside the pages
         assert len(last) > 1  # the second chunk's pages travel with the row
         assert all(status is WriteStatus.DONE for status in earlier)  # posted once every earlier write was done
+        if backend == "nixl":  # every page write and the last one came from the lists prepared at the handshake
+            assert side.agent.backend.prepared_writes == len(writes)
         pair.settle()
         pair.assert_all_free()
         writes_resolved = [key for _, key in outcomes if not key.startswith("warm-up:") and key not in side.peers]
