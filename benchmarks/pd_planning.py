@@ -9,10 +9,9 @@ Rows (median microseconds over ``--rounds``): ``plan`` (``WritePlanner.plan`` of
 the benchmark's worst case; the engine plans each chunk as its pages become final), ``plan chunk``
 (one ``--chunk-tokens`` chunk), ``row`` (``MetadataBuffer.write``: on a GPU, until the row is on
 the device), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
-(``NixlBackend.write`` of a write of the last write's descriptors cut to 64 bytes each, host memory
-to host memory, where UCX copies while posting: what the descriptor lists and NIXL's request cost;
-each write is waited for outside the timing), ``nixl post 1 page`` and ``nixl prepared 1 page``
-(one whole page described afresh, and from the lists prepared at pairing: ``block_index.py``).
+(``NixlBackend.write`` of a chunk's run of blocks and a metadata row, described afresh or from the
+lists prepared at pairing, ``block_index.py``; blocks of 64 bytes, so that the post's own cost
+shows: see ``nixl_post_microseconds``).
 """
 from __future__ import annotations
 
@@ -55,28 +54,36 @@ def median_microseconds(step, rounds: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def nixl_post_microseconds(registry, planner, descriptors_of, rounds: int, prepared: bool) -> float:
-    """``NixlBackend.write`` alone (each write waited for afterwards, untimed), host memory;
-    ``prepared``: from descriptor lists prepared for the planner's spans (as at a PD handshake)."""
+def nixl_post_microseconds(block_count: int, blocks_per_write: int, rounds: int, prepared: bool) -> float:
+    """``NixlBackend.write`` alone (each write waited for afterwards, untimed), host memory to host
+    memory, of one run of ``blocks_per_write`` blocks and a metadata row, as a PD page write's
+    last write is: blocks of 64 bytes (NIXL's shared memory copies while posting: real pages'
+    bytes would hide what describing the write costs); ``prepared``: from descriptor lists
+    prepared once (as at a PD handshake), else described afresh."""
+    import torch
+
     from tandem.transfer.backends import create_backend
     from tandem.transfer.block_index import BlockRuns, Blocks
     from tandem.transfer.connector import WriteStatus
-    from tandem.transfer.descriptors import buffer_regions
+    from tandem.transfer.descriptors import tensor_region
 
+    block = 64
+    pages, target = torch.zeros(block_count * block, dtype=torch.uint8), torch.zeros(block_count * block, dtype=torch.uint8)
+    rows, target_rows = torch.zeros(4 * block, dtype=torch.uint8), torch.zeros(4 * block, dtype=torch.uint8)
     writer, reader = create_backend("nixl", "plan-writer"), create_backend("nixl", "plan-reader")
     try:
-        regions = buffer_regions(registry)
-        writer.register(regions)
-        reader.register(regions)  # (one registry: the reader's pages are the writer's, as a loop-back)
+        writer.register([tensor_region(pages), tensor_region(rows)])
+        reader.register([tensor_region(target), tensor_region(target_rows)])
         peer = writer.add_peer(reader.local_metadata())
         if prepared:
-            pages = next(registry.buffers()).tensor.shape[0]
-            writer.prepare(peer, [BlockRuns(Blocks(span.local, span.stride, span.length, pages),
-                                            Blocks(span.remote, span.stride, span.length, pages))
-                                  for span in planner.spans])
+            writer.prepare(peer, [BlockRuns(Blocks(pages.data_ptr(), block, block, block_count),
+                                            Blocks(target.data_ptr(), block, block, block_count)),
+                                  BlockRuns(Blocks(rows.data_ptr(), block, block, 4),
+                                            Blocks(target_rows.data_ptr(), block, block, 4))])
+        descriptors = [(pages.data_ptr() + 3 * block, target.data_ptr() + 7 * block, blocks_per_write * block),
+                       (rows.data_ptr(), target_rows.data_ptr() + block, block)]
         samples = []
         for round_number in range(rounds + 10):
-            descriptors = descriptors_of()
             started = time.perf_counter()
             handle = writer.write(peer, descriptors, notification=b"done")
             posted = time.perf_counter() - started
@@ -88,6 +95,8 @@ def nixl_post_microseconds(registry, planner, descriptors_of, rounds: int, prepa
             reader.notifications()
             if round_number >= 10:
                 samples.append(posted)
+        if prepared and writer.prepared_writes != rounds + 10:
+            raise RuntimeError("the writes did not come from the prepared lists")
         return statistics.median(samples) * 1e6
     finally:
         writer.close()
@@ -127,17 +136,10 @@ def main(argv=None) -> int:
         "merge": median_microseconds(lambda: merge_adjacent(last), arguments.rounds),
     }
     if not arguments.skip_nixl and arguments.device == "cpu":
-        # the chunk's pages (each whole blocks, prepared or described) cut to their first 64 bytes
-        # for the described post (NIXL's shared memory copies while posting: the bytes would
-        # dominate); the prepared post moves the chunk's first page (a prepared write is whole blocks)
-        small = [(source, destination, 64) for source, destination, _ in planner.plan(chunk).descriptors]
-        first_page = planner.plan([chunk[0][:1]]).descriptors
-        rounds = min(arguments.rounds, 300)
-        measured["nixl post"] = nixl_post_microseconds(registry, planner, lambda: small, rounds, prepared=False)
-        measured["nixl post 1 page"] = nixl_post_microseconds(registry, planner, lambda: first_page, rounds,
-                                                              prepared=False)
-        measured["nixl prepared 1 page"] = nixl_post_microseconds(registry, planner, lambda: first_page, rounds,
-                                                                  prepared=True)
+        rounds, blocks = min(arguments.rounds, 300), arguments.chunk_tokens // arguments.page_size
+        for prepared in (False, True):
+            name = f"nixl post {'prepared' if prepared else 'described'}"
+            measured[name] = nixl_post_microseconds(2 * pages + 8, blocks, rounds, prepared)
     size = planner.plan(prompt).num_bytes
     print(f"{arguments.shape}, {arguments.tokens} tokens ({pages} pages, {size / 2**20:.0f} MiB), "
           f"chunk {arguments.chunk_tokens}, {arguments.device}:")

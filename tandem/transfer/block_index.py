@@ -18,8 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import bisect
+
 import numpy as np
 
+FEW_DESCRIPTORS = 16  # a write of at most this many descriptors is mapped in plain Python (numpy's
+# per-call cost is tens of microseconds; a page-major write is a run per group and a row)
 MAX_PREPARED_BLOCKS = 1 << 20  # per side: more is not prepared (layer-major pools of a large pool)
 
 
@@ -70,12 +74,44 @@ class BlockIndex:
         self.remote_count = column([run.remote.count for run in runs])
         self.local_first = column(list(first_local))
         self.remote_first = column(list(first_remote))
+        # the same columns as Python lists, for ``few_indices``
+        self.columns = [column.tolist() for column in (self.local_address, self.remote_address, self.stride,
+                                                       self.length, self.local_count, self.remote_count,
+                                                       self.local_first, self.remote_first)]
 
-    def indices(self, descriptors: list[tuple[int, int, int]]) -> Optional[tuple[np.ndarray, np.ndarray]]:
-        """int32 local and remote indices of every block the descriptors cover, in descriptor
-        order; None unless every descriptor is whole blocks of one run on both sides."""
+    def indices(self, descriptors: list[tuple[int, int, int]]) -> Optional[tuple]:
+        """Local and remote indices (lists, or int32 arrays for many descriptors) of every block
+        the descriptors cover, in descriptor order; None unless every descriptor is whole blocks
+        of one run on both sides."""
         if not descriptors or not len(self.stride):
             return None
+        if len(descriptors) <= FEW_DESCRIPTORS:
+            return self.few_indices(descriptors)
+        return self.many_indices(descriptors)
+
+    def few_indices(self, descriptors: list[tuple[int, int, int]]) -> Optional[tuple[list[int], list[int]]]:
+        """``indices`` one descriptor at a time."""
+        addresses, remote_addresses, strides, lengths, local_counts, remote_counts, local_firsts, remote_firsts = \
+            self.columns
+        local: list[int] = []
+        remote: list[int] = []
+        for source, destination, length in descriptors:
+            run = bisect.bisect_right(addresses, source) - 1
+            if run < 0:
+                return None
+            stride, extra = strides[run], length - lengths[run]
+            local_offset, remote_offset = source - addresses[run], destination - remote_addresses[run]
+            if extra < 0 or extra % stride or local_offset % stride or remote_offset < 0 or remote_offset % stride:
+                return None
+            count, local_block, remote_block = extra // stride + 1, local_offset // stride, remote_offset // stride
+            if local_block + count > local_counts[run] or remote_block + count > remote_counts[run]:
+                return None
+            local.extend(range(local_firsts[run] + local_block, local_firsts[run] + local_block + count))
+            remote.extend(range(remote_firsts[run] + remote_block, remote_firsts[run] + remote_block + count))
+        return local, remote
+
+    def many_indices(self, descriptors: list[tuple[int, int, int]]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """``indices`` of many descriptors at once (int32 arrays)."""
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         source, destination, length = table[:, 0], table[:, 1], table[:, 2]
         run = np.searchsorted(self.local_address, source, side="right") - 1
