@@ -60,6 +60,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     import torch
     from benchmarks.pd import allocate_pages, answer_notifications, build_state
 
+    from tandem.disagg.pd_ranks import page_counts
     from tandem.transfer.backends import create_backend
     from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
     from tandem.transfer.metadata import MetadataBuffer
@@ -81,7 +82,8 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
             metadata = metadata_of[name]
             backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
             to_prefill.put(("ready", backend.local_metadata(), buffer_addresses(core.registry), regions[0].device,
-                            metadata.address(0), tables, scratch.data_ptr()))
+                            metadata.address(0), tables, scratch.data_ptr(), page_counts(core.registry),
+                            [metadata.address(0), metadata.row_bytes, metadata.num_rows]))
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
             continue
@@ -138,6 +140,8 @@ same backend forced onto NCCL send/receive, TANDEM_NCCL_PEER_COPIES=0):
                   several requests in flight help?)
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
+  nixl described  the PD write with NIXL's lists prepared at pairing dropped: every write described
+                  afresh (initialize_xfer), as before they were prepared
   nccl-sendrecv D/S  the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
                   >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends;
                   a write of at most four runs, every page-major one, goes in place whatever they are)
@@ -172,7 +176,11 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     from tandem.transfer.messages import done_notification, new_room
     from tandem.transfer.metadata import MetadataRow
 
-    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch = message
+    from tandem.disagg.pd_ranks import block_runs
+    from tandem.transfer.messages import RankAgent
+
+    (_, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch, remote_pages,
+     remote_row_geometry) = message
     backend = create_backend(backend_kind(name), f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
     if name == SEND_RECEIVE:
         backend.peer_copies = False  # (read when the pair forms: add_peer below)
@@ -184,6 +192,11 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
         backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
         peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
+        # as at a PD handshake (``RankTransfers.add_peer``): NIXL prepares the page blocks and rows
+        backend.prepare(peer, block_runs(core.registry, planner, RankAgent(peer_metadata, remote_addresses, remote_device,
+                                                                           0, remote_pages, remote_row_geometry),
+                                         [metadata.address(0), metadata.row_bytes, metadata.num_rows]),
+                        local_device, remote_device)
 
         def wait(handle, times: dict) -> None:
             while backend.poll(handle) is WriteStatus.PENDING:
@@ -226,6 +239,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
 
         def one_round(mode: str) -> dict:
             times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
+            prepared_before = getattr(backend, "prepared_writes", 0)
             started = time.perf_counter()
             if mode == "one descriptor":
                 descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
@@ -262,17 +276,23 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             else:
                 timed_write(descriptors, times, done_notification(room) if notified else b"")
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+            prepared = getattr(backend, "prepared_writes", 0) - prepared_before
             if notified:
                 from_prefill.put("go")
                 if to_prefill.get(timeout=deadline.left(60)) != "seen":
                     raise RuntimeError("the decode process did not see the notification")
-            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted, **times}
+            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted,
+                    "prepared": prepared, **times}
 
         measured = {}
         runs = [(f"{name} {suffix}".strip(), mode, None) for suffix, mode in MODES.items()]
         runs += [(f"{name} {d:g}/{s:g}", "pd", (d, s)) for d, s in variants]
+        if name == "nixl":  # last: the PD write with NIXL's prepared lists dropped (described afresh, as before)
+            runs.append(("nixl described", "pd", "described"))
         for label, mode, segmenting in runs:
-            if segmenting is not None:
+            if segmenting == "described":
+                backend.prepare(peer, [])  # (drops the lists prepared at pairing)
+            elif segmenting is not None:
                 backend.direct_bytes, backend.staging_bytes = int(segmenting[0] * 2**20), int(segmenting[1] * 2**20)
             try:
                 one_round(mode)  # the first write (connection set up at pairing, staging allocated)
@@ -280,7 +300,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 measured[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
                 # (every round moves the same bytes; a median of an even count would be a float)
                 measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"],
-                                       sends=results[0]["sends"])
+                                       sends=results[0]["sends"], prepared=results[0]["prepared"])
             except Exception as error:  # noqa: BLE001 - a mode that fails ends the pair
                 measured[label] = {"error": f"{type(error).__name__}: {error}"}
                 break
@@ -369,6 +389,8 @@ def describe_bandwidth(result: dict) -> str:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
     split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if result.get("prepared"):
+        split += f"; {result['prepared']:g} of its writes from NIXL's prepared lists"
     if "nixl post" in result:
         split += (f"; NIXL's own: post {result['nixl post'] * 1e3:.3f}, transfer {result['nixl transfer'] * 1e3:.3f}"
                   f" ({result['nixl descriptors']:g} descriptors after its merging)")
