@@ -177,7 +177,10 @@ def open_region(share: RegionShare, memory: PeerMemory) -> torch.Tensor:
     offset = share.address - share.storage_address
     if offset < 0 or offset + share.length > share.storage_bytes:
         raise ValueError(f"the region at {share.address:#x} lies outside its storage")
-    return region_view(MemoryRegion(storage.data_ptr() + offset, share.length, memory.device))
+    # a view of the opened storage itself (torch sees it on ``memory.device``, where it was opened):
+    # not through its address, whose device CUDA would report as the reader's GPU
+    view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{memory.device}")
+    return view.set_(storage, offset, (share.length,))
 
 
 def release_counters(shares: list[RegionShare]) -> None:
