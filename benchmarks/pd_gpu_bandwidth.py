@@ -193,10 +193,9 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
         peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
         # as at a PD handshake (``RankTransfers.add_peer``): NIXL prepares the page blocks and rows
-        backend.prepare(peer, block_runs(core.registry, planner, RankAgent(peer_metadata, remote_addresses, remote_device,
-                                                                           0, remote_pages, remote_row_geometry),
-                                         [metadata.address(0), metadata.row_bytes, metadata.num_rows]),
-                        local_device, remote_device)
+        remote_agent = RankAgent(peer_metadata, remote_addresses, remote_device, 0, remote_pages, remote_row_geometry)
+        local_rows = [metadata.address(0), metadata.row_bytes, metadata.num_rows]
+        backend.prepare(peer, block_runs(core.registry, planner, remote_agent, local_rows), local_device, remote_device)
 
         def wait(handle, times: dict) -> None:
             while backend.poll(handle) is WriteStatus.PENDING:

@@ -68,7 +68,8 @@ def nixl_post_microseconds(block_count: int, blocks_per_write: int, rounds: int,
     from tandem.transfer.descriptors import tensor_region
 
     block = 64
-    pages, target = torch.zeros(block_count * block, dtype=torch.uint8), torch.zeros(block_count * block, dtype=torch.uint8)
+    pages = torch.zeros(block_count * block, dtype=torch.uint8)
+    target = torch.zeros(block_count * block, dtype=torch.uint8)
     rows, target_rows = torch.zeros(4 * block, dtype=torch.uint8), torch.zeros(4 * block, dtype=torch.uint8)
     writer, reader = create_backend("nixl", "plan-writer"), create_backend("nixl", "plan-reader")
     try:

@@ -20,7 +20,7 @@ from tandem.disagg.pd_ranks import RankFanOut
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
 from tandem.transfer.control import ControlChannel
-from tandem.transfer.descriptors import describe_layout, tensor_region
+from tandem.transfer.descriptors import describe_layout
 from tandem.transfer.metadata import MetadataBuffer
 from tandem.step_context import StepContext
 

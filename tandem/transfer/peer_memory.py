@@ -13,8 +13,8 @@ registered region may be a view into a larger storage, itself inside a larger se
     ^ segment base  ^ storage (storage offset)  ^ region (region.address - storage address)
 
 The writer opens each storage once (``open_peer_memory``: ``_new_shared_cuda`` in the writer's
-own device context, once the reader's GPU, named by UUID, is found visible here) and keeps a byte view per region, looked up by the
-reader's addresses, so a write's destinations are checked against, and can only ever land in,
+own device context, once the reader's GPU, named by UUID, is found visible here) and keeps a
+byte view per region, looked up by the reader's addresses, so a write's destinations are checked against, and can only ever land in,
 the regions the reader offered. A writer in the reader's own process (tests, a 1P1D pair in one
 process) uses the reader's addresses as they are: a process cannot open its own IPC handles.
 

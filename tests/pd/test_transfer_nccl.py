@@ -172,8 +172,8 @@ def test_peer_copies_land_before_their_notifications_with_many_writes_in_flight(
     pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE)
     try:
         torch.cuda.synchronize("cuda:0")
-        writes = [pair.pages([(8 * k, 8 * k + 1), (8 * k + 1, 8 * k + 2)]) + pair.pages([(8 * k + 4, 8 * k + 5)], pages=2)
-                  for k in range(8)]
+        writes = [pair.pages([(8 * k, 8 * k + 1), (8 * k + 1, 8 * k + 2)])
+                  + pair.pages([(8 * k + 4, 8 * k + 5)], pages=2) for k in range(8)]
         handles = [pair.writer.write(pair.peer, descriptors, notification=f"w{k}".encode(), local_device=0,
                                      remote_device=1) for k, descriptors in enumerate(writes)]
         seen, checked = [], set()
@@ -313,7 +313,8 @@ def test_peer_copies_open_the_readers_memory_over_cuda_ipc():
         writer.register([tensor_region(source)])
         peer = writer.add_peer(metadata)
         torch.cuda.synchronize("cuda:0")
-        for offsets in ([(0, 0, num_bytes)], [(3 * PAGE, 40 * PAGE, 5 * PAGE), (9 * PAGE, 2 * PAGE, PAGE), (63 * PAGE, 63 * PAGE, PAGE)]):
+        scattered = [(3 * PAGE, 40 * PAGE, 5 * PAGE), (9 * PAGE, 2 * PAGE, PAGE), (63 * PAGE, 63 * PAGE, PAGE)]
+        for offsets in ([(0, 0, num_bytes)], scattered):
             from_writer.put(offsets)
             descriptors = [(source.data_ptr() + s, target_address + d, n) for s, d, n in offsets]
             handle = writer.write(peer, descriptors, notification=b"landed", local_device=0, remote_device=1)
