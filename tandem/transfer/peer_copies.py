@@ -89,13 +89,12 @@ class PeerCopies:
         the pair or a run lies outside the memory either side registered."""
         item.timings["taken"] = item.timings["header"] = time.perf_counter()
         ensure_open(connection)
-        descriptors = item.descriptors
-        lengths = [length for _, _, length in descriptors]
-        self.memory.check([destination for _, destination, _ in descriptors], lengths)
-        sources.check([source for source, _, _ in descriptors], lengths)
+        # every run's views first: one outside either side's memory raises before anything is copied
+        runs = [(self.memory.view(destination, length), sources.view(source, length))
+                for source, destination, length in item.descriptors]
         with self.streams():
-            for source, destination, length in descriptors:
-                self.memory.view(destination, length).copy_(sources.view(source, length), non_blocking=True)
+            for target, source in runs:
+                target.copy_(source, non_blocking=True)
         item.event = torch.cuda.Event()
         item.event.record(self.stream)
         item.timings["posted"] = time.perf_counter()
