@@ -126,13 +126,9 @@ class PeerMemory:
     views: RegionViews = field(default_factory=RegionViews)
     storages: list = field(default_factory=list)  # the opened IPC storages: the mapping lives while they do
 
-    def check(self, addresses: list[int], lengths: list[int]) -> None:
-        """ValueError unless every (reader address, length) lies inside one offered region."""
-        self.views.check(addresses, lengths)
-
     def view(self, address: int, length: int) -> torch.Tensor:
         """The reader's bytes ``address`` .. ``address + length`` (reader addresses), as a byte
-        tensor on the reader's GPU in this process."""
+        tensor on ``device``; ValueError unless they lie inside one offered region."""
         return self.views.view(address, length)
 
     def release(self) -> None:
