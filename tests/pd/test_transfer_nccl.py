@@ -333,6 +333,36 @@ def test_peer_copies_open_the_readers_memory_over_cuda_ipc():
             child.kill()
 
 
+def test_an_offer_that_cannot_be_made_says_why_and_a_closed_reader_is_seen_before_copying():
+    """The pieces of peer copies that need no GPU: a reader that cannot share its memory sends the
+    reason (msgpack, no pickle), which opening raises (the writer then falls back to NCCL); the
+    writer's look at the control connection passes while the reader is there, and fails once
+    it closed (or sent what it never sends)."""
+    import socket
+
+    from tandem.transfer.peer_copies import ensure_open
+    from tandem.transfer.peer_memory import PROCESS_ID, PeerOffer, offer_regions, open_peer_memory
+
+    region = tensor_region(torch.zeros(8, dtype=torch.uint8))  # (host memory: never shareable over CUDA IPC)
+    offer = PeerOffer.decode(offer_regions([region], 0, "another process").encode())
+    assert offer.reason.startswith("the reader could not share its memory") and not offer.regions
+    assert offer.process == PROCESS_ID
+    with pytest.raises(RuntimeError, match="could not share"):
+        open_peer_memory(offer, 0)
+    writer_end, reader_end = socket.socketpair()
+    try:
+        ensure_open(writer_end)  # the reader is there and silent
+        reader_end.sendall(b"x")
+        with pytest.raises(RuntimeError, match="unexpected data"):
+            ensure_open(writer_end)
+        writer_end.recv(1)
+        reader_end.close()
+        with pytest.raises(ConnectionResetError):
+            ensure_open(writer_end)
+    finally:
+        writer_end.close()
+
+
 def test_injected_failure_is_an_error_and_nothing_moves():
     writer = create_backend("nccl", "w", failure_probability=1.0, seed=0)
     try:
