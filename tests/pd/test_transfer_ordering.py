@@ -29,16 +29,16 @@ def on_gpus(backend: str):
 
 @pytest.mark.parametrize("backend,devices", [
     pytest.param("nixl", ("cpu", "cpu"), id="nixl-cpu"), pytest.param("nccl", ("cpu", "cpu"), id="nccl-cpu"),
-    on_gpus("nixl"), on_gpus("nccl"), on_gpus("nccl send/receive")])
+    on_gpus("nixl"), on_gpus("nccl"), on_gpus("nccl-sendrecv")])
 def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
     """Scattered pages (and one long run) and a row in one write: the moment the reader sees the
     notification, the pages and the row are all in place (checked then, before the writer is
     asked again). NCCL's segmenting is set small, so staged segments cycle through the staging
     slots many times (the pipelined gather/scatter) and the long run goes in place. Between GPUs
-    "nccl" copies into the reader's memory; "nccl send/receive" is forced onto NCCL's sends."""
+    "nccl" copies into the reader's memory; "nccl-sendrecv" is forced onto NCCL's sends."""
     if backend == "nixl" and devices[0] != "cpu":  # (a GPU image may lack NIXL's CUDA build; CI's CPU run needs it)
         pytest.importorskip("nixl", reason="NIXL's CUDA build is not installed")
-    name = backend.split()[0]
+    name = backend.split("-")[0]
     options = dict(connect_timeout=5.0, timeout=5.0) if name == "nccl" else {}
     writer, reader = create_backend(name, "writer", **options), create_backend(name, "reader", **options)
     if name == "nccl":
