@@ -1,8 +1,8 @@
 """Writes of whole blocks from descriptor lists prepared at pairing (``block_index.py``; NIXL's
 ``prep_xfer_dlist`` + ``make_prepped_xfer``): the indices a write maps to are exactly the blocks
 it covers (against a block-by-block enumeration), anything that is not whole blocks of one run
-is left to the described path, and through NIXL (host memory, on this CPU) prepared writes land
-byte for byte with their notification after them, as described writes do."""
+is left to the described path, and through NIXL (host memory on this CPU; between two GPUs, marked
+gpu) prepared writes land byte for byte with their notification after them, as described writes do."""
 import os
 import random
 import time
@@ -86,7 +86,12 @@ def test_whole_blocks_map_to_their_indices_and_anything_else_to_none():
 BLOCK, ROW = 256, 96
 
 
-def test_nixl_writes_from_prepared_lists_land_before_their_notification():
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize("devices", [("cpu", "cpu"), pytest.param(("cuda:0", "cuda:1"), marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")])], ids=["cpu", "gpu"])
+def test_nixl_writes_from_prepared_lists_land_before_their_notification(devices):
     pytest.importorskip("nixl", reason="NIXL is not installed")
     from tandem.transfer.backends import create_backend
     from tandem.transfer.connector import WriteStatus
@@ -95,16 +100,20 @@ def test_nixl_writes_from_prepared_lists_land_before_their_notification():
     writer, reader = create_backend("nixl", "prepared-writer"), create_backend("nixl", "prepared-reader")
     try:
         generator = torch.Generator().manual_seed(3)
-        pages = torch.randint(0, 256, (32 * BLOCK,), dtype=torch.uint8, generator=generator)
-        rows = torch.randint(0, 256, (4 * ROW,), dtype=torch.uint8, generator=generator)
-        target_pages, target_rows = torch.zeros(48 * BLOCK, dtype=torch.uint8), torch.zeros(6 * ROW, dtype=torch.uint8)
+        pages = torch.randint(0, 256, (32 * BLOCK,), dtype=torch.uint8, generator=generator).to(devices[0])
+        rows = torch.randint(0, 256, (4 * ROW,), dtype=torch.uint8, generator=generator).to(devices[0])
+        target_pages = torch.zeros(48 * BLOCK, dtype=torch.uint8, device=devices[1])
+        target_rows = torch.zeros(6 * ROW, dtype=torch.uint8, device=devices[1])
+        local_device, remote_device = (pages.device.index, target_pages.device.index) if pages.is_cuda else (-1, -1)
+        if pages.is_cuda:
+            torch.cuda.synchronize(devices[0])  # (sources final when posted)
         writer.register([tensor_region(pages), tensor_region(rows)])
         reader.register([tensor_region(target_pages), tensor_region(target_rows)])
         peer = writer.add_peer(reader.local_metadata())
         writer.prepare(peer, [BlockRuns(Blocks(pages.data_ptr(), BLOCK, BLOCK, 32),
                                         Blocks(target_pages.data_ptr(), BLOCK, BLOCK, 48)),
                               BlockRuns(Blocks(rows.data_ptr(), ROW, ROW, 4),
-                                        Blocks(target_rows.data_ptr(), ROW, ROW, 6))])
+                                        Blocks(target_rows.data_ptr(), ROW, ROW, 6))], local_device, remote_device)
 
         def page_run(source: int, destination: int, count: int):
             return (pages.data_ptr() + source * BLOCK, target_pages.data_ptr() + destination * BLOCK, count * BLOCK)
@@ -114,7 +123,8 @@ def test_nixl_writes_from_prepared_lists_land_before_their_notification():
                   [(pages.data_ptr() + 7, target_pages.data_ptr() + 30 * BLOCK, 100)]]  # a part of one: described
         for number, descriptors in enumerate(writes):
             prepared_before = writer.prepared_writes
-            handle = writer.write(peer, descriptors, notification=f"n{number}".encode())
+            handle = writer.write(peer, descriptors, notification=f"n{number}".encode(), local_device=local_device,
+                                  remote_device=remote_device)
             deadline, seen = time.monotonic() + 20, []
             while not seen:
                 assert time.monotonic() < deadline
@@ -126,7 +136,7 @@ def test_nixl_writes_from_prepared_lists_land_before_their_notification():
                     target_pages.numel() else target_rows
                 origin = pages if pages.data_ptr() <= source < pages.data_ptr() + pages.numel() else rows
                 begin, start = destination - target.data_ptr(), source - origin.data_ptr()
-                assert torch.equal(target[begin:begin + length], origin[start:start + length])
+                assert torch.equal(target[begin:begin + length].cpu(), origin[start:start + length].cpu())
             while writer.poll(handle) is WriteStatus.PENDING:
                 assert time.monotonic() < deadline
             assert handle.status is WriteStatus.DONE and writer.release(handle)
