@@ -25,15 +25,16 @@ import select
 import socket
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from tandem.transfer.byte_views import RegionViews
 from tandem.transfer.peer_memory import PeerMemory, PeerOffer, open_peer_memory
 
-if TYPE_CHECKING:
-    from tandem.transfer.nccl_links import PendingSend
+# a queued write (``nccl_links.PendingSend``: descriptors, notification, timings, event); not
+# imported, so that this module stays below the links that use it
+QueuedWrite = Any
 
 ASK_COPIES = b"tandem-copies?"  # writer -> reader at pairing, followed by the writer's process id
 CHOOSE_COPIES = b"tandem-copies"  # writer -> reader: the pair moves bytes by peer copies
@@ -84,7 +85,7 @@ class PeerCopies:
             probe[:count].copy_(self.memory.view(regions[0].address, count), non_blocking=True)
         self.stream.synchronize()
 
-    def start(self, item: "PendingSend", sources: RegionViews, connection: socket.socket) -> None:
+    def start(self, item: QueuedWrite, sources: RegionViews, connection: socket.socket) -> None:
         """Post ``item``'s copies and its event. Raises (nothing posted) when the reader closed
         the pair or a run lies outside the memory either side registered."""
         item.timings["taken"] = item.timings["header"] = time.perf_counter()
@@ -99,7 +100,7 @@ class PeerCopies:
         item.event.record(self.stream)
         item.timings["posted"] = time.perf_counter()
 
-    def landed(self, item: "PendingSend") -> bool:
+    def landed(self, item: QueuedWrite) -> bool:
         """Whether ``item``'s copies completed; TimeoutError once they took over ``timeout``."""
         if item.event.query():
             item.timings["drained"] = time.perf_counter()
@@ -109,7 +110,7 @@ class PeerCopies:
         return False
 
     @staticmethod
-    def pause(item: "PendingSend") -> None:
+    def pause(item: QueuedWrite) -> None:
         """Between polls of ``item``: yield only while a write of a few hundred MiB could still
         be landing (a sleep oversleeps by tens of microseconds), then sleep briefly."""
         waited = time.perf_counter() - item.timings["posted"]
