@@ -18,6 +18,22 @@ import time
 import traceback
 
 QUEUE_SECONDS = 240
+# the NCCL backend forced onto NCCL send/receive between GPUs (the "nccl" rows copy into the
+# reader's memory over CUDA IPC): measured beside it, with the same reader
+SEND_RECEIVE = "nccl-sendrecv"
+
+
+def backend_kind(name: str) -> str:
+    """The transfer backend a measured name runs (``SEND_RECEIVE`` is the NCCL backend)."""
+    return "nccl" if name == SEND_RECEIVE else name
+
+
+def bandwidth_backends(backends: list[str], device: str) -> list[str]:
+    """The backends part 1 measures: those asked for, and NCCL's send/receive path beside its peer
+    copies where the legs are GPUs (in host memory both are gloo)."""
+    if "nccl" in backends and device.startswith("cuda"):
+        return [*backends, SEND_RECEIVE]
+    return list(backends)
 
 
 class Deadline:
@@ -44,6 +60,7 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
     import torch
     from benchmarks.pd import allocate_pages, answer_notifications, build_state
 
+    from tandem.disagg.pd_ranks import page_counts
     from tandem.transfer.backends import create_backend
     from tandem.transfer.descriptors import buffer_addresses, buffer_regions, tensor_region
     from tandem.transfer.metadata import MetadataBuffer
@@ -61,11 +78,12 @@ def decode_worker(arguments: dict, to_prefill, from_prefill) -> None:
         return
     for name in arguments["backends"]:
         try:
-            backend = create_backend(name, f"bench-decode-{name}-{os.getpid()}")
+            backend = create_backend(backend_kind(name), f"bench-decode-{name}-{os.getpid()}")
             metadata = metadata_of[name]
             backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
             to_prefill.put(("ready", backend.local_metadata(), buffer_addresses(core.registry), regions[0].device,
-                            metadata.address(0), tables, scratch.data_ptr()))
+                            metadata.address(0), tables, scratch.data_ptr(), page_counts(core.registry),
+                            [metadata.address(0), metadata.row_bytes, metadata.num_rows]))
         except Exception:  # noqa: BLE001
             to_prefill.put(("error", traceback.format_exc()))
             continue
@@ -108,7 +126,8 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
 MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
          "pages+notif": "pages and notification", "pages x4": "pages in four writes", "1 desc": "one descriptor"}
-MODES_HELP = """rows of part 1, per backend:
+MODES_HELP = """rows of part 1, per backend (nccl between GPUs: peer copies over CUDA IPC; nccl-sendrecv: the
+same backend forced onto NCCL send/receive, TANDEM_NCCL_PEER_COPIES=0):
   BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
                   the metadata row, with the completion notification; wait; the decode process saw it
   BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
@@ -121,20 +140,24 @@ MODES_HELP = """rows of part 1, per backend:
                   several requests in flight help?)
   BACKEND 1 desc  the same bytes as ONE descriptor between two scratch buffers (what the link gives
                   a single large write of this backend; no planning, no notification)
-  nccl D/S        the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
+  nixl described  the PD write with NIXL's lists prepared at pairing dropped: every write described
+                  afresh (initialize_xfer), as before they were prepared
+  nccl-sendrecv D/S  the PD write with the NCCL backend's segmenting set to DIRECT/STAGING MiB (runs of
                   >= DIRECT MiB sent in place, shorter ones gathered into pipelined STAGING MiB sends;
                   a write of at most four runs, every page-major one, goes in place whatever they are)
 columns: descs = descriptors after merging those that continue on both sides; sends = what the
-backend posts for them per write (NIXL: descriptors; NCCL: sends, one group when several);
+backend posts for them per write (NIXL: descriptors; NCCL peer copies: copies; NCCL send/receive:
+sends, one group when several);
 PD ms = the whole row (its MiB over it: PD GB/s); plan ms = the peer's planner and filling the
 metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
 wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
 where there is one.
 The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
-row's writes): queued (write() call to the thread taking it), header (control frame sent),
-posting (every gather/send posted), draining (host waits for the sends: in host memory only;
-between GPUs the writer waits for nothing but the acknowledgement), ack (the reader's
-acknowledgement: its receives and scatters done); for NIXL, NIXL's own telemetry of the
+row's writes): queued (write() call to the thread taking it), header (control frame sent; none
+with peer copies), posting (every gather/send, or every copy and its event, posted), draining
+(send/receive: host waits for the sends, in host memory only; peer copies: until the copies'
+event completed), ack (send/receive: the reader's acknowledgement, its receives and scatters
+done; peer copies: the frame carrying the notification sent); for NIXL, NIXL's own telemetry of the
 row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
 
 
@@ -153,8 +176,14 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     from tandem.transfer.messages import done_notification, new_room
     from tandem.transfer.metadata import MetadataRow
 
-    _, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch = message
-    backend = create_backend(name, f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
+    from tandem.disagg.pd_ranks import block_runs
+    from tandem.transfer.messages import RankAgent
+
+    (_, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch, remote_pages,
+     remote_row_geometry) = message
+    backend = create_backend(backend_kind(name), f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
+    if name == SEND_RECEIVE:
+        backend.peer_copies = False  # (read when the pair forms: add_peer below)
     try:
         regions = buffer_regions(core.registry)
         pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]
@@ -163,6 +192,10 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
         backend.register(regions + [tensor_region(metadata.tensor), tensor_region(scratch)])
         peer = backend.add_peer(peer_metadata)
         local_device = regions[0].device
+        # as at a PD handshake (``RankTransfers.add_peer``): NIXL prepares the page blocks and rows
+        remote_agent = RankAgent(peer_metadata, remote_addresses, remote_device, 0, remote_pages, remote_row_geometry)
+        local_rows = [metadata.address(0), metadata.row_bytes, metadata.num_rows]
+        backend.prepare(peer, block_runs(core.registry, planner, remote_agent, local_rows), local_device, remote_device)
 
         def wait(handle, times: dict) -> None:
             while backend.poll(handle) is WriteStatus.PENDING:
@@ -196,14 +229,16 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             return time.perf_counter() - started
 
         def sends(merged: list) -> int:
-            """What the backend posts for a write of ``merged`` descriptors."""
-            if name != "nccl":
+            """What the backend posts for a write of ``merged`` descriptors (NIXL: descriptors; NCCL
+            between GPUs: one copy per run; NCCL send/receive: its segments)."""
+            if name != SEND_RECEIVE and not (name == "nccl" and local_device < 0):
                 return len(merged)
             return len(plan_segments([length for _, _, length in merged], backend.direct_bytes,
                                      backend.staging_bytes))
 
         def one_round(mode: str) -> dict:
             times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
+            prepared_before = getattr(backend, "prepared_writes", 0)
             started = time.perf_counter()
             if mode == "one descriptor":
                 descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
@@ -240,17 +275,23 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             else:
                 timed_write(descriptors, times, done_notification(room) if notified else b"")
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
+            prepared = getattr(backend, "prepared_writes", 0) - prepared_before
             if notified:
                 from_prefill.put("go")
                 if to_prefill.get(timeout=deadline.left(60)) != "seen":
                     raise RuntimeError("the decode process did not see the notification")
-            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted, **times}
+            return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted,
+                    "prepared": prepared, **times}
 
         measured = {}
         runs = [(f"{name} {suffix}".strip(), mode, None) for suffix, mode in MODES.items()]
         runs += [(f"{name} {d:g}/{s:g}", "pd", (d, s)) for d, s in variants]
+        if name == "nixl":  # last: the PD write with NIXL's prepared lists dropped (described afresh, as before)
+            runs.append(("nixl described", "pd", "described"))
         for label, mode, segmenting in runs:
-            if segmenting is not None:
+            if segmenting == "described":
+                backend.prepare(peer, [])  # (drops the lists prepared at pairing)
+            elif segmenting is not None:
                 backend.direct_bytes, backend.staging_bytes = int(segmenting[0] * 2**20), int(segmenting[1] * 2**20)
             try:
                 one_round(mode)  # the first write (connection set up at pairing, staging allocated)
@@ -258,7 +299,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 measured[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
                 # (every round moves the same bytes; a median of an even count would be a float)
                 measured[label].update(bytes=results[0]["bytes"], descriptors=results[0]["descriptors"],
-                                       sends=results[0]["sends"])
+                                       sends=results[0]["sends"], prepared=results[0]["prepared"])
             except Exception as error:  # noqa: BLE001 - a mode that fails ends the pair
                 measured[label] = {"error": f"{type(error).__name__}: {error}"}
                 break
@@ -280,9 +321,10 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
 
     context = multiprocessing.get_context("spawn")
     to_prefill, from_prefill = context.Queue(), context.Queue()
+    names = bandwidth_backends(arguments.backends, arguments.prefill_device)
     worker_arguments = dict(model=arguments.model, page_size=arguments.page_size, tokens=arguments.input_len,
                             decode_device=arguments.decode_device, dtype=arguments.dtype,
-                            backends=list(arguments.backends), kv_cache_layout=arguments.kv_cache_layout)
+                            backends=names, kv_cache_layout=arguments.kv_cache_layout)
     worker = context.Process(target=decode_worker, args=(worker_arguments, to_prefill, from_prefill), daemon=True)
     worker.start()
     results: dict[str, dict] = {}
@@ -292,14 +334,14 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
                            arguments.dtype, arguments.kv_cache_layout)
         sources = allocate_pages(core, "bench#p", arguments.input_len, False, seed=1)
         metadata_of = {name: metadata_beside_pages(MetadataBuffer, name, arguments.prefill_device)
-                       for name in arguments.backends}
-        for name in arguments.backends:
+                       for name in names}
+        for name in names:
             metadata = metadata_of[name]
             try:
                 message = to_prefill.get(timeout=deadline.left(QUEUE_SECONDS))
                 if message[0] == "error":
                     raise RuntimeError(f"decode process: {message[1].strip().splitlines()[-1]}")
-                variants = arguments.nccl_variants if name == "nccl" else ()
+                variants = arguments.nccl_variants if name == (SEND_RECEIVE if SEND_RECEIVE in names else "nccl") else ()
                 measured = measure_backend(name, core, sources, metadata, message, arguments.rounds, deadline,
                                            to_prefill, from_prefill, variants)
                 for label, result in measured.items():
@@ -315,7 +357,7 @@ def run_bandwidth(arguments, deadline: Deadline) -> dict[str, dict]:
             for label in [label for label in results if label.split()[0] == name]:
                 print(f"   bandwidth {label}: {describe_bandwidth(results[label])}", flush=True)
     except Exception as error:  # noqa: BLE001
-        for name in arguments.backends:
+        for name in names:
             results.setdefault(name, {"error": f"{type(error).__name__}: {error}"})
         traceback.print_exc()
     finally:
@@ -346,6 +388,8 @@ def describe_bandwidth(result: dict) -> str:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
     split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    if result.get("prepared"):
+        split += f"; {result['prepared']:g} of its writes from NIXL's prepared lists"
     if "nixl post" in result:
         split += (f"; NIXL's own: post {result['nixl post'] * 1e3:.3f}, transfer {result['nixl transfer'] * 1e3:.3f}"
                   f" ({result['nixl descriptors']:g} descriptors after its merging)")

@@ -20,7 +20,7 @@ from tandem.disagg.pd_ranks import RankFanOut
 from tandem.scheduler.sequence import Sequence
 from tandem.transfer.config import TransferConfig
 from tandem.transfer.control import ControlChannel
-from tandem.transfer.descriptors import describe_layout, tensor_region
+from tandem.transfer.descriptors import describe_layout
 from tandem.transfer.metadata import MetadataBuffer
 from tandem.step_context import StepContext
 
@@ -69,7 +69,7 @@ class PDSide:
         self.metadata = MetadataBuffer(core.config.max_num_seqs + EXTRA_METADATA_ROWS,
                                        hidden_size=int(core.model_info.hidden_size), device=memory,
                                        sanitize=core.config.sanitizer_on)
-        self.agent.register([tensor_region(self.metadata.tensor)])
+        self.agent.register_rows(self.metadata)
         self.layout = describe_layout(self.registry, architecture=core.model_info.architecture,
                                       model=model_dimensions(core), page_size=self.coordinator.page_size,
                                       metadata_row_bytes=self.metadata.row_bytes,

@@ -63,7 +63,7 @@ class DecodeSide(PDSide):
                            backend_metadata=own.backend_metadata, buffer_addresses=list(own.buffer_addresses),
                            device=own.device, metadata_address=self.metadata.address(0),
                            num_metadata_rows=self.metadata.num_rows, scratch_address=own.scratch_address,
-                           ranks=self.ranks.agents[1:])
+                           page_counts=list(own.page_counts), ranks=self.ranks.agents[1:])
 
     # -- requests ---------------------------------------------------------------------------------------
     def add(self, sequence: Sequence, params: TransferParams) -> None:

@@ -256,6 +256,7 @@ class RankTransfers:
         self.peers: dict[str, tuple[str, RankAgent, Any]] = {}
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
+        self.rows: list[int] = []  # rank 0: its metadata rows, [address, row bytes, number of rows]
         self.encoder = msgspec.msgpack.Encoder()
         self.closed = threading.Event()
         self.pump = None
@@ -265,15 +266,22 @@ class RankTransfers:
             self.pump.start()
 
     def register(self, regions: list) -> None:
-        """More memory the peers may write into (rank 0: the PD side's metadata rows); before
-        ``describe``."""
+        """More memory the peers may write into; before ``describe``."""
         self.backend.register(regions)
+
+    def register_rows(self, metadata) -> None:
+        """Rank 0: the PD side's metadata rows (a ``MetadataBuffer``), registered and described
+        to peers; before ``describe``."""
+        from tandem.transfer.descriptors import tensor_region
+
+        self.backend.register([tensor_region(metadata.tensor)])
+        self.rows = [metadata.address(0), metadata.row_bytes, metadata.num_rows]
 
     def describe(self) -> RankAgent:
         from tandem.transfer.descriptors import buffer_addresses
 
         return RankAgent(self.backend.local_metadata(), buffer_addresses(self.registry), self.device_index,
-                         self.scratch.data_ptr())
+                         self.scratch.data_ptr(), page_counts(self.registry), list(self.rows))
 
     def announce(self, control) -> None:
         """A worker's description, to rank 0 over the control group (``RankFanOut`` gathers them)."""
@@ -322,7 +330,10 @@ class RankTransfers:
         except Exception as error:  # noqa: BLE001
             self.outcomes.append(WriteOutcome(operation.key, False, f"rank {self.rank}: {error}"))
             return
-        self.peers[operation.key] = (name, agent, WritePlanner(self.registry, list(agent.buffer_addresses)))
+        planner = WritePlanner(self.registry, list(agent.buffer_addresses))
+        self.peers[operation.key] = (name, agent, planner)
+        self.backend.prepare(name, block_runs(self.registry, planner, agent, self.rows), self.device_index,
+                             agent.device)
         self.outcomes.append(WriteOutcome(operation.key, True))
         if agent.scratch_address:
             self.writes[WARM_UP + operation.key] = RankWrite(
@@ -400,3 +411,27 @@ class RankTransfers:
         if self.pump is not None:
             self.pump.join()
         self.backend.close()
+
+
+def page_counts(registry) -> list[int]:
+    """Pages of each registry buffer, in registry order (a peer's ``RankAgent.page_counts``)."""
+    return [int(descriptor.tensor.shape[0]) for descriptor in registry.buffers()]
+
+
+def block_runs(registry, planner, agent: RankAgent, rows: list[int]) -> list:
+    """What writes to ``agent`` move, as runs of blocks on both sides (``block_index``): each span
+    of ``planner`` (a state group's pool, or a layer-major buffer) and, from rank 0, the metadata
+    rows. Empty where the peer did not say its pools' sizes."""
+    from tandem.transfer.block_index import BlockRuns, Blocks
+
+    if len(agent.page_counts) != len(agent.buffer_addresses):
+        return []
+    index_of = {descriptor.key: index for index, descriptor in enumerate(registry.buffers())}
+    local_counts = page_counts(registry)
+    runs = [BlockRuns(Blocks(span.local, span.stride, span.length, local_counts[index_of[span.keys[0]]]),
+                      Blocks(span.remote, span.stride, span.length, agent.page_counts[index_of[span.keys[0]]]))
+            for span in planner.spans]
+    if rows and len(agent.rows) == 3 and agent.rows[1] == rows[1]:
+        runs.append(BlockRuns(Blocks(rows[0], rows[1], rows[1], rows[2]),
+                              Blocks(agent.rows[0], agent.rows[1], agent.rows[1], agent.rows[2])))
+    return runs

@@ -155,7 +155,9 @@ class PrefillSide(PrefillWrites, PDSide):
         # with a few bytes to that rank's scratch, from and to the pages' memory, so that
         # connection setup (14.5 ms measured for NIXL between two GPUs) is paid now, not by the
         # first request; a warm-up's outcome only matters to the log
-        own = RankAgent(hello.backend_metadata, list(hello.buffer_addresses), hello.device, hello.scratch_address)
+        own = RankAgent(hello.backend_metadata, list(hello.buffer_addresses), hello.device, hello.scratch_address,
+                        list(hello.page_counts),
+                        [hello.metadata_address, hello.layout.metadata_row_bytes, hello.num_metadata_rows])
         problem = self.ranks.add_peer(identity, [own] + list(hello.ranks))
         if problem is not None:  # (ranks that loaded it keep a peer nothing is written to)
             self.channel.send_to_identity(identity, HelloReply(sender=self.engine_id, accepted=False,

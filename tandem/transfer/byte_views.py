@@ -68,9 +68,18 @@ class RegionViews:
         self._regions: list[tuple[MemoryRegion, torch.Tensor]] = []
 
     def add(self, region: MemoryRegion) -> None:
+        self.add_view(region, region_view(region))
+
+    def add_view(self, region: MemoryRegion, view: torch.Tensor) -> None:
+        """Answer addresses inside ``region`` with slices of ``view`` (its bytes as this process
+        reaches them: a peer's memory opened here is looked up by the peer's addresses)."""
         index = bisect.bisect(self._starts, region.address)
         self._starts.insert(index, region.address)
-        self._regions.insert(index, (region, region_view(region)))
+        self._regions.insert(index, (region, view))
+
+    @property
+    def regions(self) -> list[MemoryRegion]:
+        return [region for region, _ in self._regions]
 
     @property
     def device(self) -> int:

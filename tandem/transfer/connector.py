@@ -8,9 +8,10 @@ are final when it is posted (``write``). Completion is polled; the
 engine never blocks on a backend.
 
 Backends (chosen by name in ``backends.py``): ``nixl`` (NIXL over UCX; host or GPU memory; the default) and ``nccl``
-(``torch.distributed`` point-to-point between the GPUs of one host, gloo between host memories:
-``write`` is a send paired with a receive the peer's thread posts, announced by a small header
-tensor that also carries the notification; ``nccl_backend.py``).
+(engines of one host: between GPUs ``write`` is copies into the reader's memory, opened over CUDA
+IPC at pairing, then one control frame with the notification; NCCL send/receive where that memory
+cannot be opened, and gloo between host memories: a send paired with a receive the peer's thread
+posts, announced by a header; ``nccl_backend.py``).
 
 Fault injection for tests: with ``failure_probability`` > 0 (``TANDEM_TEST_TRANSFER_FAILURE_PROB``)
 each write fails at random instead of being posted, exactly as a failed post would.
@@ -87,6 +88,12 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:
         """(peer agent name, message) of every notification received since the last call."""
+
+    def prepare(self, peer: str, runs: list, local_device: int = -1, remote_device: int = -1) -> None:
+        """Optional: the blocks writes to ``peer`` will move (``block_index.BlockRuns``: a state
+        group's pages on both sides, the metadata rows), told once when the peer is added, so a
+        backend may describe them ahead of time and a write of whole blocks costs less to post.
+        Writes stay correct whether or not a backend does anything with it."""
 
     def close(self) -> None:
         """Release the agent (registered memory stays owned by its tensors)."""

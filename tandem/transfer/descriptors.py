@@ -18,7 +18,7 @@ a page-major group's pool base is its first buffer's address less that buffer's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -31,10 +31,13 @@ BufferKey = tuple[int, str, str]
 
 @dataclass(frozen=True)
 class MemoryRegion:
-    """A registered region: ``device`` is -1 for host memory, else the CUDA device index."""
+    """A registered region: ``device`` is -1 for host memory, else the CUDA device index;
+    ``tensor``, where known, the tensor it was made from (a backend that shares device memory
+    with peers, ``peer_memory.py``, needs its storage)."""
     address: int
     length: int
     device: int
+    tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def memory_type(self) -> str:
@@ -45,7 +48,8 @@ def tensor_region(tensor: torch.Tensor) -> MemoryRegion:
     if not tensor.is_contiguous():
         raise ValueError("transfer: state buffers must be contiguous to be registered")
     device = tensor.device.index if tensor.device.type == "cuda" else -1
-    return MemoryRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device if device is not None else 0)
+    return MemoryRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device if device is not None else 0,
+                        tensor)
 
 
 def buffer_regions(registry: StateRegistry) -> list[MemoryRegion]:

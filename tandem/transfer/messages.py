@@ -134,6 +134,8 @@ class RankAgent(msgspec.Struct, array_like=True, frozen=True):
     buffer_addresses: list[int]  # base address of each layout buffer, in layout order
     device: int
     scratch_address: int = 0  # where the prefill engine's same rank writes its warm-up bytes
+    page_counts: list[int] = []  # pages of each layout buffer, in layout order (its pools' sizes)
+    rows: list[int] = []  # rank 0: its metadata rows as [address, row bytes, number of rows]
 
 
 class Hello(msgspec.Struct, kw_only=True, tag="hello"):
@@ -148,6 +150,7 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     metadata_address: int  # base address of the metadata rows
     num_metadata_rows: int
     scratch_address: int = 0  # a few bytes the prefill server writes once, at handshake, to warm the pair
+    page_counts: list[int] = []  # pages of each layout buffer, in layout order
     ranks: list[RankAgent] = []  # tensor parallelism: ranks 1 .. N-1 (rank 0 is the fields above)
 
 

@@ -70,6 +70,11 @@ class MetadataBuffer:
         self.tensor = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, device=device)
         self._free = list(range(num_rows - 1, -1, -1))
         self._stream = torch.cuda.Stream(self.tensor.device) if self.tensor.is_cuda else None
+        # where ``write`` fills a row: the rows themselves in host memory; in device memory a pinned
+        # host copy of them, so a row goes to the device as one DMA that only its stream waits for
+        self._staging = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, pin_memory=True) \
+            if self.tensor.is_cuda else self.tensor
+        self._staging_rows = self._staging.numpy()
 
     def _access(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -98,21 +103,27 @@ class MetadataBuffer:
         self._free.append(row)
 
     def write(self, row: int, value: MetadataRow) -> None:
+        """Fill ``row`` with ``value``; in device memory the row has landed on the device when
+        this returns (a backend may send it at once)."""
         entries = len(value.logprob_token_ids)
         if entries > MAX_LOGPROB_ENTRIES or len(value.logprobs) != entries:
             raise ValueError(f"metadata row: {entries} logprob entries (at most {MAX_LOGPROB_ENTRIES})")
-        if len(value.hidden_states) > self.hidden_size:
-            raise ValueError(f"metadata row: {len(value.hidden_states)} hidden values, slot holds {self.hidden_size}")
+        hidden_count = len(value.hidden_states)
+        if hidden_count > self.hidden_size:
+            raise ValueError(f"metadata row: {hidden_count} hidden values, slot holds {self.hidden_size}")
         pad = MAX_LOGPROB_ENTRIES - entries
-        header = _HEADER.pack(room_to_bytes(value.room), value.first_token, value.num_cached_tokens, value.rank,
-                              entries, *value.logprob_token_ids, *([0] * pad), *value.logprobs, *([0.0] * pad),
-                              len(value.hidden_states))
-        hidden = np.zeros(self.hidden_size, dtype="<f4")  # (the slot is thousands of floats: no struct.pack)
-        hidden[:len(value.hidden_states)] = value.hidden_states
-        hidden = hidden.tobytes()
-        with self._access():
-            self.tensor[row].copy_(torch.frombuffer(bytearray(header + hidden), dtype=torch.uint8))
-        self._finish()
+        staged = self._staging_rows[row]
+        _HEADER.pack_into(staged, 0, room_to_bytes(value.room), value.first_token, value.num_cached_tokens, value.rank,
+                          entries, *value.logprob_token_ids, *([0] * pad), *value.logprobs, *([0.0] * pad),
+                          hidden_count)
+        if self.hidden_size:  # (the slot is thousands of floats: written as an array, not packed)
+            hidden = staged[_HEADER.size:].view("<f4")
+            hidden[:hidden_count] = value.hidden_states
+            hidden[hidden_count:] = 0.0
+        if self._stream is not None:
+            with self._access():
+                self.tensor[row].copy_(self._staging[row], non_blocking=True)
+            self._finish()
 
     def read(self, row: int) -> MetadataRow:
         """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""

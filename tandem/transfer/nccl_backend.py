@@ -1,15 +1,23 @@
-"""The NCCL transfer backend: one-sided writes over ``torch.distributed`` point-to-point between
-paired engines of one host (NCCL between GPUs; gloo between host memories, so CI runs the same
-logic on a CPU).
+"""The NCCL backend: one-sided writes between paired engines of one host. Between GPUs the
+bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
+memory over CUDA IPC (``peer_memory.py``) and a write is one device copy per merged run into it,
+on the pair's own stream, then one control frame carrying the notification once the copies'
+event completed (no receive to post, no acknowledgement: the writer saw its copies finish).
+Where the reader's memory cannot be opened (its GPU not visible here, an allocator whose memory
+IPC cannot share; said once, at WARNING), where the writer is told not to
+(``peer_copies=False``, $TANDEM_NCCL_PEER_COPIES=0) and between host memories, the bytes go
+through ``torch.distributed`` point-to-point (NCCL between GPUs; gloo between host memories, so
+CI runs the same logic on a CPU), as described below.
 
-A write is a send on the writer paired with a receive the reader posts: the reader cannot know
+A send/receive write is a send on the writer paired with a receive the reader posts: the reader cannot know
 a write is coming, so every write first sends a small header over the pair's control connection
 (a TCP socket, ``pair_group.py``) naming the destination runs and the notification; the
 reader's thread for that pair waits for the next header, receives the data as the header
 describes, queues the notification once the bytes landed and acknowledges. Per pair and side
-one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
+one thread does all of it (peer copies too), so the engine loop only posts and polls (``WriteHandle``), never
 blocks. Pairs form in those threads too; the first write waits for that, and a tiny warm-up
-write at pairing sets up the NCCL connection, so the first real write pays no connection setup.
+write at pairing sets up the NCCL connection (peer copies: a read of the reader's memory sets up
+peer access), so the first real write pays no connection setup.
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
 ``byte_views.plan_segments`` says: a write of a few runs (every page-major write: one run per
@@ -25,7 +33,7 @@ between GPUs never waits on its sends (the reader's acknowledgement says every b
 Source bytes are final when ``write`` is called (the connector's contract): the sends do not
 wait on the engine's stream, so a write never queues behind forward passes launched after it.
 
-Wire format of one write, in order::
+Wire format of one send/receive write, in order::
 
     control  frame   MAGIC, number of runs n, notification length k, element size, the writer's
                      direct_bytes and staging_bytes (int64 each: the reader plans the same segments);
@@ -33,10 +41,12 @@ Wire format of one write, in order::
     data     one tensor per segment (n = 0: one warm-up element)
     control  frame   reader -> writer: "landed" (the write is DONE only then)
 
-Failure: a send or receive that raises fails its write (ERROR) and every later write on the
-pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end of
-the control stream, so the write fails at once instead of hanging; a data operation that never
-completes fails after ``timeout``.
+Failure: a send, receive or copy that raises fails its write (ERROR) and every later write on
+the pair (the pair is torn down; the reader's thread ends). A peer that is gone shows as the end
+of the control stream (a writer with peer copies looks before each write), so the write fails at
+once instead of hanging; a data operation that never completes fails after ``timeout``. Writes
+with peer copies that were in flight when their pair failed end as ERROR only once their copies
+stopped (a copy still reading a write's source pages keeps the write pending: I2).
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
 from tandem.transfer.nccl_links import CLOSE_WAIT_SECONDS, MAX_STAGING_BYTES, AgentInfo, PendingSend, ReaderLink, \
     WriterLink
 from tandem.transfer.pair_group import POLL_SECONDS, Rendezvous
+from tandem.transfer.peer_memory import peer_copies_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +76,14 @@ class NcclBackend(TransferBackend):
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
                  timeout: float = 120.0, direct_bytes: Optional[int] = None,
-                 staging_bytes: Optional[int] = None) -> None:
+                 staging_bytes: Optional[int] = None, peer_copies: Optional[bool] = None) -> None:
         """``connect_timeout``: how long pairing may take; ``timeout``: how long one write's
         operations may take once its header went out (a write to a pair still forming waits).
         ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
-        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives)."""
+        $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives).
+        ``peer_copies``: whether this side's writes between GPUs ask the reader for peer copies
+        (default yes; $TANDEM_NCCL_PEER_COPIES=0 sends through NCCL, for comparison); read when
+        a pair forms."""
         direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
         staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
         if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):
@@ -78,6 +92,8 @@ class NcclBackend(TransferBackend):
         self._name, self.host = agent_name, host
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.direct_bytes, self.staging_bytes = direct_bytes, staging_bytes
+        self.peer_copies = peer_copies_wanted(peer_copies)
+        self.fallback_logged = False
         self.views = RegionViews()
         self.received: deque[tuple[str, bytes]] = deque()
         self.writers: dict[str, WriterLink] = {}
@@ -144,6 +160,14 @@ class NcclBackend(TransferBackend):
                 return False  # being sent: its pages stay held until it resolves
             item.cancelled = True
             return True
+
+    def note_fallback(self, peer: str, error: BaseException) -> None:
+        """A pair between GPUs could not open its reader's memory and sends through NCCL: said
+        once per backend at WARNING (the rate is NCCL's then), after that at DEBUG."""
+        level = logging.DEBUG if self.fallback_logged else logging.WARNING
+        self.fallback_logged = True
+        logger.log(level, "transfer (nccl): peer copies to %s are not possible (%s); its writes go through NCCL "
+                          "send/receive", peer, error)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         received = []

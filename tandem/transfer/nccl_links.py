@@ -12,9 +12,10 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 import numpy as np
@@ -22,6 +23,9 @@ import torch
 
 from tandem.transfer.byte_views import pack, plan_segments, unpack, widest_element
 from tandem.transfer.connector import WriteStatus
+from tandem.transfer.peer_copies import ASK_COPIES, CHOOSE_COPIES, CHOOSE_NCCL, PeerCopies, landed_frame, \
+    notification_of
+from tandem.transfer.peer_memory import PROCESS_ID, PeerOffer, offer_regions
 from tandem.transfer.pair_group import POLL_SECONDS, READER_RANK, WRITER_RANK, PairRequest, abort_group, \
     form_group, pair_with, receive_frame, send_frame, timedelta
 
@@ -57,6 +61,7 @@ class PendingSend:
     # perf_counter() when the link's thread took it, sent its header, had posted every send, saw
     # them drained and got the acknowledgement (diagnostics: benchmarks/pd_gpu.py prints them)
     timings: dict = field(default_factory=dict)
+    event: Any = None  # peer copies: the CUDA event after the write's copies
 
 
 _HEADER = struct.Struct("<qqqqqq")
@@ -335,27 +340,73 @@ class WriterLink(Link):
         super().__init__(backend, info.name)
         self.info = info
         self.queue: "queue.Queue[Optional[PendingSend]]" = queue.Queue()
+        self.copies: Optional[PeerCopies] = None  # the data plane between GPUs, when the reader's memory opened
 
     def run(self) -> None:
         backend = self.backend
         try:
             self.connection, store = pair_with(self.info.host, self.info.control_port, self.info.store_port,
                                                self.info.token, backend.agent_name, backend.connect_timeout)
-            self.group = form_group(store, WRITER_RANK, backend.host, self.device, backend.connect_timeout)
+            self.copies = self.choose_data_plane()
+            if self.copies is None:
+                self.group = form_group(store, WRITER_RANK, backend.host, self.device, backend.connect_timeout)
             self.connection.settimeout(backend.timeout)
-            self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
+            if self.copies is None:
+                self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
         except Exception as error:  # noqa: BLE001 - the pair never formed: every write fails
             self.fail(error)
+        try:
+            if self.copies is not None and not self.error:
+                self.copy_writes()
+            else:
+                self.send_writes()
+        finally:
+            if self.copies is not None:
+                self.copies.release()
+
+    def choose_data_plane(self) -> Optional[PeerCopies]:
+        """Between GPUs, ask the reader for peer copies (``peer_copies.py``) unless told not to;
+        None (and the reader told so) where the pair sends through NCCL or gloo instead."""
+        if self.device < 0:
+            return None  # host memory: gloo (both sides know it from the agents' metadata)
+        connection, backend = self.connection, self.backend
+        if not backend.peer_copies:
+            send_frame(connection, CHOOSE_NCCL)
+            return None
+        send_frame(connection, ASK_COPIES + PROCESS_ID.encode())
+        offer = PeerOffer.decode(receive_frame(connection))
+        try:
+            copies = PeerCopies.open(offer, self.device, backend.timeout)
+        except Exception as error:  # noqa: BLE001 - IPC cannot open here: NCCL moves the bytes
+            backend.note_fallback(self.peer, error)
+            send_frame(connection, CHOOSE_NCCL)
+            return None
+        try:
+            send_frame(connection, CHOOSE_COPIES)
+        except Exception:
+            copies.release()
+            raise
+        return copies
+
+    def take(self, item: PendingSend) -> bool:
+        """Claim a queued write; False (nothing to do) when it was cancelled, or when the pair has
+        failed (then the write is ERROR)."""
+        with item.lock:
+            if item.cancelled:
+                return False
+            item.started = True
+        if self.error:
+            item.status, item.error = WriteStatus.ERROR, self.error
+            return False
+        return True
+
+    def send_writes(self) -> None:
+        """The writes of a pair through NCCL (gloo), one at a time, until the link closes."""
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            with item.lock:
-                if item.cancelled:
-                    continue
-                item.started = True
-            if self.error:
-                item.status, item.error = WriteStatus.ERROR, self.error
+            if not self.take(item):
                 continue
             try:
                 self.send(item)
@@ -363,6 +414,54 @@ class WriterLink(Link):
             except Exception as error:  # noqa: BLE001
                 self.fail(error)
                 item.status, item.error = WriteStatus.ERROR, self.error
+
+    def copy_writes(self) -> None:
+        """The writes of a pair with peer copies: each posted as soon as it is queued (copies of
+        several writes queue back to back on the pair's stream) and completed in order when its
+        event did (DONE, the notification sent). A failure ends the pair: the writes in flight
+        end as ERROR once their copies stopped, and every later write fails (``send_writes``)."""
+        copies, in_flight = self.copies, deque()
+        try:
+            while True:
+                if in_flight and copies.landed(in_flight[0]):
+                    self.complete(in_flight[0])
+                    in_flight.popleft()
+                    continue
+                try:
+                    item = self.queue.get(block=not in_flight)
+                except queue.Empty:
+                    copies.pause(in_flight[0])
+                    continue
+                if item is None:
+                    return
+                if self.take(item):
+                    in_flight.append(item)
+                    copies.start(item, self.backend.views, self.connection)
+        except Exception as error:  # noqa: BLE001
+            self.fail(error)
+        finally:
+            self.settle(in_flight)
+        self.send_writes()
+
+    def complete(self, item: PendingSend) -> None:
+        """``item``'s bytes landed: tell the reader its notification, then it is DONE."""
+        if item.notification:
+            send_frame(self.connection, landed_frame(item.notification))
+        item.timings["acknowledged"] = time.perf_counter()
+        item.status = WriteStatus.DONE
+
+    def settle(self, in_flight: "deque[PendingSend]") -> None:
+        """Writes that cannot complete (the pair failed or closed): ERROR once no copy of theirs
+        can still read their sources; a copy that never finishes keeps its write PENDING (its
+        pages stay held: never freed under a reader)."""
+        if not in_flight:
+            return
+        if not self.copies.quiesce():
+            logger.warning("transfer (nccl): copies to %s did not finish; their pages stay held", self.peer)
+            return
+        for item in in_flight:
+            item.status, item.error = WriteStatus.ERROR, self.error or CLOSED
+        in_flight.clear()
 
     def send(self, item: PendingSend) -> None:
         views = self.backend.views
@@ -405,13 +504,36 @@ class ReaderLink(Link):
         backend, request = self.backend, self.request
         try:
             self.connection = request.connection
-            self.group = form_group(request.store, READER_RANK, backend.host, self.device, backend.connect_timeout)
+            copies = self.device >= 0 and self.answer_data_plane()
+            if not copies:
+                self.group = form_group(request.store, READER_RANK, backend.host, self.device, backend.connect_timeout)
             self.connection.settimeout(POLL_SECONDS)
             while not self.closed:
-                self.receive()
+                if copies:
+                    self.receive_landed()
+                else:
+                    self.receive()
         except Exception as error:  # noqa: BLE001 - the writer is gone or broke the protocol
             if not self.closed:
                 self.fail(error)
+
+    def answer_data_plane(self) -> bool:
+        """The reader's part of ``WriterLink.choose_data_plane``: offer the registered regions if
+        asked; True when the writer chose peer copies."""
+        connection = self.connection
+        choice = receive_frame(connection)
+        if choice.startswith(ASK_COPIES):
+            writer_process = choice[len(ASK_COPIES):].decode(errors="replace")
+            send_frame(connection, offer_regions(self.backend.views.regions, self.device, writer_process).encode())
+            choice = receive_frame(connection)
+        if choice not in (CHOOSE_COPIES, CHOOSE_NCCL):
+            raise RuntimeError("transfer (nccl): malformed pairing")
+        return choice == CHOOSE_COPIES
+
+    def receive_landed(self) -> None:
+        """A pair with peer copies: the next write's bytes landed; queue its notification."""
+        frame = receive_frame(self.connection, idle=lambda: self.closed)
+        self.backend.received.append((self.peer, notification_of(frame)))
 
     def receive(self) -> None:
         views = self.backend.views

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from tandem.transfer.block_index import MAX_PREPARED_BLOCKS, BlockIndex
 from tandem.transfer.connector import TransferBackend, WriteHandle, WriteStatus
 from tandem.transfer.descriptors import MemoryRegion, merge_adjacent
 
@@ -84,6 +85,9 @@ class NixlBackend(TransferBackend):
         if error_handling:
             self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
         self._registered = []
+        # per peer: its descriptor lists prepared at pairing (``prepare``): local, remote, index
+        self._prepared: dict[str, tuple] = {}
+        self.prepared_writes = 0  # writes posted from the prepared lists (diagnostics, tests)
 
     @property
     def agent_name(self) -> str:
@@ -104,10 +108,42 @@ class NixlBackend(TransferBackend):
         return _as_str(self.agent.add_remote_agent(metadata))
 
     def remove_peer(self, peer: str) -> None:
+        self._release_prepared(peer)
         try:
             self.agent.remove_remote_agent(peer)
         except Exception:  # noqa: BLE001 - already gone
             logger.debug("removing NIXL peer %s failed", peer, exc_info=True)
+
+    def prepare(self, peer: str, runs: list, local_device: int = -1, remote_device: int = -1) -> None:
+        """Describe every block writes to ``peer`` move to NIXL once (``prep_xfer_dlist``, both
+        sides): a write of whole blocks is then a request made from indices into them
+        (``make_prepped_xfer``; NIXL merges consecutive blocks back into one transfer), without
+        NIXL checking fresh descriptor lists against the registered memory at every write. Where
+        NIXL cannot prepare them (or they are too many), writes describe themselves as before."""
+        self._release_prepared(peer)
+        if not runs or sum(run.local.count for run in runs) > MAX_PREPARED_BLOCKS \
+                or sum(run.remote.count for run in runs) > MAX_PREPARED_BLOCKS:
+            return
+        local_id, remote_id = max(local_device, 0), max(remote_device, 0)
+        try:
+            index = BlockIndex(runs)
+            local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.concatenate(
+                [run.local.rows(local_id) for run in runs]), "DRAM" if local_device < 0 else "VRAM")
+            remote = self.agent.prep_xfer_dlist(peer, np.concatenate(
+                [run.remote.rows(remote_id) for run in runs]), "DRAM" if remote_device < 0 else "VRAM")
+        except Exception as error:  # noqa: BLE001 - the writes go the unprepared way
+            logger.info("NIXL could not prepare the descriptor lists for %s (%s); writes describe themselves",
+                        peer, error)
+            return
+        self._prepared[peer] = (local, remote, index)
+
+    def _release_prepared(self, peer: str) -> None:
+        prepared = self._prepared.pop(peer, None)
+        for handle in prepared[:2] if prepared else ():
+            try:
+                self.agent.release_dlist_handle(handle)
+            except Exception:  # noqa: BLE001 - already gone with the agent
+                logger.debug("releasing a prepared NIXL list failed", exc_info=True)
 
     def _descriptor_list(self, rows, device: int):
         """(address, length, device id) rows: a list of tuples or an N x 3 array."""
@@ -116,6 +152,36 @@ class NixlBackend(TransferBackend):
 
     def _post(self, handle: WriteHandle, peer: str, descriptors, local_device: int, remote_device: int,
               notification: bytes) -> None:
+        native = self._prepared_write(peer, descriptors, notification)
+        if native is None:
+            native = self._described_write(peer, descriptors, local_device, remote_device, notification)
+        handle.native = native
+        state = self.agent.transfer(native)
+        if state == "ERR":
+            handle.status, handle.error = WriteStatus.ERROR, "NIXL could not post the write"
+        elif state == "DONE":
+            handle.status = WriteStatus.DONE
+
+    def _prepared_write(self, peer: str, descriptors, notification: bytes):
+        """A NIXL request from the prepared lists, or None where the descriptors are not whole
+        prepared blocks (or this NIXL refuses the request: the lists are then dropped, said once)."""
+        prepared = self._prepared.get(peer)
+        indices = prepared[2].indices(descriptors) if prepared is not None else None
+        if indices is None:
+            return None
+        try:
+            native = self.agent.make_prepped_xfer("WRITE", prepared[0], indices[0], prepared[1], indices[1],
+                                                  notification)
+        except Exception as error:  # noqa: BLE001
+            logger.warning("NIXL refused a request from prepared lists (%s); writes to %s describe themselves",
+                           error, peer)
+            self._release_prepared(peer)
+            return None
+        self.prepared_writes += 1
+        return native
+
+    def _described_write(self, peer: str, descriptors, local_device: int, remote_device: int, notification: bytes):
+        """A NIXL request for ``descriptors`` described afresh (not whole prepared blocks)."""
         # merged runs: NIXL pays per descriptor (one 256 MiB write ran at the link's rate between
         # two GPUs, the same bytes as 256 writes of 1 MiB at half of it)
         merged = merge_adjacent(descriptors)
@@ -127,14 +193,8 @@ class NixlBackend(TransferBackend):
             array = np.asarray(merged, dtype=np.uint64).reshape(-1, 3)
             local = np.stack([array[:, 0], array[:, 2], np.full(len(array), local_id, np.uint64)], axis=1)
             remote = np.stack([array[:, 1], array[:, 2], np.full(len(array), remote_id, np.uint64)], axis=1)
-        native = self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),
-                                            self._descriptor_list(remote, remote_device), peer, notification)
-        handle.native = native
-        state = self.agent.transfer(native)
-        if state == "ERR":
-            handle.status, handle.error = WriteStatus.ERROR, "NIXL could not post the write"
-        elif state == "DONE":
-            handle.status = WriteStatus.DONE
+        return self.agent.initialize_xfer("WRITE", self._descriptor_list(local, local_device),
+                                          self._descriptor_list(remote, remote_device), peer, notification)
 
     def write_telemetry(self, handle: WriteHandle) -> dict:
         """NIXL's own timing of a finished, not yet released write (agent made with ``telemetry``):
@@ -162,6 +222,8 @@ class NixlBackend(TransferBackend):
         return received
 
     def close(self) -> None:
+        for peer in list(self._prepared):
+            self._release_prepared(peer)
         for registered in self._registered:
             try:
                 self.agent.deregister_memory(registered)

@@ -93,6 +93,23 @@ def test_metadata_rows_are_copied_out_and_poisoned_on_release():
         rows.release(again)  # a double release is refused
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_rewritten_row_holds_only_its_new_value(device):
+    """A row is filled in place (device rows through a pinned host copy): a shorter value written
+    over a longer one leaves exactly the bytes a fresh row would hold, and on a device it has
+    landed when ``write`` returns."""
+    long = MetadataRow(room=new_room(), first_token=5, num_cached_tokens=3, logprob_token_ids=(5, 6, 7),
+                       logprobs=(-0.1, -0.2, -0.3), rank=2, hidden_states=(1.0, 2.0, 3.0))
+    short = MetadataRow(room=new_room(), first_token=9, hidden_states=(4.0,))
+    reused, fresh = MetadataBuffer(2, hidden_size=3, device=device), MetadataBuffer(2, hidden_size=3, device=device)
+    reused.write(1, long)
+    reused.write(1, short)
+    fresh.write(1, short)
+    assert torch.equal(reused.tensor[1].cpu(), fresh.tensor[1].cpu()) and reused.read(1) == short
+    assert not reused.tensor[0].any()
+
+
 def test_layout_difference_names_the_first_field(model_dirs):
     llama = LLM(model=model_dirs["llama"], page_size=4, max_total_tokens=64).engine
     qwen = LLM(model=model_dirs["qwen3"], page_size=4, max_total_tokens=64).engine

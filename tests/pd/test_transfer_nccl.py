@@ -128,7 +128,8 @@ def test_a_page_major_write_goes_as_one_group_between_gpus():
     """Between two GPUs: a write of a long run and a row (the last write of a page-major
     transfer: two sends in one NCCL group), then one with staged segments in the same batch
     (gathered before the group, scattered after), land byte for byte before the notification."""
-    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE, direct_bytes=4 * PAGE, staging_bytes=3 * PAGE)
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE, direct_bytes=4 * PAGE, staging_bytes=3 * PAGE,
+                peer_copies=False)  # (between GPUs the pair would otherwise copy: forced to NCCL)
     try:
         torch.cuda.synchronize("cuda:0")  # sources final when posted
         writes = [pair.pages([(8, 16)], pages=40) + pair.pages([(60, 62)]),  # 2 runs: each in place
@@ -146,8 +147,220 @@ def test_a_page_major_write_goes_as_one_group_between_gpus():
                 expected[begin:end] = pair.source[source - pair.source.data_ptr():][:length].to("cuda:1")
             assert notes == [("writer", f"done:{number}".encode())] and torch.equal(pair.target, expected)
             assert finish(pair.writer, handle) is WriteStatus.DONE, handle.error
+        assert pair.writer.writers[pair.peer].copies is None and pair.writer.writers[pair.peer].group is not None
     finally:
         pair.close()
+
+
+def expected_target(pair: Pair, descriptors) -> torch.Tensor:
+    """What ``pair.target`` holds after ``descriptors`` were written into a zeroed target."""
+    expected = torch.zeros_like(pair.target)
+    for source, destination, length in descriptors:
+        begin = destination - pair.target.data_ptr()
+        expected[begin:begin + length] = pair.source[source - pair.source.data_ptr():][:length].to(expected.device)
+    return expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_peer_copies_land_before_their_notifications_with_many_writes_in_flight():
+    """Between two GPUs a pair copies into the reader's memory (here the reader's own process: its
+    addresses are used as they are). Eight writes posted at once, each of its own pages and each
+    notified: when the reader sees a write's notification its pages are in place; every write is
+    DONE; a notification-only write follows the others; a write outside the reader's memory fails
+    before anything is copied, and ends the pair."""
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE)
+    try:
+        torch.cuda.synchronize("cuda:0")
+        writes = [pair.pages([(8 * k, 8 * k + 1), (8 * k + 1, 8 * k + 2)])
+                  + pair.pages([(8 * k + 4, 8 * k + 5)], pages=2) for k in range(8)]
+        handles = [pair.writer.write(pair.peer, descriptors, notification=f"w{k}".encode(), local_device=0,
+                                     remote_device=1) for k, descriptors in enumerate(writes)]
+        seen, checked = [], set()
+        wait_until(lambda: pair.writer.writers[pair.peer].copies is not None or pair.writer.writers[pair.peer].error)
+        assert pair.writer.writers[pair.peer].copies is not None, pair.writer.writers[pair.peer].error
+
+        def check_arrivals() -> bool:
+            for _, note in pair.reader.notifications():
+                seen.append(note)
+                k = int(note[1:])
+                for source, destination, length in writes[k]:  # this write's bytes landed by now
+                    begin = destination - pair.target.data_ptr()
+                    assert torch.equal(pair.target[begin:begin + length].cpu(),
+                                       pair.source[source - pair.source.data_ptr():][:length].cpu())
+                checked.add(k)
+            return len(checked) == len(writes)
+
+        wait_until(check_arrivals)
+        assert seen == [f"w{k}".encode() for k in range(8)]  # in the order posted
+        assert all(finish(pair.writer, handle) is WriteStatus.DONE for handle in handles)
+        assert torch.equal(pair.target, expected_target(pair, [d for descriptors in writes for d in descriptors]))
+        last = pair.writer.write(pair.peer, [], notification=b"only")
+        assert finish(pair.writer, last) is WriteStatus.DONE
+        wait_until(lambda: pair.reader.notifications() == [("writer", b"only")])
+        before = pair.target.clone()
+        outside = [(pair.source.data_ptr(), pair.target.data_ptr() + pair.target.numel() - PAGE, 2 * PAGE)]
+        bad = pair.writer.write(pair.peer, pair.pages([(0, 0)]) + outside, notification=b"bad")
+        assert finish(pair.writer, bad) is WriteStatus.ERROR and "outside" in bad.error
+        later = pair.writer.write(pair.peer, pair.pages([(1, 1)]))
+        assert finish(pair.writer, later) is WriteStatus.ERROR
+        torch.cuda.synchronize("cuda:1")
+        assert torch.equal(pair.target, before) and pair.reader.notifications() == []
+    finally:
+        pair.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_peer_copies_to_a_closed_reader_fail_at_once():
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE)
+    try:
+        torch.cuda.synchronize("cuda:0")
+        assert finish(pair.writer, pair.writer.write(pair.peer, pair.pages([(1, 1)]))) is WriteStatus.DONE
+        assert pair.writer.writers[pair.peer].copies is not None
+        pair.reader.close()
+        time.sleep(0.05)  # (the reader's end of the connection is closed by now)
+        started = time.monotonic()
+        handle = pair.writer.write(pair.peer, pair.pages([(2, 2)]), notification=b"x")
+        assert finish(pair.writer, handle) is WriteStatus.ERROR and handle.error
+        assert time.monotonic() - started < 2.0
+    finally:
+        pair.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_a_reader_that_cannot_share_its_memory_is_written_through_nccl(monkeypatch, caplog):
+    """Where the reader's memory cannot be opened, the pair says why once and sends through NCCL."""
+    from tandem.transfer import nccl_links
+    from tandem.transfer.peer_memory import PROCESS_ID, PeerOffer
+
+    monkeypatch.setattr(nccl_links, "offer_regions", lambda *_: PeerOffer(PROCESS_ID, "", [], "cannot share here"))
+    with caplog.at_level("WARNING", logger="tandem.transfer.nccl_backend"):
+        pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE)
+        try:
+            torch.cuda.synchronize("cuda:0")
+            descriptors = pair.pages([(3, 5)], pages=4)
+            handle = pair.writer.write(pair.peer, descriptors, notification=b"n", local_device=0, remote_device=1)
+            assert finish(pair.writer, handle) is WriteStatus.DONE, handle.error
+            wait_until(lambda: pair.reader.notifications() == [("writer", b"n")])
+            assert torch.equal(pair.target, expected_target(pair, descriptors))
+            link = pair.writer.writers[pair.peer]
+            assert link.copies is None and link.group is not None
+        finally:
+            pair.close()
+    assert [r.getMessage() for r in caplog.records if "cannot share here" in r.getMessage()]
+
+
+TARGET_OFFSET = 4096 + 64  # the reader's target is a view this far into a larger tensor
+
+
+def read_in_another_process(device: str, num_bytes: int, to_writer, from_writer) -> None:
+    """The reader of ``test_peer_copies_open_the_readers_memory_over_cuda_ipc``, in its own process:
+    registers a view into a larger tensor (its storage, inside a caching-allocator segment, is
+    shared over CUDA IPC), then checks each notified write's bytes against the seeded source."""
+    try:
+        reader = create_backend("nccl", "reader", connect_timeout=10.0, timeout=10.0)
+        whole = torch.zeros(num_bytes + 2 * TARGET_OFFSET, dtype=torch.uint8, device=device)
+        target = whole[TARGET_OFFSET:TARGET_OFFSET + num_bytes]
+        reader.register([tensor_region(target)])
+        to_writer.put((reader.local_metadata(), target.data_ptr()))
+        source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        while True:
+            command = from_writer.get(timeout=60)
+            if command == "stop":
+                break
+            descriptors = command
+            deadline = time.monotonic() + 20
+            notes = []
+            while not notes and time.monotonic() < deadline:
+                notes = reader.notifications()
+                time.sleep(0.001)
+            expected = torch.zeros(num_bytes, dtype=torch.uint8)
+            for source_offset, destination_offset, length in descriptors:
+                expected[destination_offset:destination_offset + length] = source[source_offset:source_offset + length]
+            untouched = bool((whole[:TARGET_OFFSET] == 0).all() and (whole[TARGET_OFFSET + num_bytes:] == 0).all())
+            equal = torch.equal(target.cpu(), expected)
+            whole.zero_()
+            torch.cuda.synchronize(device)  # (zeroed before the writer hears back and writes again)
+            to_writer.put((notes, equal, untouched))
+        reader.close()
+    except Exception as error:  # noqa: BLE001
+        to_writer.put(("error", repr(error)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_peer_copies_open_the_readers_memory_over_cuda_ipc():
+    """A reader in another process (its target a view into a larger tensor): the writer opens its
+    memory over CUDA IPC, and writes land byte for byte, exactly where the descriptors say, before
+    the notification; once the reader's process is gone, a write fails at once."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    to_writer, from_writer = context.Queue(), context.Queue()
+    num_bytes = 64 * PAGE
+    child = context.Process(target=read_in_another_process, args=("cuda:1", num_bytes, to_writer, from_writer),
+                            daemon=True)
+    child.start()
+    writer = create_backend("nccl", "writer", connect_timeout=10.0, timeout=10.0)
+    try:
+        message = to_writer.get(timeout=120)
+        assert message[0] != "error", message
+        metadata, target_address = message
+        source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(0)).to("cuda:0")
+        writer.register([tensor_region(source)])
+        peer = writer.add_peer(metadata)
+        torch.cuda.synchronize("cuda:0")
+        scattered = [(3 * PAGE, 40 * PAGE, 5 * PAGE), (9 * PAGE, 2 * PAGE, PAGE), (63 * PAGE, 63 * PAGE, PAGE)]
+        for offsets in ([(0, 0, num_bytes)], scattered):
+            from_writer.put(offsets)
+            descriptors = [(source.data_ptr() + s, target_address + d, n) for s, d, n in offsets]
+            handle = writer.write(peer, descriptors, notification=b"landed", local_device=0, remote_device=1)
+            assert finish(writer, handle) is WriteStatus.DONE, handle.error
+            notes, equal, untouched = to_writer.get(timeout=60)
+            assert notes == [("writer", b"landed")] and equal and untouched
+        link = writer.writers[peer]
+        assert link.copies is not None and link.copies.memory.storages  # opened over IPC, not the same process
+        from_writer.put("stop")
+        child.join(30)
+        handle = writer.write(peer, [(source.data_ptr(), target_address, PAGE)], notification=b"late")
+        assert finish(writer, handle) is WriteStatus.ERROR
+    finally:
+        writer.close()
+        if child.is_alive():
+            child.kill()
+
+
+def test_an_offer_that_cannot_be_made_says_why_and_a_closed_reader_is_seen_before_copying():
+    """The pieces of peer copies that need no GPU: a reader that cannot share its memory sends the
+    reason (msgpack, no pickle), which opening raises (the writer then falls back to NCCL); the
+    writer's look at the control connection passes while the reader is there, and fails once
+    it closed (or sent what it never sends)."""
+    import socket
+
+    from tandem.transfer.peer_copies import ensure_open
+    from tandem.transfer.peer_memory import PROCESS_ID, PeerOffer, offer_regions, open_peer_memory
+
+    region = tensor_region(torch.zeros(8, dtype=torch.uint8))  # (host memory: never shareable over CUDA IPC)
+    offer = PeerOffer.decode(offer_regions([region], 0, "another process").encode())
+    assert offer.reason.startswith("the reader could not share its memory") and not offer.regions
+    assert offer.process == PROCESS_ID
+    with pytest.raises(RuntimeError, match="could not share"):
+        open_peer_memory(offer, 0)
+    writer_end, reader_end = socket.socketpair()
+    try:
+        ensure_open(writer_end)  # the reader is there and silent
+        reader_end.sendall(b"x")
+        with pytest.raises(RuntimeError, match="unexpected data"):
+            ensure_open(writer_end)
+        writer_end.recv(1)
+        reader_end.close()
+        with pytest.raises(ConnectionResetError):
+            ensure_open(writer_end)
+    finally:
+        writer_end.close()
 
 
 def test_injected_failure_is_an_error_and_nothing_moves():

@@ -20,23 +20,30 @@ ROW = 96
 
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-ON_TWO_GPUS = pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not TWO_GPUS, reason="needs two CUDA devices")], id="gpu")
 
 
-@pytest.mark.parametrize("devices", [("cpu", "cpu"), ON_TWO_GPUS], ids=["cpu", "gpu"])
-@pytest.mark.parametrize("backend", ["nixl", "nccl"])
+def on_gpus(backend: str):
+    return pytest.param(backend, ("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not TWO_GPUS, reason="needs two CUDA devices")], id=f"{backend}-gpu")
+
+
+@pytest.mark.parametrize("backend,devices", [
+    pytest.param("nixl", ("cpu", "cpu"), id="nixl-cpu"), pytest.param("nccl", ("cpu", "cpu"), id="nccl-cpu"),
+    on_gpus("nixl"), on_gpus("nccl"), on_gpus("nccl-sendrecv")])
 def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
     """Scattered pages (and one long run) and a row in one write: the moment the reader sees the
     notification, the pages and the row are all in place (checked then, before the writer is
     asked again). NCCL's segmenting is set small, so staged segments cycle through the staging
-    slots many times (the pipelined gather/scatter) and the long run goes in place."""
+    slots many times (the pipelined gather/scatter) and the long run goes in place. Between GPUs
+    "nccl" copies into the reader's memory; "nccl-sendrecv" is forced onto NCCL's sends."""
     if backend == "nixl" and devices[0] != "cpu":  # (a GPU image may lack NIXL's CUDA build; CI's CPU run needs it)
         pytest.importorskip("nixl", reason="NIXL's CUDA build is not installed")
-    options = dict(connect_timeout=5.0, timeout=5.0) if backend == "nccl" else {}
-    writer, reader = create_backend(backend, "writer", **options), create_backend(backend, "reader", **options)
-    if backend == "nccl":
+    name = backend.split("-")[0]
+    options = dict(connect_timeout=5.0, timeout=5.0) if name == "nccl" else {}
+    writer, reader = create_backend(name, "writer", **options), create_backend(name, "reader", **options)
+    if name == "nccl":
         writer.direct_bytes, writer.staging_bytes = 4 * PAGE, 2 * PAGE
+        writer.peer_copies = backend == "nccl"
     try:
         generator = torch.Generator().manual_seed(1)
         pages = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=generator).to(devices[0])
@@ -127,6 +134,8 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         assert rows.tensor.device == next(side.registry.buffers()).tensor.device  # beside the pages
         assert len(last) > 1  # the second chunk's pages travel with the row
         assert all(status is WriteStatus.DONE for status in earlier)  # posted once every earlier write was done
+        if backend == "nixl":  # every page write and the last one came from the lists prepared at the handshake
+            assert side.agent.backend.prepared_writes == len(writes)
         pair.settle()
         pair.assert_all_free()
         writes_resolved = [key for _, key in outcomes if not key.startswith("warm-up:") and key not in side.peers]
