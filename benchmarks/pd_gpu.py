@@ -299,6 +299,8 @@ def main(argv=None) -> int:
         if not separator or not key:
             raise SystemExit(f"pd_gpu.py: --env takes KEY=VALUE, got {setting!r}")
         os.environ[key] = value
+    # the NCCL servers ask for peer copies (opt-in: TANDEM_NCCL_PEER_COPIES=0 to measure send/receive)
+    os.environ.setdefault("TANDEM_NCCL_PEER_COPIES", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(  # the servers import this checkout (and what the caller added)
         [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
     resolve_devices(arguments)

@@ -127,7 +127,7 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
          "pages+notif": "pages and notification", "pages x4": "pages in four writes", "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend (nccl between GPUs: peer copies over CUDA IPC; nccl-sendrecv: the
-same backend forced onto NCCL send/receive, TANDEM_NCCL_PEER_COPIES=0):
+same backend on NCCL send/receive, its default until peer copies are measured):
   BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
                   the metadata row, with the completion notification; wait; the decode process saw it
   BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
@@ -182,8 +182,8 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
     (_, peer_metadata, remote_addresses, remote_device, remote_rows, remote_tables, remote_scratch, remote_pages,
      remote_row_geometry) = message
     backend = create_backend(backend_kind(name), f"bench-prefill-{name}-{os.getpid()}", telemetry=True)
-    if name == SEND_RECEIVE:
-        backend.peer_copies = False  # (read when the pair forms: add_peer below)
+    if backend_kind(name) == "nccl":
+        backend.peer_copies = name != SEND_RECEIVE  # (read when the pair forms: add_peer below)
     try:
         regions = buffer_regions(core.registry)
         pairs = [list(zip(source, target)) for source, target in zip(sources, remote_tables)]

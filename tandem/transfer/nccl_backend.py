@@ -1,11 +1,12 @@
-"""The NCCL backend: one-sided writes between paired engines of one host. Between GPUs the
-bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
+"""The NCCL backend: one-sided writes between paired engines of one host. Between GPUs, where
+the writer asks for them ($TANDEM_NCCL_PEER_COPIES=1 or ``peer_copies=True``: opt-in until the
+path has been measured on GPUs), the bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
 memory over CUDA IPC (``peer_memory.py``) and a write is one device copy per merged run into it,
 on the pair's own stream, then one control frame carrying the notification once the copies'
 event completed (no receive to post, no acknowledgement: the writer saw its copies finish).
 Where the reader's memory cannot be opened (its GPU not visible here, an allocator whose memory
-IPC cannot share; said once, at WARNING), where the writer is told not to
-(``peer_copies=False``, $TANDEM_NCCL_PEER_COPIES=0) and between host memories, the bytes go
+IPC cannot share; said once, at WARNING), where the writer did not ask for them, and between
+host memories, the bytes go
 through ``torch.distributed`` point-to-point (NCCL between GPUs; gloo between host memories, so
 CI runs the same logic on a CPU), as described below.
 
@@ -82,8 +83,7 @@ class NcclBackend(TransferBackend):
         ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
         $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives).
         ``peer_copies``: whether this side's writes between GPUs ask the reader for peer copies
-        (default yes; $TANDEM_NCCL_PEER_COPIES=0 sends through NCCL, for comparison); read when
-        a pair forms."""
+        (default: $TANDEM_NCCL_PEER_COPIES == "1", else no); read when a pair forms."""
         direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
         staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
         if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):

@@ -192,7 +192,8 @@ def release_counters(shares: list[RegionShare]) -> None:
 
 def peer_copies_wanted(option: Optional[bool]) -> bool:
     """Whether a writer between GPUs asks its readers for peer copies: ``option`` when given,
-    else $TANDEM_NCCL_PEER_COPIES ("0" sends through NCCL, for comparison); default yes."""
+    else $TANDEM_NCCL_PEER_COPIES ("1": peer copies). Default no, until the path has been
+    measured on GPUs: the bytes then go through NCCL send/receive, as before it existed."""
     if option is not None:
         return option
-    return os.environ.get("TANDEM_NCCL_PEER_COPIES", "1") != "0"
+    return os.environ.get("TANDEM_NCCL_PEER_COPIES", "0") == "1"

@@ -41,6 +41,7 @@ class Pair:
 
     def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE, **options):
         self.writer = create_backend("nccl", "writer", connect_timeout=5.0, timeout=5.0)
+        self.writer.peer_copies = True  # (opt-in; read when the pair forms)
         self.reader = create_backend("nccl", "reader", connect_timeout=5.0, timeout=5.0)
         for backend in (self.writer, self.reader):
             for name, value in options.items():
@@ -304,6 +305,7 @@ def test_peer_copies_open_the_readers_memory_over_cuda_ipc():
                             daemon=True)
     child.start()
     writer = create_backend("nccl", "writer", connect_timeout=10.0, timeout=10.0)
+    writer.peer_copies = True
     try:
         message = to_writer.get(timeout=120)
         assert message[0] != "error", message
