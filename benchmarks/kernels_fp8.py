@@ -7,7 +7,10 @@ Llama-3.1-8B projection shapes (GPU): median time (``triton.testing.do_bench``) 
 - ``block``: FP8 128x128-block weights, activations per 1x128 token group, the Triton
   block-scaled GEMM (what DeepSeek/GLM/Qwen ``-FP8`` checkpoints run);
 
-each whole (activation quantization included) and the GEMM alone; at M <= 16 also
+each whole (activation quantization included) and the GEMM alone; ``fast`` is the per-channel
+GEMM with ``use_fast_accum=True`` (cuBLASLt's FP8 accumulation without periodic promotion) and
+``f.err`` its largest difference from the default accumulation, relative to the output's largest
+value — what choosing it would cost in accuracy; at M <= 16 also
 
 - ``w-only chan``, ``w-only block``: the weight-only path the FP8 linear method takes there
   (``tandem/kernels/fp8_weight_only.py``: 16-bit activations, FP8 weights dequantized in
@@ -48,7 +51,7 @@ from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TOKENS = (1, 16, 512, 4096)
+TOKENS = (1, 16, 256, 512, 4096)  # (256: a batch-256 decode step)
 
 
 def median_ms(function) -> float:
@@ -202,8 +205,8 @@ def main() -> None:
         fused_producer_table(fp8_ceilings.bandwidth)
         return
     weight_only_rows = []
-    print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}"
-          f"{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
+    print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}{'fast':>8}"
+          f"{'f.err':>9}{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
     for name, (rows, features) in SHAPES.items():
         float_weight = torch.randn(rows, features, device="cuda") * 0.02
         bf16_weight = float_weight.to(torch.bfloat16)
@@ -217,9 +220,15 @@ def main() -> None:
             bf16 = median_ms(lambda: hidden @ bf16_weight.t())
             channel = median_ms(lambda: fp8_linear(hidden, channel_weight, channel_scale, None))
             quantized, scales = quantize_token_groups(hidden, features)
-            channel_gemm = median_ms(lambda: torch._scaled_mm(quantized, channel_weight.t(), scale_a=scales,
-                                                              scale_b=channel_scale.reshape(1, -1),
-                                                              out_dtype=torch.bfloat16))
+            def channel_product(fast: bool) -> torch.Tensor:
+                return torch._scaled_mm(quantized, channel_weight.t(), scale_a=scales,
+                                        scale_b=channel_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+
+            channel_gemm = median_ms(lambda: channel_product(False))
+            fast_gemm = median_ms(lambda: channel_product(True))
+            exact = channel_product(False).float()
+            fast_error = ((channel_product(True).float() - exact).abs().max() / exact.abs().max()).item()
             block = median_ms(lambda: fp8_linear(hidden, block_weight, block_scale, 128))
             grouped, group_scales = quantize_token_groups(hidden, 128)
             block_gemm = median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
@@ -231,7 +240,7 @@ def main() -> None:
             block_roof = roofline_ms(tokens, rows, features, rows * features + block_scale.numel() * 4, 2,
                                      fp8_ceilings.flops, fp8_ceilings.bandwidth)
             print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
-                  f"{channel_roof / channel:>6.2f}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
+                  f"{channel_roof / channel:>6.2f}{fast_gemm:>8.4f}{fast_error:>9.1e}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
                   f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
         fp8_weights = [(channel_weight, channel_scale, None), (block_weight, block_scale, 128)]
         for tokens in (1, 4, 16):
