@@ -9,6 +9,12 @@ K+V bytes read, achieved GB/s, the ratio of that to a device-to-device copy meas
 
     python -m benchmarks.kernels_attention                    # bfloat16
     python -m benchmarks.kernels_attention --dtype float16
+    python -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep   # also: decode launch options
+
+``--sweep`` times the decode kernel under other launch options (key block, warps, pipeline
+stages, KV splits) at batch 256 x 1,500 keys and at 160 rows of 200 to 2,000 keys (the lengths of
+a batch partway through the nano-vllm workload), each replayed from a CUDA graph, the default
+first: what to try before changing ``_decode_config`` or ``_splits_for``.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ def parse_args():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the pages' dtype: auto (as the queries) or fp8 (e4m3)")
+    parser.add_argument("--sweep", action="store_true", help="also time the decode kernel's launch options")
     return parser.parse_args()
 
 
@@ -132,6 +139,55 @@ def prefill_row(name, chunks, dtype, generator):
                 flops=4 * pairs * NUM_QUERY_HEADS * HEAD_DIM)
 
 
+SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * row) // 159 for row in range(160)]}
+
+
+def decode_sweep(dtype, generator, copy_bytes_per_second) -> None:
+    """The decode kernel at ``SWEEP_BATCHES`` under each launch option (``_decode_config``
+    replaced for the call), CUDA-graph medians, fastest first; the default marked."""
+    import itertools
+
+    from triton.testing import do_bench_cudagraph
+
+    import tandem.kernels.paged_attention as attention
+
+    default_config = attention._decode_config
+    for name, lengths in SWEEP_BATCHES.items():
+        key_cache, value_cache, page_table = random_paged_cache(lengths, dtype, generator)
+        query = torch.randn(len(lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+        context_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(query)
+        expected = attention.paged_decode_attention_reference(query, key_cache, value_cache, page_table,
+                                                               context_lengths, HEAD_DIM ** -0.5)
+        default_splits = attention.default_decode_splits(query, key_cache, page_table)
+        default = default_config(HEAD_DIM, query.device)
+        results = []
+        for block_n, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 4)):
+            config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            attention._decode_config = lambda head_dim, device, config=config: config
+            try:
+                def run():
+                    attention.paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths,
+                                                     HEAD_DIM ** -0.5, num_splits=splits, out=out)
+                run()
+                error = relative_error(out, expected)
+                microseconds = do_bench_cudagraph(run, return_mode="median") * 1e3
+            except Exception as failure:  # noqa: BLE001 - an option the GPU cannot hold (shared memory)
+                print(f"   {name}: {config} splits {splits}: {type(failure).__name__}")
+                continue
+            finally:
+                attention._decode_config = default_config
+            marked = config == default and splits == default_splits
+            results.append((microseconds, block_n, warps, stages, splits, error, marked))
+        moved = kv_bytes(sum(lengths), dtype)
+        print(f"\ndecode sweep {name}, pages {CACHE_DTYPE or dtype}: {moved / 1e6:.0f} MB of K+V")
+        print(f"{'us':>8} {'of copy':>8} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'splits':>7} {'rel err':>8}")
+        for microseconds, block_n, warps, stages, splits, error, marked in sorted(results)[:12] + [
+                row for row in results if row[-1]]:
+            print(f"{microseconds:>8.1f} {moved / (microseconds * 1e-6) / copy_bytes_per_second:>8.2f} {block_n:>8} "
+                  f"{warps:>6} {stages:>7} {splits:>7} {error:>8.1e}" + ("   (default)" if marked else ""))
+
+
 def print_table(rows, copy_bytes_per_second, dtype, device_name):
     print(f"\npaged attention, {dtype}, pages {CACHE_DTYPE or dtype}, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
           f"page={PAGE_SIZE}, {device_name}; device copy {copy_bytes_per_second / 1e9:.0f} GB/s (read+write)")
@@ -159,6 +215,8 @@ def main():
     rows = [decode_row(batch, length, dtype, generator) for batch, length in DECODE_SHAPES]
     rows += [prefill_row(name, chunks, dtype, generator) for name, chunks in PREFILL_SHAPES.items()]
     print_table(rows, copy_bytes_per_second, args.dtype, torch.cuda.get_device_name())
+    if args.sweep:
+        decode_sweep(dtype, generator, copy_bytes_per_second)
 
 
 if __name__ == "__main__":
