@@ -21,6 +21,8 @@
 #   bash scripts/gpu_checks.sh deploy       # two GPUs: tandem deploy 1P1D (Ray) equals a colocated server; TTFT beside PD
 #   bash scripts/gpu_checks.sh ray          # two GPUs: the Ray executor's GPU tests; TP=2 through Ray vs the multiprocess executor
 #   bash scripts/gpu_checks.sh regressions  # one GPU: batch-1 TPOT, the nano-vllm workload, 8B batch 256 with FP8 K/V
+#   bash scripts/gpu_checks.sh sweeps       # one GPU: decode attention launch options (FP8 and bf16 pages), FP8 GEMMs
+#                                           # with fast accumulation, the fused FP8 producers
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -110,6 +112,9 @@ print(model_dir_for('llama3-8b', 'dummy'))")
                  run offline_nanovllm python3 -m benchmarks.offline --preset qwen3-0.6b-nanovllm --repeat 1 --skip-transformers
                  run offline_b256_fp8kv python3 -m benchmarks.offline --preset llama3-8b-b256 --repeat 1 --skip-transformers \
                    --kv-cache-dtype fp8 ;;
+    sweeps) run attention_sweep_fp8 python3 -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep
+            run attention_sweep_bf16 python3 -m benchmarks.kernels_attention --sweep
+            run kernels_fp8 python3 -m benchmarks.kernels_fp8 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done
