@@ -5,6 +5,7 @@ with the field's name, so the server can turn it into a 400 naming the field.
 """
 from __future__ import annotations
 
+import json as json_text
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
@@ -14,6 +15,20 @@ from tandem.validation import require
 # The parameters the sampler takes per row, in the order of ``SamplingParams.sampling_row``.
 SAMPLING_ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                        "repetition_penalty")
+
+
+def _fits_64_bits(value: Any) -> bool:
+    """Whether every integer inside ``value`` (nested dicts and lists) is one msgpack holds."""
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+        elif isinstance(node, int) and not -2 ** 63 <= node <= 2 ** 64 - 1:
+            return False
+    return True
 
 
 @dataclass
@@ -54,6 +69,10 @@ class StructuredOutputsParams:
                     f"structured_outputs.{name}", "must be a non-empty string")
         require(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
                 "must be a JSON Schema (an object, or its JSON text)")
+        if isinstance(self.json, dict) and not _fits_64_bits(self.json):
+            # a request reaches the engine as msgpack, which holds no integer past 64 bits (JSON
+            # Schema allows any: "maxLength": 2**70): such a schema travels as its JSON text
+            self.json = json_text.dumps(self.json, ensure_ascii=False)
         if self.after_token_ids is not None:
             require(isinstance(self.after_token_ids, (list, tuple)) and len(self.after_token_ids) > 0
                     and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.after_token_ids),

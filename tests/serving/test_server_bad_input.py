@@ -96,15 +96,6 @@ CASES = [
     ("body not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', AUTH, 400, "body", ["UTF-8", "0xff"]),
     ("detokenize outside vocabulary", "/detokenize", {"tokens": [1, 100000]}, AUTH, 400, "tokens", []),
     ("tokenize nothing", "/tokenize", {}, AUTH, 400, "prompt", []),
-    # free JSON goes to the engine as msgpack: an integer past 64 bits is named, not a 500
-    ("tool schema integer past 64 bits", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                                                                             "maxProperties": 2 ** 70}}}]),
-     AUTH, 400, "tools[0].function.parameters", ["64 bits", "maxProperties"]),
-    ("response_format schema integer past 64 bits", "/v1/chat/completions",
-     chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "integer",
-                                                                             "minimum": -2 ** 64}}}),
-     AUTH, 400, "response_format.json_schema.schema", ["64 bits"]),
 ]
 
 

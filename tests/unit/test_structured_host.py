@@ -210,3 +210,23 @@ def test_a_schema_keeps_its_property_order():
     source = GrammarSource.of(StructuredOutputsParams(json=schema))
     assert list(json.loads(source.text)["properties"]) == ["name", "arguments"]
     assert source != GrammarSource.of(StructuredOutputsParams(json=reordered))
+
+
+def test_a_schema_with_integers_past_64_bits_reaches_the_engine_as_its_text():
+    """JSON Schema allows any integer; msgpack (the frontend-to-engine messages) holds 64 bits.
+    Such a schema travels as its JSON text: the request encodes, and the grammar built on the
+    engine's side is the one the schema asks for. A schema within 64 bits stays a dict."""
+    import msgspec
+
+    from tandem.protocol import AddRequestMessage, EngineRequest, FrontendMessage
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured.source import GrammarSource
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2 ** 70}}, "maxProperties": -2 ** 64}
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema))
+    message = AddRequestMessage(request=EngineRequest(request_id="r", prompt_token_ids=[1], sampling_params=params))
+    received = msgspec.msgpack.Decoder(FrontendMessage).decode(msgspec.msgpack.Encoder().encode(message))
+    source = GrammarSource.of(received.request.sampling_params.structured_outputs)
+    assert json.loads(source.text) == schema and list(json.loads(source.text)) == list(schema)  # keys in order
+    assert StructuredOutputsParams(json={"type": "integer", "maximum": 2 ** 63}).json == {"type": "integer",
+                                                                                          "maximum": 2 ** 63}

@@ -172,33 +172,10 @@ STRUCTURED_OUTPUTS_RULE = (
     "ignore_eos and min_tokens > 0 (400 naming the field)")
 
 
-# What the engine's messages carry (msgpack): integers from -2**63 to 2**64 - 1.
-SMALLEST_INTEGER, LARGEST_INTEGER = -2 ** 63, 2 ** 64 - 1
-
-
-def check_json_integers(value: Any) -> Any:
-    """Free JSON (a schema, template arguments) whose integers all fit 64 bits: the request goes to
-    the engine as msgpack, which holds no larger ones (a 400 naming where, not a 500)."""
-    pending = [(value, "")]
-    while pending:
-        node, where = pending.pop()
-        if isinstance(node, dict):
-            pending.extend((item, f"{where}[{key!r}]") for key, item in node.items())
-        elif isinstance(node, list):
-            pending.extend((item, f"{where}[{index}]") for index, item in enumerate(node))
-        elif isinstance(node, int) and not isinstance(node, bool) and not SMALLEST_INTEGER <= node <= LARGEST_INTEGER:
-            raise ValueError(f"integer {node}{' at ' + where if where else ''} is outside 64 bits "
-                             f"(-2**63 to 2**64 - 1)")
-    return value
-
-
-JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_integers)]
-
-
 class JsonSchemaFormat(OpenAIBaseModel):
     name: Text = "response"
     description: Optional[Text] = None
-    schema_: Optional[JsonObject] = Field(None, alias="schema", description="the JSON Schema the answer must match")
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON Schema the answer must match")
     strict: Optional[StrictBool] = Field(None, description="the schema is enforced exactly either way")
 
 
@@ -210,7 +187,7 @@ class ResponseFormat(OpenAIBaseModel):
 
 class StructuredOutputsModel(OpenAIBaseModel):
     """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
-    json_: Optional[Union[JsonObject, Text]] = Field(None, alias="json", description="a JSON Schema")
+    json_: Optional[Union[dict[str, Any], Text]] = Field(None, alias="json", description="a JSON Schema")
     json_object: Optional[StrictBool] = None
     regex: Optional[NonEmptyText] = None
     choice: Optional[Annotated[list[NonEmptyText], NonEmpty()]] = None
@@ -367,7 +344,7 @@ class ToolCall(OpenAIBaseModel):
 class FunctionDefinition(OpenAIBaseModel):
     name: FunctionName
     description: Optional[Text] = None
-    parameters: Optional[Annotated[JsonObject, AfterValidator(check_parameters_schema)]] = Field(
+    parameters: Optional[Annotated[dict[str, Any], AfterValidator(check_parameters_schema)]] = Field(
         None, description="a JSON Schema of the arguments object")
     strict: Optional[StrictBool] = Field(None, description="required and named tool choices match the schema "
                                          "exactly either way; auto calls are written by the model")
@@ -433,8 +410,7 @@ def check_template_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str
     return kwargs
 
 
-TemplateKwargs = Annotated[dict[Text, Any], AfterValidator(check_json_integers), AfterValidator(check_template_kwargs),
-                           Field(json_schema_extra={
+TemplateKwargs = Annotated[dict[Text, Any], AfterValidator(check_template_kwargs), Field(json_schema_extra={
     "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
 
 
