@@ -47,6 +47,7 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("nixl", "nccl")
 
 from benchmarks.pd_gpu_bandwidth import MODES_HELP, Deadline, free_device_memory, run_bandwidth
+from benchmarks.serve import checkout_environment
 
 
 # -- part 2: serving ----------------------------------------------------------------------------------------
@@ -301,8 +302,7 @@ def main(argv=None) -> int:
         os.environ[key] = value
     # the NCCL servers ask for peer copies (opt-in: TANDEM_NCCL_PEER_COPIES=0 to measure send/receive)
     os.environ.setdefault("TANDEM_NCCL_PEER_COPIES", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join(  # the servers import this checkout (and what the caller added)
-        [str(REPOSITORY_ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
+    os.environ["PYTHONPATH"] = checkout_environment()["PYTHONPATH"]  # the servers import this checkout
     resolve_devices(arguments)
     from benchmarks.common import model_dir_for
 

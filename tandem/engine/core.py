@@ -28,8 +28,8 @@ from tandem.engine.ranks.sampling_plan import SamplingPlan
 from tandem.engine.ranks.start import start_executor
 from tandem.engine.ranks.worker import Worker
 from tandem.engine.step_planner import ExecuteResult, StepPlanner
-from tandem.scheduler.scheduler import Scheduler
-from tandem.scheduler.step_time import step_interval
+from tandem.scheduler.scheduler import Scheduler, holds_prompt_chunk
+from tandem.scheduler.step_time import ReadBackClock
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
@@ -83,8 +83,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
-        self._last_read_back = 0.0  # time.perf_counter() when the last step's tokens were read back
-        self._last_read_back_blocked = False  # whether that read-back waited for the device
+        self.read_back_clock = ReadBackClock(synchronous=self.device.type != "cuda")
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -431,14 +430,11 @@ class EngineCore:
         scheduling, or a previous read-back that had waited too. When the host fell behind the
         device, a read-back finds its step long done and the interval says nothing of it (two
         read-backs in a row could be microseconds apart after a 2,000-token step): it is not
-        recorded."""
-        now = time.perf_counter()
-        seconds = step_interval(now, step.started, self._last_read_back, synchronous=self.device.type != "cuda",
-                                blocked=blocked, previous_blocked=self._last_read_back_blocked)
+        recorded (``ReadBackClock``)."""
+        seconds = self.read_back_clock.read_back(step.started, blocked)
         if seconds is not None:
             self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds,
-                                       with_prefill=any(chunk.num_new_tokens > 1 for chunk in step.chunks))
-        self._last_read_back, self._last_read_back_blocked = now, blocked
+                                       with_prefill=holds_prompt_chunk(step.chunks))
 
     def _release_held(self, step: "LaunchedStep") -> None:
         for sequence in step.held:

@@ -315,3 +315,9 @@ class Scheduler:
             self.running.append(child)
         else:
             self.waiting.appendleft(child)
+
+
+def holds_prompt_chunk(chunks) -> bool:
+    """Whether a step's chunks include part of a prompt (or of a recomputation): more than one
+    new token for a sequence, where a decode has one."""
+    return any(chunk.num_new_tokens > 1 for chunk in chunks)

@@ -26,6 +26,7 @@ of that size run again and are measured afresh).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -162,3 +163,22 @@ def step_interval(now: float, started: float, previous_read_back: float, *, sync
     if started >= previous_read_back:
         return now - started
     return now - previous_read_back if previous_blocked else None
+
+
+class ReadBackClock:
+    """The intervals between a step's start and its tokens' read-back, as ``step_interval``
+    counts them; keeps the previous read-back (its time, and whether it waited for the device)."""
+
+    def __init__(self, synchronous: bool) -> None:
+        self.synchronous = synchronous  # off a GPU a step has finished when its launch returns
+        self.previous = 0.0
+        self.previous_blocked = False
+
+    def read_back(self, started: float, blocked: bool) -> Optional[float]:
+        """A step scheduled at ``started`` was read back now (``blocked``: the host waited for the
+        device): its seconds, or None where the interval does not measure it."""
+        now = time.perf_counter()
+        seconds = step_interval(now, started, self.previous, synchronous=self.synchronous, blocked=blocked,
+                                previous_blocked=self.previous_blocked)
+        self.previous, self.previous_blocked = now, blocked
+        return seconds

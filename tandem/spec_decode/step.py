@@ -28,6 +28,7 @@ from typing import Optional
 
 from tandem.protocol import RequestDelta
 from tandem.kv.block_pool import SanitizerError
+from tandem.scheduler.scheduler import holds_prompt_chunk
 from tandem.scheduler.sequence import Sequence
 from tandem.spec_decode.metrics import SpeculationMetrics
 from tandem.spec_decode.proposer import DraftWork, HiddenRows, Proposer
@@ -57,7 +58,7 @@ class SpeculativeStep:
         deltas = self._run(output.chunks) if output.chunks else []
         if output.chunks:  # the step is synchronous: its tokens are on the host now
             core.scheduler.record_step(output.num_tokens, time.perf_counter() - started,
-                                       with_prefill=any(chunk.num_new_tokens > 1 for chunk in output.chunks))
+                                       with_prefill=holds_prompt_chunk(output.chunks))
         core.check_books()
         return deltas
 
