@@ -29,7 +29,7 @@ from tandem.engine.ranks.start import start_executor
 from tandem.engine.ranks.worker import Worker
 from tandem.engine.step_planner import ExecuteResult, StepPlanner
 from tandem.scheduler.scheduler import Scheduler, holds_prompt_chunk
-from tandem.scheduler.step_time import ReadBackClock
+from tandem.scheduler.step_time import HostStepClock
 from tandem.scheduler.sequence import PENDING_TOKEN, Sequence
 from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_max_tokens
 from tandem.engine.launched_step import LaunchedStep
@@ -83,7 +83,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
-        self.read_back_clock = ReadBackClock(synchronous=self.device.type != "cuda")
+        self.host_step_clock = HostStepClock()  # steps off a GPU (on one the device times them)
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -405,9 +405,8 @@ class EngineCore:
         if host is None:
             self._release_held(step)
             return []
-        blocked = host.pending()
         sampled = host.wait()
-        self._record_step_time(step, blocked)
+        self._record_step_time(step, host)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
         logprobs = self.sampled_logprobs(step.sequences, sampled)
@@ -420,21 +419,15 @@ class EngineCore:
             deltas.append(self.token_delta(sequence, position, token, position_logprobs))
         return deltas
 
-    def _record_step_time(self, step: "LaunchedStep", blocked: bool) -> None:
-        """Give the scheduler the step's duration as a running decode saw it: from the step's
-        scheduling, or the previous read-back if that came later (the steps ran back to back on
-        the device), to this read-back.
-
-        On a GPU that interval is the step's only where the device finished it as the host
-        waited (``blocked``) and the interval's start is when the device could begin it: its
-        scheduling, or a previous read-back that had waited too. When the host fell behind the
-        device, a read-back finds its step long done and the interval says nothing of it (two
-        read-backs in a row could be microseconds apart after a 2,000-token step): it is not
-        recorded (``ReadBackClock``)."""
-        seconds = self.read_back_clock.read_back(step.started, blocked)
-        if seconds is not None:
-            self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds,
-                                       with_prefill=holds_prompt_chunk(step.chunks))
+    def _record_step_time(self, step: "LaunchedStep", host) -> None:
+        """Give the scheduler the step's duration as a running decode saw it: the device's time
+        from the step's beginning to its tokens' copy on a GPU, the host's off one
+        (``step_time.py``)."""
+        seconds = host.device_seconds()
+        if seconds is None:
+            seconds = self.host_step_clock.interval(step.started)
+        self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds,
+                                   with_prefill=holds_prompt_chunk(step.chunks))
 
     def _release_held(self, step: "LaunchedStep") -> None:
         for sequence in step.held:

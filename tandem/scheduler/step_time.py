@@ -5,8 +5,11 @@ A running decode waits one whole step for each of its tokens, so its inter-token
 time. A step's time grows with the tokens it computes, and most of them are prefill chunks: the
 scheduler caps the prefill tokens of a step that has running decodes so that the predicted step
 time stays under the target; prefill takes what is left. With no running decode, nothing waits on
-the step: prefill takes the whole budget. Prefill is never starved: it may always take at least
-``min_prefill_tokens`` (one page) per step, even when the decodes alone are predicted over target.
+the step: prefill takes the whole budget. Where not even ``min_prefill_tokens`` (one page) of
+prompt beside the decodes is predicted within the target, every step with prefill misses it
+whatever its size: prefill then takes the whole budget (the fewest such steps miss it least
+often; a page a step would miss it on every step and crawl), and a warning says the target is
+out of reach.
 
 The model is a straight line, seconds = intercept + slope x tokens, fitted by least squares to
 one point per token-count bucket (powers of two), over the steps that held a prefill chunk (the
@@ -22,13 +25,24 @@ are slow: the cap would then keep every step small, the large buckets would neve
 again, and prefill would crawl at one page a step. So a bucket's first ``SEED_STEPS`` steps keep
 their fastest, a later step counts at most ``SPIKE_FACTOR`` times the bucket's mean, and a bucket
 no step has fallen in for ``STALE_STEPS`` steps leaves the fit (with it gone the cap loosens, steps
-of that size run again and are measured afresh).
+of that size run again and are measured afresh) — unless two buckets would not remain: a long run
+of decode-only steps, all of one size, must not leave a single point, no line, and so no cap.
+
+Each step is timed where it ran. On a GPU the overlapped loop reads a step's tokens back only
+after launching the next one, so the host's clock says little of a step (a host busy launching
+an eager prompt chunk reads back a step the device finished long before, and two read-backs
+microseconds apart would make a large step look free): the device times it between two events
+(its beginning, its sampled tokens' copy), which counts any wait within the step for the host to
+launch its kernels. Off a GPU a step has finished when its launch returns (``HostStepClock``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+import logging
 from typing import Optional
+
+logger = logging.getLogger(__name__)
 
 # Weight of a new step in its bucket's running mean: about the last ten steps of that size count.
 BUCKET_WEIGHT = 0.2
@@ -77,8 +91,9 @@ class StepTimeModel:
             self.buckets[num_tokens.bit_length()] = Bucket(float(num_tokens), seconds, self.num_steps)
         else:
             bucket.add(num_tokens, seconds, self.num_steps)
-        for key in [key for key, old in self.buckets.items() if self.num_steps - old.last_step > STALE_STEPS]:
-            del self.buckets[key]
+        stale = [key for key, old in self.buckets.items() if self.num_steps - old.last_step > STALE_STEPS]
+        for key in sorted(stale, key=lambda key: self.buckets[key].last_step)[:len(self.buckets) - 2]:
+            del self.buckets[key]  # (the freshest two stay: with one point there is no line, and no cap)
 
     def line(self) -> Optional[tuple[float, float]]:
         """``(intercept, slope)`` in seconds and seconds per token; None while the buckets cannot
@@ -126,6 +141,7 @@ class InterTokenBudget:
         # tokens say next to decode-only steps (those replay a captured graph, a prompt chunk
         # runs eagerly), so a line through both would promise mixed steps too fast.
         self.prefill_model = StepTimeModel()
+        self.out_of_reach = False  # the last step's verdict: even a minimal prefill step is over the target
 
     def observe(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:
         self.model.observe(num_tokens, seconds)
@@ -142,43 +158,40 @@ class InterTokenBudget:
             step_tokens = self.model.max_tokens_within(self.max_itl_seconds)
         if step_tokens is None:
             return token_budget
-        return min(token_budget, max(self.min_prefill_tokens, step_tokens - num_decode_tokens))
+        if step_tokens < num_decode_tokens + self.min_prefill_tokens:
+            # Even one page of prompt beside these decodes is predicted over the target: every
+            # step with prefill misses it whatever its size, so the fewest, fullest such steps
+            # miss it least often (one page a step would miss it on every step, and crawl).
+            if not self.out_of_reach:
+                logger.warning("max_itl_ms %g: a step with a prompt chunk beside %d decodes is predicted "
+                               "to take %.1f ms; prefill runs uncapped while the target is out of reach",
+                               self.max_itl_seconds * 1e3, num_decode_tokens,
+                               1e3 * self.predict_with_prefill(num_decode_tokens + self.min_prefill_tokens))
+            self.out_of_reach = True
+            return token_budget
+        self.out_of_reach = False
+        return min(token_budget, step_tokens - num_decode_tokens)
+
+    def predict_with_prefill(self, num_tokens: int) -> float:
+        """Predicted seconds of a step of ``num_tokens`` tokens holding a prompt chunk (0.0
+        without a prediction)."""
+        seconds = self.prefill_model.predict(num_tokens)
+        if seconds is None:
+            seconds = self.model.predict(num_tokens)
+        return seconds or 0.0
 
 
-def step_interval(now: float, started: float, previous_read_back: float, *, synchronous: bool, blocked: bool,
-                  previous_blocked: bool) -> Optional[float]:
-    """The seconds a step took as its running decodes saw it, from when the device could begin
-    it — its scheduling, or the previous step's read-back if later — to its read-back ``now``;
-    None where the interval does not measure the step.
+class HostStepClock:
+    """Off a GPU a step has finished when its launch returns: its time, as its running decodes
+    saw it, runs from its scheduling, or the previous step's read-back if that came later, to its
+    read-back. (On a GPU the device times each step itself: ``HostSamplerOutput.device_seconds``.)"""
 
-    Off a GPU (``synchronous``) a step has finished when its launch returns: always measured.
-    On a GPU the read-back time is the step's end only if the host waited for the device
-    (``blocked``), and a previous read-back is the step's start only if that one waited too: a
-    host that fell behind finds steps long done, and two read-backs microseconds apart after a
-    2,000-token step would teach the model that large steps are free."""
-    if synchronous:
-        return now - max(started, previous_read_back)
-    if not blocked:
-        return None
-    if started >= previous_read_back:
-        return now - started
-    return now - previous_read_back if previous_blocked else None
-
-
-class ReadBackClock:
-    """The intervals between a step's start and its tokens' read-back, as ``step_interval``
-    counts them; keeps the previous read-back (its time, and whether it waited for the device)."""
-
-    def __init__(self, synchronous: bool) -> None:
-        self.synchronous = synchronous  # off a GPU a step has finished when its launch returns
+    def __init__(self) -> None:
         self.previous = 0.0
-        self.previous_blocked = False
 
-    def read_back(self, started: float, blocked: bool) -> Optional[float]:
-        """A step scheduled at ``started`` was read back now (``blocked``: the host waited for the
-        device): its seconds, or None where the interval does not measure it."""
+    def interval(self, started: float) -> float:
+        """The seconds of a step scheduled at ``started`` and read back now."""
         now = time.perf_counter()
-        seconds = step_interval(now, started, self.previous, synchronous=self.synchronous, blocked=blocked,
-                                previous_blocked=self.previous_blocked)
-        self.previous, self.previous_blocked = now, blocked
+        seconds = now - max(started, self.previous)
+        self.previous = now
         return seconds

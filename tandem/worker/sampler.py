@@ -182,9 +182,10 @@ class SamplerOutput:
         """The same output on the CPU (see ``to_host_async``), waited for."""
         return self.to_host_async().wait()
 
-    def to_host_async(self) -> "HostSamplerOutput":
+    def to_host_async(self, began: Optional["torch.cuda.Event"] = None) -> "HostSamplerOutput":
         """Start the one device-to-host copy of this output (float64 holds token ids, ranks
-        and float32 logprobs exactly); ``wait()`` on the result gives it on the CPU."""
+        and float32 logprobs exactly); ``wait()`` on the result gives it on the CPU. ``began``:
+        a timing event recorded where the step that computed it began (``device_seconds``)."""
         columns = [self.token_ids[:, None], self.logprobs[:, None], self.ranks[:, None]]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
@@ -194,9 +195,9 @@ class SamplerOutput:
             return HostSamplerOutput(packed.cpu(), num_top, None)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=began is not None)
         copied.record()
-        return HostSamplerOutput(host, num_top, copied)
+        return HostSamplerOutput(host, num_top, copied, began)
 
 
 @dataclass
@@ -205,11 +206,15 @@ class HostSamplerOutput:
     packed: torch.Tensor  # [B, 3 + 2 * num_top] float64 (pinned on CUDA machines)
     num_top: int  # -1: no top logprobs
     copied: Optional["torch.cuda.Event"]
+    began: Optional["torch.cuda.Event"] = None  # a timing event where the step began
 
-    def pending(self) -> bool:
-        """Whether the device is still computing towards these tokens (never off CUDA, where a
-        step has finished when its launch returns)."""
-        return self.copied is not None and not self.copied.query()
+    def device_seconds(self) -> Optional[float]:
+        """After ``wait``: the seconds the device spent from the step's beginning to this copy
+        (its kernels, and any wait within the step for the host to launch them; not the time it
+        queued behind the step before it). None off CUDA or without a beginning event."""
+        if self.began is None or self.copied is None:
+            return None
+        return self.began.elapsed_time(self.copied) / 1e3
 
     def wait(self) -> SamplerOutput:
         if self.copied is not None:

@@ -63,14 +63,15 @@ def assert_like_the_algorithm(measured: Comparison, algorithm: Comparison, conte
     mean and 99th-percentile logprob errors at most 1.5x (plus 0.02 and 0.05), top-1 agreement
     lower by at most 2 points plus three standard errors, and flips away from near ties
     (reference margin above twice the reference path's 99th-percentile error) at most 1% of
-    positions more often."""
+    positions more often, plus three standard errors."""
     message = f"{context}: {measured.describe()}\n  CPU reference: {algorithm.describe()}"
     near_tie = 2 * max(algorithm.quantile(0.99), 0.05)
     assert measured.positions >= 1000 or context.endswith("decoded"), message
     assert measured.mean_error <= 1.5 * algorithm.mean_error + 0.02, message
     assert measured.quantile(0.99) <= 1.5 * algorithm.quantile(0.99) + 0.05, message
     assert measured.agreement >= algorithm.agreement - 0.02 - algorithm.agreement_noise(measured), message
-    assert measured.wide_flips(near_tie) <= algorithm.wide_flips(near_tie) + 0.01, message
+    assert measured.wide_flips(near_tie) <= algorithm.wide_flips(near_tie) + 0.01 + algorithm.flip_noise(
+        measured, near_tie), message
 
 
 @pytest.mark.parametrize("arch, form", [(arch, "fp8") for arch in FAMILIES]

@@ -48,6 +48,24 @@ def assert_same_quantization(fused: QuantizedActivation, unfused: QuantizedActiv
     assert torch.equal(fused.scales, unfused.scales)
 
 
+def assert_nearly_same_quantization(fused: QuantizedActivation, unfused: QuantizedActivation) -> None:
+    """As ``assert_same_quantization``, but an FP8 value may be its neighbour in at most 1% of
+    places (each within one e4m3 step). For the norm without a residual on a GPU: nothing pins
+    the register layout Triton picks for the row there (with a residual, its 16-bit store does),
+    so the quantizing variant may sum the squares in another order than the 16-bit one, which
+    moves an output across a bfloat16 rounding boundary now and then (seen at 4,099 tokens in
+    1x128 groups)."""
+    assert fused.layout == unfused.layout and fused.tokens == unfused.tokens and fused.dtype == unfused.dtype
+    assert fused.values.shape == unfused.values.shape and fused.scales.shape == unfused.scales.shape
+    assert fused.scales.stride() == unfused.scales.stride()
+    a, b = fused.dequantize(), unfused.dequantize()
+    assert (a != b).float().mean().item() <= 0.01
+    group = fused.layout.group_size(a.shape[1])
+    scales = unfused.scales[:unfused.tokens].repeat_interleave(group, dim=1)[:, :a.shape[1]]
+    assert bool(((a - b).abs() <= 2 ** -3 * torch.maximum(a.abs(), b.abs()) + 2 ** -9 * scales).all())
+    assert torch.allclose(fused.scales, unfused.scales, rtol=2 ** -7, atol=0)
+
+
 def assert_near_reference(fused: QuantizedActivation, reference: torch.Tensor) -> None:
     """``fused`` against the 16-bit ``reference`` it stands for: its scales within a few
     bfloat16 steps of the reference's, padded rows zero with scale 1, and on a GPU every value
@@ -138,8 +156,8 @@ def test_gpu_fused_quantization_equals_the_unfused_path(layout_name, tokens):
     assert torch.equal(fused_residual, unfused_residual)
     assert_same_quantization(fused, quantize_activation(unfused, layout))
     assert_near_reference(fused, rms_norm_reference(hidden, weight, 1e-5, residual=residual)[0])
-    assert_same_quantization(rms_norm(hidden, weight, 1e-5, quantize=layout),
-                             quantize_activation(rms_norm(hidden, weight, 1e-5), layout))
+    assert_nearly_same_quantization(rms_norm(hidden, weight, 1e-5, quantize=layout),
+                                    quantize_activation(rms_norm(hidden, weight, 1e-5), layout))
     gate_up = random(tokens, 2 * 14336, seed=13, scale=2.0)
     fused = silu_and_mul_quantized(gate_up, layout)
     assert_same_quantization(fused, quantize_activation(silu_and_mul(gate_up), layout))

@@ -18,7 +18,7 @@ from tandem.kv.spec import FullAttentionSpec
 from tandem.sampling_params import SamplingParams as Params
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.sequence import Sequence
-from tandem.scheduler.step_time import InterTokenBudget, StepTimeModel, step_interval
+from tandem.scheduler.step_time import HostStepClock, InterTokenBudget, StepTimeModel
 from tests.support.oracle import assert_matches
 
 PAGE_SIZE = 4
@@ -78,7 +78,8 @@ def test_slow_steps_of_other_causes_do_not_starve_prefill():
     stuck = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
     stuck.observe(1000, 1.0)
     stuck.observe(1, INTERCEPT + SLOPE)
-    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == PAGE_SIZE
+    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == 512  # "out of reach": uncapped
+    assert stuck.out_of_reach
     for step in range(STALE_STEPS + 1):
         tokens = (1, 24)[step % 2]
         stuck.observe(tokens, INTERCEPT + SLOPE * tokens)
@@ -102,20 +103,30 @@ def test_the_cap_follows_the_steps_with_prefill():
     assert every_step > 80 - 30 - 20 + 5
 
 
-def test_step_interval_measures_only_steps_the_host_waited_for():
-    """On a GPU a read-back ends a step's interval only if the host waited for the device; its
-    start is the step's scheduling or a previous read-back that waited too (a host that fell
-    behind sees steps microseconds apart: not measured). Off a GPU every interval counts."""
-    gpu = dict(synchronous=False)
-    # back to back on the device, both read-backs waited: previous read-back to this one
-    assert step_interval(1.030, 1.000, 1.010, blocked=True, previous_blocked=True, **gpu) == pytest.approx(0.020)
-    # scheduled after the previous read-back: from its scheduling, whatever that read-back did
-    assert step_interval(1.030, 1.015, 1.010, blocked=True, previous_blocked=False, **gpu) == pytest.approx(0.015)
-    # the host came late: the step was done before it waited, or the previous one was
-    assert step_interval(1.030, 1.000, 1.010, blocked=False, previous_blocked=True, **gpu) is None
-    assert step_interval(1.030, 1.000, 1.010, blocked=True, previous_blocked=False, **gpu) is None
-    assert step_interval(1.030, 1.000, 1.010, synchronous=True, blocked=False,
-                         previous_blocked=False) == pytest.approx(0.020)
+def test_off_a_gpu_a_step_runs_from_its_scheduling_or_the_last_read_back(monkeypatch):
+    """Off a GPU a step has finished when its launch returns: from its scheduling, or the
+    previous read-back where that came later (it waited behind that step), to its read-back."""
+    import tandem.scheduler.step_time as step_time
+
+    now = iter([1.010, 1.030, 1.050])
+    monkeypatch.setattr(step_time.time, "perf_counter", lambda: next(now))
+    clock = HostStepClock()
+    assert clock.interval(1.000) == pytest.approx(0.010)
+    assert clock.interval(1.000) == pytest.approx(0.020)  # scheduled before the previous read-back
+    assert clock.interval(1.045) == pytest.approx(0.005)
+
+
+def test_a_long_run_of_one_size_keeps_two_points():
+    """Stale buckets leave the fit only while two remain: a long run of decode-only steps of one
+    size (a full batch) must not leave one point, no line, and so no cap."""
+    from tandem.scheduler.step_time import STALE_STEPS
+
+    budget = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
+    feed_line(budget.observe)
+    for _ in range(2 * STALE_STEPS):
+        budget.observe(16, INTERCEPT + SLOPE * 16)
+    assert len(budget.model.buckets) == 2 and 16 .bit_length() in budget.model.buckets
+    assert budget.prefill_tokens(num_decode_tokens=20, token_budget=512) == pytest.approx(80 - 20, abs=2)
 
 
 def test_prefill_allowance():
@@ -126,8 +137,13 @@ def test_prefill_allowance():
     allowed = budget.prefill_tokens(num_decode_tokens=20, token_budget=512)
     assert allowed == budget.model.max_tokens_within(0.010) - 20 and 50 < allowed < 70
     assert budget.prefill_tokens(num_decode_tokens=20, token_budget=32) == 32
-    # the decodes alone are over the target: prefill still gets one page
-    assert budget.prefill_tokens(num_decode_tokens=500, token_budget=512) == PAGE_SIZE
+    # not even a page beside the decodes fits the target: every step with prefill misses it, so
+    # prefill takes the whole budget (the fewest steps miss it), and the warning says so once
+    assert budget.prefill_tokens(num_decode_tokens=500, token_budget=512) == 512 and budget.out_of_reach
+    within = budget.model.max_tokens_within(0.010)
+    assert budget.prefill_tokens(num_decode_tokens=within - PAGE_SIZE + 1, token_budget=512) == 512
+    assert budget.prefill_tokens(num_decode_tokens=within - PAGE_SIZE, token_budget=512) == PAGE_SIZE
+    assert not budget.out_of_reach
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="max_itl_ms"):
             InterTokenBudget(bad, PAGE_SIZE)
@@ -189,8 +205,8 @@ def test_scheduler_caps_prefill_beside_decodes_only():
     scheduler.coordinator.sanitizer.check_all_free(scheduler.coordinator)
 
 
-def test_scheduler_never_starves_prefill_and_is_off_by_default():
-    scheduler = make_scheduler(max_itl_ms=1.0)  # below the 2 ms of an empty step
+def test_scheduler_caps_down_to_a_page_then_gives_up_on_a_target_out_of_reach():
+    scheduler = make_scheduler(max_itl_ms=2.55)  # one decode and one page: 2 ms + 5 x 0.1 ms
     feed_line(scheduler.record_step)
     decode = add(scheduler, "decode", 5, 0)
     run_step(scheduler)
@@ -199,6 +215,8 @@ def test_scheduler_never_starves_prefill_and_is_off_by_default():
     for _ in range(3):
         step = run_step(scheduler)
         assert step["decode"] == 1 and step["long"] == PAGE_SIZE and "short" not in step  # one page a step
+    scheduler.inter_token_budget.max_itl_seconds = 0.001  # below the 2 ms of an empty step
+    assert run_step(scheduler) == {"decode": 1, "long": 100 - 3 * PAGE_SIZE, "short": 3}  # the whole budget
     plain = make_scheduler(max_itl_ms=None)
     feed_line(plain.record_step)  # recorded steps change nothing without a target
     assert plain.inter_token_budget is None
@@ -214,15 +232,15 @@ def test_scheduler_never_starves_prefill_and_is_off_by_default():
 
 
 def run_capped_engine(model_dir, oracle, **options) -> tuple[list, list]:
-    """Four prompts (two long) through an engine whose target is below any step (10 µs): every step
-    with running decodes takes one page of prompt. The fit is fed the line instead of the engine's
+    """Four prompts (two long) through an engine whose target leaves room for 20 tokens a step
+    (the fed line's): every step with running decodes takes 20 tokens less the decodes of prompt. The fit is fed the line instead of the engine's
     measured times (real timings would make the chunking vary from run to run). Checks the outputs
     against the oracle; returns the steps (decoding sequences, prefill tokens, tokens) and the
     measured (tokens, seconds)."""
     rng = random.Random(26)
     prompts = [[rng.randrange(3, 500) for _ in range(length)] for length in (5, 150, 9, 90)]
     llm = LLM(model=model_dir, page_size=16, max_total_tokens=2048, max_num_batched_tokens=64, max_num_seqs=8,
-              max_itl_ms=0.01, **options)
+              max_itl_ms=(INTERCEPT + SLOPE * 20.5) * 1e3, **options)
     scheduler = llm.engine.scheduler
     measured, steps = [], []
 
@@ -247,7 +265,7 @@ def run_capped_engine(model_dir, oracle, **options) -> tuple[list, list]:
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         assert_matches(output.outputs[0], oracle.greedy(prompt, 12), context=f"prompt {number}")
     capped = [prefill for decoding, prefill, _ in steps if decoding and prefill]
-    assert len(capped) >= 10 and max(capped) <= 16, steps  # prompts went one page a step beside decodes
+    assert len(capped) >= 8 and max(capped) <= 20, steps  # prompts went 20 tokens a step less the decodes
     assert steps[0] == (0, 64, 64), steps  # nothing decoding yet: the whole budget
     assert measured and all(seconds > 0 for _, seconds, _ in measured)
     llm.engine.check_all_free()
@@ -274,4 +292,7 @@ def test_cuda_overlapped_loop_stays_exact_with_the_cap_on(model_dirs, oracles, m
     import tests.support.oracle as oracle_module
 
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
-    run_capped_engine(model_dirs["llama"], oracles["llama"], device="cuda", dtype="float32")
+    steps, measured = run_capped_engine(model_dirs["llama"], oracles["llama"], device="cuda", dtype="float32")
+    # the device times every step, those with a prompt chunk too (the host's read-backs could not)
+    assert [(tokens, with_prefill) for tokens, _, with_prefill in measured] == [
+        (tokens, prefill > 0) for _, prefill, tokens in steps]

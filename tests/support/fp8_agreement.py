@@ -53,6 +53,12 @@ class Comparison:
         p = self.agreement
         return 3 * math.sqrt(max(p * (1 - p), 0.01) * (1 / self.positions + 1 / other.positions))
 
+    def flip_noise(self, other: "Comparison", margin: float) -> float:
+        """Three standard errors of the difference between two wide-flip fractions (each
+        position a coin with this one's fraction of flips past ``margin``)."""
+        p = self.wide_flips(margin)
+        return 3 * math.sqrt(max(p * (1 - p), 0.0001) * (1 / self.positions + 1 / other.positions))
+
     def quantile(self, q: float) -> float:
         return float(torch.tensor(self.errors).quantile(q))
 

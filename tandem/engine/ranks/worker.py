@@ -148,8 +148,12 @@ class Worker:
         # and the logits of the last forward pass, which the next sampling message reads.
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
+        # Rank 0 on CUDA: a timing event where the last forward pass began (the scheduler's step
+        # time fit reads the device's time from it to the sampled tokens' copy).
+        self.step_began: Optional[torch.cuda.Event] = None
         self.sampled_token_ids: Optional[torch.Tensor] = None  # [rows] of the last sampling message
         self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
+        self.times_steps = self.reads_output and self.runner.device.type == "cuda"
         self.vocab_size = parts.model_info.vocab_size
         # Speculation (rank 0): the last step's hidden states where its plan asked for them (the
         # draft's passes read them), and the proposer's side that runs those passes.
@@ -199,6 +203,9 @@ class Worker:
         tokens it sampled last, still on its device, into the input rows the plan names (and
         broadcasts the input ids). Rank 0's worker then reads the output (``_output``); the
         other ranks' return nothing of it."""
+        if self.times_steps:
+            self.step_began = torch.cuda.Event(enable_timing=True)
+            self.step_began.record()
         feed = None
         if plan.pending_targets:
             feed = feed_pending(self.sampled_token_ids, plan.pending_targets, plan.pending_sources)
@@ -234,7 +241,7 @@ class Worker:
             sampled = self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
                                            plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
             self.sampled_token_ids = sampled.token_ids
-            host = sampled.to_host_async()
+            host = sampled.to_host_async(self.step_began)
         self.forget(plan.finished_keys)
         return host
 
