@@ -300,8 +300,6 @@ def main(argv=None) -> int:
         if not separator or not key:
             raise SystemExit(f"pd_gpu.py: --env takes KEY=VALUE, got {setting!r}")
         os.environ[key] = value
-    # the NCCL servers ask for peer copies (opt-in: TANDEM_NCCL_PEER_COPIES=0 to measure send/receive)
-    os.environ.setdefault("TANDEM_NCCL_PEER_COPIES", "1")
     os.environ["PYTHONPATH"] = checkout_environment()["PYTHONPATH"]  # the servers import this checkout
     resolve_devices(arguments)
     from benchmarks.common import model_dir_for

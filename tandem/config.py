@@ -96,6 +96,12 @@ class EngineConfig:
     # step N. None: on for CUDA devices (on a CPU the forward pass is synchronous anyway).
     async_scheduling: Optional[bool] = None
     cuda_graph_sizes: Optional[tuple[int, ...]] = None
+    # CUDA graphs for steps with a prompt chunk, around their attention layers, which run eagerly
+    # (worker/mixed_graphs.py; one rank, attention-only models): captured for steps of up to these
+    # token counts (None: 8 ... 1,024, capped at max_num_batched_tokens); off with enforce_eager
+    # or mixed_step_graphs=False.
+    mixed_step_graphs: bool = True
+    mixed_step_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE
     # Speculative decoding (tandem/spec_decode): "mtp" (the checkpoint's next-n layers: DeepSeek-V3,
     # V3.2, GLM-5) or "draft" (``speculative_model``, a smaller model with the same vocabulary);
@@ -154,6 +160,8 @@ class EngineConfig:
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.cuda_graph_sizes is None or all(size >= 1 for size in self.cuda_graph_sizes),
                 "cuda_graph_sizes", f"must be positive batch sizes, got {self.cuda_graph_sizes}")
+        require(self.mixed_step_graph_sizes is None or all(size >= 1 for size in self.mixed_step_graph_sizes),
+                "mixed_step_graph_sizes", f"must be positive token counts, got {self.mixed_step_graph_sizes}")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               f"must be >= 1, got {self.max_model_len}")
         require(self.host_cache_size >= 0, "host_cache_size", f"must be >= 0 GB, got {self.host_cache_size}")

@@ -81,6 +81,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                        help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8, then every 16 "
                             "up to 256 and every 32 up to 512, capped at --max-num-seqs)")
+    group.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction, default=True,
+                       help="CUDA graphs for steps with a prompt chunk, their attention layers run eagerly "
+                            "between them (one GPU, attention-only models)")
+    group.add_argument("--mixed-step-graph-sizes", type=int, nargs="+", default=None,
+                       help="token counts to capture mixed-step graphs for (default: 8 16 32 48 64 96 128 160 "
+                            "192 256 320 384 448 512 640 768 896 1024, capped at --max-num-batched-tokens)")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap the host's scheduling of step N+1 with the device's step N "
                             "(default: on for CUDA devices)")
@@ -155,6 +161,8 @@ def engine_config(arguments: argparse.Namespace, model: str) -> EngineConfig:
         kv_cache_dtype=arguments.kv_cache_dtype, kv_cache_layout=arguments.kv_cache_layout,
         enforce_eager=arguments.enforce_eager, async_scheduling=arguments.async_scheduling,
         cuda_graph_sizes=tuple(arguments.cuda_graph_sizes) if arguments.cuda_graph_sizes else None,
+        mixed_step_graphs=arguments.mixed_step_graphs,
+        mixed_step_graph_sizes=tuple(arguments.mixed_step_graph_sizes) if arguments.mixed_step_graph_sizes else None,
         host_cache_size=arguments.host_cache_size, host_cache_write_policy=arguments.host_cache_write_policy,
         disk_cache_dir=arguments.disk_cache_dir, disk_cache_size=arguments.disk_cache_size,
         decode_offload=arguments.decode_offload, preemption_mode=arguments.preemption_mode,

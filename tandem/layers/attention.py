@@ -154,6 +154,9 @@ class Attention(nn.Module):
     ``sliding_window`` tokens when that is given (its spec then lets pages before the window go)."""
 
     cuda_graph_safe = True  # the backends' reads and writes are shape-static tensor operations
+    # Mixed-step graphs run it eagerly between their segments (worker/mixed_graphs.py): its
+    # arguments are indexed by token first, its output too, and nothing else reads the context.
+    mixed_graph_boundary = True
 
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, state_dtype: torch.dtype, sliding_window: Optional[int] = None) -> None:

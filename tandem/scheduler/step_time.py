@@ -5,8 +5,9 @@ A running decode waits one whole step for each of its tokens, so its inter-token
 time. A step's time grows with the tokens it computes, and most of them are prefill chunks: the
 scheduler caps the prefill tokens of a step that has running decodes so that the predicted step
 time stays under the target; prefill takes what is left. With no running decode, nothing waits on
-the step: prefill takes the whole budget. Where not even ``min_prefill_tokens`` (one page) of
-prompt beside the decodes is predicted within the target, every step with prefill misses it
+the step: prefill takes the whole budget. Where the steps with prefill (once seen in two sizes)
+predict that not even ``min_prefill_tokens`` (one page) of prompt beside the decodes fits within
+the target, every step with prefill misses it
 whatever its size: prefill then takes the whole budget (the fewest such steps miss it least
 often; a page a step would miss it on every step and crawl), and a warning says the target is
 out of reach.
@@ -154,10 +155,11 @@ class InterTokenBudget:
         if num_decode_tokens == 0:
             return token_budget
         step_tokens = self.prefill_model.max_tokens_within(self.max_itl_seconds)
-        if step_tokens is None:  # not two sizes of steps with prefill yet: every step's line
-            step_tokens = self.model.max_tokens_within(self.max_itl_seconds)
-        if step_tokens is None:
-            return token_budget
+        if step_tokens is None:  # not two sizes of steps with prefill yet: a provisional line
+            step_tokens = self._provisional_tokens()
+            if step_tokens is None:
+                return token_budget
+            return min(token_budget, max(self.min_prefill_tokens, step_tokens - num_decode_tokens))
         if step_tokens < num_decode_tokens + self.min_prefill_tokens:
             # Even one page of prompt beside these decodes is predicted over the target: every
             # step with prefill misses it whatever its size, so the fewest, fullest such steps
@@ -171,6 +173,20 @@ class InterTokenBudget:
             return token_budget
         self.out_of_reach = False
         return min(token_budget, step_tokens - num_decode_tokens)
+
+    def _provisional_tokens(self) -> Optional[int]:
+        """Step tokens within the target before steps with prefill came in two sizes: every
+        step's line, moved to pass through the one size of steps with prefill seen, if any (with
+        every step's line alone, prefill steps all of one size could stay so: the cap they set
+        would never change their size, and the line for them would never form)."""
+        line = self.model.line()
+        if line is None:
+            return None
+        points = list(self.prefill_model.buckets.values())
+        intercept, slope = line
+        if points:
+            intercept = points[0].seconds - slope * points[0].tokens
+        return max(0, int((self.max_itl_seconds - intercept) / slope))
 
     def predict_with_prefill(self, num_tokens: int) -> float:
         """Predicted seconds of a step of ``num_tokens`` tokens holding a prompt chunk (0.0

@@ -1,6 +1,6 @@
 """The NCCL backend: one-sided writes between paired engines of one host. Between GPUs, where
-the writer asks for them ($TANDEM_NCCL_PEER_COPIES=1 or ``peer_copies=True``: opt-in until the
-path has been measured on GPUs), the bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
+the writer asks for them (the default; $TANDEM_NCCL_PEER_COPIES=0 or ``peer_copies=False``
+for send/receive), the bytes move by peer copies (``peer_copies.py``): at pairing the reader shares its registered
 memory over CUDA IPC (``peer_memory.py``) and a write is one device copy per merged run into it,
 on the pair's own stream, then one control frame carrying the notification once the copies'
 event completed (no receive to post, no acknowledgement: the writer saw its copies finish).
@@ -83,7 +83,7 @@ class NcclBackend(TransferBackend):
         ``direct_bytes``/``staging_bytes`` (this side's writes): default ``byte_views``'s, or
         $TANDEM_NCCL_DIRECT_BYTES / $TANDEM_NCCL_STAGING_BYTES (for measuring alternatives).
         ``peer_copies``: whether this side's writes between GPUs ask the reader for peer copies
-        (default: $TANDEM_NCCL_PEER_COPIES == "1", else no); read when a pair forms."""
+        (default: yes, unless $TANDEM_NCCL_PEER_COPIES == "0"); read when a pair forms."""
         direct_bytes = direct_bytes or int(os.environ.get("TANDEM_NCCL_DIRECT_BYTES") or DIRECT_BYTES)
         staging_bytes = staging_bytes or int(os.environ.get("TANDEM_NCCL_STAGING_BYTES") or STAGING_BYTES)
         if not (direct_bytes >= 1 and 0 < staging_bytes <= MAX_STAGING_BYTES):

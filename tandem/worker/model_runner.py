@@ -24,6 +24,7 @@ from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
 from tandem.worker.graph_choice import GraphChoice
+from tandem.worker.mixed_graphs import MixedStepGraphs, mixed_graphs_apply
 from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import StepInputs
@@ -64,6 +65,7 @@ class ModelRunner:
         # kernel launches in every layer, which outweighs the padding: one bucket there.
         self.decode_min_bucket = 8 if device.type == "cpu" else 1 << 30
         self.graphs: Optional[CudaGraphRunner] = None
+        self.mixed_graphs: Optional[MixedStepGraphs] = None  # steps with a prompt chunk (mixed_graphs.py)
         # A step whose every token is sampled (speculative verification: a known token and its
         # drafts per sequence) replays the decode graphs with each token as a row of its own;
         # set by the speculator when every target group keeps its state per token.
@@ -94,11 +96,35 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs.batch_sizes
 
+    def capture_mixed_graphs(self, token_sizes: list[int]) -> list[int]:
+        """Capture graphs for steps with a prompt chunk of up to the largest of ``token_sizes``
+        tokens (``mixed_graphs.py``: one rank, models whose stateful layers are all boundaries;
+        after ``capture_graphs``). Returns the sizes captured (empty: such steps run eagerly). A
+        capture that fails leaves them eager, with a warning."""
+        if not token_sizes or self.graphs is None or self.model.tensor_shard.is_parallel \
+                or not mixed_graphs_apply(self.model):
+            return []
+        graphs = MixedStepGraphs(self, token_sizes)
+        if self.device.type == "cuda":
+            try:
+                graphs.capture()
+            except Exception as error:  # (a host synchronisation, an op capture refuses: stay eager)
+                logger.warning("mixed-step CUDA graphs not captured (%s: %s); steps with a prompt chunk run "
+                               "eagerly", type(error).__name__, error)
+                graphs.release()
+                torch.cuda.synchronize(self.device)
+                return []
+        self.mixed_graphs = graphs
+        return graphs.token_sizes
+
     def release_graphs(self) -> None:
         """Destroy the captured graphs now. Under tensor parallelism they hold NCCL collectives,
         and NCCL will not destroy a communicator while a graph that captured its operations is
         alive: left to the garbage collector, the process group may go first and its
         destruction waits forever. So the graphs go before the group does."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
         if self.graphs is None:
             return
         self.graphs.release()
@@ -109,8 +135,17 @@ class ModelRunner:
         """One eager forward of ``num_tokens`` prompt tokens that writes no page (slots -1;
         reads go to the null page): kernels compile and the allocator grows to a full step's
         activations at start-up, not in the first requests."""
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(ids, positions, self.forward_context(self.padding_metadata(num_tokens)))
+        self.model.compute_logits(hidden[-1:]).float()
+        torch.cuda.synchronize(self.device)
+
+    def padding_metadata(self, num_tokens: int) -> list[AttentionMetadata]:
+        """Every group's metadata for one prompt chunk of ``num_tokens`` tokens that writes no page
+        (slots -1) and reads the null page: warm-ups and captures."""
         width = -(-num_tokens // self.page_size)
-        metadata = [AttentionMetadata(
+        return [AttentionMetadata(
             page_size=self.page_size, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
             page_table=torch.zeros((1, width), dtype=torch.int32, device=self.device),
             context_lengths=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
@@ -118,11 +153,6 @@ class ModelRunner:
             num_decode_tokens=0, chunk_query_starts=[0, num_tokens], chunk_start_positions=[0],
             chunk_context_lengths=[num_tokens], host_page_table=np.zeros((1, width), dtype=np.int32))
             for _ in range(self.coordinator.num_groups)]
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(ids, positions, self.forward_context(metadata))
-        self.model.compute_logits(hidden[-1:]).float()
-        torch.cuda.synchronize(self.device)
 
     def forward_context(self, metadata: list[AttentionMetadata]) -> ForwardContext:
         return ForwardContext(self.accessor, metadata, self.backend)
@@ -150,13 +180,17 @@ class ModelRunner:
         """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
         logits)``. Under tensor parallelism every rank runs this with the same step; with
         ``broadcast_inputs`` rank 0's device input ids (pending tokens filled in) go to all."""
-        input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
-        if feed is not None:
-            feed(input_ids)
-        if broadcast_inputs:
-            self.model.tensor_shard.broadcast(input_ids)
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
-        hidden = self.model(input_ids, positions, self.forward_context(metadata))
+        context = self.forward_context(metadata)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(step.num_tokens) and not broadcast_inputs:
+            hidden = self.mixed_graphs.replay(step.input_ids, step.positions, context, feed)
+        else:
+            input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
+            if feed is not None:
+                feed(input_ids)
+            if broadcast_inputs:
+                self.model.tensor_shard.broadcast(input_ids)
+            hidden = self.model(input_ids, positions, context)
         rows = to_device(step.sampling_rows, self.device, torch.long)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float() if step.sampling_rows else \
             hidden.new_zeros((0, 0), dtype=torch.float32)

@@ -1,5 +1,5 @@
 """GPU checks (``pytest -m gpu`` on a CUDA machine): every family against the oracle on CUDA,
-with CUDA graphs and without."""
+with CUDA graphs (decode steps, and steps with a prompt chunk where the model allows) and without."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.worker.mixed_graphs import mixed_graphs_apply
 from tests.support.models import ARCH_OPTIONS, ARCHS
 from tests.support.oracle import Reference, assert_matches
 
@@ -39,10 +40,14 @@ def test_cuda_float32_matches_oracle(arch, enforce_eager, layout, model_dirs, or
     llm = LLM(model=model_dirs[arch], device="cuda", dtype="float32", page_size=16, max_total_tokens=480,
               max_num_batched_tokens=128, max_num_seqs=8, indexer_cache_dtype="float32",
               enforce_eager=enforce_eager, kv_cache_layout=layout)
-    graphs = llm.engine.runner.graphs
-    assert (graphs is not None) == (not enforce_eager)
+    runner = llm.engine.runner
+    assert (runner.graphs is not None) == (not enforce_eager)
+    # steps with a prompt chunk replay mixed-step graphs where the model's stateful layers allow
+    mixed = runner.mixed_graphs
+    assert (mixed is not None) == (not enforce_eager and mixed_graphs_apply(runner.model))
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True))
     assert llm.engine.stats().num_preemptions > 0
+    assert mixed is None or mixed.num_replays > 0
     for output, prompt in zip(outputs, prompts):
         reference: Reference = oracles[arch].greedy(prompt, 16)
         assert_matches(output.outputs[0], reference, context=arch)

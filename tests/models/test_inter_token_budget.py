@@ -78,8 +78,7 @@ def test_slow_steps_of_other_causes_do_not_starve_prefill():
     stuck = InterTokenBudget(0.010, min_prefill_tokens=PAGE_SIZE)
     stuck.observe(1000, 1.0)
     stuck.observe(1, INTERCEPT + SLOPE)
-    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == 512  # "out of reach": uncapped
-    assert stuck.out_of_reach
+    assert stuck.prefill_tokens(num_decode_tokens=20, token_budget=512) == PAGE_SIZE
     for step in range(STALE_STEPS + 1):
         tokens = (1, 24)[step % 2]
         stuck.observe(tokens, INTERCEPT + SLOPE * tokens)
@@ -137,8 +136,12 @@ def test_prefill_allowance():
     allowed = budget.prefill_tokens(num_decode_tokens=20, token_budget=512)
     assert allowed == budget.model.max_tokens_within(0.010) - 20 and 50 < allowed < 70
     assert budget.prefill_tokens(num_decode_tokens=20, token_budget=32) == 32
-    # not even a page beside the decodes fits the target: every step with prefill misses it, so
-    # prefill takes the whole budget (the fewest steps miss it), and the warning says so once
+    # every step's line alone (no steps with prefill in two sizes yet): at least a page
+    assert budget.prefill_tokens(num_decode_tokens=500, token_budget=512) == PAGE_SIZE
+    feed_line(lambda tokens, seconds: budget.observe(tokens, seconds, with_prefill=True))
+    # the steps with prefill say not even a page beside the decodes fits the target: every step
+    # with prefill misses it, so prefill takes the whole budget (the fewest steps miss it), and
+    # the warning says so once
     assert budget.prefill_tokens(num_decode_tokens=500, token_budget=512) == 512 and budget.out_of_reach
     within = budget.model.max_tokens_within(0.010)
     assert budget.prefill_tokens(num_decode_tokens=within - PAGE_SIZE + 1, token_budget=512) == 512
@@ -215,6 +218,7 @@ def test_scheduler_caps_down_to_a_page_then_gives_up_on_a_target_out_of_reach():
     for _ in range(3):
         step = run_step(scheduler)
         assert step["decode"] == 1 and step["long"] == PAGE_SIZE and "short" not in step  # one page a step
+    feed_line(lambda tokens, seconds: scheduler.record_step(tokens, seconds, with_prefill=True))
     scheduler.inter_token_budget.max_itl_seconds = 0.001  # below the 2 ms of an empty step
     assert run_step(scheduler) == {"decode": 1, "long": 100 - 3 * PAGE_SIZE, "short": 3}  # the whole budget
     plain = make_scheduler(max_itl_ms=None)
@@ -296,3 +300,18 @@ def test_cuda_overlapped_loop_stays_exact_with_the_cap_on(model_dirs, oracles, m
     # the device times every step, those with a prompt chunk too (the host's read-backs could not)
     assert [(tokens, with_prefill) for tokens, _, with_prefill in measured] == [
         (tokens, prefill > 0) for _, prefill, tokens in steps]
+
+
+def test_prefill_steps_of_one_size_do_not_keep_the_cap_where_it_is():
+    """Before steps with prefill come in two sizes the cap follows every step's line, moved to
+    pass through the one size seen: every step's line alone (here through slow large steps: 36
+    ms at no tokens) would hold prefill to a page a step, every such step of one size, and the
+    line for them would never form."""
+    budget = InterTokenBudget(0.025, min_prefill_tokens=PAGE_SIZE)
+    for tokens, seconds in ((512, 0.0397), (2048, 0.0508)):
+        budget.observe(tokens, seconds)
+    assert budget.prefill_tokens(num_decode_tokens=12, token_budget=2048) == PAGE_SIZE
+    budget.observe(28, 0.014, with_prefill=True)  # one size of steps with prefill: 14 ms for 28 tokens
+    slope = budget.model.line()[1]
+    moved = budget.prefill_tokens(num_decode_tokens=12, token_budget=2048)
+    assert moved == int((0.025 - (0.014 - slope * 28)) / slope) - 12 and moved > 100 * PAGE_SIZE

@@ -32,6 +32,7 @@ from tandem.parallel.shard import TensorShard
 from tandem.spec_decode import build_draft_network, draft_state_specs, engine_config_for_speculation, graph_rows, \
     speculative_tokens
 from tandem.worker.cuda_graphs import decode_graph_sizes
+from tandem.worker.mixed_graphs import default_mixed_graph_sizes
 from tandem.worker.model_runner import ModelRunner
 
 
@@ -98,6 +99,9 @@ def build_rank(config: EngineConfig, device: torch.device, group: RankGroup, ran
             else config.max_num_seqs
         group.capture_graphs(runner, decode_graph_sizes(config, rows), info.max_model_len,
                              config.max_num_batched_tokens)
+        if config.mixed_step_graphs:
+            runner.capture_mixed_graphs(list(config.mixed_step_graph_sizes or
+                                             default_mixed_graph_sizes(config.max_num_batched_tokens)))
     if speculating:
         _prepare_verification(runner, coordinator, registry, target_layers)
     return RankParts(config, model, hf_config, info, registry, target_layers, draft, plan, coordinator, tiers, runner)

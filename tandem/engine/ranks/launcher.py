@@ -300,8 +300,9 @@ def config_from_json(data: bytes) -> EngineConfig:
     from tandem.transfer.config import TransferConfig
 
     fields = json.loads(data)
-    if fields.get("cuda_graph_sizes") is not None:
-        fields["cuda_graph_sizes"] = tuple(fields["cuda_graph_sizes"])
+    for name in ("cuda_graph_sizes", "mixed_step_graph_sizes"):
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
     transfer = fields.get("transfer")
     if transfer is not None:
         secret = transfer.pop("secret")
