@@ -84,6 +84,7 @@ class EngineCore:
             self.speculator.attach(self)
         self._in_flight: Optional[LaunchedStep] = None  # launched, not yet read back
         self.host_step_clock = HostStepClock()  # steps off a GPU (on one the device times them)
+        self.steps_read_back = 0
         self._sequences: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.pd = None  # prefill/decode disaggregation (tandem/disagg), when configured
@@ -426,6 +427,9 @@ class EngineCore:
         seconds = host.device_seconds()
         if seconds is None:
             seconds = self.host_step_clock.interval(step.started)
+        self.steps_read_back += 1
+        if self.steps_read_back == 1:
+            return  # a process's first step compiles kernels and uploads graphs: not its size's cost
         self.scheduler.record_step(sum(chunk.num_query_tokens for chunk in step.chunks), seconds,
                                    with_prefill=holds_prompt_chunk(step.chunks))
 

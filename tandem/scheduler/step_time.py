@@ -83,10 +83,12 @@ class StepTimeModel:
         self.buckets: dict[int, Bucket] = {}
         self.num_steps = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, step: Optional[int] = None) -> None:
+        """A step's tokens and seconds; ``step``: the clock staleness is counted on (the
+        engine's steps, where this model sees only some of them; default: its own count)."""
         if num_tokens <= 0 or seconds < 0:
             return
-        self.num_steps += 1
+        self.num_steps = self.num_steps + 1 if step is None else step
         bucket = self.buckets.get(num_tokens.bit_length())
         if bucket is None:
             self.buckets[num_tokens.bit_length()] = Bucket(float(num_tokens), seconds, self.num_steps)
@@ -143,11 +145,13 @@ class InterTokenBudget:
         # runs eagerly), so a line through both would promise mixed steps too fast.
         self.prefill_model = StepTimeModel()
         self.out_of_reach = False  # the last step's verdict: even a minimal prefill step is over the target
+        self.steps = 0  # steps observed
 
     def observe(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:
-        self.model.observe(num_tokens, seconds)
-        if with_prefill:
-            self.prefill_model.observe(num_tokens, seconds)
+        self.steps += 1
+        self.model.observe(num_tokens, seconds, self.steps)
+        if with_prefill:  # (stale after STALE_STEPS of the engine's steps, not of its own)
+            self.prefill_model.observe(num_tokens, seconds, self.steps)
 
     def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
         """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
@@ -175,18 +179,15 @@ class InterTokenBudget:
         return min(token_budget, step_tokens - num_decode_tokens)
 
     def _provisional_tokens(self) -> Optional[int]:
-        """Step tokens within the target before steps with prefill came in two sizes: every
-        step's line, moved to pass through the one size of steps with prefill seen, if any (with
-        every step's line alone, prefill steps all of one size could stay so: the cap they set
-        would never change their size, and the line for them would never form)."""
-        line = self.model.line()
-        if line is None:
-            return None
+        """Step tokens within the target before steps with prefill give a line: in proportion to
+        the latest of them (its seconds per token; a larger step is always allowed where that
+        one came under the target, so the next size is measured and the line forms), else every
+        step's line."""
         points = list(self.prefill_model.buckets.values())
-        intercept, slope = line
         if points:
-            intercept = points[0].seconds - slope * points[0].tokens
-        return max(0, int((self.max_itl_seconds - intercept) / slope))
+            latest = max(points, key=lambda point: point.last_step)
+            return int(self.max_itl_seconds * latest.tokens / max(latest.seconds, 1e-9))
+        return self.model.max_tokens_within(self.max_itl_seconds)
 
     def predict_with_prefill(self, num_tokens: int) -> float:
         """Predicted seconds of a step of ``num_tokens`` tokens holding a prompt chunk (0.0
