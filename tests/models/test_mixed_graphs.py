@@ -118,3 +118,24 @@ def test_models_with_other_stateful_layers_stay_eager(model_dirs):
     runner.graphs = CudaGraphRunner(runner, [2], max_width=16)
     assert runner.capture_mixed_graphs(SIZES) == [] and runner.mixed_graphs is None
     torch.manual_seed(0)
+
+
+def test_a_non_owning_view_reads_the_same_memory_and_does_not_hold_it():
+    from tandem.worker.mixed_graphs import non_owning
+
+    base = torch.arange(24, dtype=torch.float32)
+    view = base[2:].view(2, 11)[:, 1:7]  # an offset, strided view
+    borrowed = non_owning(view)
+    assert borrowed.shape == view.shape and borrowed.stride() == view.stride()
+    assert borrowed.data_ptr() == view.data_ptr() and torch.equal(borrowed, view)
+    base[3] = -1.0  # the same memory: a write through the owner shows
+    assert borrowed[0, 0].item() == -1.0
+    handle = base.untyped_storage()._weak_ref()
+    del base, view  # the owner's references gone: the memory is freed although the view still exists
+    assert torch.UntypedStorage._expired(handle)
+    torch.UntypedStorage._free_weak_ref(handle)
+    owner = torch.arange(8.0)
+    handle, kept = owner.untyped_storage()._weak_ref(), owner[1:]
+    del owner  # (an ordinary view does keep it)
+    assert not torch.UntypedStorage._expired(handle) and kept.sum().item() == 28.0
+    torch.UntypedStorage._free_weak_ref(handle)
