@@ -51,6 +51,7 @@ import torch
 
 from tandem.layers.forward_context import ForwardContext
 from tandem.worker.graph_choice import size_for
+from tandem.worker.host_staging import copy_to_device
 
 if TYPE_CHECKING:
     from tandem.worker.model_runner import ModelRunner
@@ -215,8 +216,6 @@ class MixedStepGraphs:
         """The hidden states ``[n, hidden]`` of a step of ``n`` tokens (``input_ids`` and
         ``positions``: host arrays; ``feed`` writes pending input tokens into the static ids):
         a view of a static buffer, valid until the next replay."""
-        from tandem.worker.host_staging import copy_to_device
-
         count = len(input_ids)
         size = size_for(self.token_sizes, count)
         copy_to_device(self.input_ids[:count], input_ids)
