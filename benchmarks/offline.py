@@ -84,6 +84,8 @@ def parse_args():
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
+    parser.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA graphs for steps with a prompt chunk (tandem serve --mixed-step-graphs)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
                              "the state bytes the engine actually stores)")
@@ -237,7 +239,8 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs,
+              kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size,
               max_model_len=max(map(len, prompts)) + max(output_lengths),
               **optional_engine_arguments(args))
@@ -322,7 +325,7 @@ def main() -> None:
         args.skip_transformers = True
     ceilings = Ceilings.measure(dtype, fp8=fp8)
     tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
-    name = "tandem" + (" (eager)" if args.enforce_eager else "")
+    name = "tandem" + (" (eager)" if args.enforce_eager else "" if args.mixed_step_graphs else " (no mixed graphs)")
     backend = f", {args.distributed_executor_backend}" if args.distributed_executor_backend else ""
     backend += ", NCCL all-reduce" if args.disable_custom_all_reduce else ""
     name += f" (TP={args.tensor_parallel_size}{backend})" if args.tensor_parallel_size > 1 else ""
