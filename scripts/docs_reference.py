@@ -84,6 +84,8 @@ SECTIONS = (
      "Prefix hits by tier, copies between tiers, swaps, and the shared store."),
     ("speculation", "Speculative decoding (`--speculative-method`, `--speculative-model`)",
      "Drafts verified and accepted."),
+    ("itl", "Inter-token gap target (`--max-itl-ms`)",
+     "The prefill cap SLO-aware scheduling sets, and the step-time fit behind it."),
     ("structured", "Structured outputs (`response_format`, `structured_outputs`, forced tool calls)",
      "Grammars compiled and reused, and the rows and steps a grammar masked; shown once a constrained "
      "request arrived."),
@@ -94,8 +96,8 @@ SECTIONS = (
 
 def metric_families() -> dict[str, list]:
     """Section -> the metric families it adds, read from the registries themselves."""
-    from tandem.protocol import (EngineStats, HistogramSnapshot, SpeculationStats, StructuredOutputsStats, TierStats,
-                                 TransferStats)
+    from tandem.protocol import (EngineStats, HistogramSnapshot, InterTokenBudgetStats, SpeculationStats,
+                                 StructuredOutputsStats, TierStats, TransferStats)
     from tandem.entrypoints.openai.metrics import ServerMetrics
     from tandem.entrypoints.router.routing import Router
 
@@ -104,7 +106,7 @@ def metric_families() -> dict[str, list]:
         transfer=TransferStats(role="prefill", size_bytes=snapshot, duration_seconds=snapshot,
                                bandwidth_bytes_per_second=snapshot, phase_seconds={"compute": snapshot}),
         tiers=TierStats(), speculation=SpeculationStats(method="draft", num_speculative_tokens=1),
-        structured_outputs=StructuredOutputsStats())
+        structured_outputs=StructuredOutputsStats(), inter_token_budget=InterTokenBudgetStats(target_seconds=0.025))
     server = list(ServerMetrics(EngineStats).registry.collect())
     names = {family.name for family in server}
     full = [family for family in ServerMetrics(lambda: everything).registry.collect() if family.name not in names]
@@ -112,6 +114,7 @@ def metric_families() -> dict[str, list]:
     for section, probe in (("transfer", EngineStats(transfer=everything.transfer)),
                            ("tiers", EngineStats(tiers=everything.tiers)),
                            ("speculation", EngineStats(speculation=everything.speculation)),
+                           ("itl", EngineStats(inter_token_budget=everything.inter_token_budget)),
                            ("structured", EngineStats(structured_outputs=everything.structured_outputs))):
         added = {family.name for family in ServerMetrics(lambda probe=probe: probe).registry.collect()} - names
         sections[section] = [family for family in full if family.name in added]

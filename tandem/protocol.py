@@ -77,6 +77,15 @@ class StructuredOutputsStats(msgspec.Struct, kw_only=True):
     num_waiting: int = 0  # requests waiting for their grammar to compile
 
 
+class InterTokenBudgetStats(msgspec.Struct, kw_only=True):
+    """The prefill cap under an inter-token gap target (``--max-itl-ms``) of one engine."""
+    target_seconds: float
+    num_capped_steps: int = 0  # steps whose prompt tokens the target held below what the budget left
+    out_of_reach: bool = False  # the last verdict: even a page of prompt beside the decodes misses the target
+    intercept_seconds: Optional[float] = None  # the fit over steps with a prompt chunk (None before two sizes)
+    seconds_per_token: Optional[float] = None
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -90,6 +99,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     tiers: Optional["TierStats"] = None  # engines with a host (and disk) tier
     speculation: Optional[SpeculationStats] = None  # engines that speculate only
     structured_outputs: Optional[StructuredOutputsStats] = None  # once a constrained request arrived
+    inter_token_budget: Optional[InterTokenBudgetStats] = None  # engines with --max-itl-ms
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

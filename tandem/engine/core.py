@@ -566,7 +566,8 @@ class EngineCore:
                            transfer=self.pd.stats() if self.pd is not None else None,
                            tiers=tier_stats(self.tiers) if self.tiers is not None else None,
                            speculation=self.speculator.stats() if self.speculator is not None else None,
-                           structured_outputs=self.structured.stats())
+                           structured_outputs=self.structured.stats(),
+                           inter_token_budget=budget.stats() if (budget := self.scheduler.inter_token_budget) else None)
 
     def reset_prefix_cache(self) -> int:
         return self.coordinator.prefix_hits.reset()

@@ -146,12 +146,14 @@ class Scheduler:
         preemption would be needed; pages allocated so far stay with their sequences."""
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._prefill_tokens_left = self._prefill_allowance(budget)
+        self._prefill_tokens_left = allowance = self._prefill_allowance(budget)
         budget = self._schedule_running(output, budget, allow_preemption)
         if budget is None:
             return None
         if not output.preempted:
             self._admit_waiting(output, budget)
+        if allowance is not None and self._prefill_tokens_left == 0 and output.num_tokens < self.max_num_batched_tokens:
+            self.inter_token_budget.count_capped_step()  # prefill used its allowance, the budget had room left
         return output
 
     def record_step(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:

@@ -146,6 +146,7 @@ class InterTokenBudget:
         self.prefill_model = StepTimeModel()
         self.out_of_reach = False  # the last step's verdict: even a minimal prefill step is over the target
         self.steps = 0  # steps observed
+        self.num_capped_steps = 0  # steps whose prefill the target held below what the budget left
 
     def observe(self, num_tokens: int, seconds: float, with_prefill: bool = False) -> None:
         self.steps += 1
@@ -156,6 +157,23 @@ class InterTokenBudget:
     def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
         """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
         (decodes and their draft tokens), within the step's ``token_budget``."""
+        return self._allowed(num_decode_tokens, token_budget)
+
+    def count_capped_step(self) -> None:
+        """A step's prompt tokens used up an allowance below what the budget left (the
+        scheduler, for the metrics)."""
+        self.num_capped_steps += 1
+
+    def stats(self):
+        from tandem.protocol import InterTokenBudgetStats
+
+        line = self.prefill_model.line()
+        return InterTokenBudgetStats(target_seconds=self.max_itl_seconds, num_capped_steps=self.num_capped_steps,
+                                     out_of_reach=self.out_of_reach,
+                                     intercept_seconds=None if line is None else line[0],
+                                     seconds_per_token=None if line is None else line[1])
+
+    def _allowed(self, num_decode_tokens: int, token_budget: int) -> int:
         if num_decode_tokens == 0:
             return token_budget
         step_tokens = self.prefill_model.max_tokens_within(self.max_itl_seconds)

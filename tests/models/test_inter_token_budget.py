@@ -322,3 +322,30 @@ def test_prefill_steps_of_one_size_do_not_keep_the_cap_where_it_is():
     alone = InterTokenBudget(0.025, min_prefill_tokens=PAGE_SIZE)
     alone.observe(2048, 0.055, with_prefill=True)  # the only one, over the target: a smaller step next
     assert alone.prefill_tokens(num_decode_tokens=12, token_budget=2048) == int(0.025 * 2048 / 0.055) - 12
+
+
+def test_the_cap_reaches_the_engine_stats_and_metrics(model_dirs):
+    """``--max-itl-ms`` engines report the target, the steps it held back and the fit on
+    ``/metrics``; engines without it report none of it."""
+    from tandem.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(model=model_dirs["llama"], page_size=16, max_total_tokens=2048, max_num_batched_tokens=64,
+              max_num_seqs=8, max_itl_ms=(INTERCEPT + SLOPE * 20.5) * 1e3)
+    budget = llm.engine.scheduler.inter_token_budget
+    budget.observe = lambda tokens, seconds, with_prefill=False: InterTokenBudget.observe(
+        budget, tokens, INTERCEPT + SLOPE * tokens, with_prefill)  # the line, not this machine's times
+    feed_line(lambda tokens, seconds: InterTokenBudget.observe(budget, tokens, seconds, with_prefill=True))
+    llm.generate([[5, 6, 7], list(range(3, 150))], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.engine.stats().inter_token_budget
+    assert stats.target_seconds == pytest.approx((INTERCEPT + SLOPE * 20.5)) and not stats.out_of_reach
+    # the first step had no decode (3 + 61 tokens, uncapped); then 147 - 61 = 86 prompt tokens went
+    # 19 a step beside the short prompt's decode: four steps used their allowance, the fifth took 10
+    assert stats.num_capped_steps == 4
+    assert stats.intercept_seconds == pytest.approx(INTERCEPT) and stats.seconds_per_token == pytest.approx(SLOPE)
+    text = ServerMetrics(lambda: llm.engine.stats()).render().decode()
+    assert f"tandem:itl_capped_steps_total {float(stats.num_capped_steps)}" in text
+    assert "tandem:itl_target_out_of_reach 0.0" in text and "tandem:itl_step_seconds_per_token " in text
+    plain = LLM(model=model_dirs["llama"], page_size=16, max_total_tokens=512)
+    assert plain.engine.stats().inter_token_budget is None
+    assert "itl_" not in ServerMetrics(lambda: plain.engine.stats()).render().decode()

@@ -60,6 +60,8 @@ class EngineStatsCollector:
             yield from speculation_metric_families(stats.speculation)
         if stats.structured_outputs is not None:
             yield from structured_outputs_metric_families(stats.structured_outputs)
+        if stats.inter_token_budget is not None:
+            yield from inter_token_budget_metric_families(stats.inter_token_budget)
 
 
 def labelled_counter(name: str, documentation: str, label: str, values: dict) -> CounterMetricFamily:
@@ -120,6 +122,27 @@ def speculation_metric_families(speculation):
     yield GaugeMetricFamily(PREFIX + "spec_decode_mean_acceptance_length",
                             "Tokens per verification: accepted drafts plus the target's own (0 before any).",
                             value=speculation.mean_acceptance_length)
+
+
+def inter_token_budget_metric_families(budget):
+    """The prefill cap under ``--max-itl-ms``: the target, the steps it held back, whether it is
+    out of reach, and the step-time fit it predicts with (NaN before steps with a prompt chunk
+    came in two sizes)."""
+    yield CounterMetricFamily(PREFIX + "itl_capped_steps",
+                              "Steps whose prompt tokens the inter-token gap target held below what the budget left.",
+                              value=budget.num_capped_steps)
+    nan = float("nan")
+    gauges = {
+        "itl_target_seconds": ("The inter-token gap target (--max-itl-ms).", budget.target_seconds),
+        "itl_target_out_of_reach": ("1 while not even a page of prompt beside the decodes is predicted within "
+                                    "the target (prefill then runs uncapped).", float(budget.out_of_reach)),
+        "itl_step_intercept_seconds": ("Predicted seconds of a step with a prompt chunk, at no tokens.",
+                                       nan if budget.intercept_seconds is None else budget.intercept_seconds),
+        "itl_step_seconds_per_token": ("Predicted seconds a token adds to a step with a prompt chunk.",
+                                       nan if budget.seconds_per_token is None else budget.seconds_per_token),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
 
 
 def structured_outputs_metric_families(structured):
