@@ -321,9 +321,13 @@ def test_only_the_writer_releases_a_draining_room(llama_pair, message):
 
 
 def test_prefill_abort_fails_the_decode_leg(llama_pair):
+    """Aborted while its first chunk's pages are on their way: the decode leg fails. The
+    destination goes first, so pages stream chunk by chunk (a destination that came after the
+    whole prompt was computed would take it all in one write, the notification with it, and the
+    decode side could see it complete before the abort); only the prefill side steps until then."""
     pair = llama_pair
-    pair.submit("r", LONG_PROMPT)
-    pair.run_until(lambda: pair.prefill.pd.queue_lengths()["sending"] > 0)
+    pair.submit_destination_first("r", LONG_PROMPT)
+    pair.run_until(lambda: pair.prefill.pd.queue_lengths()["sending"] > 0, decode=False)
     pair.prefill.abort_requests(["r"])
     pair.run_until(lambda: pair.finished("r"))
     assert "aborted on the prefill server" in pair.error("r")
