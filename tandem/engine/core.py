@@ -35,7 +35,7 @@ from tandem.engine.admission import check_prompt, check_transfer_leg, resolve_ma
 from tandem.engine.launched_step import LaunchedStep
 from tandem.engine.structured_outputs import StructuredOutputs
 from tandem.structured.matcher import GrammarViolation
-from tandem.worker.model_runner import to_position_logprobs
+from tandem.engine.token_rules import TokenRules, reported_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class EngineCore:
         parts = build_rank(config, self.device, self.executor, rank=0)
         self.config = config = parts.config
         self.model, self.hf_config, self.model_info = parts.model, parts.hf_config, parts.model_info
+        self.token_rules = TokenRules(self.model_info.eos_token_ids, self.model_info.max_model_len)
         self.registry, self.coordinator = parts.registry, parts.coordinator
         # Rank 0's worker (its model runner, page executor, tier worker, a sharded draft): the
         # executor runs it on every step's message, as every other rank runs its own. The
@@ -410,7 +411,7 @@ class EngineCore:
         self._record_step_time(step, host)
         self._release_held(step)  # the device is done with the step: held pages may go
         token_ids = sampled.token_ids.tolist()
-        logprobs = self.sampled_logprobs(step.sequences, sampled)
+        logprobs = reported_logprobs(step.sequences, sampled)
         deltas = []
         for sequence, position, token, position_logprobs in zip(step.sequences, step.positions, token_ids,
                                                                 logprobs):
@@ -477,26 +478,10 @@ class EngineCore:
         return children
 
     def banned_tokens(self, sequence: Sequence, ahead: int = 0) -> list[int]:
-        """Token ids the next token (``ahead`` tokens later: a draft's position) may not take."""
-        params = sequence.params
-        if sequence.num_output_tokens + ahead >= params.min_tokens:
-            return []
-        eos = [] if params.ignore_eos else list(self.model_info.eos_token_ids)
-        return eos + list(params.stop_token_ids)
+        return self.token_rules.banned_tokens(sequence, ahead)
 
-    def sampled_logprobs(self, sequences, sampled) -> list[Optional[PositionLogprobs]]:
-        if all(s.params.logprobs is None for s in sequences):
-            return [None] * len(sequences)
-        entries = to_position_logprobs(sampled.token_ids, sampled.logprobs, sampled.ranks,
-                                       sampled.top_token_ids, sampled.top_logprobs)
-        result = []
-        for sequence, entry in zip(sequences, entries):
-            if sequence.params.logprobs is None:
-                result.append(None)
-                continue
-            keep = sequence.params.logprobs
-            result.append(PositionLogprobs(entry.token_ids[:1 + keep], entry.logprobs[:1 + keep], entry.rank))
-        return result
+    def finish_reason(self, sequence: Sequence, token: int, num_output: int):
+        return self.token_rules.finish_reason(sequence, token, num_output)
 
     def append_first_token(self, sequence: Sequence, token: int,
                       logprobs: Optional[PositionLogprobs]) -> RequestDelta:
@@ -532,17 +517,6 @@ class EngineCore:
             self._end(sequence, reason)
             self.forget_if_done(sequence.request_id)
         return delta
-
-    def finish_reason(self, sequence: Sequence, token: int, num_output: int):
-        params = sequence.params
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in self.model_info.eos_token_ids:
-                return "stop", None
-            if token in params.stop_token_ids:
-                return "stop", token
-        if num_output >= sequence.max_tokens or sequence.num_prompt_tokens + num_output >= self.model_info.max_model_len:
-            return "length", None
-        return None, None
 
     def fail_chunks(self, chunks, message: str) -> list[RequestDelta]:
         deltas = []

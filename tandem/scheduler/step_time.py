@@ -38,10 +38,12 @@ launch its kernels. Off a GPU a step has finished when its launch returns (``Hos
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
-import logging
 from typing import Optional
+
+from tandem.protocol import InterTokenBudgetStats
 
 logger = logging.getLogger(__name__)
 
@@ -154,26 +156,21 @@ class InterTokenBudget:
         if with_prefill:  # (stale after STALE_STEPS of the engine's steps, not of its own)
             self.prefill_model.observe(num_tokens, seconds, self.steps)
 
-    def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
-        """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
-        (decodes and their draft tokens), within the step's ``token_budget``."""
-        return self._allowed(num_decode_tokens, token_budget)
-
     def count_capped_step(self) -> None:
         """A step's prompt tokens used up an allowance below what the budget left (the
         scheduler, for the metrics)."""
         self.num_capped_steps += 1
 
-    def stats(self):
-        from tandem.protocol import InterTokenBudgetStats
-
+    def stats(self) -> InterTokenBudgetStats:
         line = self.prefill_model.line()
         return InterTokenBudgetStats(target_seconds=self.max_itl_seconds, num_capped_steps=self.num_capped_steps,
                                      out_of_reach=self.out_of_reach,
                                      intercept_seconds=None if line is None else line[0],
                                      seconds_per_token=None if line is None else line[1])
 
-    def _allowed(self, num_decode_tokens: int, token_budget: int) -> int:
+    def prefill_tokens(self, num_decode_tokens: int, token_budget: int) -> int:
+        """Prefill tokens allowed in a step that also computes ``num_decode_tokens`` decode tokens
+        (decodes and their draft tokens), within the step's ``token_budget``."""
         if num_decode_tokens == 0:
             return token_budget
         step_tokens = self.prefill_model.max_tokens_within(self.max_itl_seconds)
@@ -190,7 +187,7 @@ class InterTokenBudget:
                 logger.warning("max_itl_ms %g: a step with a prompt chunk beside %d decodes is predicted "
                                "to take %.1f ms; prefill runs uncapped while the target is out of reach",
                                self.max_itl_seconds * 1e3, num_decode_tokens,
-                               1e3 * self.predict_with_prefill(num_decode_tokens + self.min_prefill_tokens))
+                               1e3 * self.prefill_model.predict(num_decode_tokens + self.min_prefill_tokens))
             self.out_of_reach = True
             return token_budget
         self.out_of_reach = False
@@ -206,14 +203,6 @@ class InterTokenBudget:
             latest = max(points, key=lambda point: point.last_step)
             return int(self.max_itl_seconds * latest.tokens / max(latest.seconds, 1e-9))
         return self.model.max_tokens_within(self.max_itl_seconds)
-
-    def predict_with_prefill(self, num_tokens: int) -> float:
-        """Predicted seconds of a step of ``num_tokens`` tokens holding a prompt chunk (0.0
-        without a prediction)."""
-        seconds = self.prefill_model.predict(num_tokens)
-        if seconds is None:
-            seconds = self.model.predict(num_tokens)
-        return seconds or 0.0
 
 
 class HostStepClock:
