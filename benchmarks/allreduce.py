@@ -5,8 +5,10 @@ residual add + RMSNorm against the all-reduce followed by the fused add+norm ker
 Each rank is a spawned process joining the groups as the engine's ranks do (NVLink multicast
 off). For every message size (bf16 rows of the Llama-3.1-8B hidden size, 4,096: 8 KiB a row):
 
-- ``one-shot``: the Triton kernel (copy into the peer buffer, barrier, sum every rank's buffer);
-- ``torch 1-shot``: the input copied into the peer buffer, then torch's ``one_shot_all_reduce_out``;
+- ``one-shot``: the Triton kernel (store into every peer's buffer, sum what the peers stored into
+  this rank's own as it arrives; no barrier);
+- ``torch 1-shot``: the input copied into the (two-shot) peer buffer, then torch's
+  ``one_shot_all_reduce_out`` (its barriers: compare-and-swaps at system scope);
 - ``two-shot``: the input copied into the peer buffer, then torch's ``two_shot_all_reduce_out``;
 - ``nccl``: ``ProcessGroupNCCL.allreduce``.
 
@@ -74,10 +76,10 @@ def operations(shard, groups):
     def ours(tensor):
         return one_shot_all_reduce(tensor, buffer_pointers=peer.one_shot.buffer_pointers,
                                    signal_pointers=peer.one_shot.signal_pointers, rank=shard.rank,
-                                   world_size=shard.size)
+                                   world_size=shard.size, slot_bytes=peer.slot_bytes)
 
-    def torch_one_shot(tensor):
-        staged = peer.one_shot.view(tensor)
+    def torch_one_shot(tensor):  # staged in the two-shot buffer: torch's kernels own that one's signal pad
+        staged = peer.two_shot.view(tensor)
         staged.copy_(tensor)
         return torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", peer.group_name, tensor)
 
@@ -167,7 +169,7 @@ def rank_main(rank: int, arguments, ports, results) -> None:
         tensor = torch.randn(message // ROW_BYTES, HIDDEN, device=device).to(DTYPE) * 1e-3
         row = {}
         for name, function in paths.items():
-            if name == "two-shot" and shard.peer.two_shot is None:
+            if name in ("two-shot", "torch 1-shot") and shard.peer.two_shot is None:
                 continue
             row[name] = measure(lambda: function(tensor), arguments, device, groups)
         table["sizes"][message] = row

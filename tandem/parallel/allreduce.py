@@ -5,8 +5,9 @@ At decode sizes (8 KiB at batch 1, 512 KiB at batch 64 for a 4,096-wide bf16 hid
 NCCL's ring spends most of its ~10 µs on latency. Over NVLink a rank can instead read its
 peers' memory directly:
 
-- **one-shot** (``kernels/one_shot_allreduce.py``, Triton): each rank copies its input into its
-  peer buffer, meets the others at a barrier, and sums every rank's buffer itself; the same
+- **one-shot** (``kernels/one_shot_allreduce.py``, Triton): each rank stores its input into a
+  slot of every peer's buffer and sums what the peers stored into its own, waiting on the data
+  itself (an empty slot holds negative zeros, which no push leaves), with no barrier; the same
   kernel can add the residual and take the RMSNorm that follow (``reduce_add_norm``);
 - **two-shot** (torch's ``symm_mem.two_shot_all_reduce_out``): each rank reduces one slice of
   the message (reduce-scatter), then gathers the others' slices (all-gather): 2/N of the bytes
@@ -15,7 +16,9 @@ peers' memory directly:
 
 The peer buffers are torch symmetric memory (``torch.distributed._symmetric_memory``), allocated
 once at group join and never resized, so a captured CUDA graph keeps addresses that stay
-valid; every barrier leaves its signal slots at zero, so a replay is correct. NVLink multicast
+valid; every one-shot call leaves the slots it used empty and its state (the parity of the
+region the next call uses) in device memory, and torch's two-shot leaves its signal slots at
+zero, so a replay is correct. NVLink multicast
 stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0``,
 ``NVSHMEM_DISABLE_NVLS=1``; a handle that came back with a multicast address is refused).
 
@@ -140,10 +143,13 @@ class PeerBuffers:
     group named ``group_name``; the device tensors of every rank's buffer and signal-pad
     addresses, for the Triton kernels. Owner: ``PeerAllReduce``; freed with it."""
 
-    def __init__(self, size: int, device: torch.device, group_name: str) -> None:
+    def __init__(self, size: int, device: torch.device, group_name: str, prepare=None) -> None:
         import torch.distributed._symmetric_memory as symmetric_memory
 
         self.tensor = symmetric_memory.empty(size, dtype=torch.uint8, device=device)
+        if prepare is not None:  # before the rendezvous: no peer can see the buffer yet
+            prepare(self.tensor)
+            torch.cuda.synchronize(device)
         self.handle = symmetric_memory.rendezvous(self.tensor, group_name)
         if getattr(self.handle, "multicast_ptr", 0):
             raise RuntimeError("symmetric memory came back with an NVLink multicast address; "
@@ -169,7 +175,13 @@ class PeerAllReduce:
         # The process group registered under ``group_name`` (``_register_group``): torch's
         # registry holds it weakly and its operators resolve it by name at every call.
         self.process_group = process_group
-        self.one_shot = PeerBuffers(limits.one_shot_bytes, device, group_name) if limits.one_shot_bytes else None
+        self.one_shot = None
+        if limits.one_shot_bytes:
+            from tandem.kernels.one_shot_allreduce import empty_peer_buffer, peer_buffer_bytes
+
+            self.slot_bytes = limits.one_shot_bytes
+            self.one_shot = PeerBuffers(peer_buffer_bytes(self.slot_bytes, world_size), device, group_name,
+                                        lambda buffer: empty_peer_buffer(buffer, self.slot_bytes, world_size))
         two_shot = limits.two_shot_bytes and world_size in TWO_SHOT_WORLD_SIZES
         self.two_shot = PeerBuffers(limits.two_shot_bytes, device, group_name) if two_shot else None
 
@@ -185,7 +197,7 @@ class PeerAllReduce:
 
             return one_shot_all_reduce(tensor, buffer_pointers=self.one_shot.buffer_pointers,
                                        signal_pointers=self.one_shot.signal_pointers, rank=self.rank,
-                                       world_size=self.world_size)
+                                       world_size=self.world_size, slot_bytes=self.slot_bytes)
         if algorithm == TWO_SHOT:
             # The input must sit in the peer buffer; the copy finishes (stream order) before the
             # kernel's first barrier, which every rank passes only once all have copied.
@@ -206,7 +218,7 @@ class PeerAllReduce:
 
         return one_shot_reduce_add_norm(partial, residual, weight, eps, buffer_pointers=self.one_shot.buffer_pointers,
                                         signal_pointers=self.one_shot.signal_pointers, rank=self.rank,
-                                        world_size=self.world_size, **norm_options)
+                                        world_size=self.world_size, slot_bytes=self.slot_bytes, **norm_options)
 
 
 def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.device,

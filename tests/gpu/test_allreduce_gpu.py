@@ -90,7 +90,7 @@ def _check_sizes(shard, groups, device) -> None:
             expected = nccl_sum(groups, tensor)
             actual = shard.all_reduce(tensor.clone())
             assert torch.equal(actual, expected), f"{algorithm} {size} bytes {dtype}"
-    # Many calls back to back (no host sync between): the barriers' slots are reused each time.
+    # Many calls back to back (no host sync between): a rank may run a call ahead; the regions alternate.
     tensors = [random_on(device, (rows, HIDDEN), torch.bfloat16, seed=rows * 7 + shard.rank) for rows in range(1, 65)]
     expected = [nccl_sum(groups, tensor) for tensor in tensors]
     actual = [shard.all_reduce(tensor.clone()) for tensor in tensors]
@@ -131,7 +131,7 @@ def test_fused_reduce_add_norm_equals_nccl_then_add_norm():
 
 def _check_graph(shard, groups, device) -> None:
     """One graph holding a one-shot, a two-shot, an NCCL sum and a fused reduce+add+norm,
-    replayed with new inputs each time (the signal slots must be back at zero after each)."""
+    replayed with new inputs each time (each call must leave the peer buffers as it found them)."""
     shapes = {"one_shot": (16, HIDDEN), "two_shot": (256, HIDDEN), "nccl": (2048, HIDDEN)}  # bf16: 128 KiB, 2, 16 MiB
     static = {name: torch.zeros(shape, dtype=torch.bfloat16, device=device) for name, shape in shapes.items()}
     partial = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=device)
