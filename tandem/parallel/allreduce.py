@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 import uuid
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from typing import Mapping, Optional
 
 import torch
@@ -67,8 +67,7 @@ NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"
 @dataclass(frozen=True)
 class AllReduceLimits:
     """Where each algorithm stops (message bytes, inclusive); each from the environment variable
-    named in ``ENVIRONMENT``. Defaults are the crossovers ``benchmarks/allreduce.py`` chooses on
-    two H100s joined by NVLink; 0 turns a path off."""
+    named in ``ENVIRONMENT``, else ``defaults_for`` the group's size; 0 turns a path off."""
     one_shot_max_bytes: int = 512 * KIB
     two_shot_max_bytes: int = 8 * MIB
     # reduce + residual add + RMSNorm in one one-shot kernel up to this size (above: the
@@ -80,9 +79,23 @@ class AllReduceLimits:
                    "fused_max_bytes": "TANDEM_ALLREDUCE_FUSED_MAX_BYTES"}
 
     @classmethod
-    def from_environment(cls, environment: Optional[Mapping[str, str]] = None) -> "AllReduceLimits":
-        """The limits set in ``environment`` (default ``os.environ``), defaults elsewhere; a value
-        that is not a non-negative integer raises ValueError naming its variable."""
+    def defaults_for(cls, world_size: int) -> "AllReduceLimits":
+        """The defaults for ``world_size`` ranks. On two, one-shot beats two-shot and NCCL up to
+        16 MiB and the fused kernel beats the pair up to 2 MiB (``benchmarks/allreduce.py`` on two
+        GPUs joined by NVLink, docs/allreduce.md), so one-shot takes messages up to 4 MiB (its
+        buffer holds 16 slots of that: 64 MiB a rank) and the fused kernel up to 2 MiB. With more
+        ranks a one-shot rank stores its message into every peer, so it keeps to 512 KiB
+        (unmeasured there: set the variables from the benchmark)."""
+        if world_size == 2:
+            return cls(one_shot_max_bytes=4 * MIB, two_shot_max_bytes=8 * MIB, fused_max_bytes=2 * MIB)
+        return cls()
+
+    @classmethod
+    def from_environment(cls, environment: Optional[Mapping[str, str]] = None,
+                         world_size: Optional[int] = None) -> "AllReduceLimits":
+        """The limits set in ``environment`` (default ``os.environ``), ``defaults_for(world_size)``
+        elsewhere (no size: the class's own); a value that is not a non-negative integer raises
+        ValueError naming its variable."""
         environment = os.environ if environment is None else environment
         values = {}
         for field in fields(cls):
@@ -96,7 +109,8 @@ class AllReduceLimits:
                 raise ValueError(f"{name}: must be a number of bytes, got {text!r}") from None
             if values[field.name] < 0:
                 raise ValueError(f"{name}: must be >= 0, got {text!r}")
-        return cls(**values)
+        defaults = cls() if world_size is None else cls.defaults_for(world_size)
+        return replace(defaults, **values)
 
     @property
     def one_shot_bytes(self) -> int:
@@ -231,7 +245,7 @@ def make_peer_all_reduce(control, store, rank: int, size: int, device: torch.dev
 
     if device.type != "cuda" or size < 2 or size > MAX_PEER_WORLD_SIZE:
         return None
-    limits = AllReduceLimits.from_environment()
+    limits = AllReduceLimits.from_environment(world_size=size)
     same_on_every_rank(control, list(astuple(limits)), "the all-reduce limits (TANDEM_ALLREDUCE_*)")
     hosts = exchange(control, socket.gethostname().encode())
     if len(set(hosts)) > 1:
