@@ -12,9 +12,13 @@ K+V bytes read, achieved GB/s, the ratio of that to a device-to-device copy meas
     python -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep   # also: decode launch options
 
 ``--sweep`` times the decode kernel under other launch options (key block, warps, pipeline
-stages, KV splits) at batch 256 x 1,500 keys and at 160 rows of 200 to 2,000 keys (the lengths of
-a batch partway through the nano-vllm workload), each replayed from a CUDA graph, the default
-first: what to try before changing ``_decode_config`` or ``_splits_for``.
+stages, KV splits) at batch 256 x 1,500 keys, at 160 rows of 200 to 2,000 keys (the lengths of
+a batch partway through the nano-vllm workload) and at 64 rows of 128 to 384 keys (the
+llama3-8b-b64 preset's decode), each replayed from a CUDA graph, the default marked: what to try
+before changing ``_decode_config`` or ``_splits_for``. ``--sweep-only`` picks batches and skips
+the table; ``--heads 16 4`` is one rank of the 8B shape under TP=2.
+
+    python -m benchmarks.kernels_attention --sweep-only "64 x 128..384" --heads 16 4
 """
 from __future__ import annotations
 
@@ -41,6 +45,10 @@ def parse_args():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the pages' dtype: auto (as the queries) or fp8 (e4m3)")
     parser.add_argument("--sweep", action="store_true", help="also time the decode kernel's launch options")
+    parser.add_argument("--sweep-only", nargs="+", choices=list(SWEEP_BATCHES), default=None, metavar="BATCH",
+                        help=f"sweep these batches only (of: {', '.join(SWEEP_BATCHES)}); implies --sweep")
+    parser.add_argument("--heads", nargs=2, type=int, default=None, metavar=("QUERY", "KV"),
+                        help="query and key/value heads (default: 32 8, Llama-3.1-8B; 16 4 is one rank of its TP=2)")
     return parser.parse_args()
 
 
@@ -139,10 +147,12 @@ def prefill_row(name, chunks, dtype, generator):
                 flops=4 * pairs * NUM_QUERY_HEADS * HEAD_DIM)
 
 
-SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * row) // 159 for row in range(160)]}
+SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * row) // 159 for row in range(160)],
+                 # the llama3-8b-b64 preset's decode: 64 rows of 128-token prompts, 256 tokens out
+                 "64 x 128..384": [128 + (256 * row) // 63 for row in range(64)]}
 
 
-def decode_sweep(dtype, generator, copy_bytes_per_second) -> None:
+def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
     """The decode kernel at ``SWEEP_BATCHES`` under each launch option (``_decode_config``
     replaced for the call), CUDA-graph medians, fastest first; the default marked."""
     import itertools
@@ -153,6 +163,8 @@ def decode_sweep(dtype, generator, copy_bytes_per_second) -> None:
 
     default_config = attention._decode_config
     for name, lengths in SWEEP_BATCHES.items():
+        if only and name not in only:
+            continue
         key_cache, value_cache, page_table = random_paged_cache(lengths, dtype, generator)
         query = torch.randn(len(lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
         context_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
@@ -162,7 +174,7 @@ def decode_sweep(dtype, generator, copy_bytes_per_second) -> None:
         default_splits = attention.default_decode_splits(query, key_cache, page_table)
         default = default_config(HEAD_DIM, query.device)
         results = []
-        for block_n, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 4)):
+        for block_n, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 3, 4, 8)):
             config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             attention._decode_config = lambda head_dim, device, config=config: config
             try:
@@ -211,7 +223,13 @@ def main():
     global CACHE_DTYPE
     CACHE_DTYPE = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     generator = torch.Generator().manual_seed(0)
+    global NUM_QUERY_HEADS, NUM_KV_HEADS
+    if args.heads:
+        NUM_QUERY_HEADS, NUM_KV_HEADS = args.heads
     copy_bytes_per_second = copy_bandwidth()
+    if args.sweep_only:  # the launch options alone
+        decode_sweep(dtype, generator, copy_bytes_per_second, args.sweep_only)
+        return
     rows = [decode_row(batch, length, dtype, generator) for batch, length in DECODE_SHAPES]
     rows += [prefill_row(name, chunks, dtype, generator) for name, chunks in PREFILL_SHAPES.items()]
     print_table(rows, copy_bytes_per_second, args.dtype, torch.cuda.get_device_name())
