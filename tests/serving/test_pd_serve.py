@@ -337,6 +337,9 @@ def test_random_transfer_failures_end_both_legs(cluster, colocated):
 def test_transfer_metrics(cluster):
     servers, routers = cluster
     prefill, decode = servers["prefill_a"], servers["decode_a"]
+    # transfers of its own through the 1P1D pair (the test also runs alone)
+    response = client_for(routers["one"]).completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=2, **GREEDY)
+    assert len(response.choices) == len(PROMPTS) >= 3
     assert prefill.metric("pd_transfers_total", 'outcome="done",role="prefill"') >= 3
     assert decode.metric("pd_transfers_total", 'outcome="done",role="decode"') >= 3
     assert prefill.metric("pd_transfer_bytes_total") > 0
