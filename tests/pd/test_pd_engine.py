@@ -368,12 +368,12 @@ def test_injected_transfer_failures_end_both_legs(model_dirs):
 def test_room_ids_are_checked_before_commit(llama_pair, monkeypatch):
     """I7: a metadata row carrying another room is refused; nothing is committed."""
     pair = llama_pair
-    original = MetadataBuffer.write
+    original = MetadataBuffer.stage
 
-    def write_wrong_room(self, row, value):
-        original(self, row, MetadataRow(**{**value.__dict__, "room": new_room()}))
+    def stage_wrong_room(self, row, value):
+        return original(self, row, MetadataRow(**{**value.__dict__, "room": new_room()}))
 
-    monkeypatch.setattr(pair.prefill.pd.metadata, "write", write_wrong_room.__get__(pair.prefill.pd.metadata))
+    monkeypatch.setattr(pair.prefill.pd.metadata, "stage", stage_wrong_room.__get__(pair.prefill.pd.metadata))
     pair.submit("r", SHORT_PROMPT)
     pair.run_until(lambda: pair.finished("r"))
     assert "carries room" in pair.error("r") and pair.tokens("r") == []
