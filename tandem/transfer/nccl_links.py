@@ -423,6 +423,7 @@ class WriterLink(Link):
                 return
             item.started = True
             self.start_copies(item)
+            self.queue.put(item)  # (for the link's thread to watch: ``watch``)
 
     def start_copies(self, item: PendingSend) -> None:
         """Post ``item``'s copies (lock held); a failure ends the pair and raises."""
@@ -458,18 +459,33 @@ class WriterLink(Link):
 
     def copy_writes(self) -> None:
         """The link's thread, once the pair formed with peer copies: post the writes queued before
-        that, in order; from then on the caller's thread posts and completes them (``post``,
-        ``advance``). Waits here for the link's end; then the writes still in flight end as ERROR
-        once their copies stopped, and the mapping is released (after every copy finished)."""
+        that, in order; from then on the caller's thread posts them (``post``) and this thread
+        watches each (``watch``) until the link ends. Then the writes still in flight end as
+        ERROR once their copies stopped, and the mapping is released (after every copy finished)."""
         with self.lock:
             closing = self.post_queued()
             self.direct = not closing and not self.error
-        while not closing and self.queue.get() is not None:
-            pass
+            posted = list(self.in_flight)
+        for item in posted:
+            self.watch(item)
+        while not closing:
+            item = self.queue.get()
+            if item is None:
+                break
+            self.watch(item)
         with self.lock:
             self.direct = False
             self.settle()
             self.copies.release()
+
+    def watch(self, item: PendingSend) -> None:
+        """The link's thread: wait for ``item``'s copies (the interpreter free meanwhile: the
+        event is waited for in CUDA), then complete what landed as a poll would. So a write's
+        notification leaves even while the engine's thread is busy (a forward pass), not only at
+        its next poll; whichever comes first completes it."""
+        if item.event is not None and item.status is WriteStatus.PENDING:
+            item.event.synchronize()
+            self.advance()
 
     def post_queued(self) -> bool:
         """Post the writes queued before the pair formed (lock held); True once the link closed

@@ -12,7 +12,8 @@ notification sends nothing). There is no receive to post and no acknowledgement 
 Both ends run in the engine's own thread, once the pair formed: ``write`` posts the copies, and
 the poll of a write that finds its event complete sends the frame (``nccl_links.WriterLink``:
 ``post``, ``advance``), so no other thread stands between a write and its bytes or its
-notification.
+notification. The link's thread waits on the same event meanwhile (outside the interpreter) and
+completes the write itself if the engine's thread is busy when it lands.
 
 Pairing (the control connection, after the token check of ``pair_group.py``)::
 
@@ -103,7 +104,7 @@ class PeerCopies:
         with self.streams():
             for target, source in runs:
                 target.copy_(source, non_blocking=True)
-        item.event = torch.cuda.Event()
+        item.event = torch.cuda.Event(blocking=True)  # (the link's thread sleeps on it: ``WriterLink.watch``)
         item.event.record(self.stream)
         item.timings["posted"] = time.perf_counter()
 

@@ -476,13 +476,28 @@ def test_pd_pair_decodes_exactly_after_a_warm_up(backend, model_dirs, oracles):
         pair.close()
 
 
+COPY_SECONDS = 0.01  # how long HostPeerCopies' copies take
+
+
+class HostEvent:
+    """A write's event for ``HostPeerCopies``: complete ``COPY_SECONDS`` after posting; waiting
+    on it (the link's thread) also waits for ``gate``."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate, self.done_at = gate, time.monotonic() + COPY_SECONDS
+
+    def synchronize(self) -> None:
+        self.gate.wait()
+        time.sleep(max(self.done_at - time.monotonic(), 0))
+
+
 class HostPeerCopies:
     """``PeerCopies`` between host memories, so that a CPU runs the writer link's peer-copy logic:
-    a write's bytes move only in the first poll that finds its copies "landed" (the second look
-    at it), so a notification sent any earlier would reach the reader before its bytes."""
+    a write's bytes move only when a look at its event finds it complete (``COPY_SECONDS`` after
+    posting), so a notification sent any earlier would reach the reader before its bytes."""
 
-    def __init__(self, reader) -> None:
-        self.reader, self.looked, self.released = reader, set(), False
+    def __init__(self, reader, gate: threading.Event) -> None:
+        self.reader, self.gate, self.released = reader, gate, False
 
     def start(self, item, sources, connection) -> None:
         from tandem.transfer.peer_copies import ensure_open
@@ -490,11 +505,11 @@ class HostPeerCopies:
         ensure_open(connection)
         item.runs = [(self.reader.views.view(destination, length), sources.view(source, length))
                      for source, destination, length in item.descriptors]
+        item.event = HostEvent(self.gate)
         item.timings["posted"] = time.perf_counter()
 
     def landed(self, item) -> bool:
-        if id(item) not in self.looked:
-            self.looked.add(id(item))
+        if time.monotonic() < item.event.done_at:
             return False
         for target, source in item.runs:
             target.copy_(source)
@@ -507,22 +522,23 @@ class HostPeerCopies:
         self.released = True
 
 
-def test_peer_copies_are_posted_and_completed_in_the_callers_polls(monkeypatch):
+def test_peer_copies_are_posted_in_write_and_completed_by_polls_or_the_links_thread(monkeypatch):
     """The writer link's peer-copy path without a GPU (``HostPeerCopies``): writes posted before
-    the pair formed go first, in order, then later writes are posted from ``write`` itself; a
-    write completes, and its notification leaves, only in a poll that finds its copies landed,
-    so the reader never sees a notification before the bytes; a reader that closed fails the
-    next write at once and every later one; closing releases the mapping."""
+    the pair formed go first, in order, then later writes are posted in ``write`` itself; a
+    write completes (its notification leaves) once its copies landed, in a poll of it or, while
+    nobody polls, from the link's thread, and the reader never sees a notification before the
+    bytes; a reader that closed fails the next write at once and every later one; closing
+    releases the mapping."""
     from tandem.transfer.nccl_links import ReaderLink, WriterLink
     from tandem.transfer.pair_group import send_frame
     from tandem.transfer.peer_copies import CHOOSE_COPIES
 
-    made, formed = [], threading.Event()
+    made, formed, watched = [], threading.Event(), threading.Event()
 
     def choose_copies(link):
         formed.wait(10)  # (the pair forms only once the first writes were queued)
         send_frame(link.connection, CHOOSE_COPIES)
-        made.append(HostPeerCopies(pair.reader))
+        made.append(HostPeerCopies(pair.reader, watched))
         return made[-1]
 
     monkeypatch.setattr(WriterLink, "choose_data_plane", choose_copies)
@@ -530,19 +546,9 @@ def test_peer_copies_are_posted_and_completed_in_the_callers_polls(monkeypatch):
     pair = Pair()
     try:
         writes = [pair.pages([(2 * k, 40 + 3 * k)], pages=2) for k in range(6)]
-        handles = [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in range(3)]
-        link = pair.writer.writers[pair.peer]
-        assert link.queue.qsize() == 3 and not link.direct
-        formed.set()
-        wait_until(lambda: link.direct)
-        assert pair.writer.notifies_on_poll and not link.queue.qsize()
-        handles += [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in range(3, 6)]
-        assert all(handle.native.started for handle in handles)  # (the later ones: in ``write`` itself)
-        time.sleep(0.05)
-        assert pair.reader.notifications() == []  # nothing completes without a poll
         seen = []
 
-        def arrivals() -> bool:
+        def arrivals(handles, count: int) -> bool:
             for handle in handles:
                 pair.writer.poll(handle)
             for _, note in pair.reader.notifications():
@@ -551,11 +557,23 @@ def test_peer_copies_are_posted_and_completed_in_the_callers_polls(monkeypatch):
                     begin = destination - pair.target.data_ptr()
                     assert torch.equal(pair.target[begin:begin + length],
                                        pair.source[source - pair.source.data_ptr():][:length])
-            return len(seen) == len(writes)
+            return len(seen) == count
 
-        wait_until(arrivals)
+        handles = [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in range(3)]
+        link = pair.writer.writers[pair.peer]
+        assert link.queue.qsize() == 3 and not link.direct
+        formed.set()
+        wait_until(lambda: link.direct)
+        assert pair.writer.notifies_on_poll
+        handles += [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in (3, 4)]
+        assert all(handle.native.started for handle in handles)  # (the later ones: in ``write`` itself)
+        wait_until(lambda: arrivals(handles, 5))  # the link's thread is held: these polls completed them
+        watched.set()
+        unpolled = pair.writer.write(pair.peer, writes[5], notification=b"w5")
+        wait_until(lambda: arrivals([], 6))  # nobody polls it: the link's thread completed it
+        assert unpolled.native.status is WriteStatus.DONE
         assert seen == [f"w{k}".encode() for k in range(6)]
-        assert all(finish(pair.writer, handle) is WriteStatus.DONE for handle in handles)
+        assert all(finish(pair.writer, handle) is WriteStatus.DONE for handle in handles + [unpolled])
         pair.reader.close()
         time.sleep(0.05)  # (the reader's end of the connection is closed by now)
         failed = pair.writer.write(pair.peer, writes[0], notification=b"late")
