@@ -8,7 +8,8 @@ model shape, its pools on ``--device``, and two NIXL agents of this process).
 Rows (median microseconds over ``--rounds``): ``plan`` (``WritePlanner.plan`` of the whole prompt:
 the benchmark's worst case; the engine plans each chunk as its pages become final), ``plan chunk``
 (one ``--chunk-tokens`` chunk), ``row`` (``MetadataBuffer.write``: on a GPU, until the row is on
-the device), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
+the device), ``row staged`` (``MetadataBuffer.stage``, as the engine's last write does it: on a
+GPU, the row's copy queued and not waited for), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
 (``NixlBackend.write`` of a chunk's run of blocks and a metadata row, described afresh or from the
 lists prepared at pairing, ``block_index.py``; blocks of 64 bytes, so that the post's own cost
 shows: see ``nixl_post_microseconds``), ``nccl post`` / ``nccl posted`` / ``nccl landed`` (the NCCL
@@ -16,7 +17,7 @@ backend's ``write`` call; until its copies or sends were issued; until it was DO
 ``nccl_post_microseconds``).
 
 What the engine leaves on the last write's path, once the prompt's first token is known:
-``row`` + the backend's post (its pages were planned, and merged, when the last chunk was
+``row staged`` + the backend's post (its pages were planned, and merged, when the last chunk was
 launched: ``plan chunk`` + ``merge`` run beside the forward pass).
 """
 from __future__ import annotations
@@ -58,6 +59,19 @@ def median_microseconds(step, rounds: int) -> float:
         step()
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1e6
+
+
+def staged_row_microseconds(rows, row, rounds: int) -> float:
+    """``MetadataBuffer.stage`` alone: the row filled and its copy to the device queued, not waited
+    for (each copy waited for afterwards, untimed: the engine's row was copied long before)."""
+    samples = []
+    for round_number in range(rounds + 10):
+        started = time.perf_counter()
+        staged = rows.stage(0, row)
+        samples.append(time.perf_counter() - started)
+        if staged is not None:
+            staged.synchronize()
+    return statistics.median(samples[10:]) * 1e6
 
 
 def nixl_post_microseconds(block_count: int, blocks_per_write: int, rounds: int, prepared: bool) -> float:
@@ -189,6 +203,7 @@ def main(argv=None) -> int:
         "plan": median_microseconds(lambda: planner.plan(prompt), arguments.rounds),
         "plan chunk": median_microseconds(lambda: planner.plan(chunk), arguments.rounds),
         "row": median_microseconds(lambda: rows.write(0, row), arguments.rounds),
+        "row staged": staged_row_microseconds(rows, row, arguments.rounds),
         "merge": median_microseconds(lambda: merge_adjacent(last), arguments.rounds),
     }
     if not arguments.skip_nixl and arguments.device == "cpu":
