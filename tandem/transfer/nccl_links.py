@@ -521,14 +521,16 @@ class WriterLink(Link):
                 item.status, item.error = WriteStatus.ERROR, self.error
 
     def fail_queued(self) -> None:
-        """Once a pair with peer copies ended: the writes still queued (posting an earlier one
-        failed) end as ERROR. Nothing is queued later (``post`` raises once the pair failed)."""
+        """Once a pair with peer copies ended: the writes still queued and never posted (posting
+        an earlier one failed) end as ERROR; a posted one queued for ``watch`` keeps the status
+        its copies gave it (``settle``). Nothing is queued later (``post`` raises once the pair
+        failed)."""
         while True:
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and not item.started:
                 self.take(item)
 
     def complete(self, item: PendingSend) -> None:

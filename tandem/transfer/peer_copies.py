@@ -74,7 +74,11 @@ class PeerCopies:
                 from error
         return copies
 
-    def streams(self) -> ExitStack:
+    def streams(self):
+        """The pair's stream current (and, in the reader's own process, the link's stream of the
+        reader's device: see ``__init__``)."""
+        if self.target_stream is None:
+            return torch.cuda.stream(self.stream)
         stack = ExitStack()
         stack.enter_context(torch.cuda.stream(self.stream))
         if self.target_stream is not None:
