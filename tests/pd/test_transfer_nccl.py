@@ -38,9 +38,11 @@ def finish(backend, handle, timeout: float = 20.0) -> WriteStatus:
 
 
 class Pair:
-    """A writer and a reader backend in this process, each with one registered buffer."""
+    """A writer and a reader backend in this process, each with one registered buffer (and, where
+    given, ``extra`` regions: (writer's, reader's), registered before the pair forms)."""
 
-    def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE, **options):
+    def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE,
+                 extra: tuple = ((), ()), **options):
         self.writer = create_backend("nccl", "writer", connect_timeout=5.0, timeout=5.0)
         self.writer.peer_copies = True  # (opt-in; read when the pair forms)
         self.reader = create_backend("nccl", "reader", connect_timeout=5.0, timeout=5.0)
@@ -50,8 +52,8 @@ class Pair:
         generator = torch.Generator().manual_seed(0)
         self.source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator).to(device)
         self.target = torch.zeros(num_bytes, dtype=torch.uint8, device=reader_device)
-        self.writer.register([tensor_region(self.source)])
-        self.reader.register([tensor_region(self.target)])
+        self.writer.register([tensor_region(self.source), *extra[0]])
+        self.reader.register([tensor_region(self.target), *extra[1]])
         self.peer = self.writer.add_peer(self.reader.local_metadata())
 
     def pages(self, pairs: list[tuple[int, int]], pages: int = 1) -> list[tuple[int, int, int]]:
@@ -224,10 +226,9 @@ def test_a_row_staged_on_its_own_stream_lands_with_the_pages_before_the_notifica
     from tandem.transfer.metadata import MetadataBuffer, MetadataRow
     from tandem.transfer.messages import new_room
 
-    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE)
     rows, target_rows = MetadataBuffer(2, device="cuda:0"), MetadataBuffer(2, device="cuda:1")
-    pair.writer.register([tensor_region(rows.tensor)])
-    pair.reader.register([tensor_region(target_rows.tensor)])
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE,
+                extra=([tensor_region(rows.tensor)], [tensor_region(target_rows.tensor)]))
     try:
         torch.cuda.synchronize("cuda:0")
         for attempt in range(2):  # (the first write waits for the pair to form)
