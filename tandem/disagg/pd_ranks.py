@@ -397,6 +397,9 @@ class RankTransfers:
     def poll(self) -> None:
         for key, write in list(self.writes.items()):
             if write.handle is None:
+                # pages wait for their forward pass here, on the host, never as ``ready`` (a wait on
+                # a pair's stream would hold every later write of that pair, another transfer's
+                # row among them, behind this forward pass); the row's copy is microseconds
                 if write.held or (write.ready is not None and not write.ready.query()):
                     continue
                 write.handle = self.backend.write(write.agent, write.descriptors, local_device=self.device_index,
