@@ -462,6 +462,8 @@ class WriterLink(Link):
         that, in order; from then on the caller's thread posts them (``post``) and this thread
         watches each (``watch``) until the link ends. Then the writes still in flight end as
         ERROR once their copies stopped, and the mapping is released (after every copy finished)."""
+        if self.device >= 0:  # (this thread's CUDA calls run on the pair's device: no context made on another)
+            torch.cuda.set_device(self.device)
         with self.lock:
             closing = self.post_queued()
             self.direct = not closing and not self.error
