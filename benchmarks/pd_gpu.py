@@ -46,7 +46,7 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 BACKENDS = ("nixl", "nccl")
 
-from benchmarks.pd_gpu_bandwidth import MODES_HELP, Deadline, free_device_memory, run_bandwidth
+from benchmarks.pd_gpu_bandwidth import MODES_HELP, TIMED_STEPS, Deadline, free_device_memory, run_bandwidth
 from benchmarks.serve import checkout_environment
 
 
@@ -179,8 +179,8 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
           f"prefill {arguments.prefill_device} -> decode {arguments.decode_device}, {arguments.kv_cache_layout} ==")
     if "error" in colocated:
         print(f"colocated server failed: {colocated['error']}")
-    columns = {"backend": 17, "MiB": 7, "descs": 5, "sends": 5, "PD ms": 7, "plan ms": 7, "post ms": 7, "wait ms": 7,
-               "row ms": 6, "PD GB/s": 8, "copy GB/s": 9, "fraction": 8, "TTFT ms": 8, "added ms": 8, "outputs": 8}
+    columns = {"backend": 17, "MiB": 7, "descs": 5, "sends": 5, "PD ms": 7, "prepare ms": 10, "stage ms": 8,
+               "post ms": 7, "wait ms": 7, "row ms": 6, "PD GB/s": 8, "copy GB/s": 9, "fraction": 8, "TTFT ms": 8, "added ms": 8, "outputs": 8}
     header = " ".join(f"{title:>{width}}" for title, width in columns.items())
     print(header)
     print("-" * len(header))
@@ -194,7 +194,7 @@ def print_table(arguments, bandwidth: dict, serving: dict) -> None:
                           "sends": str(measured.get("sends", "-")),
                           "PD ms": f"{measured['seconds'] * 1e3:.3f}", "PD GB/s": f"{rate:.1f}",
                           "copy GB/s": f"{copy_rate:.1f}", "fraction": f"{rate / copy_rate:.2f}"})
-            for key in ("plan", "post", "wait", "row"):
+            for key in TIMED_STEPS:
                 if measured.get(key):
                     cells[f"{key} ms"] = f"{measured[key] * 1e3:.3f}"
         served = serving.get(name, {"error": "not run"})

@@ -4,7 +4,8 @@ timed in the same process. Each process holds the model's real state registry an
 weights); the prefill process writes one prompt's pages exactly as the PD path does
 (``WritePlanner``, made once per peer as at the handshake: every registry buffer, page runs
 coalesced, one write per run and group with page-major pools; the metadata row beside them and
-the completion notification in the same write), from planning to completion. See ``MODES_HELP``
+the completion notification in the same write), from the first token known to completion, the
+page runs planned before (as the engine plans them beside the last chunk's forward pass). See ``MODES_HELP``
 for the rows that say where a write's time goes; the ``sends`` column is the coalesced plan's
 count per write (NIXL: descriptors posted; NCCL: point-to-point sends, in one group when more
 than one).
@@ -148,23 +149,31 @@ same backend on NCCL send/receive, its default until peer copies are measured):
 columns: descs = descriptors after merging those that continue on both sides; sends = what the
 backend posts for them per write (NIXL: descriptors; NCCL peer copies: copies; NCCL send/receive:
 sends, one group when several);
-PD ms = the whole row (its MiB over it: PD GB/s); plan ms = the peer's planner and filling the
-metadata row; post ms = the backend's write() calls; wait ms = polling until DONE (post and
-wait summed over a row's writes); row ms = the separate metadata-row write alone (post + wait),
-where there is one.
-The lines printed while measuring add, for NCCL, the writer thread's steps (ms, summed over a
-row's writes): queued (write() call to the thread taking it), header (control frame sent; none
-with peer copies), posting (every gather/send, or every copy and its event, posted), draining
-(send/receive: host waits for the sends, in host memory only; peer copies: until the copies'
-event completed), ack (send/receive: the reader's acknowledgement, its receives and scatters
-done; peer copies: the frame carrying the notification sent); for NIXL, NIXL's own telemetry of the
-row's writes: post (inside postXferReq), transfer (post to completion seen by a poll)"""
+PD ms = what the engine leaves on the last write's path, from the moment the first token is known
+until the write is DONE (its MiB over it: PD GB/s): staging the metadata row, posting, waiting.
+The page runs are planned before the clock starts, as the engine plans them when the last chunk
+is launched, beside its forward pass: prepare ms (not in PD ms). stage ms = filling the metadata
+row and queueing its copy to the device (the write waits for that copy: on the device with the
+NCCL backend, on the host before posting with NIXL); post ms = the backend's write() calls (NCCL
+peer copies: the copies are posted in it); wait ms = polling until DONE (post and wait summed
+over a row's writes); row ms = the separate metadata-row write alone (post + wait), where there
+is one.
+The lines printed while measuring add, for NCCL, the writer's steps (ms, summed over a row's
+writes): queued (write() call to its copies or sends being taken up: the link's thread for
+send/receive; with peer copies, in write() itself), header (control frame sent; none with peer
+copies), posting (every gather/send, or every copy and its event, posted), draining
+(send/receive: host waits for the sends, in host memory only; peer copies: until a look at the
+copies' event found it complete), ack (send/receive: the reader's acknowledgement, its receives
+and scatters done; peer copies: the frame carrying the notification sent); for NIXL, NIXL's own
+telemetry of the row's writes: post (inside postXferReq), transfer (post to completion seen by a
+poll)"""
 
 
 def measure_backend(name: str, core, sources: list[list[int]], metadata, message, rounds: int, deadline: Deadline,
                     to_prefill, from_prefill, variants: tuple = ()) -> dict[str, dict]:
-    """Each of ``MODES`` on one pair, median of ``rounds`` after a warm one, timed from planning
-    (or posting) until every write of it is DONE (the bytes landed); a notified write must then
+    """Each of ``MODES`` on one pair, median of ``rounds`` after a warm one, timed from the first
+    token known (the pages planned already) until every write of it is DONE (the bytes landed:
+    ``one_round``); a notified write must then
     be seen by the decode process. ``variants`` (NCCL: (direct MiB, staging MiB) pairs) are the PD
     write again with the writer's segmenting changed (it travels in each write's header)."""
     import torch
@@ -212,10 +221,10 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                     pass
             backend.release(handle)
 
-        def timed_write(descriptors, times: dict, notification: bytes = b"") -> float:
+        def timed_write(descriptors, times: dict, notification: bytes = b"", ready=None) -> float:
             started = time.perf_counter()
             handle = backend.write(peer, descriptors, local_device=local_device, remote_device=remote_device,
-                                   notification=notification)
+                                   notification=notification, ready=ready)
             posted = time.perf_counter()
             wait(handle, times)
             times["post"] += posted - started
@@ -237,30 +246,33 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                                      backend.staging_bytes))
 
         def one_round(mode: str) -> dict:
-            times = {"plan": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
+            """One write of ``mode``. The clock starts where the engine's last write starts: the
+            first token is known. The page runs are planned before it (``prepare``: the engine plans
+            them when the last chunk is launched, beside its forward pass); the metadata row is
+            staged on the clock (``stage``: only the first token decides it), its copy to the
+            device waited for by the write itself (``ready``: on the device by NCCL, on the host
+            by NIXL)."""
+            times = {"prepare": 0.0, "stage": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
             prepared_before = getattr(backend, "prepared_writes", 0)
-            started = time.perf_counter()
+            preparing = time.perf_counter()
             if mode == "one descriptor":
                 descriptors = [(scratch.data_ptr(), remote_scratch, scratch.numel())]
             else:
                 descriptors = planner.plan(pairs).descriptors
+                times["prepare"] = time.perf_counter() - preparing
             notified = mode in ("pd", "two writes", "pages and notification")
             with_row = mode in ("pd", "two writes", "pages and row")
-            room = new_room()
+            room, staged, pages = new_room(), None, descriptors
+            started = time.perf_counter()
             if with_row:
-                metadata.write(0, MetadataRow(room=room, first_token=1))
+                staged = metadata.stage(0, MetadataRow(room=room, first_token=1))
                 row = (metadata.address(0), remote_rows, metadata.row_bytes)
-            if mode != "one descriptor":
-                times["plan"] = time.perf_counter() - started
+                times["stage"] = time.perf_counter() - started
             if mode in ("pd", "pages and row"):
                 descriptors = descriptors + [row]
-            merged = merge_adjacent(descriptors)
-            count, num_bytes = len(merged), sum(length for _, _, length in descriptors)
-            posted = sends(merged)
             if mode == "two writes":
                 timed_write(descriptors, times)
-                times["row"] = timed_write([row], times, done_notification(room))
-                count, num_bytes, posted = count + 1, num_bytes + metadata.row_bytes, posted + 1
+                times["row"] = timed_write([row], times, done_notification(room), staged)
             elif mode == "pages in four writes":
                 quarter = -(-len(descriptors) // 4)
                 posting = time.perf_counter()
@@ -270,16 +282,21 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
                 for handle in handles:
                     wait(handle, times)
                 times["post"], times["wait"] = posted_at - posting, time.perf_counter() - posted_at
-                posted = sum(sends(merge_adjacent(descriptors[first:first + quarter]))
-                             for first in range(0, len(descriptors), quarter))
             else:
-                timed_write(descriptors, times, done_notification(room) if notified else b"")
+                timed_write(descriptors, times, done_notification(room) if notified else b"", staged)
             seconds = time.perf_counter() - started  # both backends report DONE once the bytes landed
             prepared = getattr(backend, "prepared_writes", 0) - prepared_before
             if notified:
                 from_prefill.put("go")
                 if to_prefill.get(timeout=deadline.left(60)) != "seen":
                     raise RuntimeError("the decode process did not see the notification")
+            merged = merge_adjacent(descriptors)  # (counted off the clock)
+            count, num_bytes, posted = len(merged), sum(length for _, _, length in descriptors), sends(merged)
+            if mode == "two writes":
+                count, num_bytes, posted = count + 1, num_bytes + metadata.row_bytes, posted + 1
+            elif mode == "pages in four writes":
+                posted = sum(sends(merge_adjacent(pages[first:first + quarter]))
+                             for first in range(0, len(pages), quarter))
             return {"seconds": seconds, "bytes": num_bytes, "descriptors": count, "sends": posted,
                     "prepared": prepared, **times}
 
@@ -381,13 +398,14 @@ def free_device_memory() -> None:
 
 
 THREAD_STEPS = ("queued", "header", "posting", "draining", "ack")  # the NCCL writer thread's steps
+TIMED_STEPS = ("prepare", "stage", "post", "wait", "row")  # the steps of a measured row (MODES_HELP)
 
 
 def describe_bandwidth(result: dict) -> str:
     if "error" in result:
         return f"failed: {result['error']}"
     rate, copy_rate = result["bytes"] / result["seconds"] / 1e9, result["bytes"] / result["copy_seconds"] / 1e9
-    split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in ("plan", "post", "wait", "row") if result.get(key))
+    split = ", ".join(f"{key} {result[key] * 1e3:.3f}" for key in TIMED_STEPS if result.get(key))
     if result.get("prepared"):
         split += f"; {result['prepared']:g} of its writes from NIXL's prepared lists"
     if "nixl post" in result:

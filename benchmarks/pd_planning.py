@@ -8,10 +8,17 @@ model shape, its pools on ``--device``, and two NIXL agents of this process).
 Rows (median microseconds over ``--rounds``): ``plan`` (``WritePlanner.plan`` of the whole prompt:
 the benchmark's worst case; the engine plans each chunk as its pages become final), ``plan chunk``
 (one ``--chunk-tokens`` chunk), ``row`` (``MetadataBuffer.write``: on a GPU, until the row is on
-the device), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
+the device), ``row staged`` (``MetadataBuffer.stage``, as the engine's last write does it: on a
+GPU, the row's copy queued and not waited for), ``merge`` (``merge_adjacent`` of the last write's runs and row), ``nixl post``
 (``NixlBackend.write`` of a chunk's run of blocks and a metadata row, described afresh or from the
 lists prepared at pairing, ``block_index.py``; blocks of 64 bytes, so that the post's own cost
-shows: see ``nixl_post_microseconds``).
+shows: see ``nixl_post_microseconds``), ``nccl post`` / ``nccl posted`` / ``nccl landed`` (the NCCL
+backend's ``write`` call; until its copies or sends were issued; until it was DONE: see
+``nccl_post_microseconds``).
+
+What the engine leaves on the last write's path, once the prompt's first token is known:
+``row staged`` + the backend's post (its pages were planned, and merged, when the last chunk was
+launched: ``plan chunk`` + ``merge`` run beside the forward pass).
 """
 from __future__ import annotations
 
@@ -52,6 +59,19 @@ def median_microseconds(step, rounds: int) -> float:
         step()
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1e6
+
+
+def staged_row_microseconds(rows, row, rounds: int) -> float:
+    """``MetadataBuffer.stage`` alone: the row filled and its copy to the device queued, not waited
+    for (each copy waited for afterwards, untimed: the engine's row was copied long before)."""
+    samples = []
+    for round_number in range(rounds + 10):
+        started = time.perf_counter()
+        staged = rows.stage(0, row)
+        samples.append(time.perf_counter() - started)
+        if staged is not None:
+            staged.synchronize()
+    return statistics.median(samples[10:]) * 1e6
 
 
 def nixl_post_microseconds(block_count: int, blocks_per_write: int, rounds: int, prepared: bool) -> float:
@@ -104,6 +124,54 @@ def nixl_post_microseconds(block_count: int, blocks_per_write: int, rounds: int,
         reader.close()
 
 
+def nccl_post_microseconds(device: str, block_count: int, blocks_per_write: int, rounds: int) -> dict[str, float]:
+    """The NCCL backend's part of a PD last write (a run of ``blocks_per_write`` 64-byte blocks and a
+    metadata row, with a notification), writer and reader in this process on ``device`` (host
+    memory: gloo send/receive; a GPU: peer copies, the reader's memory used as it is): ``nccl
+    post`` is the ``write`` call; ``nccl posted`` from that call until the write's copies (sends)
+    were issued, the link's own clock mark; ``nccl landed`` until the write is DONE (its copies
+    completed and the notification sent; sends: acknowledged)."""
+    import torch
+
+    from tandem.transfer.backends import create_backend
+    from tandem.transfer.connector import WriteStatus
+    from tandem.transfer.descriptors import tensor_region
+
+    block = 64
+    pages = torch.zeros(block_count * block, dtype=torch.uint8, device=device)
+    target = torch.zeros(block_count * block, dtype=torch.uint8, device=device)
+    rows, target_rows = (torch.zeros(4 * block, dtype=torch.uint8, device=device) for _ in range(2))
+    writer, reader = create_backend("nccl", "plan-writer"), create_backend("nccl", "plan-reader")
+    samples: dict[str, list[float]] = {"nccl post": [], "nccl posted": [], "nccl landed": []}
+    try:
+        writer.register([tensor_region(pages), tensor_region(rows)])
+        reader.register([tensor_region(target), tensor_region(target_rows)])
+        peer = writer.add_peer(reader.local_metadata())
+        descriptors = [(pages.data_ptr() + 3 * block, target.data_ptr() + 7 * block, blocks_per_write * block),
+                       (rows.data_ptr(), target_rows.data_ptr() + block, block)]
+        for round_number in range(rounds + 10):
+            started = time.perf_counter()
+            handle = writer.write(peer, descriptors, notification=b"done")
+            returned = time.perf_counter()
+            while writer.poll(handle) is WriteStatus.PENDING:
+                time.sleep(0)
+            landed = time.perf_counter()
+            if handle.status is not WriteStatus.DONE:
+                raise RuntimeError(f"NCCL write failed: {handle.error}")
+            marks = handle.native.timings
+            writer.release(handle)
+            while not reader.notifications():
+                time.sleep(0)
+            if round_number >= 10:
+                samples["nccl post"].append(returned - started)
+                samples["nccl posted"].append(marks["posted"] - started)
+                samples["nccl landed"].append(landed - started)
+        return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+    finally:
+        writer.close()
+        reader.close()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -113,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--skip-nixl", action="store_true")
+    parser.add_argument("--skip-nccl", action="store_true")
     arguments = parser.parse_args(argv)
 
     from tandem.transfer.descriptors import WritePlanner, buffer_addresses, merge_adjacent
@@ -134,6 +203,7 @@ def main(argv=None) -> int:
         "plan": median_microseconds(lambda: planner.plan(prompt), arguments.rounds),
         "plan chunk": median_microseconds(lambda: planner.plan(chunk), arguments.rounds),
         "row": median_microseconds(lambda: rows.write(0, row), arguments.rounds),
+        "row staged": staged_row_microseconds(rows, row, arguments.rounds),
         "merge": median_microseconds(lambda: merge_adjacent(last), arguments.rounds),
     }
     if not arguments.skip_nixl and arguments.device == "cpu":
@@ -141,6 +211,9 @@ def main(argv=None) -> int:
         for prepared in (False, True):
             name = f"nixl post {'prepared' if prepared else 'described'}"
             measured[name] = nixl_post_microseconds(2 * pages + 8, blocks, rounds, prepared)
+    if not arguments.skip_nccl:
+        rounds, blocks = min(arguments.rounds, 300), arguments.chunk_tokens // arguments.page_size
+        measured.update(nccl_post_microseconds(arguments.device, 2 * pages + 8, blocks, rounds))
     size = planner.plan(prompt).num_bytes
     print(f"{arguments.shape}, {arguments.tokens} tokens ({pages} pages, {size / 2**20:.0f} MiB), "
           f"chunk {arguments.chunk_tokens}, {arguments.device}:")

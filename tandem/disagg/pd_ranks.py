@@ -139,9 +139,13 @@ class RankFanOut:
         self.send(operation, self.workers)
         self.send(TransferOperation(WRITE, key, peer=identity, pairs=pairs_per_group, hold=hold), {0})
 
-    def post_last(self, key: str, identity: str, row: list[tuple[int, int, int]], notification: bytes) -> None:
+    def post_last(self, key: str, identity: str, row: list[tuple[int, int, int]], notification: bytes,
+                  ready=None) -> None:
         """Rank 0 posts its held part of write ``key`` (if any) with ``row`` and ``notification``
-        in one write (I7: the notification is delivered once all its bytes landed)."""
+        in one write (I7: the notification is delivered once all its bytes landed); ``ready``: the
+        CUDA event after the row's copy to the device (``MetadataBuffer.stage``), which the
+        write's reads wait for."""
+        self.local.row_ready[key] = ready
         self.send(TransferOperation(LAST, key, peer=identity, row=row, notification=notification), {0})
 
     def cancel(self, key: str) -> None:
@@ -224,6 +228,7 @@ class RankWrite:
     held: bool = False  # rank 0's part of a transfer's last pages: posted by LAST
     cancelled: bool = False  # asked to cancel, the backend could not yet
     notification: bytes = b""
+    row_ready: Any = None  # LAST: the event after the metadata row's copy to the device (the write waits on it)
 
 
 # -- every rank's worker ------------------------------------------------------------------------------
@@ -257,6 +262,7 @@ class RankTransfers:
         self.writes: dict[str, RankWrite] = {}
         self.outcomes: list[WriteOutcome] = []
         self.rows: list[int] = []  # rank 0: its metadata rows, [address, row bytes, number of rows]
+        self.row_ready: dict[str, Any] = {}  # rank 0: a LAST's row event, by key, until the LAST is applied
         self.encoder = msgspec.msgpack.Encoder()
         self.closed = threading.Event()
         self.pump = None
@@ -363,6 +369,7 @@ class RankTransfers:
 
     def last(self, operation: TransferOperation) -> None:
         """Post the held write ``key`` (a new one without pages) with the row and notification."""
+        row_ready = self.row_ready.pop(operation.key, None)
         write = self.writes.get(operation.key)
         if write is None and not operation.row:
             return  # nothing held (its part resolved when it was posted)
@@ -374,7 +381,7 @@ class RankTransfers:
                 return
             write = self.writes[operation.key] = RankWrite([], None, peer[0], peer[1].device, held=True)
         write.descriptors = write.descriptors + [tuple(descriptor) for descriptor in operation.row]
-        write.notification, write.held = operation.notification, False
+        write.notification, write.held, write.row_ready = operation.notification, False, row_ready
 
     def cancel(self, key: str) -> None:
         write = self.writes.get(key)
@@ -390,11 +397,15 @@ class RankTransfers:
     def poll(self) -> None:
         for key, write in list(self.writes.items()):
             if write.handle is None:
+                # pages wait for their forward pass here, on the host, never as ``ready`` (a wait on
+                # a pair's stream would hold every later write of that pair, another transfer's
+                # row among them, behind this forward pass); the row's copy is microseconds
                 if write.held or (write.ready is not None and not write.ready.query()):
                     continue
                 write.handle = self.backend.write(write.agent, write.descriptors, local_device=self.device_index,
-                                                  remote_device=write.device, notification=write.notification)
-                write.descriptors, write.ready = [], None
+                                                  remote_device=write.device, notification=write.notification,
+                                                  ready=write.row_ready)
+                write.descriptors, write.ready, write.row_ready = [], None, None
             handle = write.handle
             status = self.backend.poll(handle)
             if status is WriteStatus.PENDING:

@@ -214,7 +214,7 @@ class PrefillWrites:
         delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
         logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
         speculator = self.core.speculator
-        self.metadata.write(row, MetadataRow(
+        staged = self.metadata.stage(row, MetadataRow(
             room=transfer.room, first_token=delta.new_token_ids[0],
             num_cached_tokens=max(sequence.num_cached_tokens, 0),
             logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
@@ -227,8 +227,9 @@ class PrefillWrites:
             write = PendingWrite(final.key, final.owner, last=True, posted_at=time.monotonic())
         else:
             write = PendingWrite(f"pd-row:{transfer.room}", None, last=True, posted_at=time.monotonic())
+        # (the row's copy to the device, if any, is not waited for here: the write waits on ``staged``)
         self.ranks.post_last(write.key, peer.identity, [(self.metadata.address(row), destination,
                                                          self.metadata.row_bytes)],
-                             done_notification(transfer.room))
+                             done_notification(transfer.room), ready=staged)
         transfer.metadata_write = write
         transfer.status.advance(TransferState.FINISHING)

@@ -43,6 +43,9 @@ class WriteHandle:
     error: str = ""
     released: bool = False
     extra: dict = field(default_factory=dict)
+    # the CUDA event the write's reads wait for on the device (``TransferBackend.write``'s
+    # ``ready``, for a backend that ``orders_on_device``); None: the sources were final at post
+    ready: Any = None
 
 
 class TransferBackend(abc.ABC):
@@ -50,6 +53,9 @@ class TransferBackend(abc.ABC):
     # a write's notification leaves only from a poll of that write that finds its bytes landed
     # (NIXL): the writer should poll a notified write without pausing
     notifies_on_poll: bool = False
+    # the backend can order a write's reads after a CUDA event on the device (``write``'s
+    # ``ready``); any other backend's ``write`` waits for that event on the host before posting
+    orders_on_device: bool = False
 
     @property
     @abc.abstractmethod
@@ -103,15 +109,24 @@ class TransferBackend(abc.ABC):
     _random: Optional[random.Random] = None
 
     def write(self, peer: str, descriptors: list[tuple[int, int, int]], *, local_device: int = -1,
-              remote_device: int = -1, notification: bytes = b"") -> WriteHandle:
+              remote_device: int = -1, notification: bytes = b"", ready: Any = None) -> WriteHandle:
         """Post a write of ``descriptors`` (source, destination, length) to ``peer``. The source
         bytes must be final when this is called (device memory: the caller waited for the work
         that writes them, e.g. a CUDA event of the forward pass); no backend orders its reads
-        after the caller's stream, so a write never waits for work launched after it."""
+        after the caller's stream, so a write never waits for work launched after it. The one
+        exception is ``ready``: a CUDA event recorded after the last work that writes some of the
+        sources, on a stream that runs nothing launched later (the metadata rows' own stream:
+        a row staged from host memory, ``MetadataBuffer.stage``). The write's reads are ordered
+        after it on the device where the backend can (``orders_on_device``), else the host
+        waits for it here, before posting."""
         handle = WriteHandle(peer=peer, num_bytes=sum(length for _, _, length in descriptors))
         if self.failure_probability > 0 and self._random.random() < self.failure_probability:
             handle.status, handle.error = WriteStatus.ERROR, "injected transfer failure"
             return handle
+        if ready is not None and not self.orders_on_device:
+            ready.synchronize()
+        elif ready is not None:
+            handle.ready = ready
         try:
             self._post(handle, peer, descriptors, local_device, remote_device, notification)
         except Exception as error:  # noqa: BLE001 - a failed post is a failed write

@@ -75,6 +75,7 @@ class MetadataBuffer:
         self._staging = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, pin_memory=True) \
             if self.tensor.is_cuda else self.tensor
         self._staging_rows = self._staging.numpy()
+        self._copied: list[Optional[torch.cuda.Event]] = [None] * num_rows  # device rows: each one's last copy
 
     def _access(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -105,6 +106,20 @@ class MetadataBuffer:
     def write(self, row: int, value: MetadataRow) -> None:
         """Fill ``row`` with ``value``; in device memory the row has landed on the device when
         this returns (a backend may send it at once)."""
+        copied = self.stage(row, value)
+        if copied is not None:
+            copied.synchronize()
+
+    def stage(self, row: int, value: MetadataRow) -> Optional[torch.cuda.Event]:
+        """Fill ``row`` with ``value`` without waiting for the device. Host memory: done when this
+        returns (None). Device memory: the row's copy from its pinned host row is queued on the
+        rows' own stream (nothing else runs there), and the returned CUDA event follows it: a
+        write that carries the row passes it as ``ready`` (``TransferBackend.write``), so the
+        host never waits for the copy. The pinned row is refilled only once its last copy
+        finished."""
+        previous = self._copied[row]
+        if previous is not None:
+            previous.synchronize()  # (long finished in practice: the row's transfer ended since)
         entries = len(value.logprob_token_ids)
         if entries > MAX_LOGPROB_ENTRIES or len(value.logprobs) != entries:
             raise ValueError(f"metadata row: {entries} logprob entries (at most {MAX_LOGPROB_ENTRIES})")
@@ -120,10 +135,13 @@ class MetadataBuffer:
             hidden = staged[_HEADER.size:].view("<f4")
             hidden[:hidden_count] = value.hidden_states
             hidden[hidden_count:] = 0.0
-        if self._stream is not None:
-            with self._access():
-                self.tensor[row].copy_(self._staging[row], non_blocking=True)
-            self._finish()
+        if self._stream is None:
+            return None
+        with self._access():
+            self.tensor[row].copy_(self._staging[row], non_blocking=True)
+            copied = self._copied[row] = torch.cuda.Event()
+            copied.record(self._stream)
+        return copied
 
     def read(self, row: int) -> MetadataRow:
         """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""

@@ -15,8 +15,10 @@ a write is coming, so every write first sends a small header over the pair's con
 (a TCP socket, ``pair_group.py``) naming the destination runs and the notification; the
 reader's thread for that pair waits for the next header, receives the data as the header
 describes, queues the notification once the bytes landed and acknowledges. Per pair and side
-one thread does all of it (peer copies too), so the engine loop only posts and polls (``WriteHandle``), never
-blocks. Pairs form in those threads too; the first write waits for that, and a tiny warm-up
+one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
+blocks. Peer copies need no thread once the pair formed: ``write`` posts the copies from the
+caller's thread and the poll that finds them landed sends the notification (``notifies_on_poll``:
+the engine polls a last write without pausing). Pairs form in those threads too; the first write waits for that, and a tiny warm-up
 write at pairing sets up the NCCL connection (peer copies: a read of the reader's memory sets up
 peer access), so the first real write pays no connection setup.
 
@@ -74,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 class NcclBackend(TransferBackend):
     name = "nccl"
+    orders_on_device = True  # a write's ``ready`` event: the link's stream waits for it
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", connect_timeout: float = 30.0,
                  timeout: float = 120.0, direct_bytes: Optional[int] = None,
@@ -106,6 +109,11 @@ class NcclBackend(TransferBackend):
     @property
     def agent_name(self) -> str:
         return self._name
+
+    @property
+    def notifies_on_poll(self) -> bool:
+        """With peer copies a write completes (and its notification leaves) in a poll of it."""
+        return any(link.copies is not None for link in list(self.writers.values()))
 
     def register(self, regions: list[MemoryRegion]) -> None:
         devices = {region.device for region in regions} | ({self.views.device} if self.views.device != -1 else set())
@@ -141,12 +149,13 @@ class NcclBackend(TransferBackend):
             raise RuntimeError(f"no pair with {peer}")
         if link.error:
             raise RuntimeError(link.error)
-        item = PendingSend(merge_adjacent(descriptors), bytes(notification))
+        item = PendingSend(merge_adjacent(descriptors), bytes(notification), ready=handle.ready, link=link)
         handle.native = item
-        link.queue.put(item)
+        link.post(item)
 
     def _check(self, handle: WriteHandle) -> WriteStatus:
         item: PendingSend = handle.native
+        item.link.advance()  # peer copies: complete the writes whose copies landed
         if item.status is WriteStatus.ERROR:
             handle.error = item.error
         return item.status

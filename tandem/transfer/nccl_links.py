@@ -62,6 +62,8 @@ class PendingSend:
     # them drained and got the acknowledgement (diagnostics: benchmarks/pd_gpu.py prints them)
     timings: dict = field(default_factory=dict)
     event: Any = None  # peer copies: the CUDA event after the write's copies
+    ready: Any = None  # a CUDA event the write's reads wait for on the device (``WriteHandle.ready``)
+    link: Any = None  # the ``WriterLink`` it was posted on (its polls complete peer copies)
 
 
 _HEADER = struct.Struct("<qqqqqq")
@@ -336,11 +338,23 @@ class Link:
 
 
 class WriterLink(Link):
+    """The writer's side of a pair. Until the pair formed, writes queue for the link's thread;
+    with peer copies they are then posted and completed in the caller's thread (``post``,
+    ``advance``): no handoff to another thread between a write and its copies, nor between its
+    copies' event and the frame carrying its notification. Send/receive writes stay with the
+    link's thread, one at a time (``send_writes``)."""
+
     def __init__(self, backend: "NcclBackend", info: AgentInfo) -> None:
         super().__init__(backend, info.name)
         self.info = info
         self.queue: "queue.Queue[Optional[PendingSend]]" = queue.Queue()
         self.copies: Optional[PeerCopies] = None  # the data plane between GPUs, when the reader's memory opened
+        # peer copies: writes posted and not yet complete, in posting order (their copies share one
+        # stream, so they land in that order); ``direct`` once the caller's thread posts them.
+        # The lock guards both, the copies' mapping and the control connection's frames.
+        self.in_flight: deque[PendingSend] = deque()
+        self.direct = False
+        self.lock = threading.Lock()
 
     def run(self) -> None:
         backend = self.backend
@@ -355,14 +369,11 @@ class WriterLink(Link):
                 self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
         except Exception as error:  # noqa: BLE001 - the pair never formed: every write fails
             self.fail(error)
-        try:
-            if self.copies is not None and not self.error:
-                self.copy_writes()
-            else:
-                self.send_writes()
-        finally:
-            if self.copies is not None:
-                self.copies.release()
+        if self.copies is not None and not self.error:
+            self.copy_writes()
+            self.fail_queued()
+        else:
+            self.send_writes()
 
     def choose_data_plane(self) -> Optional[PeerCopies]:
         """Between GPUs, ask the reader for peer copies (``peer_copies.py``) unless told not to;
@@ -400,8 +411,104 @@ class WriterLink(Link):
             return False
         return True
 
+    def post(self, item: PendingSend) -> None:
+        """The caller's thread: post ``item`` (peer copies, once the pair formed with them: its
+        copies now; else queued for the link's thread). Raises when the pair has failed, or when
+        posting its copies failed (which ends the pair)."""
+        with self.lock:
+            if self.error:
+                raise RuntimeError(self.error)
+            if not self.direct:
+                self.queue.put(item)
+                return
+            item.started = True
+            self.start_copies(item)
+            self.queue.put(item)  # (for the link's thread to watch: ``watch``)
+
+    def start_copies(self, item: PendingSend) -> None:
+        """Post ``item``'s copies (lock held); a failure ends the pair and raises."""
+        try:
+            self.copies.start(item, self.backend.views, self.connection)
+        except Exception as error:
+            self.end_copies(error)
+            item.status, item.error = WriteStatus.ERROR, self.error
+            raise
+        self.in_flight.append(item)
+
+    def advance(self) -> None:
+        """The caller's thread, at each poll of a write: complete, in order, the writes whose
+        copies landed (each one's notification sent, then DONE). A failure (a copy past the
+        timeout, the frame not sent) ends the pair."""
+        if not self.in_flight:
+            return
+        with self.lock:
+            try:
+                while self.in_flight and self.copies.landed(self.in_flight[0]):
+                    self.complete(self.in_flight[0])
+                    self.in_flight.popleft()
+            except Exception as error:  # noqa: BLE001
+                self.end_copies(error)
+
+    def end_copies(self, error: BaseException) -> None:
+        """A failure of the pair with peer copies (lock held): every later write fails, the
+        writes in flight end once their copies stopped (``settle``), the link's thread ends and
+        releases the mapping."""
+        self.fail(error)
+        self.settle()
+        self.queue.put(None)
+
+    def copy_writes(self) -> None:
+        """The link's thread, once the pair formed with peer copies: post the writes queued before
+        that, in order; from then on the caller's thread posts them (``post``) and this thread
+        watches each (``watch``) until the link ends. Then the writes still in flight end as
+        ERROR once their copies stopped, and the mapping is released (after every copy finished)."""
+        if self.device >= 0:  # (this thread's CUDA calls run on the pair's device: no context made on another)
+            torch.cuda.set_device(self.device)
+        with self.lock:
+            closing = self.post_queued()
+            self.direct = not closing and not self.error
+            posted = list(self.in_flight)
+        for item in posted:
+            self.watch(item)
+        while not closing:
+            item = self.queue.get()
+            if item is None:
+                break
+            self.watch(item)
+        with self.lock:
+            self.direct = False
+            self.settle()
+            self.copies.release()
+
+    def watch(self, item: PendingSend) -> None:
+        """The link's thread: wait for ``item``'s copies (the interpreter free meanwhile: the
+        event is waited for in CUDA), then complete what landed as a poll would. So a write's
+        notification leaves even while the engine's thread is busy (a forward pass), not only at
+        its next poll; whichever comes first completes it."""
+        if item.event is not None and item.status is WriteStatus.PENDING:
+            item.event.synchronize()
+            self.advance()
+
+    def post_queued(self) -> bool:
+        """Post the writes queued before the pair formed (lock held); True once the link closed
+        (or failed posting one)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            if not self.take(item):
+                continue
+            try:
+                self.start_copies(item)
+            except Exception:  # noqa: BLE001 - the pair ended (the write is ERROR)
+                return True
+
     def send_writes(self) -> None:
-        """The writes of a pair through NCCL (gloo), one at a time, until the link closes."""
+        """The writes of a pair through NCCL (gloo), one at a time, until the link closes (every
+        write queued after its failure fails: ``take``)."""
         while True:
             item = self.queue.get()
             if item is None:
@@ -415,33 +522,18 @@ class WriterLink(Link):
                 self.fail(error)
                 item.status, item.error = WriteStatus.ERROR, self.error
 
-    def copy_writes(self) -> None:
-        """The writes of a pair with peer copies: each posted as soon as it is queued (copies of
-        several writes queue back to back on the pair's stream) and completed in order when its
-        event did (DONE, the notification sent). A failure ends the pair: the writes in flight
-        end as ERROR once their copies stopped, and every later write fails (``send_writes``)."""
-        copies, in_flight = self.copies, deque()
-        try:
-            while True:
-                if in_flight and copies.landed(in_flight[0]):
-                    self.complete(in_flight[0])
-                    in_flight.popleft()
-                    continue
-                try:
-                    item = self.queue.get(block=not in_flight)
-                except queue.Empty:
-                    copies.pause(in_flight[0])
-                    continue
-                if item is None:
-                    return
-                if self.take(item):
-                    in_flight.append(item)
-                    copies.start(item, self.backend.views, self.connection)
-        except Exception as error:  # noqa: BLE001
-            self.fail(error)
-        finally:
-            self.settle(in_flight)
-        self.send_writes()
+    def fail_queued(self) -> None:
+        """Once a pair with peer copies ended: the writes still queued and never posted (posting
+        an earlier one failed) end as ERROR; a posted one queued for ``watch`` keeps the status
+        its copies gave it (``settle``). Nothing is queued later (``post`` raises once the pair
+        failed)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and not item.started:
+                self.take(item)
 
     def complete(self, item: PendingSend) -> None:
         """``item``'s bytes landed: tell the reader its notification, then it is DONE."""
@@ -450,18 +542,18 @@ class WriterLink(Link):
         item.timings["acknowledged"] = time.perf_counter()
         item.status = WriteStatus.DONE
 
-    def settle(self, in_flight: "deque[PendingSend]") -> None:
-        """Writes that cannot complete (the pair failed or closed): ERROR once no copy of theirs
-        can still read their sources; a copy that never finishes keeps its write PENDING (its
-        pages stay held: never freed under a reader)."""
-        if not in_flight:
+    def settle(self) -> None:
+        """Writes that cannot complete (the pair failed or closed; lock held): ERROR once no copy
+        of theirs can still read their sources; a copy that never finishes keeps its write
+        PENDING (its pages stay held: never freed under a reader)."""
+        if not self.in_flight:
             return
         if not self.copies.quiesce():
             logger.warning("transfer (nccl): copies to %s did not finish; their pages stay held", self.peer)
             return
-        for item in in_flight:
+        for item in self.in_flight:
             item.status, item.error = WriteStatus.ERROR, self.error or CLOSED
-        in_flight.clear()
+        self.in_flight.clear()
 
     def send(self, item: PendingSend) -> None:
         views = self.backend.views
@@ -481,6 +573,7 @@ class WriterLink(Link):
             return parts[0] if segment.direct else pack(parts, staging)
 
         with self.stream_context():  # (the sources are final: the caller waited for the device, connector.py)
+            self.after_event(item.ready)  # (but for a row staged on a stream of its own: the gathers wait too)
             self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
                       lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
         item.timings["posted"], item.timings["drained"] = self.posted_at, time.perf_counter()

@@ -4,10 +4,16 @@ the writer's process over CUDA IPC (``peer_memory.py``).
 A write is one ``copy_`` per merged run (a page-major write: a run per state group, and the
 metadata row on the last) from the writer's registered memory into the reader's, on the pair's
 own stream (never behind the engine's forward passes: the sources are final when the write is
-posted, ``connector.py``), then a CUDA event. The copy engines move the bytes over NVLink at a
+posted, ``connector.py``; a metadata row staged on its rows' own stream is waited for there,
+``WriteHandle.ready``), then a CUDA event. The copy engines move the bytes over NVLink at a
 device copy's rate. When the event completes the bytes have landed: the write is DONE, and one
 control frame tells the reader the notification (``LANDED`` + its bytes; a write without a
 notification sends nothing). There is no receive to post and no acknowledgement to wait for.
+Both ends run in the engine's own thread, once the pair formed: ``write`` posts the copies, and
+the poll of a write that finds its event complete sends the frame (``nccl_links.WriterLink``:
+``post``, ``advance``), so no other thread stands between a write and its bytes or its
+notification. The link's thread waits on the same event meanwhile (outside the interpreter) and
+completes the write itself if the engine's thread is busy when it lands.
 
 Pairing (the control connection, after the token check of ``pair_group.py``)::
 
@@ -16,8 +22,9 @@ Pairing (the control connection, after the token check of ``pair_group.py``)::
     open_peer_memory, warm-up read  <-------------   PeerOffer (handles, or why not)
     CHOOSE_COPIES (or CHOOSE_NCCL) -------------->   no data group (or form the NCCL group)
 
-Owner: the writer link's thread (``nccl_links.WriterLink``), which alone uses a ``PeerCopies``
-and releases it when the link ends.
+Owner: the writer link (``nccl_links.WriterLink``), which uses a ``PeerCopies`` only under its
+lock (from the caller's thread; from its own while posting writes queued before the pair
+formed) and whose thread releases it when the link ends.
 """
 from __future__ import annotations
 
@@ -40,7 +47,6 @@ ASK_COPIES = b"tandem-copies?"  # writer -> reader at pairing, followed by the w
 CHOOSE_COPIES = b"tandem-copies"  # writer -> reader: the pair moves bytes by peer copies
 CHOOSE_NCCL = b"tandem-nccl"  # writer -> reader: the pair moves bytes by NCCL send/receive
 LANDED = b"L"  # writer -> reader, after a write's bytes landed: LANDED + the notification
-SPIN_SECONDS = 2e-3  # a write's copies are polled without sleeping this long (they take about 1 ms)
 POLL_SECONDS = 20e-6
 
 
@@ -68,7 +74,11 @@ class PeerCopies:
                 from error
         return copies
 
-    def streams(self) -> ExitStack:
+    def streams(self):
+        """The pair's stream current (and, in the reader's own process, the link's stream of the
+        reader's device: see ``__init__``)."""
+        if self.target_stream is None:
+            return torch.cuda.stream(self.stream)
         stack = ExitStack()
         stack.enter_context(torch.cuda.stream(self.stream))
         if self.target_stream is not None:
@@ -93,10 +103,12 @@ class PeerCopies:
         # every run's views first: one outside either side's memory raises before anything is copied
         runs = [(self.memory.view(destination, length), sources.view(source, length))
                 for source, destination, length in item.descriptors]
+        if item.ready is not None:  # (a source staged on a stream of its own: the metadata row)
+            self.stream.wait_event(item.ready)
         with self.streams():
             for target, source in runs:
                 target.copy_(source, non_blocking=True)
-        item.event = torch.cuda.Event()
+        item.event = torch.cuda.Event(blocking=True)  # (the link's thread sleeps on it: ``WriterLink.watch``)
         item.event.record(self.stream)
         item.timings["posted"] = time.perf_counter()
 
@@ -108,13 +120,6 @@ class PeerCopies:
         if time.perf_counter() - item.timings["posted"] > self.timeout:
             raise TimeoutError(f"transfer (nccl): peer copies took over {self.timeout:g} s")
         return False
-
-    @staticmethod
-    def pause(item: QueuedWrite) -> None:
-        """Between polls of ``item``: yield only while a write of a few hundred MiB could still
-        be landing (a sleep oversleeps by tens of microseconds), then sleep briefly."""
-        waited = time.perf_counter() - item.timings["posted"]
-        time.sleep(0 if waited < SPIN_SECONDS else POLL_SECONDS)
 
     def quiesce(self) -> bool:
         """Wait (at most ``timeout``) for every copy posted so far; False if they did not finish."""

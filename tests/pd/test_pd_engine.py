@@ -98,7 +98,8 @@ def test_metadata_rows_are_copied_out_and_poisoned_on_release():
 def test_a_rewritten_row_holds_only_its_new_value(device):
     """A row is filled in place (device rows through a pinned host copy): a shorter value written
     over a longer one leaves exactly the bytes a fresh row would hold, and on a device it has
-    landed when ``write`` returns."""
+    landed when ``write`` returns; ``stage`` (the last write's way) fills it without waiting,
+    handing back the copy's event on a device (nothing to wait for in host memory)."""
     long = MetadataRow(room=new_room(), first_token=5, num_cached_tokens=3, logprob_token_ids=(5, 6, 7),
                        logprobs=(-0.1, -0.2, -0.3), rank=2, hidden_states=(1.0, 2.0, 3.0))
     short = MetadataRow(room=new_room(), first_token=9, hidden_states=(4.0,))
@@ -108,6 +109,12 @@ def test_a_rewritten_row_holds_only_its_new_value(device):
     fresh.write(1, short)
     assert torch.equal(reused.tensor[1].cpu(), fresh.tensor[1].cpu()) and reused.read(1) == short
     assert not reused.tensor[0].any()
+    staged = reused.stage(0, long)
+    assert (staged is None) == (device == "cpu")
+    if staged is not None:
+        staged.synchronize()
+    fresh.write(0, long)
+    assert torch.equal(reused.tensor.cpu(), fresh.tensor.cpu()) and reused.read(0).room == long.room
 
 
 def test_layout_difference_names_the_first_field(model_dirs):
@@ -368,12 +375,12 @@ def test_injected_transfer_failures_end_both_legs(model_dirs):
 def test_room_ids_are_checked_before_commit(llama_pair, monkeypatch):
     """I7: a metadata row carrying another room is refused; nothing is committed."""
     pair = llama_pair
-    original = MetadataBuffer.write
+    original = MetadataBuffer.stage
 
-    def write_wrong_room(self, row, value):
-        original(self, row, MetadataRow(**{**value.__dict__, "room": new_room()}))
+    def stage_wrong_room(self, row, value):
+        return original(self, row, MetadataRow(**{**value.__dict__, "room": new_room()}))
 
-    monkeypatch.setattr(pair.prefill.pd.metadata, "write", write_wrong_room.__get__(pair.prefill.pd.metadata))
+    monkeypatch.setattr(pair.prefill.pd.metadata, "stage", stage_wrong_room.__get__(pair.prefill.pd.metadata))
     pair.submit("r", SHORT_PROMPT)
     pair.run_until(lambda: pair.finished("r"))
     assert "carries room" in pair.error("r") and pair.tokens("r") == []

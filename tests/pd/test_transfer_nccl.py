@@ -7,6 +7,7 @@ path (NCCL and NIXL, pipelined staging) is checked by
 ``test_transfer_ordering.py::test_the_notification_comes_after_every_page_and_the_row[gpu-...]``
 (marked gpu)."""
 import os
+import threading
 import time
 
 os.environ["TANDEM_SANITIZE"] = "1"
@@ -37,9 +38,11 @@ def finish(backend, handle, timeout: float = 20.0) -> WriteStatus:
 
 
 class Pair:
-    """A writer and a reader backend in this process, each with one registered buffer."""
+    """A writer and a reader backend in this process, each with one registered buffer (and, where
+    given, ``extra`` regions: (writer's, reader's), registered before the pair forms)."""
 
-    def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE, **options):
+    def __init__(self, device: str = "cpu", reader_device: str = "cpu", num_bytes: int = 64 * PAGE,
+                 extra: tuple = ((), ()), **options):
         self.writer = create_backend("nccl", "writer", connect_timeout=5.0, timeout=5.0)
         self.writer.peer_copies = True  # (opt-in; read when the pair forms)
         self.reader = create_backend("nccl", "reader", connect_timeout=5.0, timeout=5.0)
@@ -49,8 +52,8 @@ class Pair:
         generator = torch.Generator().manual_seed(0)
         self.source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator).to(device)
         self.target = torch.zeros(num_bytes, dtype=torch.uint8, device=reader_device)
-        self.writer.register([tensor_region(self.source)])
-        self.reader.register([tensor_region(self.target)])
+        self.writer.register([tensor_region(self.source), *extra[0]])
+        self.reader.register([tensor_region(self.target), *extra[1]])
         self.peer = self.writer.add_peer(self.reader.local_metadata())
 
     def pages(self, pairs: list[tuple[int, int]], pages: int = 1) -> list[tuple[int, int, int]]:
@@ -182,6 +185,8 @@ def test_peer_copies_land_before_their_notifications_with_many_writes_in_flight(
         assert pair.writer.writers[pair.peer].copies is not None, pair.writer.writers[pair.peer].error
 
         def check_arrivals() -> bool:
+            for handle in handles:  # (a write's notification leaves from a poll that finds it landed)
+                pair.writer.poll(handle)
             for _, note in pair.reader.notifications():
                 seen.append(note)
                 k = int(note[1:])
@@ -207,6 +212,44 @@ def test_peer_copies_land_before_their_notifications_with_many_writes_in_flight(
         assert finish(pair.writer, later) is WriteStatus.ERROR
         torch.cuda.synchronize("cuda:1")
         assert torch.equal(pair.target, before) and pair.reader.notifications() == []
+    finally:
+        pair.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+def test_a_row_staged_on_its_own_stream_lands_with_the_pages_before_the_notification():
+    """The last write's row is staged without a host wait (``MetadataBuffer.stage``: its copy to
+    the device queued behind a long kernel on the rows' stream here) and passed as ``ready``: the
+    peer copies wait for it on the device, so the row that lands is the staged one, with the
+    pages, before the notification."""
+    from tandem.transfer.metadata import MetadataBuffer, MetadataRow
+    from tandem.transfer.messages import new_room
+
+    rows, target_rows = MetadataBuffer(2, device="cuda:0"), MetadataBuffer(2, device="cuda:1")
+    pair = Pair("cuda:0", "cuda:1", num_bytes=64 * PAGE,
+                extra=([tensor_region(rows.tensor)], [tensor_region(target_rows.tensor)]))
+    try:
+        torch.cuda.synchronize("cuda:0")
+        for attempt in range(2):  # (the first write waits for the pair to form)
+            room = new_room()
+            with torch.cuda.stream(rows._stream):
+                torch.cuda._sleep(50_000_000)  # the row's copy queues behind this (tens of ms)
+            staged = rows.stage(1, MetadataRow(room=room, first_token=7 + attempt, logprob_token_ids=(7,),
+                                               logprobs=(-0.25,), rank=1))
+            assert staged is not None and not staged.query()
+            descriptors = pair.pages([(2, 9)], pages=8) + [(rows.address(1), target_rows.address(0), rows.row_bytes)]
+            handle = pair.writer.write(pair.peer, descriptors, notification=room.encode(), ready=staged,
+                                       local_device=0, remote_device=1)
+            notes = []
+            wait_until(lambda: pair.writer.poll(handle) is not WriteStatus.PENDING
+                       and bool(notes.extend(pair.reader.notifications()) or notes))
+            assert handle.status is WriteStatus.DONE, handle.error
+            assert notes == [("writer", room.encode())]
+            landed = target_rows.read(0)
+            assert (landed.room, landed.first_token, landed.logprobs) == (room, 7 + attempt, (-0.25,))
+            assert torch.equal(pair.target[9 * PAGE:17 * PAGE].cpu(), pair.source[2 * PAGE:10 * PAGE].cpu())
+            assert finish(pair.writer, handle) is WriteStatus.DONE
     finally:
         pair.close()
 
@@ -430,5 +473,113 @@ def test_pd_pair_decodes_exactly_after_a_warm_up(backend, model_dirs, oracles):
         assert pair.prefill.pd.touched == {d.key for d in pair.prefill.registry.buffers()}  # I1
         pair.settle()
         pair.assert_all_free()
+    finally:
+        pair.close()
+
+
+COPY_SECONDS = 0.01  # how long HostPeerCopies' copies take
+
+
+class HostEvent:
+    """A write's event for ``HostPeerCopies``: complete ``COPY_SECONDS`` after posting; waiting
+    on it (the link's thread) also waits for ``gate``."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate, self.done_at = gate, time.monotonic() + COPY_SECONDS
+
+    def synchronize(self) -> None:
+        self.gate.wait()
+        time.sleep(max(self.done_at - time.monotonic(), 0))
+
+
+class HostPeerCopies:
+    """``PeerCopies`` between host memories, so that a CPU runs the writer link's peer-copy logic:
+    a write's bytes move only when a look at its event finds it complete (``COPY_SECONDS`` after
+    posting), so a notification sent any earlier would reach the reader before its bytes."""
+
+    def __init__(self, reader, gate: threading.Event) -> None:
+        self.reader, self.gate, self.released = reader, gate, False
+
+    def start(self, item, sources, connection) -> None:
+        from tandem.transfer.peer_copies import ensure_open
+
+        ensure_open(connection)
+        item.runs = [(self.reader.views.view(destination, length), sources.view(source, length))
+                     for source, destination, length in item.descriptors]
+        item.event = HostEvent(self.gate)
+        item.timings["posted"] = time.perf_counter()
+
+    def landed(self, item) -> bool:
+        if time.monotonic() < item.event.done_at:
+            return False
+        for target, source in item.runs:
+            target.copy_(source)
+        return True
+
+    def quiesce(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_peer_copies_are_posted_in_write_and_completed_by_polls_or_the_links_thread(monkeypatch):
+    """The writer link's peer-copy path without a GPU (``HostPeerCopies``): writes posted before
+    the pair formed go first, in order, then later writes are posted in ``write`` itself; a
+    write completes (its notification leaves) once its copies landed, in a poll of it or, while
+    nobody polls, from the link's thread, and the reader never sees a notification before the
+    bytes; a reader that closed fails the next write at once and every later one; closing
+    releases the mapping."""
+    from tandem.transfer.nccl_links import ReaderLink, WriterLink
+    from tandem.transfer.pair_group import send_frame
+    from tandem.transfer.peer_copies import CHOOSE_COPIES
+
+    made, formed, watched = [], threading.Event(), threading.Event()
+
+    def choose_copies(link):
+        formed.wait(10)  # (the pair forms only once the first writes were queued)
+        send_frame(link.connection, CHOOSE_COPIES)
+        made.append(HostPeerCopies(pair.reader, watched))
+        return made[-1]
+
+    monkeypatch.setattr(WriterLink, "choose_data_plane", choose_copies)
+    monkeypatch.setattr(ReaderLink, "device", property(lambda link: 0))  # (a reader on a GPU answers the choice)
+    pair = Pair()
+    try:
+        writes = [pair.pages([(2 * k, 40 + 3 * k)], pages=2) for k in range(6)]
+        seen = []
+
+        def arrivals(handles, count: int) -> bool:
+            for handle in handles:
+                pair.writer.poll(handle)
+            for _, note in pair.reader.notifications():
+                seen.append(note)
+                for source, destination, length in writes[int(note[1:])]:  # its bytes landed first
+                    begin = destination - pair.target.data_ptr()
+                    assert torch.equal(pair.target[begin:begin + length],
+                                       pair.source[source - pair.source.data_ptr():][:length])
+            return len(seen) == count
+
+        handles = [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in range(3)]
+        link = pair.writer.writers[pair.peer]
+        assert link.queue.qsize() == 3 and not link.direct
+        formed.set()
+        wait_until(lambda: link.direct)
+        assert pair.writer.notifies_on_poll
+        handles += [pair.writer.write(pair.peer, writes[k], notification=f"w{k}".encode()) for k in (3, 4)]
+        assert all(handle.native.started for handle in handles)  # (the later ones: in ``write`` itself)
+        wait_until(lambda: arrivals(handles, 5))  # the link's thread is held: these polls completed them
+        watched.set()
+        unpolled = pair.writer.write(pair.peer, writes[5], notification=b"w5")
+        wait_until(lambda: arrivals([], 6))  # nobody polls it: the link's thread completed it
+        assert unpolled.native.status is WriteStatus.DONE
+        assert seen == [f"w{k}".encode() for k in range(6)]
+        assert all(finish(pair.writer, handle) is WriteStatus.DONE for handle in handles + [unpolled])
+        pair.reader.close()
+        time.sleep(0.05)  # (the reader's end of the connection is closed by now)
+        failed = pair.writer.write(pair.peer, writes[0], notification=b"late")
+        later = pair.writer.write(pair.peer, writes[1])
+        assert failed.status is WriteStatus.ERROR and "closed" in failed.error and later.status is WriteStatus.ERROR
+        wait_until(lambda: made[0].released)
     finally:
         pair.close()

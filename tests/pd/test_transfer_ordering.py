@@ -87,15 +87,31 @@ def test_the_notification_comes_after_every_page_and_the_row(backend, devices):
 
 
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
-def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(backend, model_dirs, oracles):
+def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(backend, model_dirs, oracles,
+                                                                             monkeypatch):
     """A prompt over two prefill chunks: the first chunk's pages go alone; the second chunk's
     pages, the metadata row and the notification go as one write, posted after the first one
-    is done; the decode engine continues exactly."""
+    is done; the decode engine continues exactly. The last pages were planned when their chunk
+    was launched: once the first token is known nothing is planned, and the last write is
+    exactly the held plan and the row."""
+    from tandem.transfer.descriptors import WritePlanner
     from tests.pd.test_pd_engine import LONG_PROMPT, SMALL
 
     pair = PDPair(model_dirs["llama"], transfer=dict(backend=backend), **SMALL)
     side = pair.prefill.pd
     post, writes = side.agent.backend.write, []
+    plans, plan = [], WritePlanner.plan
+    monkeypatch.setattr(WritePlanner, "plan", lambda planner, pairs: plans.append(pairs) or plan(planner, pairs))
+    post_last, last_path = side.post_last, {}
+
+    def post_last_spy(transfer):
+        held = side.agent.writes.get(transfer.writes[0].key) if transfer.writes else None
+        held, planned = (list(held.descriptors) if held else []), len(plans)
+        post_last(transfer)
+        if transfer.metadata_write is not None and not last_path:
+            last_path.update(held=held, plans=len(plans) - planned)
+
+    side.post_last = post_last_spy
 
     def spy(peer, descriptors, **options):
         if descriptors and descriptors[0][0] == side.scratch.data_ptr():
@@ -133,6 +149,7 @@ def test_the_last_write_carries_the_last_pages_the_row_and_the_notification(back
         assert len(in_rows) == 1 and in_rows[0][2] == rows.row_bytes
         assert rows.tensor.device == next(side.registry.buffers()).tensor.device  # beside the pages
         assert len(last) > 1  # the second chunk's pages travel with the row
+        assert last_path == {"held": last[:-1], "plans": 0} and last[-1] == in_rows[0]  # planned before
         assert all(status is WriteStatus.DONE for status in earlier)  # posted once every earlier write was done
         if backend == "nixl":  # every page write and the last one came from the lists prepared at the handshake
             assert side.agent.backend.prepared_writes == len(writes)
