@@ -54,12 +54,12 @@ CHUNK = 2048  # elements a program sums per step of the plain all-reduce
 # The dtypes the peer buffers hold, each in a section of its own (the empty mark differs), with
 # the integer type of the same width the kernels move their bits as and that width's mark.
 SECTIONS = {torch.bfloat16: (torch.int16, -(1 << 15)), torch.float32: (torch.int32, -(1 << 31))}
-PARITY_SLOTS = 2  # per section in the signal pad (int32): the parity, and programs finished
 
 
 def peer_buffer_bytes(slot_bytes: int, world_size: int) -> int:
     """Bytes of a rank's peer buffer for messages of up to ``slot_bytes``: per dtype section,
-    two regions of one slot per rank."""
+    two regions of one slot per rank (slot ``r`` holds what rank ``r`` pushed; a rank's own slot
+    stays empty: it sums its own input in place)."""
     return len(SECTIONS) * 2 * world_size * slot_bytes
 
 
@@ -84,7 +84,9 @@ def _buffer(buffer_pointers, rank, element_type: tl.constexpr):
 
 @jit
 def _region_slots(own_pad, SECTION: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """The first slot (counted over the whole buffer) of this call's region of ``SECTION``."""
+    """The first slot (counted over the whole buffer) of this call's region of ``SECTION``. A
+    rank's signal pad holds two int32 per section: the parity (which region this call uses) at
+    ``2 * SECTION``, the count of this call's programs finished at ``2 * SECTION + 1``."""
     parity = tl.load(own_pad + SECTION * 2, volatile=True)
     return (SECTION * 2 + parity) * WORLD_SIZE
 
