@@ -76,6 +76,10 @@ class MetadataBuffer:
             if self.tensor.is_cuda else self.tensor
         self._staging_rows = self._staging.numpy()
         self._copied: list[Optional[torch.cuda.Event]] = [None] * num_rows  # device rows: each one's last copy
+        # (a device row's copy is made once per transfer, on its last write's path: the rows'
+        # views and events are made here, not there)
+        self._copies = [(self.tensor[row], self._staging[row], torch.cuda.Event()) for row in range(num_rows)] \
+            if self._stream is not None else []
 
     def _access(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -137,10 +141,11 @@ class MetadataBuffer:
             hidden[hidden_count:] = 0.0
         if self._stream is None:
             return None
+        destination, source, copied = self._copies[row]
         with self._access():
-            self.tensor[row].copy_(self._staging[row], non_blocking=True)
-            copied = self._copied[row] = torch.cuda.Event()
+            destination.copy_(source, non_blocking=True)
             copied.record(self._stream)
+        self._copied[row] = copied
         return copied
 
     def read(self, row: int) -> MetadataRow:
