@@ -22,8 +22,8 @@ segments, each one tensor send; writer and reader compute the same list from the
 
 A write whose staged segments fit the staging area at once goes as one batch (between GPUs, one
 group of point-to-point operations); otherwise the staged ones take turns in the slots of the
-staging area, pipelined (``nccl_links.Link.move``): the gather of one overlaps the send of the one
-before. Point-to-point operations pay a fixed cost each (host and device), so a PD write of many
+staging area, pipelined (``nccl_sendrecv.SendReceive.move``): the gather of one overlaps the
+send of the one before. Point-to-point operations pay a fixed cost each (host and device), so a PD write of many
 page runs goes as a few large sends.
 """
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """The NCCL backend's pairs at work: one thread per pair and side (``WriterLink`` sends the
 writes queued on it, ``ReaderLink`` receives them), the write header they exchange over the
-pair's control connection, and the acknowledgement that makes a write DONE. See
+pair's control connection, and the acknowledgement that makes a write DONE. The bytes move by
+peer copies (``peer_copies.py``) or over the pair's data group (``nccl_sendrecv.py``). See
 ``nccl_backend.py`` for the protocol; owner: the ``NcclBackend`` that made the link.
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -21,13 +20,14 @@ import msgspec
 import numpy as np
 import torch
 
-from tandem.transfer.byte_views import pack, plan_segments, unpack, widest_element
+from tandem.transfer.byte_views import pack, unpack, widest_element
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.peer_copies import ASK_COPIES, CHOOSE_COPIES, CHOOSE_NCCL, PeerCopies, landed_frame, \
     notification_of
 from tandem.transfer.peer_memory import PROCESS_ID, PeerOffer, offer_regions
+from tandem.transfer.nccl_sendrecv import SendReceive
 from tandem.transfer.pair_group import POLL_SECONDS, READER_RANK, WRITER_RANK, PairRequest, abort_group, \
-    form_group, pair_with, receive_frame, send_frame, timedelta
+    form_group, pair_with, receive_frame, send_frame
 
 if TYPE_CHECKING:
     from tandem.transfer.nccl_backend import NcclBackend
@@ -70,10 +70,6 @@ _HEADER = struct.Struct("<qqqqqq")
 MAX_STAGING_BYTES = 1 << 30
 ACKNOWLEDGEMENT = b"landed"
 CLOSED = "the pair was closed"
-STAGING_SLOTS = 3  # staged segments in flight at once per pair (the staging area holds this many)
-STAGING_ALIGNMENT = 256
-DRAIN_POLL_SECONDS = 20e-6
-DRAIN_SPIN_SECONDS = 2e-3
 CLOSE_WAIT_SECONDS = 2.0
 
 
@@ -113,203 +109,19 @@ class Link:
         self.backend, self.peer = backend, peer
         self.connection: Optional[socket.socket] = None
         self.group = None
+        self.plane: Optional[SendReceive] = None  # once the pair formed a data group
         self.error = ""
-        self.staging: Optional[torch.Tensor] = None
-        self.stream = None  # where sends and receives are posted from
-        self.copy_stream = None  # where staged segments are gathered (writer) or scattered (reader)
-        self.posted_at = 0.0
         self.thread = threading.Thread(target=self.run, name=f"tandem-nccl-{peer[-8:]}", daemon=True)
 
     @property
     def device(self) -> int:
         return self.backend.views.device
 
-    def stream_context(self):
-        if self.device < 0:
-            return nullcontext()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=self.device)
-        return torch.cuda.stream(self.stream)
-
-    def copy_context(self):
-        """On a GPU, the copy stream (it runs beside the link's stream: the gather of segment
-        i + 1 overlaps the send of segment i, the scatter of segment i the receive of i + 1)."""
-        if self.device < 0:
-            return nullcontext()
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(device=self.device)
-        return torch.cuda.stream(self.copy_stream)
-
-    def record(self):
-        """A CUDA event at the current end of the current stream (None in host memory)."""
-        if self.device < 0:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def after_event(self, event) -> None:
-        """The current stream waits for ``event`` (nothing in host memory, where work is done when
-        it returns)."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def staging_slice(self, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bytes ``offset`` .. ``offset + num_bytes`` of this pair's staging area."""
-        return self.staging[offset:offset + num_bytes].view(dtype)
-
-    def ensure_staging(self, num_bytes: int) -> None:
-        """A staging area of at least ``num_bytes`` (grown only between writes, when nothing
-        staged is in flight)."""
-        if self.staging is None or self.staging.numel() < num_bytes:
-            device = "cpu" if self.device < 0 else f"cuda:{self.device}"
-            self.staging = None
-            self.staging = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-
-    def wait(self, work) -> None:
-        """Order what follows after ``work``: on a GPU the current stream waits for it (the host
-        does not); in host memory the thread waits, at most ``timeout``. Once per work: a second
-        wait on a gloo work waits for another operation."""
-        if self.device >= 0:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=self.backend.timeout))
-
-    def drain(self, works: list) -> None:
-        """Return once every operation in ``works`` (and everything on the link's and the copy
-        stream) is done; TimeoutError after ``timeout``."""
-        for work in works:
-            self.wait(work)
-        events = []
-        for stream in (self.stream, self.copy_stream):
-            if stream is not None:
-                events.append(torch.cuda.Event())
-                events[-1].record(stream)
-        started = time.monotonic()
-        while not all(event.query() for event in events):
-            waited = time.monotonic() - started
-            if waited > self.backend.timeout:
-                raise TimeoutError(f"transfer (nccl): a write to or from {self.peer} took over "
-                                   f"{self.backend.timeout:g} s")
-            # a write of a few hundred MiB drains within a millisecond or two: yield only (a sleep
-            # would oversleep by tens of microseconds each time), then sleep between checks
-            time.sleep(0 if waited < DRAIN_SPIN_SECONDS else DRAIN_POLL_SECONDS)
-
-    def move(self, lengths: list[int], dtype: torch.dtype, direct_bytes: int, staging_bytes: int, operation,
-             tensor_of, after=None) -> None:
-        """Send (writer) or receive (reader) one write's runs as ``plan_segments`` splits them
-        (``operation`` posts one tensor's send or receive). ``tensor_of(segment, staging)`` gives
-        a segment's tensor: a direct segment's (``staging`` None), or a staged one's gathered
-        into ``staging`` (writer) or ``staging`` itself (reader), whose ``after(segment,
-        staging)`` scatters it. A write whose staged segments all fit the staging area at once
-        (every page-major write: its runs are few and sent in place) goes as one batch
-        (``move_batch``); longer ones pipelined through the slots (``move_pipelined``)."""
-        slot_bytes = -(-staging_bytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
-        segments = plan_segments(lengths, direct_bytes, staging_bytes)
-        staged = [segment for segment in segments if not segment.direct]
-        if staged or not lengths:
-            self.ensure_staging(max(STAGING_SLOTS * slot_bytes, STAGING_ALIGNMENT))
-        if after is None and self.device >= 0:  # (writer) slots are refilled only after the last write's sends
-            with self.copy_context():
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        if not lengths:  # the warm-up write: one element
-            works = [operation([self.staging_slice(0, 8, torch.int64)[:1]])]
-            self.posted_at = time.perf_counter()
-            self.finish(works, after is None)
-        elif len(staged) <= STAGING_SLOTS:
-            self.move_batch(segments, dtype, slot_bytes, operation, tensor_of, after)
-        else:
-            self.move_pipelined(segments, dtype, slot_bytes, operation, tensor_of, after)
-
-    def move_batch(self, segments, dtype: torch.dtype, slot_bytes: int, operation, tensor_of, after) -> None:
-        """Every segment at once: the staged ones (at most STAGING_SLOTS) each in a slot of its
-        own, gathered before anything is sent (writer) or scattered once everything arrived
-        (reader); all sends (receives) posted together, as one group of point-to-point operations
-        between GPUs (``post_all``). A page-major write is one run per state group, plus the
-        metadata row on the last write: one batch of as many sends."""
-        slots, tensors = {}, []
-        for segment in segments:
-            if not segment.direct:
-                slots[segment] = self.staging_slice(len(slots) * slot_bytes, segment.num_bytes, dtype)
-        if after is None:  # writer: gather on the copy stream, then send from the link's stream
-            with self.copy_context():
-                tensors = [tensor_of(segment, slots.get(segment)) for segment in segments]
-                gathered = self.record() if slots else None
-            self.after_event(gathered)
-        else:
-            tensors = [tensor_of(segment, slots.get(segment)) for segment in segments]
-        works = self.post_all(operation, tensors)
-        if after is not None and slots:  # reader: scatter once every receive is done
-            for work in works:
-                self.wait(work)
-            works = []
-            for segment, staging in slots.items():
-                after(segment, staging)
-        self.posted_at = time.perf_counter()
-        self.finish(works, after is None)
-
-    def post_all(self, operation, tensors: list[torch.Tensor]) -> list:
-        """Post one send (receive) per tensor: between GPUs as one NCCL group (one launch; the
-        operations share the link's channels), else one by one. ``TANDEM_NCCL_COALESCE=0``
-        posts them one by one between GPUs too (for measuring)."""
-        if (self.device >= 0 and len(tensors) > 1 and os.environ.get("TANDEM_NCCL_COALESCE", "1") != "0"
-                and hasattr(self.group, "_start_coalescing")):
-            self.group._start_coalescing()
-            for tensor in tensors:
-                operation([tensor])
-            return [self.group._end_coalescing()]
-        return [operation([tensor]) for tensor in tensors]
-
-    def move_pipelined(self, segments, dtype: torch.dtype, slot_bytes: int, operation, tensor_of, after) -> None:
-        """Post every segment's send or receive without waiting for the one before, so they
-        queue back to back on the link. Staged segments take turns in the STAGING_SLOTS slots
-        of the staging area, pipelined: the writer gathers a segment into its slot on the copy
-        stream and sends it from the link's stream; the reader receives into the slot and
-        scatters it on the copy stream. A slot is refilled once what last used it finished: on
-        a GPU by stream-side waits only (the host waits once, at the end); in host memory by
-        the thread."""
-        works = []
-        in_use = [None] * STAGING_SLOTS  # per slot: the send (writer) or scatter event (reader) that last used it
-        slot = 0
-        for segment in segments:
-            if segment.direct:
-                works.append(operation([tensor_of(segment, None)]))
-                continue
-            staging = self.staging_slice(slot * slot_bytes, segment.num_bytes, dtype)
-            previous, in_use[slot] = in_use[slot], None
-            if after is None:  # writer: gather on the copy stream once the slot's last send is done, then send
-                with self.copy_context():
-                    if previous is not None:  # (waited for once only: a gloo work's wait is not idempotent)
-                        self.wait(previous)
-                        works.remove(previous)
-                    tensor = tensor_of(segment, staging)
-                    gathered = self.record()
-                self.after_event(gathered)
-                in_use[slot] = operation([tensor])
-                works.append(in_use[slot])
-            else:  # reader: receive once the slot's last scatter is done, scatter on the copy stream
-                self.after_event(previous)
-                work = operation([tensor_of(segment, staging)])  # waited for here only (the copy stream)
-                with self.copy_context():
-                    self.wait(work)
-                    after(segment, staging)
-                    in_use[slot] = self.record()
-            slot = (slot + 1) % STAGING_SLOTS
-        self.posted_at = time.perf_counter()
-        self.finish(works, after is None)
-
-    def finish(self, works: list, writer: bool) -> None:
-        """The end of one side's part of a write. The reader drains (its acknowledgement says the
-        bytes landed); so does a writer in host memory (gloo works must be waited for). A writer
-        between GPUs does not wait at all: the reader's acknowledgement comes only once every
-        receive completed, which every send's bytes must have reached, so the sources were read
-        in full by then; its streams stay ordered (the next write's gathers wait on the link's
-        stream, ``move``)."""
-        if writer and self.device >= 0:
-            for work in works:
-                self.wait(work)  # (stream-side only: the link's stream, for the next write)
-            return
-        self.drain(works)
+    def form_group(self, store, rank: int) -> None:
+        """The pair's data group (NCCL between GPUs, gloo in host memory) and what moves bytes over it."""
+        backend = self.backend
+        self.group = form_group(store, rank, backend.host, self.device, backend.connect_timeout)
+        self.plane = SendReceive(self.group, self.device, backend.timeout, self.peer)
 
     def fail(self, error: BaseException | str) -> None:
         """End the pair: later writes fail; the peer's thread sees the connection close."""
@@ -363,7 +175,7 @@ class WriterLink(Link):
                                                self.info.token, backend.agent_name, backend.connect_timeout)
             self.copies = self.choose_data_plane()
             if self.copies is None:
-                self.group = form_group(store, WRITER_RANK, backend.host, self.device, backend.connect_timeout)
+                self.form_group(store, WRITER_RANK)
             self.connection.settimeout(backend.timeout)
             if self.copies is None:
                 self.send(PendingSend([], b""))  # warm-up: the connections are set up before any real write
@@ -572,11 +384,12 @@ class WriterLink(Link):
             parts = [views.view(sources[i], lengths[i]).view(dtype) for i in range(segment.first, segment.last)]
             return parts[0] if segment.direct else pack(parts, staging)
 
-        with self.stream_context():  # (the sources are final: the caller waited for the device, connector.py)
-            self.after_event(item.ready)  # (but for a row staged on a stream of its own: the gathers wait too)
-            self.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
-                      lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
-        item.timings["posted"], item.timings["drained"] = self.posted_at, time.perf_counter()
+        plane = self.plane
+        with plane.stream_context():  # (the sources are final: the caller waited for the device, connector.py)
+            plane.after_event(item.ready)  # (but for a row staged on a stream of its own: the gathers wait too)
+            plane.move(lengths, dtype, backend.direct_bytes, backend.staging_bytes,
+                       lambda tensors: group.send(tensors, READER_RANK, 0), tensor_of)
+        item.timings["posted"], item.timings["drained"] = plane.posted_at, time.perf_counter()
         # a send completes once its bytes left; the reader's acknowledgement says they landed
         if receive_frame(connection) != ACKNOWLEDGEMENT:
             raise RuntimeError("transfer (nccl): the reader did not acknowledge the write")
@@ -594,12 +407,12 @@ class ReaderLink(Link):
         self.closed = False
 
     def run(self) -> None:
-        backend, request = self.backend, self.request
+        request = self.request
         try:
             self.connection = request.connection
             copies = self.device >= 0 and self.answer_data_plane()
             if not copies:
-                self.group = form_group(request.store, READER_RANK, backend.host, self.device, backend.connect_timeout)
+                self.form_group(request.store, READER_RANK)
             self.connection.settimeout(POLL_SECONDS)
             while not self.closed:
                 if copies:
@@ -639,11 +452,12 @@ class ReaderLink(Link):
         def targets(first: int, last: int) -> list[torch.Tensor]:  # made as each segment needs them
             return [views.view(header.destinations[i], header.lengths[i]).view(dtype) for i in range(first, last)]
 
-        with self.stream_context():
-            self.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
-                      lambda tensors: group.recv(tensors, WRITER_RANK, 0),
-                      lambda segment, staging: targets(segment.first, segment.last)[0] if segment.direct else staging,
-                      lambda segment, staging: unpack(staging, targets(segment.first, segment.last)))
+        plane = self.plane
+        with plane.stream_context():
+            plane.move(header.lengths, dtype, header.direct_bytes, header.staging_bytes,
+                       lambda tensors: group.recv(tensors, WRITER_RANK, 0),
+                       lambda segment, staging: targets(segment.first, segment.last)[0] if segment.direct else staging,
+                       lambda segment, staging: unpack(staging, targets(segment.first, segment.last)))
         if notification:
             self.backend.received.append((self.peer, notification))
         send_frame(connection, ACKNOWLEDGEMENT)
