@@ -189,11 +189,10 @@ class PeerAllReduce:
         # The process group registered under ``group_name`` (``_register_group``): torch's
         # registry holds it weakly and its operators resolve it by name at every call.
         self.process_group = process_group
-        self.one_shot = None
-        if limits.one_shot_bytes:
+        self.one_shot, self.slot_bytes = None, limits.one_shot_bytes
+        if self.slot_bytes:
             from tandem.kernels.one_shot_allreduce import empty_peer_buffer, peer_buffer_bytes
 
-            self.slot_bytes = limits.one_shot_bytes
             self.one_shot = PeerBuffers(peer_buffer_bytes(self.slot_bytes, world_size), device, group_name,
                                         lambda buffer: empty_peer_buffer(buffer, self.slot_bytes, world_size))
         two_shot = limits.two_shot_bytes and world_size in TWO_SHOT_WORLD_SIZES

@@ -75,9 +75,8 @@ class MetadataBuffer:
         self._staging = torch.zeros((num_rows, self.row_bytes), dtype=torch.uint8, pin_memory=True) \
             if self.tensor.is_cuda else self.tensor
         self._staging_rows = self._staging.numpy()
-        self._copied: list[Optional[torch.cuda.Event]] = [None] * num_rows  # device rows: each one's last copy
-        # (a device row's copy is made once per transfer, on its last write's path: the rows'
-        # views and events are made here, not there)
+        # device rows: each row's views and the event of its last copy (a row's copy is made once
+        # per transfer, on its last write's path: what it needs is made here, not there)
         self._copies = [(self.tensor[row], self._staging[row], torch.cuda.Event()) for row in range(num_rows)] \
             if self._stream is not None else []
 
@@ -121,9 +120,8 @@ class MetadataBuffer:
         write that carries the row passes it as ``ready`` (``TransferBackend.write``), so the
         host never waits for the copy. The pinned row is refilled only once its last copy
         finished."""
-        previous = self._copied[row]
-        if previous is not None:
-            previous.synchronize()  # (long finished in practice: the row's transfer ended since)
+        if self._copies:  # (a row never copied: its event was never recorded, nothing to wait for)
+            self._copies[row][2].synchronize()  # (long finished in practice: the row's transfer ended since)
         entries = len(value.logprob_token_ids)
         if entries > MAX_LOGPROB_ENTRIES or len(value.logprobs) != entries:
             raise ValueError(f"metadata row: {entries} logprob entries (at most {MAX_LOGPROB_ENTRIES})")
@@ -145,7 +143,6 @@ class MetadataBuffer:
         with self._access():
             destination.copy_(source, non_blocking=True)
             copied.record(self._stream)
-        self._copied[row] = copied
         return copied
 
     def read(self, row: int) -> MetadataRow:

@@ -18,9 +18,10 @@ describes, queues the notification once the bytes landed and acknowledges. Per p
 one thread does all of it, so the engine loop only posts and polls (``WriteHandle``), never
 blocks. Peer copies need no thread once the pair formed: ``write`` posts the copies from the
 caller's thread and the poll that finds them landed sends the notification (``notifies_on_poll``:
-the engine polls a last write without pausing). Pairs form in those threads too; the first write waits for that, and a tiny warm-up
-write at pairing sets up the NCCL connection (peer copies: a read of the reader's memory sets up
-peer access), so the first real write pays no connection setup.
+the engine polls a last write without pausing). Pairs form in those threads too; the first
+write waits for that, and a tiny warm-up write at pairing sets up the NCCL connection (peer
+copies: a read of the reader's memory sets up peer access), so the first real write pays no
+connection setup.
 
 Descriptors are merged where they continue on both sides (``merge_adjacent``), then sent as
 ``byte_views.plan_segments`` says: a write of a few runs (every page-major write: one run per

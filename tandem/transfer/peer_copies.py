@@ -81,8 +81,7 @@ class PeerCopies:
             return torch.cuda.stream(self.stream)
         stack = ExitStack()
         stack.enter_context(torch.cuda.stream(self.stream))
-        if self.target_stream is not None:
-            stack.enter_context(torch.cuda.stream(self.target_stream))
+        stack.enter_context(torch.cuda.stream(self.target_stream))
         return stack
 
     def warm_up(self) -> None:
