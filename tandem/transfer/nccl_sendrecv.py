@@ -33,25 +33,20 @@ class SendReceive:
     def __init__(self, group, device: int, timeout: float, peer: str) -> None:
         self.group, self.device, self.timeout, self.peer = group, device, timeout, peer
         self.staging = None
-        self.stream = None  # where sends and receives are posted from
-        self.copy_stream = None  # where staged segments are gathered (writer) or scattered (reader)
+        on_device = device >= 0
+        self.stream = torch.cuda.Stream(device=device) if on_device else None  # where sends and receives are posted
+        # where staged segments are gathered (writer) or scattered (reader), beside the sends
+        self.copy_stream = torch.cuda.Stream(device=device) if on_device else None
         self.posted_at = 0.0
 
     def stream_context(self):
-        if self.device < 0:
-            return nullcontext()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=self.device)
-        return torch.cuda.stream(self.stream)
+        """On a GPU, the link's stream current (sends and receives are posted from it)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def copy_context(self):
         """On a GPU, the copy stream (it runs beside the link's stream: the gather of segment
         i + 1 overlaps the send of segment i, the scatter of segment i the receive of i + 1)."""
-        if self.device < 0:
-            return nullcontext()
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(device=self.device)
-        return torch.cuda.stream(self.copy_stream)
+        return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
 
     def record(self):
         """A CUDA event at the current end of the current stream (None in host memory)."""
