@@ -17,12 +17,8 @@ a strip's K range and add float32 partials into a zeroed buffer (``tl.atomic_add
 afterwards; otherwise each program writes its tile. Everything is shape-static per token count,
 so a CUDA graph captured at a batch size replays the same launch.
 
-At one or two tokens (``GEMV_MAX_TOKENS``) a tensor-core tile would be 15/16 padding, and the
-bottleneck is keeping enough weight bytes in flight: ``_weight_only_gemv`` runs on the CUDA cores
-instead, each program streaming ``BLOCK_N`` rows in ``512``-byte (FP8) steps, multiplying each
-token's activations in float32 and reducing each step's partial sums per row. On an H100 (a
-32-layer stack of the Llama-3.1-8B projections, timed in a CUDA graph) it read per-row-scaled
-weights at 0.55–0.86 of the nominal bandwidth where the tensor-core tile read 0.34–0.56.
+At one or two tokens (``GEMV_MAX_TOKENS``) a tensor-core tile would be 15/16 padding: those
+go to the CUDA-core kernels of ``gemv.py``.
 
     grid = (ceil(N / BLOCK_N), SPLIT)
     program (n, s):  rows n*BLOCK_N .. +BLOCK_N of W,  K range s*K_PER_SPLIT .. +K_PER_SPLIT
@@ -30,18 +26,15 @@ weights at 0.55–0.86 of the nominal bandwidth where the tensor-core tile read 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from tandem.kernels.gemv import GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocessors  # noqa: F401 (re-exported)
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
-GEMV_MAX_TOKENS = 2  # up to here the CUDA-core kernel (at 4 tokens it read the weight slower than the tile)
-# A scale group larger than any K: per-row scales (read once, applied after the K loop).
-WHOLE_ROW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -62,11 +55,6 @@ def weight_only_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, wei
     return (hidden.float() @ (weight.float() * scales).t()).to(hidden.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def weight_only_config(rows: int, features: int, group: Optional[int], multiprocessors: int) -> WeightOnlyConfig:
     """Tiles for H100-class GPUs (132 SMs, ~3 TB/s): a strip of 64 rows, narrowed to 16 while
     fewer than two programs per SM result; then K split in halves (keeping two or more steps
@@ -85,14 +73,6 @@ def weight_only_config(rows: int, features: int, group: Optional[int], multiproc
     while triton.cdiv(rows, block_n) * split * 4 // 3 < wanted and steps // (2 * split) >= 2:
         split *= 2
     return WeightOnlyConfig(block_n=block_n, block_k=block_k, split=split)
-
-
-def gemv_config(rows: int, features: int) -> WeightOnlyConfig:
-    """Tiles of the CUDA-core kernel, from a sweep on an H100 (``benchmarks/kernels_fp8.py
-    --sweep``): 16-row strips, 512-input steps, eight warps; K split four ways for long rows
-    (the down projection's 14,336 inputs), which keeps more strips in flight."""
-    return WeightOnlyConfig(block_n=16, block_k=min(512, max(16, triton.next_power_of_2(features))),
-                            split=4 if features >= 8192 else 1, warps=8, stages=4)
 
 
 def _sub_k(block_k: int, group: Optional[int]) -> int:
@@ -165,70 +145,22 @@ def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_ou
         tl.store(pointers, accumulator.to(out.dtype.element_ty), mask=mask)
 
 
-@jit
-def _weight_only_gemv(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
-                      GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """``out[TOKENS, N] (+)= x @ (w * w_scale).T`` on the CUDA cores for ``TOKENS`` (1 or 2)
-    tokens, this program's ``BLOCK_N`` rows and K range; float32 throughout. Block scales
-    multiply each sub-tile's row sums; per-row scales (``GROUP`` = ``WHOLE_ROW``) the totals."""
-    PARTS: tl.constexpr = BLOCK_K // SUB_K
-    PER_ROW: tl.constexpr = GROUP >= (1 << 30)
-    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    column_mask = columns < N
-    k_begin = tl.program_id(1) * K_PER_SPLIT
-    first = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    second = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for step in range(0, K_PER_SPLIT, BLOCK_K):
-        for part in tl.static_range(PARTS):
-            offset = k_begin + step + part * SUB_K
-            k = offset + tl.arange(0, SUB_K)
-            k_mask = k < K
-            w_tile = tl.load(w + columns[:, None] * stride_w + k[None, :],
-                             mask=column_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            x_first = tl.load(x + k, mask=k_mask, other=0.0).to(tl.float32)
-            partial_first = tl.sum(w_tile * x_first[None, :], axis=1)
-            if TOKENS > 1:
-                x_second = tl.load(x + stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-                partial_second = tl.sum(w_tile * x_second[None, :], axis=1)
-            if PER_ROW:
-                first += partial_first
-                if TOKENS > 1:
-                    second += partial_second
-            else:
-                scale = tl.load(w_scale + columns * scale_columns + offset // GROUP, mask=column_mask, other=0.0)
-                first += partial_first * scale
-                if TOKENS > 1:
-                    second += partial_second * scale
-    if PER_ROW:
-        row_scales = tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
-        first *= row_scales
-        second *= row_scales
-    for token in tl.static_range(TOKENS):
-        result = first if token == 0 else second
-        if ATOMIC:
-            tl.atomic_add(out + token * stride_out + columns, result, mask=column_mask)
-        else:
-            tl.store(out + token * stride_out + columns, result.to(out.dtype.element_ty), mask=column_mask)
-
-
 def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: Optional[int],
                        config: Optional[WeightOnlyConfig] = None) -> torch.Tensor:
-    """``weight_only_matmul_reference`` as one Triton launch (two more with split-K: the zeroed
-    float32 buffer and the cast): the CUDA-core kernel up to ``GEMV_MAX_TOKENS`` tokens, the
-    tensor-core tile above. ``hidden [M <= 16, K]`` contiguous rows; ``group`` None or a power of
-    two >= 16. ``config``: tiles other than ``gemv_config``'s / ``weight_only_config``'s
+    """``weight_only_matmul_reference``: up to ``GEMV_MAX_TOKENS`` tokens ``gemv.gemv`` (its
+    own tiles), above that the tensor-core tile as one Triton launch (two more with split-K:
+    the zeroed float32 buffer and the cast). ``hidden [M <= 16, K]`` contiguous rows; ``group``
+    None or a power of two >= 16. ``config``: tiles other than ``weight_only_config``'s
     (benchmarks, tests)."""
     tokens, features = hidden.shape
     rows = weight.shape[0]
     if tokens > MAX_TOKENS:
         raise ValueError(f"weight_only_matmul serves at most {MAX_TOKENS} tokens, got {tokens}")
-    gemv = tokens <= GEMV_MAX_TOKENS
-    if config is None and gemv:
-        config = gemv_config(rows, features)
-    elif config is None:
-        multiprocessors = _multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
-        config = weight_only_config(rows, features, group, multiprocessors)
+    if 0 < tokens <= GEMV_MAX_TOKENS and config is None:
+        return gemv(hidden, weight, weight_scale, group)
+    if config is None:
+        count = multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
+        config = weight_only_config(rows, features, group, count)
     sub_k = _sub_k(config.block_k, group)
     k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
     atomic = config.split > 1
@@ -237,13 +169,6 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     if tokens == 0:
         return output.to(hidden.dtype)
     grid = (triton.cdiv(rows, config.block_n), config.split)
-    if gemv:
-        _weight_only_gemv[grid](hidden, weight, weight_scale, output, rows, features, hidden.stride(0),
-                                weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
-                                GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, BLOCK_N=config.block_n,
-                                BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, num_warps=config.warps,
-                                num_stages=config.stages)
-        return output.to(hidden.dtype) if atomic else output
     _weight_only_gemm[grid](hidden, weight, weight_scale, output, tokens, rows, features, hidden.stride(0),
                             weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
                             GROUP=WHOLE_ROW if group is None else group, BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n,

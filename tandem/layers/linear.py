@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.gemv import gemv, gemv_serves
 from tandem.parallel.shard import SINGLE, TensorShard
 
 
@@ -45,13 +46,26 @@ def shard_of(tensor: torch.Tensor, axis: int, rank: int, size: int, segments: tu
     return torch.cat(parts, dim=axis)
 
 
+def dense_product(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``hidden @ weight.T (+ bias)`` for a 16-bit or float32 weight: one or two tokens on CUDA
+    (a batch-1 decode step; fixed per captured graph) take ``gemv``, which reads a 16-bit weight
+    closer to the memory's rate than cuBLAS does there; everything else ``F.linear``."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if not gemv_serves(flat, weight):
+        return F.linear(hidden, weight, bias)
+    output = gemv(flat, weight)
+    if bias is not None:
+        output = output + bias
+    return output.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
 def linear_product(module: nn.Linear, hidden: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """``hidden @ weight.T (+ bias)`` of ``module``, computed by its ``weight_method`` when its
     weight is quantized (``weight_method.apply(module, hidden, bias)``)."""
     bias = module.bias if with_bias else None
     method = getattr(module, "weight_method", None)
     if method is None:
-        return F.linear(hidden, module.weight, bias)
+        return dense_product(hidden, module.weight, bias)
     return method.apply(module, hidden, bias)
 
 

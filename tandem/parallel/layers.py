@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import Linear, linear_product, mark_sharded
+from tandem.layers.linear import Linear, dense_product, linear_product, mark_sharded
 from tandem.parallel.shard import SINGLE, TensorShard
 
 
@@ -97,7 +97,7 @@ class ParallelLMHead(nn.Module):
         mark_sharded(self.weight, 0, shard, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = dense_product(hidden, self.weight)
         if not self.shard.is_parallel:
             return logits
         return self.shard.all_gather(logits)[..., :self.vocab_size]

@@ -209,6 +209,8 @@ def test_memory_freed_by_fp8_weights_goes_to_the_state_pool(tmp_path, monkeypatc
     from tandem.kv.planner import bytes_per_page
     from tandem.tools.make_model import make_model
 
+    gc.collect()
+    torch.cuda.empty_cache()  # what earlier tests in this process left cached is not the engines' slack
     model_dir = str(make_model("llama", tmp_path / "llama", seed=1, weights=False, hidden_size=2048, num_layers=8,
                                num_heads=16, num_kv_heads=8, intermediate_size=8192, vocab_size=1024))
     at_planning = {}

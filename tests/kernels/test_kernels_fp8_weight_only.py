@@ -32,11 +32,11 @@ def quantized_weight(rows, features, group, seed, device="cpu"):
     (1, 40, 72, 16, WeightOnlyConfig(block_n=16, block_k=32, split=1)),  # partial strip, partial K step
     (5, 24, 100, None, WeightOnlyConfig(block_n=16, block_k=32, split=2)),  # per-row scales, split-K
     (16, 33, 96, 32, WeightOnlyConfig(block_n=32, block_k=64, split=3)),  # two groups a step, 3-way split
-    # One and two tokens: the CUDA-core kernel.
+    # One and two tokens with tiles given: the tensor-core tile (without, ``gemv.py``'s kernels).
     (1, 40, 100, None, WeightOnlyConfig(block_n=16, block_k=32, split=1)),  # per-row, partial strip and step
     (2, 24, 96, 16, WeightOnlyConfig(block_n=16, block_k=64, split=2)),  # four groups a step, split-K
     (2, 33, 72, 32, WeightOnlyConfig(block_n=16, block_k=32, split=1)),  # a partial group at the end
-    (1, 17, 200, 32, None),  # the tiles the dispatch picks
+    (1, 17, 200, 32, None),  # the kernel and tiles the dispatch picks (gemv.py's)
 ])
 def test_weight_only_product_equals_reference(tokens, rows, features, group, config):
     weight, scale = quantized_weight(rows, features, group, seed=tokens)
@@ -146,23 +146,3 @@ def test_weight_only_kernel_streams_the_weight_with_pipelined_16_byte_copies_on_
         assert ptx.count("cp.async.commit_group") >= 4  # several steps in flight
         assert "ld.global.b8" not in ptx and "mma.sync" in ptx
     assert "cp.async" not in unaligned and "ld.global.b8" in unaligned
-
-
-def test_gemv_kernel_streams_the_weight_in_16_byte_loads_on_h100():
-    """The CUDA-core kernel (one or two tokens) reads the weight in 16-byte vector loads, never
-    byte by byte (checked without a GPU, ``tests/support/triton_aot.py``)."""
-    pytest.importorskip("triton")
-    from tandem.kernels.fp8_weight_only import WHOLE_ROW
-    from tests.support.triton_aot import compile_request, ptx_for_h100
-
-    signature = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16", "N": "i32", "K": "i32",
-                 "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "scale_columns": "i32",
-                 "K_PER_SPLIT": "i32"}
-    requests = [compile_request("tandem.kernels.fp8_weight_only", "_weight_only_gemv", signature,
-                                {"GROUP": group, "TOKENS": tokens, "BLOCK_N": 16, "BLOCK_K": 512,
-                                 "SUB_K": min(group, 512), "ATOMIC": False}, warps=8, stages=4, unaligned=())
-                for group, tokens in ((WHOLE_ROW, 1), (128, 2))]
-    for ptx in ptx_for_h100(requests):
-        weight_loads = [line for line in ptx.splitlines() if "ld.global" in line or "cp.async.cg" in line]
-        assert any(".v4" in line or ", 0x10" in line for line in weight_loads), weight_loads[:5]
-        assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx

@@ -1,0 +1,176 @@
+"""The one- and two-token product (``tandem/kernels/gemv.py``) against its PyTorch reference:
+interpreted on CPU with tiny, odd shapes (16-bit and FP8 weights, per-row and block scales,
+partial strips and steps, split-K); its tiles; its PTX for an H100 (16-byte weight loads, no
+reduction inside the K loop); on a GPU (``-m gpu``) at Llama-3.1-8B shapes, eager and replayed
+from a CUDA graph, and the 16-bit linear layer taking it at one and two tokens only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config, gemv_reference
+from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
+from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def weights(rows, features, group, seed, device="cpu"):
+    """A float32 weight (``group`` "none") or an FP8 one with per-row (None) or block scales."""
+    weight = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if group == "none":
+        return weight.to(device), None
+    if group is None:
+        quantized, scale = quantize_rows(weight)
+    else:
+        quantized, blocks = quantize_blocks(weight, (group, group))
+        scale = row_block_scales(blocks, (rows, features), (group, group))
+    return quantized.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("tokens, rows, features, group, config", [
+    (1, 40, 100, "none", GemvConfig(block_n=16, block_k=32)),  # unscaled, partial strip and step
+    (2, 24, 128, "none", GemvConfig(block_n=8, block_k=32, split=2)),  # two tokens, split-K, even
+    (1, 40, 100, None, GemvConfig(block_n=4, block_k=32)),  # per-row scales, partial strip and step
+    (2, 24, 96, 16, GemvConfig(block_n=8, block_k=64, split=2)),  # four groups a step, split-K
+    (2, 33, 72, 32, GemvConfig(block_n=2, block_k=32)),  # a partial group at the end
+    (1, 32, 128, 64, GemvConfig(block_n=16, block_k=32)),  # a step within one group, even
+    (1, 17, 200, 32, None),  # the tiles the dispatch picks
+    # Step sums: per-row and block scales, partial strip and step, split-K.
+    (2, 40, 100, None, GemvConfig(block_n=16, block_k=32, kernel=STEP_SUMS)),
+    (1, 24, 96, 16, GemvConfig(block_n=16, block_k=64, split=2, kernel=STEP_SUMS)),
+    (2, 24, 100, "none", GemvConfig(block_n=8, block_k=32, kernel=STEP_SUMS)),
+])
+def test_gemv_equals_reference(tokens, rows, features, group, config):
+    weight, scale = weights(rows, features, group, seed=tokens)
+    block = None if group == "none" else group
+    hidden = torch.randn(tokens, features, generator=torch.Generator().manual_seed(7))
+    expected = gemv_reference(hidden, weight, scale, block)
+    actual = gemv(hidden, weight, scale, block, config)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    if scale is not None:  # the scales count: the same weight read unscaled is another product
+        assert not torch.allclose(expected, gemv_reference(hidden, weight, torch.ones_like(scale), block))
+    with pytest.raises(ValueError, match="at most 2 tokens"):
+        gemv(torch.zeros(3, features), weight, scale, block)
+
+
+def test_gemv_tiles_fill_an_h100():
+    """At least one program per SM (132), or K split as far as four steps per program allow, for
+    every Llama-3.1-8B projection, whole and split two and eight ways by tensor parallelism (no
+    split on the whole model's); 16-bit weights: the elementwise kernel over 2 KiB of a row a
+    step; FP8: the step sums on the short rows of per-row-scaled weights and on the many rows of
+    gate/up; each thread's share of a step 4 bytes or more."""
+    for parallel in (1, 2, 8):
+        for rows, features in [(6144 // parallel, 4096), (4096, 4096 // parallel), (28672 // parallel, 4096),
+                               (4096, 14336 // parallel), (128256 // parallel, 4096)]:
+            for element_size, block_scaled in ((2, False), (1, False), (1, True)):
+                config = gemv_config(rows, features, element_size, 132, block_scaled)
+                programs = -(-rows // config.block_n) * config.split
+                steps = -(-features // config.block_k)
+                assert programs >= 132 or steps // (2 * config.split) < 4, (rows, features, config)
+                assert config.split == 1 or steps // config.split >= 4, (rows, features, config)
+                assert parallel > 1 or config.split == 1
+                step_sums = element_size == 1 and (rows >= 16384 if block_scaled else features < 8192)
+                assert (config.kernel == STEP_SUMS) == step_sums, (rows, features, element_size, config)
+                assert config.block_n * config.block_k * element_size >= 4 * 32 * config.warps
+                if element_size == 2:
+                    assert config.block_k * element_size == min(2048, 2 * features) and config.block_n == 2
+
+
+def gemv_request(weight_type: str, group: int, tokens: int, block_k: int, even=None) -> dict:
+    """The elementwise kernel (``even`` True or False) or the step sums (``even`` None)."""
+    from tests.support.triton_aot import compile_request
+
+    signature = {"x": "*bf16", "w": weight_type, "w_scale": "*fp32", "out": "*bf16", "N": "i32", "K": "i32",
+                 "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "scale_columns": "i32",
+                 "K_PER_SPLIT": "i32"}
+    constexprs = {"GROUP": group, "TOKENS": tokens, "SCALED": weight_type != "*bf16", "BLOCK_N": 16 if even is None else 2,
+                  "BLOCK_K": block_k, "SUB_K": min(group, block_k), "ATOMIC": False}
+    kernel = "_gemv_step_sums_kernel" if even is None else "_gemv_kernel"
+    if even is not None:
+        constexprs["EVEN"] = even
+    return compile_request("tandem.kernels.gemv", kernel, signature, constexprs, warps=4, stages=1, unaligned=())
+
+
+def test_gemv_kernel_streams_the_weight_in_16_byte_loads_on_h100():
+    """What the bandwidth rests on, checked without a GPU (``tests/support/triton_aot.py``): the
+    weight arrives in 16-byte vector loads, never byte by byte, for 16-bit weights and FP8 ones
+    with per-row or block scales, masked or not, in both kernels; and the elementwise kernel's
+    loop moves nothing between threads (no barrier; the warp shuffles of the sum across K come
+    once, after it)."""
+    pytest.importorskip("triton")
+    from tandem.kernels.gemv import WHOLE_ROW
+    from tests.support.triton_aot import ptx_for_h100
+
+    requests = [gemv_request("*bf16", WHOLE_ROW, 1, 512, True), gemv_request("*fp8e4nv", WHOLE_ROW, 2, 1024, True),
+                gemv_request("*fp8e4nv", 128, 1, 1024, True), gemv_request("*fp8e4nv", 128, 2, 1024, False),
+                gemv_request("*fp8e4nv", WHOLE_ROW, 1, 512), gemv_request("*fp8e4nv", 128, 2, 512)]
+    *elementwise, step_sums_row, step_sums_block = ptx_for_h100(requests)
+    for ptx in (step_sums_row, step_sums_block):  # 16-row strips of 512 inputs: 64 bytes a thread
+        assert "ld.global.v4" in ptx and "ld.global.b8" not in ptx and "ld.global.u8" not in ptx
+    for ptx in elementwise:
+        loads = [line for line in ptx.splitlines() if "ld.global" in line]
+        assert any("ld.global.v4" in line for line in loads), loads[:5]
+        assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx
+        loop = k_loop(ptx)
+        assert "ld.global.v4" in loop and "fma.rn.f32" in loop
+        assert "bar.sync" not in loop and "shfl.sync" not in loop
+        assert "shfl.sync" in ptx  # the sum across K, after the loop
+
+
+def k_loop(ptx: str) -> str:
+    """The PTX of the kernel's one loop: from its header's label to the branch back to it."""
+    lines = ptx.splitlines()
+    comment = next(index for index, line in enumerate(lines) if "Inner Loop Header" in line)
+    header = max(index for index in range(comment + 1) if lines[index].startswith("$L__BB"))
+    label = lines[header].split(":")[0]
+    back = max(index for index, line in enumerate(lines) if "bra" in line and line.rstrip(";").endswith(label))
+    return "\n".join(lines[header:back + 1])
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, features", [(6144, 4096), (4096, 14336), (4096, 2048), (1000, 4096)])
+@pytest.mark.parametrize("group", ["none", None, 128])
+def test_gpu_gemv_equals_reference_eager_and_in_a_graph(rows, features, group):
+    weight, scale = weights(rows, features, group, seed=rows, device="cuda")
+    if group == "none":
+        weight = weight.to(torch.bfloat16)
+    block = None if group == "none" else group
+    for tokens in (1, 2):
+        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+        expected = gemv_reference(hidden.float(), weight, scale, block)
+        torch.testing.assert_close(gemv(hidden, weight, scale, block).float(), expected, rtol=1e-2,
+                                   atol=1e-2 * float(expected.abs().max()))
+        graph = torch.cuda.CUDAGraph()
+        gemv(hidden, weight, scale, block)
+        with torch.cuda.graph(graph):
+            output = gemv(hidden, weight, scale, block)
+        hidden.copy_(torch.randn_like(hidden))
+        graph.replay()
+        expected = gemv_reference(hidden.float(), weight, scale, block)
+        torch.testing.assert_close(output.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_16_bit_linear_takes_gemv_at_one_and_two_tokens_only():
+    """A 16-bit projection's product (``dense_product``) is ``gemv``'s at one and two tokens,
+    eager and replayed from a graph, and cuBLAS's above."""
+    from tandem.layers.linear import dense_product
+
+    weight = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
+    for tokens in (1, 2, 3):
+        hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+        expected = gemv(hidden, weight) if tokens <= 2 else torch.nn.functional.linear(hidden, weight)
+        assert torch.equal(dense_product(hidden, weight), expected)
+        assert torch.equal(dense_product(hidden[None], weight)[0], expected)
+        static = hidden.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = dense_product(static, weight)
+        graph.replay()
+        assert torch.equal(output, expected)
+        exact = gemv_reference(hidden.float(), weight.float())
+        torch.testing.assert_close(output.float(), exact, rtol=2e-2, atol=2e-2 * float(exact.abs().max()))
