@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.triton_support import dependent_launch, jit, tl, triton, wait_for_producer
 
 GEMV_MAX_TOKENS = 2  # the tokens one program multiplies (a float32 accumulator per token)
 # A scale group larger than any K: per-row scales (applied after the K loop).
@@ -117,7 +117,8 @@ def _sub_k(block_k: int, group: Optional[int]) -> int:
 @jit
 def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
                  GROUP: tl.constexpr, TOKENS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr, ATOMIC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr, ATOMIC: tl.constexpr,
+                 PDL: tl.constexpr):
     """``out[TOKENS, N] (+)= x @ W.T`` over this program's ``BLOCK_N`` rows and K range, float32
     throughout. ``SCALED``: ``W = w * w_scale`` (``GROUP`` inputs per scale column;
     ``WHOLE_ROW``: one per row). ``EVEN``: N a multiple of ``BLOCK_N`` and the K ranges whole
@@ -142,6 +143,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
         w_next = tl.load(w_pointers)
     else:
         w_next = tl.load(w_pointers, mask=column_mask & (inputs < K), other=0.0)
+    wait_for_producer(PDL)  # the weight's first tile is on its way; the activations are the producer's
     first = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
     second = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
     for step in range(0, K_PER_SPLIT, BLOCK_K):
@@ -173,7 +175,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
 @jit
 def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
                            GROUP: tl.constexpr, TOKENS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ATOMIC: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
     """``_gemv_kernel``'s product with each ``SUB_K``-wide sub-tile's products summed per row
     inside the step (and scaled there by block scales), the activations read once per step."""
     PARTS: tl.constexpr = BLOCK_K // SUB_K
@@ -181,6 +183,7 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_mask = columns < N
     k_begin = tl.program_id(1) * K_PER_SPLIT
+    wait_for_producer(PDL)
     first = tl.zeros((BLOCK_N,), dtype=tl.float32)
     second = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for step in range(0, K_PER_SPLIT, BLOCK_K):
@@ -255,9 +258,11 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     scaled = weight_scale is not None
     scale_arguments = (weight_scale, weight_scale.shape[1]) if scaled else (weight, 0)
     grid = (triton.cdiv(rows, config.block_n), config.split)
+    # Launched early where the GPU allows (after split-K's zeroing, which does not signal).
+    pdl = dependent_launch(hidden) and not atomic
     common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, SCALED=scaled, BLOCK_N=config.block_n,
-                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, num_warps=config.warps,
-                  num_stages=config.stages)
+                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, PDL=pdl, num_warps=config.warps,
+                  num_stages=config.stages, **({"launch_pdl": True} if pdl else {}))
     if config.kernel == STEP_SUMS:
         kernel, specific = _gemv_step_sums_kernel, {}
     else:

@@ -24,7 +24,7 @@ import torch
 
 from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
                                            quantize_reference, store_quantized_tile, tile_block)
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.triton_support import dependent_launch, jit, launch_dependents, tl, triton
 
 # Elements one program normalises at most (several short rows share a program).
 ELEMENTS_PER_PROGRAM = 4096
@@ -37,11 +37,13 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      x_token_stride, x_head_stride, residual_token_stride, residual_head_stride,
                      scale_token_stride, scale_group_stride, eps, weight_offset,
                      HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr,
+                     PDL: tl.constexpr):
     """Normalises ``ROWS`` rows (row = token * num_heads + head) of ``dim`` elements each;
     ``out`` and ``new_residual`` are dense ``[num_rows, dim]``. ``QUANTIZE``: ``out`` is FP8,
     the output in groups of ``GROUP`` columns, and ``scales`` gets one scale per row and group
-    (``num_heads == 1``)."""
+    (``num_heads == 1``). ``PDL``: a product launched after it may start now (``gemv.py``)."""
+    launch_dependents(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     columns = tl.arange(0, BLOCK)
     column_mask = columns < dim
@@ -133,7 +135,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: Union[tor
         scales.stride(0), scales.stride(-1), eps, weight_offset,
         HAS_RESIDUAL=residual_pair is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
         ROWS=rows_per_program, BLOCK=block, QUANTIZE=quantized,
-        GROUP=out.layout.group_size(block) if quantized else block, num_warps=num_warps)
+        GROUP=out.layout.group_size(block) if quantized else block, PDL=dependent_launch(rows), num_warps=num_warps)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

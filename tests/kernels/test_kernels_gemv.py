@@ -86,7 +86,7 @@ def gemv_request(weight_type: str, group: int, tokens: int, block_k: int, even=N
                  "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "scale_columns": "i32",
                  "K_PER_SPLIT": "i32"}
     constexprs = {"GROUP": group, "TOKENS": tokens, "SCALED": weight_type != "*bf16", "BLOCK_N": 16 if even is None else 2,
-                  "BLOCK_K": block_k, "SUB_K": min(group, block_k), "ATOMIC": False}
+                  "BLOCK_K": block_k, "SUB_K": min(group, block_k), "ATOMIC": False, "PDL": True}
     kernel = "_gemv_step_sums_kernel" if even is None else "_gemv_kernel"
     if even is not None:
         constexprs["EVEN"] = even
@@ -96,9 +96,9 @@ def gemv_request(weight_type: str, group: int, tokens: int, block_k: int, even=N
 def test_gemv_kernel_streams_the_weight_in_16_byte_loads_on_h100():
     """What the bandwidth rests on, checked without a GPU (``tests/support/triton_aot.py``): the
     weight arrives in 16-byte vector loads, never byte by byte, for 16-bit weights and FP8 ones
-    with per-row or block scales, masked or not, in both kernels; and the elementwise kernel's
-    loop moves nothing between threads (no barrier; the warp shuffles of the sum across K come
-    once, after it)."""
+    with per-row or block scales, masked or not, in both kernels; the elementwise kernel's loop
+    moves nothing between threads (no barrier; the warp shuffles of the sum across K come once,
+    after it), and its first weight tile is requested before it waits for its producer."""
     pytest.importorskip("triton")
     from tandem.kernels.gemv import WHOLE_ROW
     from tests.support.triton_aot import ptx_for_h100
@@ -115,6 +115,11 @@ def test_gemv_kernel_streams_the_weight_in_16_byte_loads_on_h100():
         assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx
         loop = k_loop(ptx)
         assert "ld.global.v4" in loop and "fma.rn.f32" in loop
+        # Launched early (programmatic dependent launch): the first weight tile is requested
+        # before the wait for the kernel that writes the activations, which are read after it.
+        before_loop = ptx[:ptx.index(loop)]
+        wait = before_loop.index("griddepcontrol.wait")
+        assert "ld.global.v4" in before_loop[:wait] and "griddepcontrol.wait" not in loop
         assert "bar.sync" not in loop and "shfl.sync" not in loop
         assert "shfl.sync" in ptx  # the sum across K, after the loop
 
@@ -174,3 +179,38 @@ def test_gpu_16_bit_linear_takes_gemv_at_one_and_two_tokens_only():
         assert torch.equal(output, expected)
         exact = gemv_reference(hidden.float(), weight.float())
         torch.testing.assert_close(output.float(), exact, rtol=2e-2, atol=2e-2 * float(exact.abs().max()))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_products_launched_early_read_what_their_producers_wrote():
+    """A norm, then a 16-bit product launched before the norm finishes (programmatic dependent
+    launch on Hopper), then SiLU·mul and an FP8 product the same way, replayed from a graph with
+    new inputs each time: every product reads its producer's output of this replay, as the
+    same chain does with early launch switched off."""
+    from tandem.kernels.activation import silu_and_mul
+    from tandem.kernels.norm import rms_norm
+
+    hidden = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    up_weight = (torch.randn(28672, 4096, device="cuda") / 64).to(torch.bfloat16)
+    down_weight, down_scale = weights(4096, 14336, None, seed=3, device="cuda")
+
+    def chain(source):
+        gate_up = gemv(rms_norm(source, norm_weight, 1e-6), up_weight)
+        return gemv(silu_and_mul(gate_up), down_weight, down_scale, None)
+
+    def reference(source):
+        normed = rms_norm(source, norm_weight, 1e-6)
+        gate_up = gemv_reference(normed.float(), up_weight.float()).to(torch.bfloat16)
+        return gemv_reference(silu_and_mul(gate_up).float(), down_weight, down_scale)
+
+    chain(hidden)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = chain(hidden)
+    for seed in range(5):
+        hidden.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(hidden))
+        graph.replay()
+        expected = reference(hidden)
+        torch.testing.assert_close(output.float(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
