@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.gemv import GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocessors  # noqa: F401 (re-exported)
+from tandem.kernels.gemv import (GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
+                                 split_output, sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
@@ -73,11 +74,6 @@ def weight_only_config(rows: int, features: int, group: Optional[int], multiproc
     while triton.cdiv(rows, block_n) * split * 4 // 3 < wanted and steps // (2 * split) >= 2:
         split *= 2
     return WeightOnlyConfig(block_n=block_n, block_k=block_k, split=split)
-
-
-def _sub_k(block_k: int, group: Optional[int]) -> int:
-    """Inputs per sub-tile: within one weight scale column (per-row scales: the whole step)."""
-    return block_k if group is None else min(group, block_k)
 
 
 @jit
@@ -161,11 +157,9 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     if config is None:
         count = multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
         config = weight_only_config(rows, features, group, count)
-    sub_k = _sub_k(config.block_k, group)
-    k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
+    sub_k = sub_tile_inputs(config.block_k, group)
+    k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
     atomic = config.split > 1
-    output = (torch.zeros(tokens, rows, dtype=torch.float32, device=hidden.device) if atomic else
-              torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device))
     if tokens == 0:
         return output.to(hidden.dtype)
     grid = (triton.cdiv(rows, config.block_n), config.split)

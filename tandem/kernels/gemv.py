@@ -109,9 +109,20 @@ def gemv_config(rows: int, features: int, element_size: int, multiprocessors: in
     return dataclasses.replace(config, block_k=block_k, split=split)
 
 
-def _sub_k(block_k: int, group: Optional[int]) -> int:
+def sub_tile_inputs(block_k: int, group: Optional[int]) -> int:
     """Inputs per sub-tile: within one weight scale column (per-row scales: the whole step)."""
     return block_k if group is None else min(group, block_k)
+
+
+def split_output(hidden: torch.Tensor, rows: int, split: int, block_k: int) -> tuple[int, torch.Tensor]:
+    """For ``hidden [M, K]`` times ``rows`` weight rows with K split ``split`` ways: the inputs per
+    split program (whole ``block_k`` steps) and the output, float32 zeros the programs add their
+    partials into where ``split`` > 1 (cast afterwards), else uninitialised in ``hidden``'s dtype."""
+    tokens, features = hidden.shape
+    k_per_split = triton.cdiv(triton.cdiv(features, split), block_k) * block_k
+    if split > 1:
+        return k_per_split, torch.zeros(tokens, rows, dtype=torch.float32, device=hidden.device)
+    return k_per_split, torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device)
 
 
 @jit
@@ -248,11 +259,9 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
         count = multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
         config = gemv_config(rows, features, weight.element_size(), count,
                              block_scaled=weight_scale is not None and group is not None)
-    sub_k = _sub_k(config.block_k, group)
-    k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
+    sub_k = sub_tile_inputs(config.block_k, group)
+    k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
     atomic = config.split > 1
-    output = (torch.zeros(tokens, rows, dtype=torch.float32, device=hidden.device) if atomic else
-              torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device))
     if tokens == 0:
         return output.to(hidden.dtype)
     scaled = weight_scale is not None

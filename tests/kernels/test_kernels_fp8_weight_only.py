@@ -10,22 +10,11 @@ import torch
 
 from tandem.kernels.fp8_weight_only import (GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
                                             weight_only_matmul_reference)
-from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import quantized_weight
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-
-
-def quantized_weight(rows, features, group, seed, device="cpu"):
-    """An FP8 weight and its row-block scales (``group=None``: one scale per row)."""
-    weight = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if group is None:
-        quantized, scale = quantize_rows(weight)
-    else:
-        quantized, blocks = quantize_blocks(weight, (group, group))
-        scale = row_block_scales(blocks, (rows, features), (group, group))
-    return quantized.to(device), scale.to(device)
 
 
 @pytest.mark.parametrize("tokens, rows, features, group, config", [

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config, gemv_reference
-from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
+from tests.support.kernels import quantized_weight
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -18,15 +18,10 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 def weights(rows, features, group, seed, device="cpu"):
     """A float32 weight (``group`` "none") or an FP8 one with per-row (None) or block scales."""
-    weight = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed)) * 0.05
     if group == "none":
+        weight = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed)) * 0.05
         return weight.to(device), None
-    if group is None:
-        quantized, scale = quantize_rows(weight)
-    else:
-        quantized, blocks = quantize_blocks(weight, (group, group))
-        scale = row_block_scales(blocks, (rows, features), (group, group))
-    return quantized.to(device), scale.to(device)
+    return quantized_weight(rows, features, group, seed, device)
 
 
 @pytest.mark.parametrize("tokens, rows, features, group, config", [

@@ -42,3 +42,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     dtype = dtype or expected.dtype
     tolerance = tolerance or (FP32_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
     torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
+
+
+def quantized_weight(rows: int, features: int, group, seed: int, device: str = "cpu"):
+    """A random FP8 weight ``[rows, features]`` and its row-block scales (``group=None``: one
+    scale per row; else ``group x group`` blocks, partial at the edges)."""
+    from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
+
+    weight = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if group is None:
+        quantized, scale = quantize_rows(weight)
+    else:
+        quantized, blocks = quantize_blocks(weight, (group, group))
+        scale = row_block_scales(blocks, (rows, features), (group, group))
+    return quantized.to(device), scale.to(device)
