@@ -199,12 +199,16 @@ class StepTimeline:
             Path(self.trace_dir).mkdir(parents=True, exist_ok=True)
             phase = "prefill" if self._profiler_phase else "decode"
             self._profiler.export_chrome_trace(str(Path(self.trace_dir) / f"{phase}.json"))
-        kernels: dict[str, float] = {}
+        kernels: dict[str, tuple[float, int]] = {}  # name: (milliseconds, launches)
         for event in self._profiler.events():
             if torch.cuda.is_available() and event.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 1e3
+                milliseconds = event.device_time / 1e3
             elif not torch.cuda.is_available():
-                kernels[event.name] = kernels.get(event.name, 0.0) + event.self_cpu_time_total / 1e3
+                milliseconds = event.self_cpu_time_total / 1e3
+            else:
+                continue
+            total, launches = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (total + milliseconds, launches + 1)
         host = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
         self.profiles[self._profiler_phase] = (self._profiled, seconds, kernels, host)
         self._profiler = None
@@ -217,12 +221,13 @@ class StepTimeline:
             print(f"{name:<30}{len(rows):>8}{seconds:>10.2f}{1e3 * seconds / max(len(rows), 1):>10.2f}"
                   f"{sum(step[2] for step in rows):>13}")
         for phase, (count, seconds, kernels, host) in self.profiles.items():
-            busy = sum(kernels.values())
+            busy = sum(milliseconds for milliseconds, _ in kernels.values())
+            launches = sum(launched for _, launched in kernels.values())
             print(f"profiled {'prefill-phase' if phase else 'decode-only'} steps: {count}, wall "
                   f"{1e3 * seconds / count:.2f} ms/step, GPU kernels {busy / count:.2f} ms/step "
-                  f"(busy {busy / 1e3 / seconds:.2f})")
-            for name, milliseconds in sorted(kernels.items(), key=lambda item: -item[1])[:10]:
-                print(f"   {milliseconds / count:>8.3f} ms/step  {name[:100]}")
+                  f"(busy {busy / 1e3 / seconds:.2f}), {launches / count:.0f} launches/step")
+            for name, (milliseconds, launched) in sorted(kernels.items(), key=lambda item: -item[1][0])[:20]:
+                print(f"   {milliseconds / count:>8.3f} ms/step {launched / count:>6.0f} x  {name[:100]}")
             print(f"host operators (all {count} steps):\n{host}")
         if torch.cuda.is_available():
             variants = compiled_kernel_variants()

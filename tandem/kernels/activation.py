@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
                                            quantize_reference, store_quantized_tile, tile_block)
-from tandem.kernels.triton_support import dependent_launch, jit, launch_dependents, tl, triton
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 SILU, GELU_TANH, GELU = 0, 1, 2
 BLOCK = 1024
@@ -41,9 +42,10 @@ def _activate(gate, gelu_tanh_scale, ACTIVATION: tl.constexpr):
 @jit
 def _gated_activation_kernel(x_ptr, out_ptr, intermediate_size, x_row_stride, gelu_tanh_scale,
                              ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program ``(row, block)`` writes ``BLOCK`` columns of dense ``out [rows, I]``. ``PDL``: a
-    product launched after it may start now (``gemv.py``)."""
+    """Program ``(row, block)`` writes ``BLOCK`` columns of dense ``out [rows, I]``. ``PDL``:
+    launched early (``triton_support``)."""
     launch_dependents(PDL)
+    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = columns < intermediate_size
@@ -90,9 +92,10 @@ def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(intermediate_size))
     grid = (rows.shape[0], triton.cdiv(intermediate_size, block))
+    pdl = dependent_launch(rows, rows.shape[0])
     _gated_activation_kernel[grid](rows, out, intermediate_size, rows.stride(0), math.sqrt(2.0 / math.pi),
-                                   ACTIVATION=activation, BLOCK=block, PDL=dependent_launch(rows),
-                                   num_warps=4 if block >= 512 else 1)
+                                   ACTIVATION=activation, BLOCK=block, PDL=pdl,
+                                   num_warps=4 if block >= 512 else 1, **launch_options(pdl))
     return out
 
 

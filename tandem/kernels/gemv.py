@@ -40,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.triton_support import dependent_launch, jit, tl, triton, wait_for_producer
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 GEMV_MAX_TOKENS = 2  # the tokens one program multiplies (a float32 accumulator per token)
 # A scale group larger than any K: per-row scales (applied after the K loop).
@@ -144,6 +145,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
     would be moved between layouts through shared memory, with two barriers, every step."""
     PARTS: tl.constexpr = BLOCK_K // SUB_K
     PER_ROW: tl.constexpr = GROUP >= (1 << 30)
+    launch_dependents(PDL)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_mask = columns[:, None, None] < N
     inputs = (tl.program_id(1) * K_PER_SPLIT + tl.arange(0, PARTS)[None, :, None] * SUB_K
@@ -194,6 +196,7 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_mask = columns < N
     k_begin = tl.program_id(1) * K_PER_SPLIT
+    launch_dependents(PDL)
     wait_for_producer(PDL)
     first = tl.zeros((BLOCK_N,), dtype=tl.float32)
     second = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -268,10 +271,10 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     scale_arguments = (weight_scale, weight_scale.shape[1]) if scaled else (weight, 0)
     grid = (triton.cdiv(rows, config.block_n), config.split)
     # Launched early where the GPU allows (after split-K's zeroing, which does not signal).
-    pdl = dependent_launch(hidden) and not atomic
+    pdl = dependent_launch(hidden, tokens) and not atomic
     common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, SCALED=scaled, BLOCK_N=config.block_n,
                   BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, PDL=pdl, num_warps=config.warps,
-                  num_stages=config.stages, **({"launch_pdl": True} if pdl else {}))
+                  num_stages=config.stages, **launch_options(pdl))
     if config.kernel == STEP_SUMS:
         kernel, specific = _gemv_step_sums_kernel, {}
     else:

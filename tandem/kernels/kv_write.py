@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 # Elements of one program's tile of heads at most.
 ELEMENTS_PER_PROGRAM = 4096
@@ -80,8 +81,11 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
                      key_page_stride, key_offset_stride, key_cache_head_stride,
                      value_page_stride, value_offset_stride, value_cache_head_stride, limit,
                      HEADS: tl.constexpr, BLOCK: tl.constexpr, SATURATE: tl.constexpr,
-                     ROUND_IN_SOFTWARE: tl.constexpr):
-    """Program ``(token, block)`` writes heads ``block * HEADS ..`` of one token's key and value."""
+                     ROUND_IN_SOFTWARE: tl.constexpr, PDL: tl.constexpr):
+    """Program ``(token, block)`` writes heads ``block * HEADS ..`` of one token's key and value.
+    ``PDL``: launched early (``triton_support``)."""
+    launch_dependents(PDL)
+    wait_for_producer(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     valid = slot >= 0
@@ -129,14 +133,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     block = triton.next_power_of_2(head_dim)
     heads = min(triton.next_power_of_2(num_heads), max(1, ELEMENTS_PER_PROGRAM // block))
     limit = saturation_limit(key_cache.dtype)
+    pdl = dependent_launch(key, num_tokens)
     _write_kv_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         key, value, key_cache, value_cache, slot_mapping, num_heads, head_dim, key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), limit or 0.0,
         HEADS=heads, BLOCK=block, SATURATE=limit is not None,
-        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda",
-        num_warps=4 if heads * block >= 1024 else 1)
+        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda", PDL=pdl,
+        num_warps=4 if heads * block >= 1024 else 1, **launch_options(pdl))
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -24,7 +24,8 @@ import torch
 
 from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
                                            quantize_reference, store_quantized_tile, tile_block)
-from tandem.kernels.triton_support import dependent_launch, jit, launch_dependents, tl, triton
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 # Elements one program normalises at most (several short rows share a program).
 ELEMENTS_PER_PROGRAM = 4096
@@ -42,7 +43,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     """Normalises ``ROWS`` rows (row = token * num_heads + head) of ``dim`` elements each;
     ``out`` and ``new_residual`` are dense ``[num_rows, dim]``. ``QUANTIZE``: ``out`` is FP8,
     the output in groups of ``GROUP`` columns, and ``scales`` gets one scale per row and group
-    (``num_heads == 1``). ``PDL``: a product launched after it may start now (``gemv.py``)."""
+    (``num_heads == 1``). ``PDL``: launched early (``triton_support``): the weight is requested
+    before the wait for the kernel that wrote ``x``, and the next kernel may start at once."""
     launch_dependents(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     columns = tl.arange(0, BLOCK)
@@ -51,6 +53,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     token = (rows // num_heads).to(tl.int64)
     head = rows % num_heads
     dense = rows.to(tl.int64)[:, None] * dim + columns[None, :]
+    scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
+    wait_for_producer(PDL)
     x_offsets = (token * x_token_stride + head * x_head_stride)[:, None] + columns[None, :]
     x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -61,7 +65,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     hidden = x.to(tl.float32)
     variance = tl.sum(hidden * hidden, axis=1) / dim
     hidden = hidden * tl.math.rsqrt(variance + eps)[:, None]
-    scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
     if CAST_BEFORE_WEIGHT:
         hidden = hidden.to(x_ptr.dtype.element_ty).to(tl.float32)
     out = (hidden * scale[None, :]).to(x_ptr.dtype.element_ty)
@@ -128,6 +131,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: Union[tor
     out_values = out.values if quantized else out
     scales = out.scales if quantized else out_values
     residual_rows, new_residual = residual_pair if residual_pair is not None else (rows, out_values)
+    pdl = dependent_launch(rows, num_tokens)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         rows, residual_rows, weight, out_values, new_residual, scales,
         num_rows, num_heads, dim,
@@ -135,7 +139,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: Union[tor
         scales.stride(0), scales.stride(-1), eps, weight_offset,
         HAS_RESIDUAL=residual_pair is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
         ROWS=rows_per_program, BLOCK=block, QUANTIZE=quantized,
-        GROUP=out.layout.group_size(block) if quantized else block, PDL=dependent_launch(rows), num_warps=num_warps)
+        GROUP=out.layout.group_size(block) if quantized else block, PDL=pdl, num_warps=num_warps, **launch_options(pdl))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

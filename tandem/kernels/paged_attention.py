@@ -45,7 +45,8 @@ import torch
 
 from tandem.kernels.attention_device import (  # noqa: F401  (device functions the kernels call)
     MINIMUM_DOT_SIZE, _attention_operand, _fp16_range, _load_keys_values, _scores_log2, _store_split_output)
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 MAXIMUM_DECODE_SPLITS = 64
 
@@ -71,12 +72,14 @@ def _decode_split_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_FINAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
     """One (row, kv head, split): attention of the group's query heads over the split's keys.
 
     With ``WRITE_FINAL`` (one split) the normalised output goes straight to ``out``; otherwise
     the split's normalised output and log2-sum-exp go to the partial buffers (an empty split
-    writes zeros and -inf)."""
+    writes zeros and -inf). ``PDL``: launched early (``triton_support``)."""
+    launch_dependents(PDL)
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,9 +140,12 @@ def _decode_combine_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
         stride_partial_row, stride_partial_head, stride_partial_split,
         stride_out_row, stride_out_head, stride_out_dim,
-        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One (row, query head): the splits' outputs weighted by their share of the softmax sum.
-    When every split is empty (a padding row) the output is zeros."""
+    When every split is empty (a padding row) the output is zeros. ``PDL``: launched early
+    (``triton_support``)."""
+    launch_dependents(PDL)
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -369,6 +375,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_lse = torch.empty(batch, num_query_heads, num_splits, dtype=torch.float32,
                                   device=query.device)
         partial_strides = partial_lse.stride()
+    pdl = dependent_launch(query, batch)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, page_table, context_lengths, out, partial_out, partial_lse,
         scale, window or 0, softcap or 0.0, num_splits,
@@ -378,12 +385,12 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         BLOCK_H=max(MINIMUM_DOT_SIZE, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_FINAL=write_final,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
-        FP16_DOTS=_fp16_dots(query, key_cache), **config)
+        FP16_DOTS=_fp16_dots(query, key_cache), PDL=pdl, **config, **launch_options(pdl))
     if not write_final:
         _decode_combine_kernel[(batch, num_query_heads)](
             partial_out, partial_lse, out, num_splits, *partial_lse.stride(), *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
+            num_warps=4, **launch_options(pdl))
     return out
 
 

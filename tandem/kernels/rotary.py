@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+                                           wait_for_producer)
 
 # Elements of one program's tile of heads at most.
 ELEMENTS_PER_PROGRAM = 2048
@@ -52,9 +53,11 @@ def _rotate_heads(in_ptr, out_ptr, token, first_head, num_heads, token_stride, h
 def _rotary_kernel(query_ptr, key_ptr, query_out_ptr, key_out_ptr, positions_ptr, cos_ptr, sin_ptr,
                    num_query_heads, num_key_heads, head_dim, rotary_dim, table_stride,
                    query_token_stride, query_head_stride, key_token_stride, key_head_stride,
-                   HEADS: tl.constexpr, HALF_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+                   HEADS: tl.constexpr, HALF_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(token, block)``: blocks ``< cdiv(num_query_heads, HEADS)`` rotate query heads,
-    the rest key heads."""
+    the rest key heads. ``PDL``: launched early (``triton_support``)."""
+    launch_dependents(PDL)
+    wait_for_producer(PDL)
     token = tl.program_id(0)
     block = tl.program_id(1)
     dtype = query_ptr.dtype.element_ty
@@ -113,11 +116,12 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     heads = min(triton.next_power_of_2(max(num_query_heads, num_key_heads)),
                 max(1, ELEMENTS_PER_PROGRAM // (2 * half_block)))
     grid = (num_tokens, triton.cdiv(num_query_heads, heads) + triton.cdiv(num_key_heads, heads))
+    pdl = dependent_launch(query, num_tokens)
     _rotary_kernel[grid](query, key, query_out, key_out, positions, cos_table, sin_table,
                          num_query_heads, num_key_heads, head_dim, rotary_dim, cos_table.stride(0),
                          query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-                         HEADS=heads, HALF_BLOCK=half_block, TAIL_BLOCK=tail_block,
-                         num_warps=4 if heads * half_block >= 512 else 1)
+                         HEADS=heads, HALF_BLOCK=half_block, TAIL_BLOCK=tail_block, PDL=pdl,
+                         num_warps=4 if heads * half_block >= 512 else 1, **launch_options(pdl))
     return query_out, key_out
 
 

@@ -8,8 +8,11 @@ without Triton. Without Triton, ``jit`` leaves a kernel a plain function that no
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from typing import Optional
 
 import torch
 
@@ -38,10 +41,18 @@ def jit(function=None, **options):
 # Programmatic dependent launch (Hopper and later): a kernel launched with ``launch_pdl=True``
 # may start while the kernel before it on the stream is still running, once that one has called
 # ``launch_dependents`` in all its programs (or finished), and must call ``wait_for_producer``
-# before it reads anything the earlier kernel wrote: that wait returns once the earlier kernel
-# has completed and its writes are visible. A producer's call is a no-op when what follows was
-# launched without the flag. The weight-streaming products (``gemv.py``) use it to load their
-# first weight tiles while the norm or activation that makes their input is still running.
+# before it reads or writes anything another kernel of the step touches: that wait returns once
+# the earlier kernel has completed (and so, transitively, every kernel before it) and its writes
+# are visible. Before the wait a kernel may read only what no kernel writes (weights, tables).
+# A producer's call is a no-op when what follows was launched without the flag. A batch-1
+# decode step is a chain of ~12 small kernels a layer, all Triton: launched this way, each one's
+# launch and prologue (and a product's first weight tiles, ``gemv.py``) overlap the kernel before
+# it. Kernels launch this way only inside ``early_launch(True)`` (the capture of a decode graph of
+# at most ``DEPENDENT_LAUNCH_MAX_TOKENS`` tokens, ``tandem/worker/cuda_graphs.py``) and over at most
+# that many tokens, where every grid is small: a primary with many programs to place would
+# otherwise share its SMs with waiting ones.
+DEPENDENT_LAUNCH_MAX_TOKENS = 2
+_launch_mode = threading.local()
 if triton is not None:
     from triton.language.extra import cuda as _cuda_extra
 
@@ -60,13 +71,38 @@ def wait_for_producer(ENABLED: tl.constexpr):
         _cuda_extra.gdc_wait()
 
 
-def dependent_launch(tensor) -> bool:
-    """Whether kernels on ``tensor``'s device take part in programmatic dependent launch: a CUDA
-    device of compute capability 9 or later, Triton compiling (not interpreting), and
-    ``TANDEM_DISABLE_PDL`` unset (for A/B timing and as an escape hatch)."""
-    if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TANDEM_DISABLE_PDL"):
+@contextlib.contextmanager
+def early_launch(enabled: bool, device: Optional[torch.device] = None):
+    """Within: kernels of at most ``DEPENDENT_LAUNCH_MAX_TOKENS`` tokens launch early
+    (``dependent_launch``) where ``enabled``, the device (default: the current one) is of compute
+    capability 9 or later, Triton compiles (not interprets) and ``TANDEM_DISABLE_PDL`` is unset
+    (for A/B timing and as an escape hatch). Per thread; restored on exit."""
+    previous = getattr(_launch_mode, "early", False)
+    _launch_mode.early = enabled and early_launch_supported(device)
+    try:
+        yield
+    finally:
+        _launch_mode.early = previous
+
+
+def early_launch_supported(device: Optional[torch.device] = None) -> bool:
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TANDEM_DISABLE_PDL"):
         return False
-    return _capability(tensor.device.index or 0) >= 9
+    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= 9
+
+
+def dependent_launch(tensor, tokens: int) -> bool:
+    """Whether a kernel over ``tokens`` tokens of ``tensor`` launches early: inside
+    ``early_launch(True)``, on CUDA, at most ``DEPENDENT_LAUNCH_MAX_TOKENS`` tokens."""
+    return getattr(_launch_mode, "early", False) and tokens <= DEPENDENT_LAUNCH_MAX_TOKENS and tensor.is_cuda
+
+
+def launch_options(dependent: bool) -> dict:
+    """The launch keyword of a kernel launched early (``dependent``), else none."""
+    return {"launch_pdl": True} if dependent else {}
 
 
 @functools.lru_cache(maxsize=None)

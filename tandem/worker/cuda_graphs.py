@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from tandem.kernels.triton_support import DEPENDENT_LAUNCH_MAX_TOKENS, early_launch
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.worker.graph_choice import replayable, size_for
 from tandem.worker.host_staging import copy_to_device
@@ -142,11 +143,16 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every size, largest first so the smaller ones reuse its memory pool."""
         for batch_size in reversed(self.batch_sizes):
-            self._forward(batch_size)  # warm-up: kernel compilation and autotuning stay outside
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[batch_size] = self._forward(batch_size)
+            # A batch-1 or -2 step on one GPU is a chain of small kernels: each launched before
+            # the one before it finishes, where the GPU allows (``triton_support.early_launch``;
+            # not yet beside tensor parallelism's collectives).
+            early = batch_size <= DEPENDENT_LAUNCH_MAX_TOKENS and not self.runner.model.tensor_shard.is_parallel
+            with early_launch(early, self.runner.device):
+                self._forward(batch_size)  # warm-up: kernel compilation and autotuning stay outside
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[batch_size] = self._forward(batch_size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph

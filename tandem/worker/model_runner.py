@@ -10,6 +10,7 @@ shard (whose collectives the layers make).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -28,6 +29,8 @@ from tandem.worker.mixed_graphs import MixedStepGraphs, mixed_graphs_apply
 from tandem.layers.forward_context import ForwardContext
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
 
 # Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
 # without capturing, on every rank (the tensor-parallel workers inherit the environment).

@@ -77,3 +77,35 @@ def test_sampled_decoding_on_graphs_is_seeded(model_dirs):
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.engine.check_all_free()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_decode_launched_early_matches_oracle_and_the_plain_launch(arch, model_dirs, oracles, monkeypatch):
+    """Decode steps of one and two sequences launch each kernel before the one before it has
+    finished (programmatic dependent launch, Hopper; ``tandem/kernels/triton_support.py``):
+    replayed from CUDA graphs, float32 outputs match the oracle (norms, rotary, the K/V write and
+    attention launched early), and bfloat16 ones (the products too) equal those of an engine
+    launching plainly, token for token and logprob for logprob."""
+    import tests.support.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)
+    prompts = prompts_for_test()[1:3]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
+    options = dict(page_size=16, max_total_tokens=480, max_num_batched_tokens=128, max_num_seqs=8)
+    llm = LLM(model=model_dirs[arch], device="cuda", dtype="float32", indexer_cache_dtype="float32", **options)
+    outputs = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+    for output, prompt in zip(outputs, prompts[:1] + prompts):
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, 24), context=arch)
+    llm.engine.check_all_free()
+    del llm
+
+    def bfloat16_outputs():
+        engine = LLM(model=model_dirs[arch], device="cuda", dtype="bfloat16", **options)
+        results = engine.generate(prompts[:1], params) + engine.generate(prompts, params)
+        engine.engine.check_all_free()
+        return [(output.outputs[0].token_ids, [{token: entry.logprob for token, entry in position.items()}
+                                               for position in output.outputs[0].logprobs]) for output in results]
+
+    early = bfloat16_outputs()
+    monkeypatch.setenv("TANDEM_DISABLE_PDL", "1")
+    assert early == bfloat16_outputs()

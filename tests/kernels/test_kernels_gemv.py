@@ -73,6 +73,31 @@ def test_gemv_tiles_fill_an_h100():
                     assert config.block_k * element_size == min(2048, 2 * features) and config.block_n == 2
 
 
+def test_kernels_launch_early_only_inside_the_scope(monkeypatch):
+    """``dependent_launch`` holds inside ``early_launch(True)`` only, per nesting level, up to
+    ``DEPENDENT_LAUNCH_MAX_TOKENS`` tokens on CUDA; ``TANDEM_DISABLE_PDL`` and a CPU turn it off."""
+    from types import SimpleNamespace
+
+    import tandem.kernels.triton_support as support
+
+    on_cuda, on_cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert not support.early_launch_supported(torch.device("cpu"))
+    with monkeypatch.context() as patch:
+        patch.setattr(support, "early_launch_supported", lambda device=None: True)
+        assert not support.dependent_launch(on_cuda, 1)
+        with support.early_launch(True):
+            assert support.dependent_launch(on_cuda, support.DEPENDENT_LAUNCH_MAX_TOKENS)
+            assert not support.dependent_launch(on_cuda, support.DEPENDENT_LAUNCH_MAX_TOKENS + 1)
+            assert not support.dependent_launch(on_cpu, 1)
+            with support.early_launch(False):
+                assert not support.dependent_launch(on_cuda, 1)
+            assert support.dependent_launch(on_cuda, 1)
+        assert not support.dependent_launch(on_cuda, 1)
+    monkeypatch.setenv("TANDEM_DISABLE_PDL", "1")
+    with support.early_launch(True):
+        assert not support.dependent_launch(on_cuda, 1)
+
+
 def gemv_request(weight_type: str, group: int, tokens: int, block_k: int, even=None) -> dict:
     """The elementwise kernel (``even`` True or False) or the step sums (``even`` None)."""
     from tests.support.triton_aot import compile_request
@@ -180,11 +205,12 @@ def test_gpu_16_bit_linear_takes_gemv_at_one_and_two_tokens_only():
 @pytest.mark.gpu
 def test_gpu_products_launched_early_read_what_their_producers_wrote():
     """A norm, then a 16-bit product launched before the norm finishes (programmatic dependent
-    launch on Hopper), then SiLU·mul and an FP8 product the same way, replayed from a graph with
-    new inputs each time: every product reads its producer's output of this replay, as the
-    same chain does with early launch switched off."""
+    launch on Hopper, ``early_launch``), then SiLU·mul and an FP8 product the same way, replayed
+    from a graph with new inputs each time: every kernel reads its producer's output of this
+    replay."""
     from tandem.kernels.activation import silu_and_mul
     from tandem.kernels.norm import rms_norm
+    from tandem.kernels.triton_support import early_launch
 
     hidden = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     norm_weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -200,10 +226,11 @@ def test_gpu_products_launched_early_read_what_their_producers_wrote():
         gate_up = gemv_reference(normed.float(), up_weight.float()).to(torch.bfloat16)
         return gemv_reference(silu_and_mul(gate_up).float(), down_weight, down_scale)
 
-    chain(hidden)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = chain(hidden)
+    with early_launch(True):
+        chain(hidden)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = chain(hidden)
     for seed in range(5):
         hidden.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(hidden))
         graph.replay()
