@@ -86,6 +86,20 @@ class TargetNetwork:
         return self.runner.forward_context(metadata)
 
 
+def recover_from_failed_capture(device: torch.device) -> None:
+    """Make the device usable again after a capture that failed. When a capture is invalidated
+    (an operation it refuses), ending it raises before torch tells the device's random generator
+    that capturing is over, and every later random draw on the device then fails ("Offset
+    increment outside graph capture"): an empty capture, begun and ended, tells it."""
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        graph.capture_end()
+    torch.cuda.synchronize(device)
+
+
 class CudaGraphRunner:
     def __init__(self, runner: "ModelRunner", batch_sizes: list[int], max_width: int, network=None) -> None:
         self.runner = runner

@@ -23,7 +23,7 @@ from tandem.kv.accessor import StateAccessor
 from tandem.kv.coordinator import StateCoordinator
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe
+from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe, recover_from_failed_capture
 from tandem.worker.graph_choice import GraphChoice
 from tandem.worker.mixed_graphs import MixedStepGraphs, mixed_graphs_apply
 from tandem.layers.forward_context import ForwardContext
@@ -115,7 +115,7 @@ class ModelRunner:
                 logger.warning("mixed-step CUDA graphs not captured (%s: %s); steps with a prompt chunk run "
                                "eagerly", type(error).__name__, error)
                 graphs.release()
-                torch.cuda.synchronize(self.device)
+                recover_from_failed_capture(self.device)
                 return []
         self.mixed_graphs = graphs
         return graphs.token_sizes
