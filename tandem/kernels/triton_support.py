@@ -86,7 +86,8 @@ def early_launch(enabled: bool, device: Optional[torch.device] = None):
 
 
 def early_launch_supported(device: Optional[torch.device] = None) -> bool:
-    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TANDEM_DISABLE_PDL"):
+    if (triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TANDEM_DISABLE_PDL")
+            or not _triton_launches_early()):
         return False
     if device is not None and device.type != "cuda" or not torch.cuda.is_available():
         return False
@@ -103,6 +104,17 @@ def dependent_launch(tensor, tokens: int) -> bool:
 def launch_options(dependent: bool) -> dict:
     """The launch keyword of a kernel launched early (``dependent``), else none."""
     return {"launch_pdl": True} if dependent else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_launches_early() -> bool:
+    """Whether the installed Triton takes ``launch_pdl`` (3.3 and later) and has the grid
+    dependency instructions."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(_cuda_extra, "gdc_wait")
 
 
 @functools.lru_cache(maxsize=None)
