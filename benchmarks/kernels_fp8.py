@@ -30,7 +30,7 @@ time saved per layer.
 
     python -m benchmarks.kernels_fp8            # the tables
     python -m benchmarks.kernels_fp8 --fused    # the fused-producer table only
-    python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 1, block GEMM tiles and
+    python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 16, block GEMM tiles and
                                                 # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, PER_TOKEN_LAYOUT, BlockGemmConfig, block_gemm_config,
                                      block_scaled_matmul, fp8_linear, quantize_activation, quantize_token_groups)
 from tandem.kernels.norm import rms_norm
-from tandem.kernels.fp8_weight_only import (WeightOnlyConfig, weight_only_config,
-                                            weight_only_matmul)
+from tandem.kernels.fp8_weight_only import (GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, multiprocessors,
+                                            weight_only_config, weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -70,17 +70,18 @@ def weight_only_row(name, rows, features, tokens, weights, bandwidth) -> str:
     for weight, scale, group in weights:
         milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group))
         moved = weight.numel() + scale.numel() * 4 + tokens * (features + rows) * 2
-        config = weight_only_config(rows, features, group, torch.cuda.get_device_properties(0).multi_processor_count)
-        cells.append(f"{milliseconds:>9.4f}{moved / bandwidth * 1e3 / milliseconds:>6.2f}"
-                     f"  (n{config.block_n} k{config.block_k} s{config.split})")
+        config = weight_only_config(rows, features, group, multiprocessors(hidden))
+        tiles = "gemv" if tokens <= GEMV_MAX_TOKENS else f"n{config.block_n} k{config.block_k} s{config.split}"
+        cells.append(f"{milliseconds:>9.4f}{moved / bandwidth * 1e3 / milliseconds:>6.2f}  ({tiles})")
     return f"{name:<9}{tokens:>6}" + "".join(cells)
 
 
 def sweep(name, rows, features, weights, bandwidth) -> None:
-    """Weight-only tiles around the chosen ones at one token (the CUDA-core kernel's size), best
-    first (for tuning ``gemv_config``; single launches, so the smaller shapes carry the launch
-    latency a CUDA graph hides)."""
-    for tokens in (1,):
+    """The tensor-core weight-only tiles at 16 tokens (their largest size; one and two tokens take
+    ``gemv.py``, tuned by ``benchmarks/kernels_gemv.py --sweep``), best first (for tuning
+    ``weight_only_config``; single launches, so the smaller shapes carry the launch latency a
+    CUDA graph hides)."""
+    for tokens in (MAX_TOKENS,):
         hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
         for weight, scale, group in weights:
             results = []
@@ -211,8 +212,7 @@ def main() -> None:
         float_weight = torch.randn(rows, features, device="cuda") * 0.02
         bf16_weight = float_weight.to(torch.bfloat16)
         channel_weight, channel_scale = quantize_rows(float_weight)
-        block_weight, blocks = quantize_blocks(float_weight.cpu(), (128, 128))
-        block_weight, blocks = block_weight.cuda(), blocks.cuda()
+        block_weight, blocks = quantize_blocks(float_weight, (128, 128))
         block_scale = row_block_scales(blocks, (rows, features), (128, 128))
         del float_weight
         for tokens in TOKENS:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import Ceilings
 from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config, multiprocessors
-from tandem.quantization.fp8 import FP8_MAX, quantize_rows
+from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 LAYERS = 32
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
@@ -39,16 +39,6 @@ def shapes(tensor_parallel: int) -> dict:
             "gate_up": (2 * INTERMEDIATE // tensor_parallel, HIDDEN), "down": (HIDDEN, INTERMEDIATE // tensor_parallel)}
 
 
-def quantize_whole_blocks(weight: torch.Tensor):
-    """``quantize_blocks(weight, (128, 128))`` on the weight's device, in the row-block scale layout,
-    for shapes of whole blocks."""
-    rows, features = weight.shape
-    tiles = weight.float().view(rows // 128, 128, features // 128, 128)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized.view(rows, features), scale.repeat_interleave(128, dim=0).contiguous()
-
-
 def stack(rows: int, features: int, device: str = "cuda") -> dict:
     """32 weights of one shape in each format: (weight, scale, group) triples."""
     formats = {"bf16": [], "fp8 chan": [], "fp8 block": []}
@@ -57,7 +47,8 @@ def stack(rows: int, features: int, device: str = "cuda") -> dict:
         formats["bf16"].append((weight, None, None))
         fp8, row_scale = quantize_rows(weight)
         formats["fp8 chan"].append((fp8, row_scale, None))
-        formats["fp8 block"].append((*quantize_whole_blocks(weight), 128))
+        block_fp8, blocks = quantize_blocks(weight, (128, 128))
+        formats["fp8 block"].append((block_fp8, row_block_scales(blocks, (rows, features), (128, 128)), 128))
     return formats
 
 
@@ -151,7 +142,7 @@ def main() -> None:
             for path, function in paths(format_name, hidden).items():
                 microseconds = graph_microseconds([bound(function, *entry) for entry in weights])
                 step_paths.setdefault((format_name, path), []).append((function, weights))
-                config = gemv_config(rows, features, weights[0][0].element_size(), multiprocessors(0),
+                config = gemv_config(rows, features, weights[0][0].element_size(), multiprocessors(hidden),
                                      block_scaled=format_name == "fp8 block")
                 tiles = (f"{config.kernel} n{config.block_n} k{config.block_k} s{config.split} w{config.warps}"
                          if path == "gemv" else "")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
                                            quantize_reference, store_quantized_tile, tile_block)
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 SILU, GELU_TANH, GELU = 0, 1, 2
@@ -92,10 +92,9 @@ def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(intermediate_size))
     grid = (rows.shape[0], triton.cdiv(intermediate_size, block))
-    pdl = dependent_launch(rows, rows.shape[0])
     _gated_activation_kernel[grid](rows, out, intermediate_size, rows.stride(0), math.sqrt(2.0 / math.pi),
-                                   ACTIVATION=activation, BLOCK=block, PDL=pdl,
-                                   num_warps=4 if block >= 512 else 1, **launch_options(pdl))
+                                   ACTIVATION=activation, BLOCK=block,
+                                   num_warps=4 if block >= 512 else 1, **early_launch_arguments(rows, rows.shape[0]))
     return out
 
 

@@ -155,8 +155,7 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     if 0 < tokens <= GEMV_MAX_TOKENS and config is None:
         return gemv(hidden, weight, weight_scale, group)
     if config is None:
-        count = multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
-        config = weight_only_config(rows, features, group, count)
+        config = weight_only_config(rows, features, group, multiprocessors(hidden))
     sub_k = sub_tile_inputs(config.block_k, group)
     k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
     atomic = config.split > 1

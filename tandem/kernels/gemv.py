@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 GEMV_MAX_TOKENS = 2  # the tokens one program multiplies (a float32 accumulator per token)
@@ -74,11 +74,16 @@ def gemv_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Opt
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device_index: int) -> int:
+def _device_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(rows: int, features: int, element_size: int, multiprocessors: int,
+def multiprocessors(tensor: torch.Tensor) -> int:
+    """The SMs of ``tensor``'s GPU (off CUDA, an H100's 132: the tiles the interpreter runs)."""
+    return _device_multiprocessors(tensor.device.index or 0) if tensor.is_cuda else 132
+
+
+def gemv_config(rows: int, features: int, element_size: int, processors: int,
                 block_scaled: bool = False) -> GemvConfig:
     """Tiles for H100-class GPUs (132 SMs, ~3 TB/s), from ``benchmarks/kernels_gemv.py --sweep``
     (the Llama-3.1-8B projections, each a stack of 32 replayed from a CUDA graph):
@@ -104,7 +109,7 @@ def gemv_config(rows: int, features: int, element_size: int, multiprocessors: in
         config = GemvConfig(block_n=16, block_k=512, warps=8, kernel=STEP_SUMS)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(features)))
     split = 1
-    while (triton.cdiv(rows, config.block_n) * split < multiprocessors
+    while (triton.cdiv(rows, config.block_n) * split < processors
            and triton.cdiv(features, block_k) // (2 * split) >= 4):
         split *= 2
     return dataclasses.replace(config, block_k=block_k, split=split)
@@ -243,7 +248,7 @@ def _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale
 def gemv_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``gemv`` is the product to take for ``hidden [M, K] @ weight.T`` with a 16-bit
     weight: on CUDA, one or two tokens, both of one 16-bit dtype, rows contiguous."""
-    return (hidden.is_cuda and 0 < hidden.shape[0] <= GEMV_MAX_TOKENS and hidden.dim() == 2
+    return (hidden.is_cuda and 0 < hidden.shape[0] <= GEMV_MAX_TOKENS
             and weight.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == weight.dtype
             and hidden.stride(-1) == 1 and weight.is_contiguous())
 
@@ -259,8 +264,7 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     if tokens > GEMV_MAX_TOKENS:
         raise ValueError(f"gemv serves at most {GEMV_MAX_TOKENS} tokens, got {tokens}")
     if config is None:
-        count = multiprocessors(hidden.device.index or 0) if hidden.is_cuda else 132
-        config = gemv_config(rows, features, weight.element_size(), count,
+        config = gemv_config(rows, features, weight.element_size(), multiprocessors(hidden),
                              block_scaled=weight_scale is not None and group is not None)
     sub_k = sub_tile_inputs(config.block_k, group)
     k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
@@ -270,11 +274,10 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     scaled = weight_scale is not None
     scale_arguments = (weight_scale, weight_scale.shape[1]) if scaled else (weight, 0)
     grid = (triton.cdiv(rows, config.block_n), config.split)
-    # Launched early where the GPU allows (after split-K's zeroing, which does not signal).
-    pdl = dependent_launch(hidden, tokens) and not atomic
+    # Launched early where the GPU allows (not after split-K's zeroing, which does not signal).
     common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, SCALED=scaled, BLOCK_N=config.block_n,
-                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, PDL=pdl, num_warps=config.warps,
-                  num_stages=config.stages, **launch_options(pdl))
+                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, num_warps=config.warps,
+                  num_stages=config.stages, **early_launch_arguments(hidden, tokens, allowed=not atomic))
     if config.kernel == STEP_SUMS:
         kernel, specific = _gemv_step_sums_kernel, {}
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 # Elements of one program's tile of heads at most.
@@ -133,15 +133,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     block = triton.next_power_of_2(head_dim)
     heads = min(triton.next_power_of_2(num_heads), max(1, ELEMENTS_PER_PROGRAM // block))
     limit = saturation_limit(key_cache.dtype)
-    pdl = dependent_launch(key, num_tokens)
     _write_kv_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         key, value, key_cache, value_cache, slot_mapping, num_heads, head_dim, key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), limit or 0.0,
         HEADS=heads, BLOCK=block, SATURATE=limit is not None,
-        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda", PDL=pdl,
-        num_warps=4 if heads * block >= 1024 else 1, **launch_options(pdl))
+        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda",
+        num_warps=4 if heads * block >= 1024 else 1, **early_launch_arguments(key, num_tokens))
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

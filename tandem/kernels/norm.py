@@ -24,7 +24,7 @@ import torch
 
 from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
                                            quantize_reference, store_quantized_tile, tile_block)
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 # Elements one program normalises at most (several short rows share a program).
@@ -131,7 +131,6 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: Union[tor
     out_values = out.values if quantized else out
     scales = out.scales if quantized else out_values
     residual_rows, new_residual = residual_pair if residual_pair is not None else (rows, out_values)
-    pdl = dependent_launch(rows, num_tokens)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         rows, residual_rows, weight, out_values, new_residual, scales,
         num_rows, num_heads, dim,
@@ -139,7 +138,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, out: Union[tor
         scales.stride(0), scales.stride(-1), eps, weight_offset,
         HAS_RESIDUAL=residual_pair is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
         ROWS=rows_per_program, BLOCK=block, QUANTIZE=quantized,
-        GROUP=out.layout.group_size(block) if quantized else block, PDL=pdl, num_warps=num_warps, **launch_options(pdl))
+        GROUP=out.layout.group_size(block) if quantized else block, num_warps=num_warps,
+        **early_launch_arguments(rows, num_tokens))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -45,7 +45,7 @@ import torch
 
 from tandem.kernels.attention_device import (  # noqa: F401  (device functions the kernels call)
     MINIMUM_DOT_SIZE, _attention_operand, _fp16_range, _load_keys_values, _scores_log2, _store_split_output)
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 MAXIMUM_DECODE_SPLITS = 64
@@ -375,7 +375,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_lse = torch.empty(batch, num_query_heads, num_splits, dtype=torch.float32,
                                   device=query.device)
         partial_strides = partial_lse.stride()
-    pdl = dependent_launch(query, batch)
+    early = early_launch_arguments(query, batch)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, page_table, context_lengths, out, partial_out, partial_lse,
         scale, window or 0, softcap or 0.0, num_splits,
@@ -385,12 +385,12 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         BLOCK_H=max(MINIMUM_DOT_SIZE, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_FINAL=write_final,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST_DOTS=_upcast_dots(query),
-        FP16_DOTS=_fp16_dots(query, key_cache), PDL=pdl, **config, **launch_options(pdl))
+        FP16_DOTS=_fp16_dots(query, key_cache), **config, **early)
     if not write_final:
         _decode_combine_kernel[(batch, num_query_heads)](
             partial_out, partial_lse, out, num_splits, *partial_lse.stride(), *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
-            num_warps=4, **launch_options(pdl))
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4, **early)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.triton_support import (dependent_launch, jit, launch_dependents, launch_options, tl, triton,
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
 # Elements of one program's tile of heads at most.
@@ -116,12 +116,11 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     heads = min(triton.next_power_of_2(max(num_query_heads, num_key_heads)),
                 max(1, ELEMENTS_PER_PROGRAM // (2 * half_block)))
     grid = (num_tokens, triton.cdiv(num_query_heads, heads) + triton.cdiv(num_key_heads, heads))
-    pdl = dependent_launch(query, num_tokens)
     _rotary_kernel[grid](query, key, query_out, key_out, positions, cos_table, sin_table,
                          num_query_heads, num_key_heads, head_dim, rotary_dim, cos_table.stride(0),
                          query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-                         HEADS=heads, HALF_BLOCK=half_block, TAIL_BLOCK=tail_block, PDL=pdl,
-                         num_warps=4 if heads * half_block >= 512 else 1, **launch_options(pdl))
+                         HEADS=heads, HALF_BLOCK=half_block, TAIL_BLOCK=tail_block,
+                         num_warps=4 if heads * half_block >= 512 else 1, **early_launch_arguments(query, num_tokens))
     return query_out, key_out
 
 

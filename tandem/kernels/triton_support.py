@@ -101,9 +101,12 @@ def dependent_launch(tensor, tokens: int) -> bool:
     return getattr(_launch_mode, "early", False) and tokens <= DEPENDENT_LAUNCH_MAX_TOKENS and tensor.is_cuda
 
 
-def launch_options(dependent: bool) -> dict:
-    """The launch keyword of a kernel launched early (``dependent``), else none."""
-    return {"launch_pdl": True} if dependent else {}
+def early_launch_arguments(tensor, tokens: int, allowed: bool = True) -> dict:
+    """A kernel's ``PDL`` constexpr and, where it launches early (``dependent_launch`` and
+    ``allowed``), the ``launch_pdl`` launch option: spread into its launch."""
+    if allowed and dependent_launch(tensor, tokens):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)

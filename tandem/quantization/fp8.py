@@ -55,11 +55,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantization of a float weight ``[N, K]`` in ``block = (bn, bk)`` blocks (partial
     at the edges): ``(fp8 [N, K], scale [ceil(N/bn), ceil(K/bk)] float32)``, each block's scale
-    its ``max|w| / 448`` (DeepSeek's rule)."""
+    its ``max|w| / 448`` (DeepSeek's rule); on the weight's device."""
     rows, columns = weight.shape
     block_rows, block_columns = block
     padded_rows, padded_columns = -(-rows // block_rows) * block_rows, -(-columns // block_columns) * block_columns
-    padded = torch.zeros(padded_rows, padded_columns, dtype=torch.float32)
+    padded = torch.zeros(padded_rows, padded_columns, dtype=torch.float32, device=weight.device)
     padded[:rows, :columns] = weight.float()
     tiles = padded.view(padded_rows // block_rows, block_rows, padded_columns // block_columns, block_columns)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MINIMUM_SCALE)
