@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tandem.kernels.greedy_choice import greedy_choice
 from tandem.sampling_params import SAMPLING_ROW_FIELDS, SamplingParams
 from tandem.structured.bitmask import apply_bitmask
 from tandem.worker.host_staging import to_device
@@ -177,6 +178,9 @@ class SamplerOutput:
     ranks: torch.Tensor  # [B] int64, 1-based
     top_token_ids: Optional[torch.Tensor]  # [B, num_logprobs] int64, descending
     top_logprobs: Optional[torch.Tensor]  # [B, num_logprobs] float32
+    # The first three as float64 columns ``[B, 3]`` where the step already packed them for the
+    # host copy (the greedy kernels do); None: ``to_host_async`` packs them.
+    packed: Optional[torch.Tensor] = None
 
     def to_host(self) -> "SamplerOutput":
         """The same output on the CPU (see ``to_host_async``), waited for."""
@@ -186,10 +190,13 @@ class SamplerOutput:
         """Start the one device-to-host copy of this output (float64 holds token ids, ranks
         and float32 logprobs exactly); ``wait()`` on the result gives it on the CPU. ``began``:
         a timing event recorded where the step that computed it began (``device_seconds``)."""
-        columns = [self.token_ids[:, None], self.logprobs[:, None], self.ranks[:, None]]
-        if self.top_token_ids is not None:
-            columns += [self.top_token_ids, self.top_logprobs]
-        packed = torch.cat([column.double() for column in columns], dim=1)
+        if self.packed is not None and self.top_token_ids is None:
+            packed = self.packed
+        else:
+            columns = [self.token_ids[:, None], self.logprobs[:, None], self.ranks[:, None]]
+            if self.top_token_ids is not None:
+                columns += [self.top_token_ids, self.top_logprobs]
+            packed = torch.cat([column.double() for column in columns], dim=1)
         num_top = -1 if self.top_token_ids is None else self.top_token_ids.shape[1]
         if packed.device.type != "cuda":
             return HostSamplerOutput(packed.cpu(), num_top, None)
@@ -295,6 +302,14 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequenc
     return logits
 
 
+def takes_greedy_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    """Whether a step's choice is the raw logits' argmax with nothing else asked for (every row
+    greedy; no penalty, grammar mask, banned id or top logprob): on CUDA two small kernels
+    (``tandem.kernels.greedy_choice``) then give the tokens, logprobs and ranks."""
+    return (logits.is_cuda and metadata.all_greedy and metadata.no_penalties and metadata.token_bitmask is None
+            and metadata.num_logprobs == 0 and not any(metadata.banned_token_ids) and logits.stride(-1) == 1)
+
+
 def greedy_mask(temperature: torch.Tensor) -> torch.Tensor:
     """``[B]`` bool: which rows take the argmax instead of sampling."""
     return temperature < GREEDY_TEMPERATURE_EPSILON
@@ -358,6 +373,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != metadata.batch_size:
             raise ValueError(f"sampler: logits of shape {tuple(logits.shape)} do not match "
                              f"{metadata.batch_size} rows of sampling metadata")
+        if takes_greedy_kernels(logits, metadata):
+            choice = greedy_choice(logits)
+            return SamplerOutput(choice.token_ids, choice.logprobs, choice.ranks, None, None, packed=choice.packed)
         raw_logits = logits.float()
         processed = self.process_logits(raw_logits.clone(), metadata)
         token_ids = processed.argmax(dim=-1)
