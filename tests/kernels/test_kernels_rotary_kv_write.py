@@ -140,7 +140,7 @@ GQA = (7, 6, 3, 32, 32)
 PARTIAL = (5, 5, 1, 24, 12)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8], ids=["float32", "bfloat16", "fp8"])
 @pytest.mark.parametrize("shape", [GQA, PARTIAL], ids=["gqa", "partial"])
 def test_float32_matches_both_bit_for_bit(shape, cache_dtype):
     """float32 into float32, bfloat16 (one plain cast) and FP8 caches (values beyond 448)."""
@@ -149,7 +149,7 @@ def test_float32_matches_both_bit_for_bit(shape, cache_dtype):
                 exact_reference=cache_dtype != torch.bfloat16)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8"])
 @pytest.mark.parametrize("shape", [GQA, PARTIAL], ids=["gqa", "partial"])
 def test_bfloat16_matches_the_two_kernels_bit_for_bit(shape, cache_dtype):
     check_fused(Case(*shape, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0),
@@ -168,7 +168,8 @@ def test_fp8_cache_saturates_keys_and_values():
     assert not stored_keys.isnan().any() and (stored_keys.abs() == 448).any()
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, FP8), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, FP8), (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32-fp8", "bfloat16"])
 def test_page_major_cache_views(dtype, cache_dtype):
     """Caches as strided views of one page-major pool (``tests/support/layouts.py``)."""
     check_fused(Case(*GQA, dtype, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0, layout="page-major"),
@@ -214,7 +215,7 @@ def test_reference_is_rotary_then_write_kv_references():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", ["layer-major", "page-major"])
 @pytest.mark.parametrize("tokens", [1, 2, 256, 4096])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8"])
 def test_fused_matches_the_two_kernels_on_cuda(cache_dtype, tokens, layout):
     """bfloat16 at 8B shapes (32 query heads, 8 key/value heads of 128), into bfloat16 and FP8
     caches: bit for bit against the two kernels and against the reference (a GPU rounds to
