@@ -9,7 +9,9 @@ Tables are ``[max_positions, rotary_dim]`` float32 in the ``cat(freqs, freqs)`` 
     out[rot:] = x[rot:]                  (passed through when rotary_dim < head_dim)
 
 cos and sin are cast to the input dtype before multiplying, and each product is rounded to it,
-as the unfused ``x * cos.to(dtype) + rotate_half(x) * sin.to(dtype)`` does.
+as the unfused ``x * cos.to(dtype) + rotate_half(x) * sin.to(dtype)`` does. The rotation of a
+token's heads (``_rotate_heads``) also serves ``rotary_kv_write.py``, which stores the rotated keys
+straight into their cache slots.
 """
 from __future__ import annotations
 
