@@ -1,7 +1,8 @@
 """Fused elementwise kernels vs the unfused PyTorch ops they replace, at Llama-3.1-8B shapes.
 
 For each kernel and T in {1, 32, 256, 4096} tokens: the kernel's time and the unfused ops'
-time (``triton.testing.do_bench``, median, microseconds), the speedup, and the kernel's
+time (for rotary+write_kv: the rotary and K/V write kernels it replaces, two launches)
+(``triton.testing.do_bench``, median, microseconds), the speedup, and the kernel's
 largest error relative to the reference's largest magnitude. bfloat16, CUDA only; under a
 minute.
 
@@ -21,6 +22,7 @@ from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tandem.kernels.kv_write import write_kv, write_kv_reference
 from tandem.kernels.norm import rms_norm, rms_norm_reference
 from tandem.kernels.rotary import apply_rotary, apply_rotary_reference
+from tandem.kernels.rotary_kv_write import rotate_and_write_kv, rotate_and_write_kv_reference
 from tandem.layers.rotary import RotaryEmbedding
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
@@ -93,9 +95,41 @@ def kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Ca
     return fused, reference, unfused
 
 
+def rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Callable, Callable]:
+    """The one launch that rotates and writes; error against its reference (query and caches),
+    time against the two kernels it replaces (``apply_rotary`` then ``write_kv``)."""
+    rotary = RotaryEmbedding(HEAD_DIM, LLAMA3_ROPE, 8192).to("cuda")
+    fused_qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
+    query, key, value = fused_qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    query, key, value = (query.view(tokens, HEADS, HEAD_DIM), key.view(tokens, KV_HEADS, HEAD_DIM),
+                         value.view(tokens, KV_HEADS, HEAD_DIM))
+    positions = torch.randint(0, 8192, (tokens,), generator=generator).to("cuda")
+    slots = torch.randperm(NUM_PAGES * PAGE_SIZE, generator=generator)[:tokens].to("cuda")
+    tables = (rotary.cos_table, rotary.sin_table)
+    shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    caches = {role: [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+              for role in ("fused", "reference", "two kernels")}
+
+    def fused():
+        return (rotate_and_write_kv(query, key, value, positions, *tables, *caches["fused"], slots),
+                *caches["fused"])
+
+    def reference():
+        return (rotate_and_write_kv_reference(query, key, value, positions, *tables, *caches["reference"], slots),
+                *caches["reference"])
+
+    def two_kernels():
+        rotated_query, rotated_key = apply_rotary(query, key, positions, *tables)
+        write_kv(rotated_key, value, *caches["two kernels"], slots)
+        return rotated_query
+
+    return fused, reference, two_kernels
+
+
 CASES = {"rms_norm+residual [T,4096]": norm_case, "rms_norm per head [T,32,128]": head_norm_case,
          "rotary q[T,32,128] k[T,8,128]": rotary_case, "silu_and_mul [T,2*14336]": activation_case,
-         "write_kv [T,8,128] x2": kv_write_case}
+         "write_kv [T,8,128] x2": kv_write_case,
+         "rotary+write_kv (vs the two)": rotary_kv_write_case}
 
 
 def measure(name: str, tokens: int) -> tuple[str, int, float, float, float]:

@@ -59,19 +59,33 @@ def _round_to_e4m3(values):
 
 
 @jit
+def _slot_address(cache_ptr, slot, page_size, page_stride, offset_stride):
+    """Where token slot ``slot`` (``page * page_size + offset``) starts in ``cache [pages,
+    page_size, heads, head_dim]``: its heads follow at the cache's head stride."""
+    return cache_ptr + (slot // page_size) * page_stride + (slot % page_size) * offset_stride
+
+
+@jit
+def _store_for_cache(target, values, mask, limit, SATURATE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
+    """Stores ``values`` cast to ``target``'s dtype as ``cast_for_cache`` casts them: with
+    ``SATURATE`` (FP8) clamped to +-``limit`` in float32 first (and, with ``ROUND_IN_SOFTWARE``,
+    rounded by ``_round_to_e4m3``); otherwise a plain cast."""
+    if SATURATE:
+        values = tl.clamp(values.to(tl.float32), -limit, limit)
+        if ROUND_IN_SOFTWARE:
+            values = _round_to_e4m3(values)
+    tl.store(target, values.to(target.dtype.element_ty), mask=mask)
+
+
+@jit
 def _write_heads(source_ptr, cache_ptr, token, slot, valid, heads, columns, num_heads, head_dim,
                  token_stride, head_stride, page_size, page_stride, offset_stride, cache_head_stride,
                  limit, SATURATE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
     mask = valid & (heads < num_heads)[:, None] & (columns < head_dim)[None, :]
     source = source_ptr + token * token_stride + (heads * head_stride)[:, None] + columns[None, :]
-    target = (cache_ptr + (slot // page_size) * page_stride + (slot % page_size) * offset_stride
+    target = (_slot_address(cache_ptr, slot, page_size, page_stride, offset_stride)
               + (heads * cache_head_stride)[:, None] + columns[None, :])
-    values = tl.load(source, mask=mask)
-    if SATURATE:
-        values = tl.clamp(values.to(tl.float32), -limit, limit)
-        if ROUND_IN_SOFTWARE:
-            values = _round_to_e4m3(values)
-    tl.store(target, values.to(cache_ptr.dtype.element_ty), mask=mask)
+    _store_for_cache(target, tl.load(source, mask=mask), mask, limit, SATURATE, ROUND_IN_SOFTWARE)
 
 
 @jit
@@ -102,15 +116,29 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
 
 
 def _check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-           slot_mapping: torch.Tensor) -> None:
-    """Shapes only (metadata, no synchronisation)."""
+           slot_mapping: torch.Tensor, caller: str = "write_kv") -> None:
+    """Shapes only (metadata, no synchronisation); errors name ``caller``."""
     if (key.dim() != 3 or key.shape != value.shape or key_cache.dim() != 4 or key_cache.shape != value_cache.shape
             or tuple(key_cache.shape[2:]) != tuple(key.shape[1:]) or slot_mapping.shape != key.shape[:1]):
-        raise ValueError(f"write_kv: key/value {tuple(key.shape)}/{tuple(value.shape)} must be [T, Hkv, D], "
+        raise ValueError(f"{caller}: key/value {tuple(key.shape)}/{tuple(value.shape)} must be [T, Hkv, D], "
                          f"caches {tuple(key_cache.shape)}/{tuple(value_cache.shape)} [pages, page_size, Hkv, D], "
                          f"slot_mapping {tuple(slot_mapping.shape)} [T]")
     if key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"write_kv: key cache {key_cache.dtype} and value cache {value_cache.dtype} differ")
+        raise ValueError(f"{caller}: key cache {key_cache.dtype} and value cache {value_cache.dtype} differ")
+
+
+def _check_kernel_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, caller: str = "write_kv") -> None:
+    """What the kernels need beyond ``_check``: each cache row's last dimension contiguous."""
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError(f"{caller}: the caches' last dimension must be contiguous")
+
+
+def _saturation(key: torch.Tensor, cache_dtype: torch.dtype) -> dict:
+    """The kernels' cast for the cache: ``limit`` and the ``SATURATE``/``ROUND_IN_SOFTWARE``
+    flags of ``_store_for_cache`` (software rounding where Triton interprets: off CUDA)."""
+    limit = saturation_limit(cache_dtype)
+    return dict(limit=limit or 0.0, SATURATE=limit is not None,
+                ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda")
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -124,23 +152,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     work). ``key``/``value`` are read through their strides. Slots are not bounds-checked (no
     host synchronisation: capturable in a CUDA graph)."""
     _check(key, value, key_cache, value_cache, slot_mapping)
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("write_kv: the caches' last dimension must be contiguous")
+    _check_kernel_caches(key_cache, value_cache)
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     key, value = _last_contiguous(key), _last_contiguous(value)
     block = triton.next_power_of_2(head_dim)
     heads = min(triton.next_power_of_2(num_heads), max(1, ELEMENTS_PER_PROGRAM // block))
-    limit = saturation_limit(key_cache.dtype)
     _write_kv_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         key, value, key_cache, value_cache, slot_mapping, num_heads, head_dim, key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), limit or 0.0,
-        HEADS=heads, BLOCK=block, SATURATE=limit is not None,
-        ROUND_IN_SOFTWARE=limit is not None and key.device.type != "cuda",
-        num_warps=4 if heads * block >= 1024 else 1, **early_launch_arguments(key, num_tokens))
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        HEADS=heads, BLOCK=block, num_warps=4 if heads * block >= 1024 else 1,
+        **_saturation(key, key_cache.dtype), **early_launch_arguments(key, num_tokens))
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -1,8 +1,9 @@
 """The attention front: a layer that declares its state spec and calls a backend.
 
 The backend interface is ``AttentionBackend.forward(query, key, value, buffers, metadata,
-scale, window=None)``: it writes the new keys/values into the paged buffers and returns the
-attention output. With a ``window``, a query at position ``p`` reads only keys at positions
+scale, window=None, rotary=None, positions=None)``: given a ``rotary`` embedding it first rotates
+the query and key at ``positions``; it writes the new keys/values into the paged buffers and
+returns the attention output. With a ``window``, a query at position ``p`` reads only keys at positions
 ``p - window + 1 .. p`` (transformers' sliding-window mask: ``key > p - window``); page-table
 entries before that may be the null page. ``TorchAttentionBackend`` is plain PyTorch and runs
 on CPU and CUDA; ``TritonAttentionBackend`` runs the kernels of ``tandem/kernels`` on CUDA.
@@ -21,6 +22,7 @@ from tandem.layers.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from tandem.layers.forward_context import ForwardContext
+    from tandem.layers.rotary import RotaryEmbedding
 
 
 def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,8 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
 class AttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 buffers: dict[str, torch.Tensor], metadata: AttentionMetadata,
-                scale: float, window: Optional[int] = None) -> torch.Tensor:
+                scale: float, window: Optional[int] = None, rotary: Optional["RotaryEmbedding"] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -60,7 +63,9 @@ class TorchAttentionBackend(AttentionBackend):
     valid region (a stale read) still propagates and fails loudly.
     """
 
-    def forward(self, query, key, value, buffers, metadata, scale, window=None):
+    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None):
+        if rotary is not None:
+            query, key = rotary(query, key, positions)
         key_cache, value_cache = buffers["key"], buffers["value"]
         slots = metadata.slot_mapping
         write_slots(key_cache, slots, cast_for_cache(key, key_cache.dtype))
@@ -127,15 +132,22 @@ class TorchAttentionBackend(AttentionBackend):
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels (CUDA): one launch writes the step's keys and
-    values into their pages, one decode launch serves every decode row (split-KV), one prefill
-    launch every prefill chunk. No host synchronisation: capturable in a CUDA graph."""
+    values into their pages (given a ``rotary`` embedding, the same launch rotates the queries
+    and keys first: ``kernels/rotary_kv_write.py``), one decode launch serves every decode row
+    (split-KV), one prefill launch every prefill chunk. No host synchronisation: capturable in a
+    CUDA graph."""
 
-    def forward(self, query, key, value, buffers, metadata, scale, window=None):
+    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None):
         from tandem.kernels.kv_write import write_kv
         from tandem.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+        from tandem.kernels.rotary_kv_write import rotate_and_write_kv
 
         key_cache, value_cache = buffers["key"], buffers["value"]
-        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if rotary is None:
+            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            query = rotate_and_write_kv(query, key, value, positions, rotary.cos_table, rotary.sin_table,
+                                        key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_tokens
         if num_decode:
@@ -155,7 +167,8 @@ class Attention(nn.Module):
 
     cuda_graph_safe = True  # the backends' reads and writes are shape-static tensor operations
     # Mixed-step graphs run it eagerly between their segments (worker/mixed_graphs.py): its
-    # arguments are indexed by token first, its output too, and nothing else reads the context.
+    # tensor arguments (positions included) are indexed by token first, its output too, and
+    # nothing else reads the context.
     mixed_graph_boundary = True
 
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -174,9 +187,12 @@ class Attention(nn.Module):
         return {self.layer_name: self.state_spec}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                context: "ForwardContext") -> torch.Tensor:
-        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``."""
+                context: "ForwardContext", rotary: Optional["RotaryEmbedding"] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``. Given ``rotary``, the
+        query and key are rotated at ``positions [T]`` first, by the backend (the Triton one
+        does it in the launch that writes the keys and values into their pages)."""
         buffers = context.state.layer(self.layer_name)
         metadata = context.attention_metadata[context.state.group_of(self.layer_name)]
         return context.attention_backend.forward(query, key, value, buffers, metadata, self.scale,
-                                                 window=self.sliding_window)
+                                                 window=self.sliding_window, rotary=rotary, positions=positions)

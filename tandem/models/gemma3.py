@@ -111,8 +111,8 @@ class Gemma3AttentionBlock(nn.Module):
         query = self.q_norm(query.reshape(tokens, self.num_heads, self.head_dim))
         key = self.k_norm(key.reshape(tokens, self.num_kv_heads, self.head_dim))
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
-        query, key = self.rotary(query, key, positions)
-        output = self.attn(query, key, value, context)
+        # Rotated by the attention backend (on CUDA in the launch that writes the keys and values).
+        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions)
         return self.o_proj(output.reshape(tokens, self.q_size))
 
 

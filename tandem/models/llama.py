@@ -78,8 +78,8 @@ class LlamaAttentionBlock(nn.Module):
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(query, key, positions)
-        output = self.attn(query, key, value, context)
+        # Rotated by the attention backend (on CUDA in the launch that writes the keys and values).
+        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions)
         return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim), reduce=reduce)
 
 

@@ -113,6 +113,46 @@ def test_decode_launched_early_matches_oracle_and_the_plain_launch(arch, model_d
     assert early == bfloat16_outputs()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rotary_fused_with_the_kv_write_equals_the_two_launches(arch, kv_cache_dtype, model_dirs, monkeypatch):
+    """bfloat16 engines (decode graphs, mixed-step graphs, eager prefills), 16-bit and FP8 K/V:
+    rotating in the launch that writes the keys and values (``kernels/rotary_kv_write.py``)
+    gives the tokens and logprobs of ``apply_rotary`` then ``write_kv``, exactly."""
+    import tandem.kernels.rotary_kv_write as fused_module
+    from tandem.kernels.kv_write import write_kv
+    from tandem.kernels.rotary import apply_rotary
+
+    calls = []
+    fused = fused_module.rotate_and_write_kv
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    def two_launches(query, key, value, positions, cos_table, sin_table, key_cache, value_cache, slots):
+        query, key = apply_rotary(query, key, positions, cos_table, sin_table)
+        write_kv(key, value, key_cache, value_cache, slots)
+        return query
+
+    prompts = prompts_for_test()
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
+
+    def outputs():
+        llm = LLM(model=model_dirs[arch], device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                  page_size=16, max_total_tokens=2048, max_num_batched_tokens=128)
+        results = llm.generate(prompts, params)
+        llm.engine.check_all_free()
+        return [(output.outputs[0].token_ids, [{token: entry.logprob for token, entry in position.items()}
+                                               for position in output.outputs[0].logprobs]) for output in results]
+
+    monkeypatch.setattr(fused_module, "rotate_and_write_kv", counted)
+    with_fused = outputs()
+    assert calls
+    monkeypatch.setattr(fused_module, "rotate_and_write_kv", two_launches)
+    assert with_fused == outputs()
+
+
 FAILED_CAPTURE = """
 import torch
 from tandem.worker.cuda_graphs import recover_from_failed_capture

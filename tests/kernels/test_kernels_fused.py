@@ -263,6 +263,7 @@ def test_references_import_without_triton():
               "from tandem.kernels.rotary import apply_rotary_reference\n"
               "from tandem.kernels.activation import silu_and_mul_reference\n"
               "from tandem.kernels.kv_write import write_kv_reference\n"
+              "from tandem.kernels.rotary_kv_write import rotate_and_write_kv_reference\n"
               "from tandem.layers.norm import RMSNorm\n"
               "print(RMSNorm(8)(torch.ones(2, 8)).sum().item())\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
