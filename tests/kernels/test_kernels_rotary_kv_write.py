@@ -81,9 +81,11 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(as_bits(actual), as_bits(expected))
 
 
-def assert_near_interpreted(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within a few steps of the dtype at the tensor's scale (bfloat16 rounded towards zero by the
-    interpreter, then, for an FP8 cache, maybe one e4m3 step the other way), NaN where the other is."""
+def assert_near_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within a few steps of the dtype at the tensor's scale, NaN where the other is: the
+    interpreter rounds bfloat16 towards zero, and on a GPU the kernels' bfloat16 rotation and
+    torch's differ by a step at times (as ``apply_rotary``'s own GPU test allows); an FP8 cache
+    may then hold the next e4m3 value."""
     step = 2 ** -3 if expected.dtype == FP8 else 3 * 2 ** -7
     actual, expected = actual.float(), expected.float()
     assert torch.equal(actual.isnan(), expected.isnan())
@@ -124,7 +126,7 @@ def check_fused(case: Case, exact_reference: bool) -> tuple:
         if exact_reference:
             assert_same_bits(actual, expected)
         else:
-            assert_near_interpreted(actual, expected)
+            assert_near_reference(actual, expected)
     # The padding rows' slots stay poisoned, every written slot holds numbers (FP8: saturated).
     written = int((slots >= 0).sum())
     for cache in fused[1:]:
@@ -218,11 +220,11 @@ def test_reference_is_rotary_then_write_kv_references():
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8"])
 def test_fused_matches_the_two_kernels_on_cuda(cache_dtype, tokens, layout):
     """bfloat16 at 8B shapes (32 query heads, 8 key/value heads of 128), into bfloat16 and FP8
-    caches: bit for bit against the two kernels and against the reference (a GPU rounds to
-    nearest as torch does). Pages enough for every token; every third slot -1."""
+    caches: bit for bit against the two kernels, near the reference. Pages enough for every
+    token; every third slot -1."""
     num_pages = -(-tokens // 16) + 1
     check_fused(Case(tokens, 32, 8, 128, 128, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0,
-                     layout=layout, num_pages=num_pages, page_size=16, max_positions=8192), exact_reference=True)
+                     layout=layout, num_pages=num_pages, page_size=16, max_positions=8192), exact_reference=False)
 
 
 @pytest.mark.gpu
