@@ -15,6 +15,10 @@ without a generator share one vectorised draw from the sampler's generator.
 
 Ownership: the sampler never writes into the caller's logits; every step works on a float32
 copy made at the start of ``Sampler.__call__``.
+
+On CUDA, a step whose rows are all greedy, with no penalty, grammar mask, banned id or top
+logprob, skips the pipeline: two small kernels (``tandem.kernels.greedy_choice``) read the logits
+once for the argmax, its logprob and rank, and pack them for the host (``takes_greedy_kernels``).
 """
 from __future__ import annotations
 
