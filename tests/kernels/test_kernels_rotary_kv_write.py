@@ -227,6 +227,7 @@ NORM_FLAVOURS = {"qwen3": dict(weight_offset=0.0, cast_before_weight=True),
                  "key only": dict(weight_offset=0.0, cast_before_weight=True)}
 # A step of each dtype at the scale of a head; float32: the 1e-6 the order of a sum moves it.
 STEP = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, FP8: 2 ** -3}
+MANTISSA_BITS = {torch.bfloat16: 7, FP8: 3}
 
 
 def make_norms(case: Case, flavour: str = "qwen3", seed: int = 3) -> dict:
@@ -254,11 +255,15 @@ def normalized(tensor: torch.Tensor, norm, kernel) -> torch.Tensor:
                   cast_before_weight=norm.cast_before_weight)
 
 
-def run_with_norms(case: Case, norms: dict, seed: int = 0):
+def run_with_norms(case: Case, norms: dict, seed: int = 0, at_position_zero: bool = False):
     """The fused kernel given ``norms``; the norm kernel then the fused kernel without them (the
-    two launches it replaces); the reference given them; and the references composed by hand.
-    ``(inputs, {name: (query_out, key_cache, value_cache)})``; inputs checked untouched."""
+    launches it replaces); the reference given them; and the references composed by hand.
+    ``(inputs, {name: (query_out, key_cache, value_cache)})``; inputs checked untouched.
+    ``at_position_zero``: every token at position 0, where the rotation is the identity (cos 1,
+    sin 0), so the outputs are the normalised heads themselves."""
     inputs = make_inputs(case, seed)
+    if at_position_zero:
+        inputs = inputs[:3] + (torch.zeros_like(inputs[3]),) + inputs[4:]
     query, key, value, positions, slots, cos_table, sin_table = inputs
     before = [tensor.clone() for tensor in (query, key, value)]
     results = {}
@@ -302,16 +307,35 @@ def assert_within_a_step(actual: torch.Tensor, expected: torch.Tensor, steps: fl
         assert share >= equal_share, f"only {share:.3f} of the elements equal"
 
 
-def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: bool = True) -> tuple:
-    """The fused kernel within a step of the norm kernel then the fused kernel (nearly all
-    elements bit for bit: only the order of the sum of squares differs), and of the reference
-    (float32: to 1e-6; bfloat16 on the interpreter: ``assert_near_reference``); the reference
-    bit for bit the references composed; padding slots left poisoned."""
+def assert_each_within_a_step(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Each element (16-bit or FP8) at most one step of its dtype from ``expected``'s, the step
+    at the larger of the two magnitudes; NaN exactly where ``expected`` is."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual_values, expected_values = actual.float(), expected.float()
+    assert torch.equal(actual_values.isnan(), expected_values.isnan())
+    actual_values, expected_values = actual_values.nan_to_num(0.0), expected_values.nan_to_num(0.0)
+    magnitude = torch.maximum(actual_values.abs(), expected_values.abs()).clamp_min(2 ** -6)
+    step = 2.0 ** (torch.floor(torch.log2(magnitude)) - MANTISSA_BITS[expected.dtype])
+    worst = float(((actual_values - expected_values).abs() / step).max())
+    assert worst <= 1.0, f"{worst:.2f} steps off"
+
+
+def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: bool = True,
+                           at_position_zero: bool = False) -> tuple:
+    """The fused kernel near the norm kernel then the fused kernel, nearly all elements bit for
+    bit (only the order of the sum of squares differs): within two steps at a head's scale (a
+    normalised element a step off moves its rotated pair by up to a step of the head, the
+    rounding of the rotation's products by up to one more); at position 0 (no rotation) each
+    element within one step of its own. Near the reference (float32: to 1e-6; bfloat16 on the
+    interpreter: ``assert_near_reference``); the reference bit for bit the references composed;
+    padding slots left poisoned."""
     norms = make_norms(case, flavour)
-    inputs, results = run_with_norms(case, norms)
+    inputs, results = run_with_norms(case, norms, at_position_zero=at_position_zero)
     fused = results["fused"]
     for actual, expected in zip(fused, results["norm kernel, then fused"]):
-        assert_within_a_step(actual, expected, equal_share=0.9)
+        assert_within_a_step(actual, expected, steps=2.0, equal_share=0.9)
+        if at_position_zero and expected.dtype != torch.float32:
+            assert_each_within_a_step(actual, expected)
     for actual, expected in zip(fused, results["reference"]):
         if exact_reference:
             assert_within_a_step(actual, expected)
@@ -347,6 +371,15 @@ def test_norms_bfloat16_within_a_step_of_the_norm_kernel(cache_dtype, shape, fla
     e4m3) step of ``rms_norm`` then the fused kernel, and near the reference."""
     case = Case(*shape, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0)
     check_fused_with_norms(case, flavour, exact_reference=False)
+
+
+@pytest.mark.parametrize("cache_dtype,shape", [(torch.bfloat16, GQA), (FP8, PARTIAL)], ids=["bfloat16-gqa",
+                                                                                              "fp8-partial"])
+def test_norms_at_position_zero_are_the_norm_kernel_within_a_step(cache_dtype, shape):
+    """At position 0 the rotation is the identity: the query and keys are the normalised heads,
+    each element within one bfloat16 (FP8: e4m3) step of ``rms_norm``'s."""
+    case = Case(*shape, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0)
+    check_fused_with_norms(case, exact_reference=False, at_position_zero=True)
 
 
 def test_norms_over_several_head_blocks(monkeypatch):
@@ -462,11 +495,12 @@ def test_fused_replays_from_a_cuda_graph():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 2, 256, 4096])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8"])
-def test_norms_match_the_norm_kernel_on_cuda(cache_dtype, tokens):
+@pytest.mark.parametrize("at_position_zero", [False, True], ids=["rotated", "position-0"])
+def test_norms_match_the_norm_kernel_on_cuda(cache_dtype, tokens, at_position_zero):
     """bfloat16 at Qwen3-8B shapes (32 query heads, 8 key/value heads of 128, q_norm/k_norm),
-    into bfloat16 and FP8 caches: within one step of ``rms_norm`` then the fused kernel (nearly
-    every element bit for bit), near the reference."""
+    into bfloat16 and FP8 caches: near ``rms_norm`` then the fused kernel (nearly every element
+    bit for bit; at position 0, unrotated, each element within one step), near the reference."""
     num_pages = -(-tokens // 16) + 1
     check_fused_with_norms(Case(tokens, 32, 8, 128, 128, torch.bfloat16, cache_dtype,
                                 scale=300.0 if cache_dtype == FP8 else 1.0, num_pages=num_pages, page_size=16,
-                                max_positions=8192), exact_reference=False)
+                                max_positions=8192), exact_reference=False, at_position_zero=at_position_zero)
