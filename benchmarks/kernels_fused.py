@@ -1,7 +1,8 @@
 """Fused elementwise kernels vs the unfused PyTorch ops they replace, at Llama-3.1-8B shapes.
 
 For each kernel and T in {1, 32, 256, 4096} tokens: the kernel's time and the unfused ops'
-time (for rotary+write_kv: the rotary and K/V write kernels it replaces, two launches)
+time (for rotary+write_kv: the rotary and K/V write kernels it replaces, two launches; with the
+q/k norms, Qwen3-8B's shapes: the two per-head norm launches and the rotary write, three)
 (``triton.testing.do_bench``, median, microseconds), the speedup, and the kernel's
 largest error relative to the reference's largest magnitude. bfloat16, CUDA only; under a
 minute.
@@ -20,7 +21,7 @@ import torch
 
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tandem.kernels.kv_write import write_kv, write_kv_reference
-from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.kernels.norm import HeadNorm, rms_norm, rms_norm_reference
 from tandem.kernels.rotary import apply_rotary, apply_rotary_reference
 from tandem.kernels.rotary_kv_write import rotate_and_write_kv, rotate_and_write_kv_reference
 from tandem.layers.rotary import RotaryEmbedding
@@ -95,9 +96,9 @@ def kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Ca
     return fused, reference, unfused
 
 
-def rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Callable, Callable]:
-    """The one launch that rotates and writes; error against its reference (query and caches),
-    time against the two kernels it replaces (``apply_rotary`` then ``write_kv``)."""
+def rotary_kv_write_inputs(tokens: int, generator: torch.Generator) -> tuple:
+    """query, key, value (views of one qkv output), positions, slots, the rotary tables, and a
+    maker of zeroed bfloat16 caches."""
     rotary = RotaryEmbedding(HEAD_DIM, LLAMA3_ROPE, 8192).to("cuda")
     fused_qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
     query, key, value = fused_qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
@@ -105,10 +106,16 @@ def rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Calla
                          value.view(tokens, KV_HEADS, HEAD_DIM))
     positions = torch.randint(0, 8192, (tokens,), generator=generator).to("cuda")
     slots = torch.randperm(NUM_PAGES * PAGE_SIZE, generator=generator)[:tokens].to("cuda")
-    tables = (rotary.cos_table, rotary.sin_table)
     shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    caches = {role: [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-              for role in ("fused", "reference", "two kernels")}
+    make_caches = lambda: [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    return query, key, value, positions, slots, (rotary.cos_table, rotary.sin_table), make_caches
+
+
+def rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Callable, Callable]:
+    """The one launch that rotates and writes; error against its reference (query and caches),
+    time against the two kernels it replaces (``apply_rotary`` then ``write_kv``)."""
+    query, key, value, positions, slots, tables, make_caches = rotary_kv_write_inputs(tokens, generator)
+    caches = {role: make_caches() for role in ("fused", "reference", "two kernels")}
 
     def fused():
         return (rotate_and_write_kv(query, key, value, positions, *tables, *caches["fused"], slots),
@@ -126,10 +133,37 @@ def rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Calla
     return fused, reference, two_kernels
 
 
+def qk_norm_rotary_kv_write_case(tokens: int, generator: torch.Generator) -> tuple[Callable, Callable, Callable]:
+    """Qwen3's q_norm/k_norm inside the launch that rotates and writes; error against its
+    reference, time against the three launches it replaces (``rms_norm`` of the query, of the
+    key, then the rotary write without norms)."""
+    query, key, value, positions, slots, tables, make_caches = rotary_kv_write_inputs(tokens, generator)
+    norms = {name: HeadNorm(torch.randn(HEAD_DIM, generator=generator).to("cuda", torch.bfloat16), 1e-6)
+             for name in ("query_norm", "key_norm")}
+    caches = {role: make_caches() for role in ("fused", "reference", "three kernels")}
+
+    def fused():
+        return (rotate_and_write_kv(query, key, value, positions, *tables, *caches["fused"], slots, **norms),
+                *caches["fused"])
+
+    def reference():
+        return (rotate_and_write_kv_reference(query, key, value, positions, *tables, *caches["reference"], slots,
+                                              **norms), *caches["reference"])
+
+    def three_kernels():
+        normed_query = rms_norm(query, norms["query_norm"].weight, 1e-6)
+        normed_key = rms_norm(key, norms["key_norm"].weight, 1e-6)
+        return rotate_and_write_kv(normed_query, normed_key, value, positions, *tables, *caches["three kernels"],
+                                   slots)
+
+    return fused, reference, three_kernels
+
+
 CASES = {"rms_norm+residual [T,4096]": norm_case, "rms_norm per head [T,32,128]": head_norm_case,
          "rotary q[T,32,128] k[T,8,128]": rotary_case, "silu_and_mul [T,2*14336]": activation_case,
          "write_kv [T,8,128] x2": kv_write_case,
-         "rotary+write_kv (vs the two)": rotary_kv_write_case}
+         "rotary+write_kv (vs the two)": rotary_kv_write_case,
+         "q/k norm+rotary+write_kv (vs 3)": qk_norm_rotary_kv_write_case}
 
 
 def measure(name: str, tokens: int) -> tuple[str, int, float, float, float]:

@@ -18,7 +18,7 @@ would have held, quantized as ``quantize_token_groups`` would quantize it (``fp8
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -29,6 +29,23 @@ from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_d
 
 # Elements one program normalises at most (several short rows share a program).
 ELEMENTS_PER_PROGRAM = 4096
+
+
+class HeadNorm(NamedTuple):
+    """A per-head RMSNorm handed to a kernel that applies it itself on the way (the query/key
+    norm of Qwen3 and Gemma-3 inside ``rotary_kv_write.rotate_and_write_kv``): each head
+    normalised over its ``D`` exactly as ``rms_norm(x, weight, eps, weight_offset=...,
+    cast_before_weight=...)`` normalises it. ``weight`` is ``[D]``."""
+    weight: torch.Tensor
+    eps: float
+    weight_offset: float = 0.0
+    cast_before_weight: bool = True
+
+
+def head_norm_reference(x: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
+    """``norm`` applied to ``x [T, H, D]`` by ``rms_norm_reference``."""
+    return rms_norm_reference(x, norm.weight, norm.eps, weight_offset=norm.weight_offset,
+                              cast_before_weight=norm.cast_before_weight)
 
 
 # the step's token count, and token-major scales' group stride (the padded token count)

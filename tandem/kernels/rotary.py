@@ -11,7 +11,8 @@ Tables are ``[max_positions, rotary_dim]`` float32 in the ``cat(freqs, freqs)`` 
 cos and sin are cast to the input dtype before multiplying, and each product is rounded to it,
 as the unfused ``x * cos.to(dtype) + rotate_half(x) * sin.to(dtype)`` does. The rotation of a
 token's heads (``_rotate_heads``) also serves ``rotary_kv_write.py``, which stores the rotated keys
-straight into their cache slots.
+straight into their cache slots, and may normalise each head first (``_normalize_and_rotate_heads``:
+Qwen3's and Gemma-3's query/key norms).
 """
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def _rotate_heads(source_ptr, target_ptr, first_head, num_heads, head_stride, ta
     token's row of a dense output, or its slot of a paged cache). Each result is rounded to the
     source's dtype, then stored as ``_store_for_cache`` casts it for the target (``SATURATE``:
     an FP8 cache; otherwise a plain cast, none for a dense output of the source's dtype)."""
+    _normalize_and_rotate_heads(source_ptr, target_ptr, first_head, num_heads, head_stride, target_head_stride,
+                                head_dim, rotary_dim, cos_first, cos_second, sin_first, sin_second, limit,
+                                source_ptr, 0.0, 0.0, HEADS, HALF_BLOCK, TAIL_BLOCK, SATURATE, ROUND_IN_SOFTWARE,
+                                False, True)
+
+
+@jit
+def _normalize_and_rotate_heads(source_ptr, target_ptr, first_head, num_heads, head_stride, target_head_stride,
+                                head_dim, rotary_dim, cos_first, cos_second, sin_first, sin_second, limit,
+                                norm_weight_ptr, norm_eps, norm_weight_offset,
+                                HEADS: tl.constexpr, HALF_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+                                SATURATE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr, NORM: tl.constexpr,
+                                CAST_BEFORE_WEIGHT: tl.constexpr):
+    """``_rotate_heads``, each head first normalised where ``NORM``: an RMSNorm over the whole
+    head (both rotated halves and the tail) as ``norm.py``'s kernel takes it (weight ``[D]`` at
+    ``norm_weight_ptr``, ``norm_eps``, ``norm_weight_offset``, ``CAST_BEFORE_WEIGHT``), its
+    result rounded to the source's dtype and rotated as if it had been read from memory, so
+    that only the float32 sum of squares (its order) differs from ``rms_norm`` then this. The
+    tail past ``rotary_dim`` is normalised too (and not rotated)."""
     dtype = source_ptr.dtype.element_ty
     heads = first_head + tl.arange(0, HEADS)
     half = rotary_dim // 2
@@ -60,6 +80,23 @@ def _rotate_heads(source_ptr, target_ptr, first_head, num_heads, head_stride, ta
     target = target_ptr + (heads * target_head_stride)[:, None]
     first = tl.load(source + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     second = tl.load(source + half + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TAIL_BLOCK > 0:
+        tail = rotary_dim + tl.arange(0, TAIL_BLOCK)
+        tail_mask = (heads < num_heads)[:, None] & (tail < head_dim)[None, :]
+        tail_values = tl.load(source + tail[None, :], mask=tail_mask, other=0.0)
+    if NORM:
+        squares = tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)
+        if TAIL_BLOCK > 0:
+            tail_float = tail_values.to(tl.float32)
+            squares += tl.sum(tail_float * tail_float, axis=1)
+        inverse_rms = tl.math.rsqrt(squares / head_dim + norm_eps)
+        first = _normalized(first, inverse_rms, norm_weight_ptr, columns, columns < half, norm_weight_offset,
+                            dtype, CAST_BEFORE_WEIGHT)
+        second = _normalized(second, inverse_rms, norm_weight_ptr + half, columns, columns < half,
+                             norm_weight_offset, dtype, CAST_BEFORE_WEIGHT)
+        if TAIL_BLOCK > 0:
+            tail_values = _normalized(tail_float, inverse_rms, norm_weight_ptr, tail, tail < head_dim,
+                                      norm_weight_offset, dtype, CAST_BEFORE_WEIGHT).to(dtype)
     first_cos = (first * cos_first[None, :]).to(dtype).to(tl.float32)
     second_sin = (second * sin_first[None, :]).to(dtype).to(tl.float32)
     second_cos = (second * cos_second[None, :]).to(dtype).to(tl.float32)
@@ -69,10 +106,20 @@ def _rotate_heads(source_ptr, target_ptr, first_head, num_heads, head_stride, ta
     _store_for_cache(target + half + columns[None, :], (second_cos + first_sin).to(dtype), mask, limit,
                      SATURATE, ROUND_IN_SOFTWARE)
     if TAIL_BLOCK > 0:
-        tail = rotary_dim + tl.arange(0, TAIL_BLOCK)
-        tail_mask = (heads < num_heads)[:, None] & (tail < head_dim)[None, :]
-        _store_for_cache(target + tail[None, :], tl.load(source + tail[None, :], mask=tail_mask), tail_mask,
-                         limit, SATURATE, ROUND_IN_SOFTWARE)
+        _store_for_cache(target + tail[None, :], tail_values, tail_mask, limit, SATURATE, ROUND_IN_SOFTWARE)
+
+
+@jit
+def _normalized(piece, inverse_rms, weight_ptr, columns, column_mask, weight_offset, dtype: tl.constexpr,
+                CAST_BEFORE_WEIGHT: tl.constexpr):
+    """Columns ``columns`` of heads ``piece [HEADS, columns]`` (float32) normalised as
+    ``norm.py``'s kernel does, given each head's ``rsqrt(mean square + eps)``: rounded to
+    ``dtype`` (held in float32)."""
+    scale = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32) + weight_offset
+    hidden = piece * inverse_rms[:, None]
+    if CAST_BEFORE_WEIGHT:
+        hidden = hidden.to(dtype).to(tl.float32)
+    return (hidden * scale[None, :]).to(dtype).to(tl.float32)
 
 
 @jit

@@ -1,22 +1,25 @@
 """The attention front: a layer that declares its state spec and calls a backend.
 
 The backend interface is ``AttentionBackend.forward(query, key, value, buffers, metadata,
-scale, window=None, rotary=None, positions=None)``: given a ``rotary`` embedding it first rotates
-the query and key at ``positions``; it writes the new keys/values into the paged buffers and
-returns the attention output. With a ``window``, a query at position ``p`` reads only keys at positions
+scale, window=None, rotary=None, positions=None, query_norm=None, key_norm=None)``: given a
+``query_norm`` / ``key_norm`` (a per-head norm module, ``HeadNormModule``) it first normalises
+each query / key head, given a ``rotary`` embedding it then rotates the query and key at
+``positions``; it writes the new keys/values into the paged buffers and returns the attention
+output. With a ``window``, a query at position ``p`` reads only keys at positions
 ``p - window + 1 .. p`` (transformers' sliding-window mask: ``key > p - window``); page-table
 entries before that may be the null page. ``TorchAttentionBackend`` is plain PyTorch and runs
 on CPU and CUDA; ``TritonAttentionBackend`` runs the kernels of ``tandem/kernels`` on CUDA.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.kv_write import cast_for_cache
+from tandem.kernels.norm import HeadNorm
 from tandem.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from tandem.layers.attention_metadata import AttentionMetadata
 
@@ -47,11 +50,28 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
         (slots // page_size, slots % page_size), source)
 
 
+class HeadNormModule(Protocol):
+    """A per-head norm (Qwen3's and Gemma-3's q_norm/k_norm): called on ``[T, H, D]`` it
+    normalises each head; ``head_norm()`` gives its parameters to a kernel that applies it on
+    the way (``kernels/rotary_kv_write.py``), with the same result but for the order of a sum."""
+
+    def __call__(self, heads: torch.Tensor) -> torch.Tensor: ...
+
+    def head_norm(self) -> HeadNorm: ...
+
+
+def normalize_heads(query: torch.Tensor, key: torch.Tensor, query_norm: Optional[HeadNormModule],
+                    key_norm: Optional[HeadNormModule]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and key through their norm modules, where given."""
+    return (query if query_norm is None else query_norm(query)), (key if key_norm is None else key_norm(key))
+
+
 class AttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 buffers: dict[str, torch.Tensor], metadata: AttentionMetadata,
                 scale: float, window: Optional[int] = None, rotary: Optional["RotaryEmbedding"] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, query_norm: Optional[HeadNormModule] = None,
+                key_norm: Optional[HeadNormModule] = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -63,7 +83,9 @@ class TorchAttentionBackend(AttentionBackend):
     valid region (a stale read) still propagates and fails loudly.
     """
 
-    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None):
+    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None,
+                query_norm=None, key_norm=None):
+        query, key = normalize_heads(query, key, query_norm, key_norm)
         if rotary is not None:
             query, key = rotary(query, key, positions)
         key_cache, value_cache = buffers["key"], buffers["value"]
@@ -133,21 +155,25 @@ class TorchAttentionBackend(AttentionBackend):
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels (CUDA): one launch writes the step's keys and
     values into their pages (given a ``rotary`` embedding, the same launch rotates the queries
-    and keys first: ``kernels/rotary_kv_write.py``), one decode launch serves every decode row
-    (split-KV), one prefill launch every prefill chunk. No host synchronisation: capturable in a
-    CUDA graph."""
+    and keys first, and normalises their heads before that given norms:
+    ``kernels/rotary_kv_write.py``), one decode launch serves every decode row (split-KV), one
+    prefill launch every prefill chunk. No host synchronisation: capturable in a CUDA graph."""
 
-    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None):
+    def forward(self, query, key, value, buffers, metadata, scale, window=None, rotary=None, positions=None,
+                query_norm=None, key_norm=None):
         from tandem.kernels.kv_write import write_kv
         from tandem.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
         from tandem.kernels.rotary_kv_write import rotate_and_write_kv
 
         key_cache, value_cache = buffers["key"], buffers["value"]
         if rotary is None:
+            query, key = normalize_heads(query, key, query_norm, key_norm)
             write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         else:
             query = rotate_and_write_kv(query, key, value, positions, rotary.cos_table, rotary.sin_table,
-                                        key_cache, value_cache, metadata.slot_mapping)
+                                        key_cache, value_cache, metadata.slot_mapping,
+                                        query_norm=None if query_norm is None else query_norm.head_norm(),
+                                        key_norm=None if key_norm is None else key_norm.head_norm())
         output = torch.empty_like(query)
         num_decode = metadata.num_decode_tokens
         if num_decode:
@@ -188,11 +214,14 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 context: "ForwardContext", rotary: Optional["RotaryEmbedding"] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``. Given ``rotary``, the
-        query and key are rotated at ``positions [T]`` first, by the backend (the Triton one
-        does it in the launch that writes the keys and values into their pages)."""
+                positions: Optional[torch.Tensor] = None, query_norm: Optional[HeadNormModule] = None,
+                key_norm: Optional[HeadNormModule] = None) -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` → ``[T, Hq, D]``. Given ``query_norm``
+        / ``key_norm``, each query / key head is normalised first; given ``rotary``, the query
+        and key are then rotated at ``positions [T]``; both by the backend (the Triton one does
+        them in the launch that writes the keys and values into their pages)."""
         buffers = context.state.layer(self.layer_name)
         metadata = context.attention_metadata[context.state.group_of(self.layer_name)]
         return context.attention_backend.forward(query, key, value, buffers, metadata, self.scale,
-                                                 window=self.sliding_window, rotary=rotary, positions=positions)
+                                                 window=self.sliding_window, rotary=rotary, positions=positions,
+                                                 query_norm=query_norm, key_norm=key_norm)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.kernels.norm import HeadNorm, rms_norm, rms_norm_reference
 from tandem.layers.quantized_input import output_layout
 from tandem.parallel.shard import TensorShard
 
@@ -43,3 +43,8 @@ class RMSNorm(nn.Module):
             return rms_norm_reference(hidden, self.weight, self.variance_epsilon, residual=residual)
         return rms_norm(hidden, self.weight, self.variance_epsilon, residual=residual,
                         quantize=output_layout(self, hidden))
+
+    def head_norm(self) -> HeadNorm:
+        """This norm as a kernel applies it to each head of ``[T, H, D]`` itself (a per-head
+        output is always 16-bit: ``output_layout`` quantizes hidden states ``[T, D]`` only)."""
+        return HeadNorm(self.weight, self.variance_epsilon)

@@ -23,7 +23,7 @@ from torch import nn
 
 from tandem.kernels.activation import (gelu_and_mul, gelu_and_mul_reference, gelu_tanh_and_mul,
                                        gelu_tanh_and_mul_reference)
-from tandem.kernels.norm import rms_norm, rms_norm_reference
+from tandem.kernels.norm import HeadNorm, rms_norm, rms_norm_reference
 from tandem.layers.attention import Attention
 from tandem.layers.linear import StackedLinear, load_by_name
 from tandem.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -54,6 +54,10 @@ class GemmaRMSNorm(nn.Module):
         normalize = rms_norm if hidden.is_cuda else rms_norm_reference
         return normalize(hidden, self.weight, self.eps, residual=residual, weight_offset=1.0,
                          cast_before_weight=False)
+
+    def head_norm(self) -> HeadNorm:
+        """This norm as a kernel applies it to each head of ``[T, H, D]`` itself."""
+        return HeadNorm(self.weight, self.eps, weight_offset=1.0, cast_before_weight=False)
 
 
 def layer_rope_parameters(config, layer_type: str) -> dict:
@@ -108,11 +112,13 @@ class Gemma3AttentionBlock(nn.Module):
                 context: ForwardContext) -> torch.Tensor:
         tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = self.q_norm(query.reshape(tokens, self.num_heads, self.head_dim))
-        key = self.k_norm(key.reshape(tokens, self.num_kv_heads, self.head_dim))
+        query = query.reshape(tokens, self.num_heads, self.head_dim)
+        key = key.reshape(tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
-        # Rotated by the attention backend (on CUDA in the launch that writes the keys and values).
-        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions)
+        # Normalised and rotated by the attention backend (on CUDA in the launch that writes the
+        # keys and values).
+        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions,
+                           query_norm=self.q_norm, key_norm=self.k_norm)
         return self.o_proj(output.reshape(tokens, self.q_size))
 
 

@@ -76,10 +76,10 @@ class LlamaAttentionBlock(nn.Module):
         query = query.reshape(tokens, self.num_heads, self.head_dim)
         key = key.reshape(tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        # Rotated by the attention backend (on CUDA in the launch that writes the keys and values).
-        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions)
+        # Normalised (Qwen3's per-head q/k norms: RMSNorm, whose head_norm a kernel applies)
+        # and rotated by the attention backend (on CUDA in the launch that writes the keys and values).
+        norms = {"query_norm": self.q_norm, "key_norm": self.k_norm} if self.qk_norm else {}
+        output = self.attn(query, key, value, context, rotary=self.rotary, positions=positions, **norms)
         return self.o_proj(output.reshape(tokens, self.num_heads * self.head_dim), reduce=reduce)
 
 

@@ -114,24 +114,34 @@ def test_decode_launched_early_matches_oracle_and_the_plain_launch(arch, model_d
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_rotary_fused_with_the_kv_write_equals_the_two_launches(arch, kv_cache_dtype, model_dirs, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_rotary_fused_with_the_kv_write_equals_the_separate_launches(arch, kv_cache_dtype, model_dirs, monkeypatch):
     """bfloat16 engines (decode graphs, mixed-step graphs, eager prefills), 16-bit and FP8 K/V:
     rotating in the launch that writes the keys and values (``kernels/rotary_kv_write.py``)
-    gives the tokens and logprobs of ``apply_rotary`` then ``write_kv``, exactly."""
+    gives the tokens and logprobs of ``apply_rotary`` then ``write_kv``, exactly (llama). With
+    the per-head query/key norms in that launch too (gemma3, qwen3), against ``rms_norm`` of
+    each first: the order of the sum of squares moves a normalised element by a bfloat16 step
+    at times, so the logprobs agree within 0.05 and the tokens until a near tie."""
     import tandem.kernels.rotary_kv_write as fused_module
     from tandem.kernels.kv_write import write_kv
+    from tandem.kernels.norm import rms_norm
     from tandem.kernels.rotary import apply_rotary
 
     calls = []
     fused = fused_module.rotate_and_write_kv
 
-    def counted(*args):
-        calls.append(1)
-        return fused(*args)
+    def counted(*args, **norms):
+        calls.append(norms.get("query_norm") is not None and norms.get("key_norm") is not None)
+        return fused(*args, **norms)
 
-    def two_launches(query, key, value, positions, cos_table, sin_table, key_cache, value_cache, slots):
-        query, key = apply_rotary(query, key, positions, cos_table, sin_table)
+    def normalized(heads, norm):
+        return heads if norm is None else rms_norm(heads, norm.weight, norm.eps, weight_offset=norm.weight_offset,
+                                                   cast_before_weight=norm.cast_before_weight)
+
+    def separate_launches(query, key, value, positions, cos_table, sin_table, key_cache, value_cache, slots,
+                          query_norm=None, key_norm=None):
+        query, key = apply_rotary(normalized(query, query_norm), normalized(key, key_norm), positions, cos_table,
+                                  sin_table)
         write_kv(key, value, key_cache, value_cache, slots)
         return query
 
@@ -148,9 +158,32 @@ def test_rotary_fused_with_the_kv_write_equals_the_two_launches(arch, kv_cache_d
 
     monkeypatch.setattr(fused_module, "rotate_and_write_kv", counted)
     with_fused = outputs()
-    assert calls
-    monkeypatch.setattr(fused_module, "rotate_and_write_kv", two_launches)
-    assert with_fused == outputs()
+    assert calls and all(calls) == (arch != "llama") and any(calls) == (arch != "llama")
+    monkeypatch.setattr(fused_module, "rotate_and_write_kv", separate_launches)
+    if arch == "llama":
+        assert with_fused == outputs()
+    else:
+        assert_agree_until_a_near_tie(with_fused, outputs(), tolerance=0.05)
+
+
+def assert_agree_until_a_near_tie(actual: list, expected: list, tolerance: float) -> None:
+    """Per prompt (``(token_ids, [{token: logprob}])``): at each position the logprobs both
+    report within ``tolerance``, and the same token, until the first position where the
+    tokens differ, which must be a near tie (each token within ``2 * tolerance`` of the other
+    in both); after it the sequences go their own ways."""
+    compared = 0
+    for number, ((tokens, logprobs), (expected_tokens, expected_logprobs)) in enumerate(zip(actual, expected)):
+        for position, (token, expected_token) in enumerate(zip(tokens, expected_tokens)):
+            entry, expected_entry = logprobs[position], expected_logprobs[position]
+            for shared in entry.keys() & expected_entry.keys():
+                assert abs(entry[shared] - expected_entry[shared]) <= tolerance, (number, position, shared)
+            compared += 1
+            if token != expected_token:
+                for one, other in ((entry, expected_entry), (expected_entry, entry)):
+                    assert token in one and expected_token in one, (number, position, "not a near tie")
+                    assert abs(one[token] - one[expected_token]) <= 2 * tolerance, (number, position, "not a near tie")
+                break
+    assert compared >= len(actual), "no position compared"
 
 
 FAILED_CAPTURE = """
