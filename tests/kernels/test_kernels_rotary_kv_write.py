@@ -10,7 +10,7 @@ meet the reference within that rounding; ``-m gpu`` holds them to it bit for bit
 Llama-3.1-8B shapes.
 
 Given the per-head query/key norms (Qwen3's, Gemma-3's), the kernel is held to the norm kernel
-(``rms_norm``) then itself without them: within one step of the dtype at a head's scale, nearly
+(``rms_norm``) then itself without them: within two steps of the dtype at a head's scale, nearly
 every element bit for bit (only the order of the float32 sum of squares differs); float32 within
 1e-6 of the reference too. A wrong weight, eps or offset fails that comparison.
 """
@@ -307,9 +307,12 @@ def assert_within_a_step(actual: torch.Tensor, expected: torch.Tensor, steps: fl
         assert share >= equal_share, f"only {share:.3f} of the elements equal"
 
 
-def assert_each_within_a_step(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Each element (16-bit or FP8) at most one step of its dtype from ``expected``'s, the step
-    at the larger of the two magnitudes; NaN exactly where ``expected`` is."""
+def assert_each_within_two_steps(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Each element (16-bit or FP8) at most two steps of its dtype from ``expected``'s, the step
+    at the larger of the two magnitudes; NaN exactly where ``expected`` is. Two: where the
+    float32 sums of squares differ in their last bit, the normalised value may round a step
+    apart, and that step times the weight (a mantissa below 2) rounds to at most two of the
+    product's (seen on an H100-class GPU: 2.00)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     actual_values, expected_values = actual.float(), expected.float()
     assert torch.equal(actual_values.isnan(), expected_values.isnan())
@@ -317,7 +320,7 @@ def assert_each_within_a_step(actual: torch.Tensor, expected: torch.Tensor) -> N
     magnitude = torch.maximum(actual_values.abs(), expected_values.abs()).clamp_min(2 ** -6)
     step = 2.0 ** (torch.floor(torch.log2(magnitude)) - MANTISSA_BITS[expected.dtype])
     worst = float(((actual_values - expected_values).abs() / step).max())
-    assert worst <= 1.0, f"{worst:.2f} steps off"
+    assert worst <= 2.0, f"{worst:.2f} steps off"
 
 
 def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: bool = True,
@@ -326,8 +329,9 @@ def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: 
     bit (only the order of the sum of squares differs): within two steps at a head's scale (a
     normalised element a step off moves its rotated pair by up to a step of the head, the
     rounding of the rotation's products by up to one more); at position 0 (no rotation) each
-    element within one step of its own. Near the reference (float32: to 1e-6; bfloat16 on the
-    interpreter: ``assert_near_reference``); the reference bit for bit the references composed;
+    element within two steps of its own (``assert_each_within_two_steps``). Near the reference
+    (float32: to 1e-6; bfloat16 on the interpreter: ``assert_near_reference``); the reference bit
+    for bit the references composed;
     padding slots left poisoned."""
     norms = make_norms(case, flavour)
     inputs, results = run_with_norms(case, norms, at_position_zero=at_position_zero)
@@ -335,7 +339,7 @@ def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: 
     for actual, expected in zip(fused, results["norm kernel, then fused"]):
         assert_within_a_step(actual, expected, steps=2.0, equal_share=0.9)
         if at_position_zero and expected.dtype != torch.float32:
-            assert_each_within_a_step(actual, expected)
+            assert_each_within_two_steps(actual, expected)
     for actual, expected in zip(fused, results["reference"]):
         if exact_reference:
             assert_within_a_step(actual, expected)
@@ -366,18 +370,18 @@ def test_norms_float32_match_the_reference_and_the_norm_kernel(shape, cache_dtyp
 @pytest.mark.parametrize("flavour", ["qwen3", "gemma3", "key only"])
 @pytest.mark.parametrize("cache_dtype,shape", [(torch.bfloat16, GQA), (FP8, PARTIAL)], ids=["bfloat16-gqa",
                                                                                               "fp8-partial"])
-def test_norms_bfloat16_within_a_step_of_the_norm_kernel(cache_dtype, shape, flavour):
-    """bfloat16, both conventions, and a key norm without a query norm: within one bfloat16 (FP8:
-    e4m3) step of ``rms_norm`` then the fused kernel, and near the reference."""
+def test_norms_bfloat16_near_the_norm_kernel(cache_dtype, shape, flavour):
+    """bfloat16, both conventions, and a key norm without a query norm: within two bfloat16 (FP8:
+    e4m3) steps at a head's scale of ``rms_norm`` then the fused kernel, and near the reference."""
     case = Case(*shape, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0)
     check_fused_with_norms(case, flavour, exact_reference=False)
 
 
 @pytest.mark.parametrize("cache_dtype,shape", [(torch.bfloat16, GQA), (FP8, PARTIAL)], ids=["bfloat16-gqa",
                                                                                               "fp8-partial"])
-def test_norms_at_position_zero_are_the_norm_kernel_within_a_step(cache_dtype, shape):
+def test_norms_at_position_zero_are_the_norm_kernel_within_two_steps(cache_dtype, shape):
     """At position 0 the rotation is the identity: the query and keys are the normalised heads,
-    each element within one bfloat16 (FP8: e4m3) step of ``rms_norm``'s."""
+    each element within two bfloat16 (FP8: e4m3) steps of ``rms_norm``'s."""
     case = Case(*shape, torch.bfloat16, cache_dtype, scale=300.0 if cache_dtype == FP8 else 1.0)
     check_fused_with_norms(case, exact_reference=False, at_position_zero=True)
 
@@ -499,7 +503,7 @@ def test_fused_replays_from_a_cuda_graph():
 def test_norms_match_the_norm_kernel_on_cuda(cache_dtype, tokens, at_position_zero):
     """bfloat16 at Qwen3-8B shapes (32 query heads, 8 key/value heads of 128, q_norm/k_norm),
     into bfloat16 and FP8 caches: near ``rms_norm`` then the fused kernel (nearly every element
-    bit for bit; at position 0, unrotated, each element within one step), near the reference."""
+    bit for bit; at position 0, unrotated, each element within two steps), near the reference."""
     num_pages = -(-tokens // 16) + 1
     check_fused_with_norms(Case(tokens, 32, 8, 128, 128, torch.bfloat16, cache_dtype,
                                 scale=300.0 if cache_dtype == FP8 else 1.0, num_pages=num_pages, page_size=16,
