@@ -122,17 +122,20 @@ def run_all_three(case: Case, seed: int = 0):
     return inputs, results
 
 
+def compare_with_reference(fused, reference, exact_comparison) -> None:
+    """Each of the fused kernel's outputs against the reference's: by ``exact_comparison`` where
+    the reference is exact (float32, or a GPU's rounding), else near it (``assert_near_reference``)."""
+    for actual, expected in zip(fused, reference):
+        (exact_comparison or assert_near_reference)(actual, expected)
+
+
 def check_fused(case: Case, exact_reference: bool) -> tuple:
     inputs, results = run_all_three(case)
     slots = inputs[4]
     fused = results["fused"]
     for actual, expected in zip(fused, results["two kernels"]):
         assert_same_bits(actual, expected)
-    for actual, expected in zip(fused, results["reference"]):
-        if exact_reference:
-            assert_same_bits(actual, expected)
-        else:
-            assert_near_reference(actual, expected)
+    compare_with_reference(fused, results["reference"], assert_same_bits if exact_reference else None)
     # The padding rows' slots stay poisoned, every written slot holds numbers (FP8: saturated).
     written = int((slots >= 0).sum())
     for cache in fused[1:]:
@@ -340,11 +343,7 @@ def check_fused_with_norms(case: Case, flavour: str = "qwen3", exact_reference: 
         assert_within_a_step(actual, expected, steps=2.0, equal_share=0.9)
         if at_position_zero and expected.dtype != torch.float32:
             assert_each_within_two_steps(actual, expected)
-    for actual, expected in zip(fused, results["reference"]):
-        if exact_reference:
-            assert_within_a_step(actual, expected)
-        else:
-            assert_near_reference(actual, expected)
+    compare_with_reference(fused, results["reference"], assert_within_a_step if exact_reference else None)
     for actual, expected in zip(results["reference"], results["references composed"]):
         assert_same_bits(actual, expected)
     slots = inputs[4]
