@@ -266,9 +266,15 @@ def test_prefill_scales_out_and_in_under_load_losing_nothing(deployment, oracles
     assert len(nodes) == 2
     newcomer, = set(deployment.serving("prefill")) - {"prefill-0"}
     before = deployment.dispatched(newcomer)
-    for seed in range(300, 303):
-        prompt = prompt_ids(seed, 12)
-        assert_equals_oracle(complete(deployment, prompt, 6), oracle, prompt, 6)
+    # Probes three at a time: the newcomer's first request may still be running (a cold replica on
+    # a busy machine), and while one probe holds the other replica the next goes to the newcomer.
+    for first_seed in (300, 310, 320):
+        probes = {seed: pool.submit(complete, deployment, prompt_ids(seed, 12), 6)
+                  for seed in range(first_seed, first_seed + 3)}
+        for seed, future in probes.items():
+            assert_equals_oracle(future.result(), oracle, prompt_ids(seed, 12), 6)
+        if deployment.dispatched(newcomer) > before:
+            break
     assert deployment.dispatched(newcomer) > before
     # The burst is over: prefill shrinks back to one replica while the steady client goes on.
     wait_for(lambda: len(deployment.serving("prefill")) == 1, 60, f"prefill never scaled in:\n{deployment.log()}")
