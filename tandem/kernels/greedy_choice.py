@@ -53,6 +53,16 @@ def _merge(best, best_index, total, other, other_index, other_total):
 
 
 @jit
+def _summary(best, best_index, total):
+    """Lanes of (maximum, first index, sum of exp(x - maximum)) summaries merged into one:
+    ``(maximum, first index where it occurs, sum of exp(x - maximum))``."""
+    maximum = tl.max(best, 0)
+    safe = tl.where(maximum == float("-inf"), 0.0, maximum)
+    index = tl.min(tl.where(best == maximum, best_index, 2147483647), 0)
+    return maximum, index, tl.sum(total * tl.exp(best - safe), 0)
+
+
+@jit
 def _partial_kernel(logits_ptr, maxima_ptr, indices_ptr, totals_ptr, vocab_size, stride_row, num_parts,
                     PART: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -66,13 +76,11 @@ def _partial_kernel(logits_ptr, maxima_ptr, indices_ptr, totals_ptr, vocab_size,
         offsets = start + columns
         values = tl.load(base + offsets, mask=offsets < vocab_size, other=float("-inf")).to(tl.float32)
         best, best_index, total = _merge(best, best_index, total, values, offsets, 1.0)
-    maximum = tl.max(best, 0)
-    safe = tl.where(maximum == float("-inf"), 0.0, maximum)
-    index = tl.min(tl.where(best == maximum, best_index, 2147483647), 0)
+    maximum, index, total = _summary(best, best_index, total)
     out = row * num_parts + part
     tl.store(maxima_ptr + out, maximum)
     tl.store(indices_ptr + out, index)
-    tl.store(totals_ptr + out, tl.sum(total * tl.exp(best - safe), 0))
+    tl.store(totals_ptr + out, total)
 
 
 @jit
@@ -84,10 +92,7 @@ def _final_kernel(maxima_ptr, indices_ptr, totals_ptr, token_ptr, logprob_ptr, r
     maxima = tl.load(maxima_ptr + row * num_parts + parts, mask=mask, other=float("-inf"))
     indices = tl.load(indices_ptr + row * num_parts + parts, mask=mask, other=2147483647)
     totals = tl.load(totals_ptr + row * num_parts + parts, mask=mask, other=0.0)
-    maximum = tl.max(maxima, 0)
-    safe = tl.where(maximum == float("-inf"), 0.0, maximum)
-    token = tl.min(tl.where(maxima == maximum, indices, 2147483647), 0)
-    total = tl.sum(totals * tl.exp(maxima - safe), 0)
+    maximum, token, total = _summary(maxima, indices, totals)
     logprob = maximum - (tl.log(total) + maximum)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, logprob)

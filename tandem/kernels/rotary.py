@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.kv_write import _store_for_cache
+from tandem.kernels.kv_write import _last_contiguous, _store_for_cache
 from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
@@ -159,10 +159,6 @@ def _check(query: torch.Tensor, key: torch.Tensor, cos_table: torch.Tensor, call
         raise ValueError(f"{caller}: rotary_dim {rotary_dim} must be even and at most head_dim "
                          f"{query.shape[2]}; query {query.dtype} and key {key.dtype} must share a dtype")
     return rotary_dim
-
-
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,

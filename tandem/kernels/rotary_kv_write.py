@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from tandem.kernels import kv_write, rotary
-from tandem.kernels.kv_write import _slot_address, _write_heads
+from tandem.kernels.kv_write import _last_contiguous, _slot_address, _write_heads
 from tandem.kernels.norm import HeadNorm, head_norm_reference
 from tandem.kernels.rotary import _normalize_and_rotate_heads, _table_rows
 from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
@@ -82,10 +82,6 @@ def _rotary_kv_write_kernel(query_ptr, key_ptr, value_ptr, query_out_ptr, key_ca
                      num_key_heads, head_dim, value_token_stride, value_head_stride, page_size,
                      value_page_stride, value_offset_stride, value_cache_head_stride, limit, SATURATE,
                      ROUND_IN_SOFTWARE)
-
-
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check(query, key, value, cos_table, key_cache, value_cache, slot_mapping, positions,

@@ -43,6 +43,8 @@ class GemmaRMSNorm(nn.Module):
     """``x / rms(x) * (1 + weight)`` in float32, cast back to the input dtype (one kernel on
     CUDA, its bit-exact reference elsewhere)."""
 
+    CONVENTION = dict(weight_offset=1.0, cast_before_weight=False)  # the kernels' names for (1 + weight) in float32
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
@@ -52,12 +54,11 @@ class GemmaRMSNorm(nn.Module):
         """``norm(hidden)``; with ``residual``, ``(norm(hidden + residual), hidden + residual)``.
         ``hidden`` is ``[T, D]`` or ``[T, H, D]`` (per head)."""
         normalize = rms_norm if hidden.is_cuda else rms_norm_reference
-        return normalize(hidden, self.weight, self.eps, residual=residual, weight_offset=1.0,
-                         cast_before_weight=False)
+        return normalize(hidden, self.weight, self.eps, residual=residual, **self.CONVENTION)
 
     def head_norm(self) -> HeadNorm:
         """This norm as a kernel applies it to each head of ``[T, H, D]`` itself."""
-        return HeadNorm(self.weight, self.eps, weight_offset=1.0, cast_before_weight=False)
+        return HeadNorm(self.weight, self.eps, **self.CONVENTION)
 
 
 def layer_rope_parameters(config, layer_type: str) -> dict:
