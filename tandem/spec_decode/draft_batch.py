@@ -86,7 +86,7 @@ def run_rows(runner, network: DraftNetwork, rows: list[DraftRow], check_finite: 
         logits = None
         if wanted:
             logits = all_logits.index_select(0, to_device([step.query_starts[slot + 1] - 1 for slot in wanted],
-                                                          device, torch.long))
+                                                          device, torch.long)).float()
     else:
         input_ids = to_device(step.input_ids, device)
         if feed is not None:

@@ -151,7 +151,7 @@ class CudaGraphRunner:
         context = network.context(self._metadata(batch_size))
         hidden_in = self.hidden_in[:batch_size] if self.hidden_in is not None else None
         hidden = network.forward(self.input_ids[:batch_size], hidden_in, self.positions[:batch_size], context)
-        return hidden, network.logits(hidden).float()
+        return hidden, network.logits(hidden)  # (model dtype: the sampler reads it as it is)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -193,7 +193,7 @@ class CudaGraphRunner:
     def replay(self, step: StepInputs, feed=None, hidden_in: Optional[torch.Tensor] = None,
                broadcast_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step into the static buffers, replay, and return the ``[n, hidden]`` output
-        and ``[n, vocab]`` logits of its ``n`` rows (views of static buffers: valid until the
+        and ``[n, vocab]`` logits (model dtype) of its ``n`` rows (views of static buffers: valid until the
         next replay of this runner). ``feed`` writes pending input tokens (still on the device)
         into the static ids; ``hidden_in`` is the hidden input of a network that reads one.
         Under tensor parallelism ``broadcast_inputs`` sends rank 0's static ids (pending tokens

@@ -41,7 +41,7 @@ STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
 class ForwardOutput:
     """What a step's forward pass gives (``ModelRunner.run``); only rank 0 reads it."""
     hidden: torch.Tensor  # [tokens, hidden] the model's output (a replayed graph's: valid until its next replay)
-    logits: torch.Tensor  # [sampled rows, vocab] float32, in the order of ``StepInputs.sampling_rows``
+    logits: torch.Tensor  # [sampled rows, vocab] model dtype (readers cast), in the order of ``StepInputs.sampling_rows``
     prompt_logits: list[torch.Tensor]  # [rows, vocab] float32 per prompt-logit range, in the plan's order
 
 
@@ -195,8 +195,8 @@ class ModelRunner:
                 self.model.tensor_shard.broadcast(input_ids)
             hidden = self.model(input_ids, positions, context)
         rows = to_device(step.sampling_rows, self.device, torch.long)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float() if step.sampling_rows else \
-            hidden.new_zeros((0, 0), dtype=torch.float32)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)) if step.sampling_rows else \
+            hidden.new_zeros((0, 0))
         return hidden, logits
 
     def graph_choice(self) -> GraphChoice:

@@ -44,7 +44,7 @@ class _Verification:
     def run(self) -> VerifyOutput:
         plan, rows, device = self.plan, self.rows, self.device
         logits = self.logits
-        raw = logits.index_select(0, to_device(rows.logits_rows, logits.device, torch.long))
+        raw = logits.index_select(0, to_device(rows.logits_rows, logits.device, torch.long)).float()
         metadata = self._metadata()
         processed = Sampler.process_logits(raw.clone(), metadata)
         greedy_tokens = processed.argmax(dim=-1)
