@@ -46,7 +46,7 @@ from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, PER_TOKEN_LAYOUT, BlockGemmConfig, block_gemm_config,
                                      block_scaled_matmul, fp8_linear, quantize_activation, quantize_token_groups)
 from tandem.kernels.norm import rms_norm
-from tandem.kernels.fp8_weight_only import (GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, multiprocessors,
+from tandem.kernels.fp8_weight_only import (FP8_GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, multiprocessors,
                                             weight_only_config, weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
@@ -71,13 +71,13 @@ def weight_only_row(name, rows, features, tokens, weights, bandwidth) -> str:
         milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group))
         moved = weight.numel() + scale.numel() * 4 + tokens * (features + rows) * 2
         config = weight_only_config(rows, features, group, multiprocessors(hidden))
-        tiles = "gemv" if tokens <= GEMV_MAX_TOKENS else f"n{config.block_n} k{config.block_k} s{config.split}"
+        tiles = "gemv" if tokens <= FP8_GEMV_MAX_TOKENS else f"n{config.block_n} k{config.block_k} s{config.split}"
         cells.append(f"{milliseconds:>9.4f}{moved / bandwidth * 1e3 / milliseconds:>6.2f}  ({tiles})")
     return f"{name:<9}{tokens:>6}" + "".join(cells)
 
 
 def sweep(name, rows, features, weights, bandwidth) -> None:
-    """The tensor-core weight-only tiles at 16 tokens (their largest size; one and two tokens take
+    """The tensor-core weight-only tiles at 16 tokens (their largest size; one token takes
     ``gemv.py``, tuned by ``benchmarks/kernels_gemv.py --sweep``), best first (for tuning
     ``weight_only_config``; single launches, so the smaller shapes carry the launch latency a
     CUDA graph hides)."""
@@ -86,9 +86,9 @@ def sweep(name, rows, features, weights, bandwidth) -> None:
         for weight, scale, group in weights:
             results = []
             for block_n in (16, 32, 64):
-                for block_k in (256, 512):
+                for block_k in (128, 256):
                     for split in (1, 2, 4):
-                        for warps, stages in ((4, 4), (4, 6), (8, 4)):
+                        for warps, stages in ((4, 3), (4, 4), (8, 4)):
                             config = WeightOnlyConfig(block_n, block_k, split, warps, stages)
                             try:
                                 milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group,

@@ -7,18 +7,25 @@ float8_e4m3fn, ``weight_scale [N, ceil(K / group)]`` float32; ``group=None``: on
 At ``M <= 16`` tokens the product is bound by reading the weight (an 8B model's decode step reads
 ~8 GB of FP8 weights; at ~3 TB/s that is ~2.7 ms), so this path skips the activation
 quantization launch altogether: each program streams a ``BLOCK_N x K`` strip of the weight (or
-a ``1 / SPLIT`` of it), converts each FP8 tile to the activations' type (exact: e4m3 values
-have 3 mantissa bits), multiplies on the tensor cores into float32 and applies the row's scale
-per K group. Without activation rounding it is closer to the dequantized weights than the
-activation-quantized path.
+a ``1 / SPLIT`` of it) and multiplies each tile by the tokens' activations on the tensor cores,
+the weight strip as the tile's tall operand and the (up to 16) tokens as its narrow one, into
+float32, applying the row's scale per K group. Without activation rounding it is closer to the
+dequantized weights than the activation-quantized path.
+
+The operands go to the tensor cores as float16: an e4m3 value converts to it exactly in one
+instruction per two values (to bfloat16 it takes several, which read the weight ~15% slower on
+an H100), and so does a 16-bit activation of magnitude 2^-14 to 65,504 (smaller ones round to
+float16's subnormal steps of 2^-24, far below the products' float32 sum's rounding). A
+program whose sum comes out non-finite (an activation past float16's range) multiplies again
+in float32, so such input gives the reference's result, never infinities of the conversion.
 
 Split-K: where ``N / BLOCK_N`` programs would leave SMs idle (small N), ``SPLIT`` programs share
 a strip's K range and add float32 partials into a zeroed buffer (``tl.atomic_add``), cast
 afterwards; otherwise each program writes its tile. Everything is shape-static per token count,
 so a CUDA graph captured at a batch size replays the same launch.
 
-At one or two tokens (``GEMV_MAX_TOKENS``) a tensor-core tile would be 15/16 padding: those
-go to the CUDA-core kernels of ``gemv.py``.
+At one token (``FP8_GEMV_MAX_TOKENS``) a tensor-core tile would be 15/16 padding and the
+CUDA-core kernels of ``gemv.py`` read the weight faster; from two tokens up this kernel does.
 
     grid = (ceil(N / BLOCK_N), SPLIT)
     program (n, s):  rows n*BLOCK_N .. +BLOCK_N of W,  K range s*K_PER_SPLIT .. +K_PER_SPLIT
@@ -36,6 +43,7 @@ from tandem.kernels.gemv import (GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocesso
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
+FP8_GEMV_MAX_TOKENS = 1  # the token counts ``gemv.py`` serves instead (its own tiles)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,10 @@ class WeightOnlyConfig:
     split: int  # programs sharing one strip's K range
     warps: int = 4
     stages: int = 4
+    # The operands' type on the tensor cores: "float16", "bfloat16" (the activations as they
+    # are) or "float32"; None: float16 on a GPU, float32 interpreted on a CPU.
+    dot: Optional[str] = None
+
 
 
 def weight_only_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -57,21 +69,21 @@ def weight_only_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, wei
 
 
 def weight_only_config(rows: int, features: int, group: Optional[int], multiprocessors: int) -> WeightOnlyConfig:
-    """Tiles for H100-class GPUs (132 SMs, ~3 TB/s): a strip of 64 rows, narrowed to 16 while
-    fewer than two programs per SM result; then K split in halves (keeping two or more steps
-    per program) while fewer than 1.5 programs per SM remain, since split-K costs two extra
-    launches (the Llama-3.1-8B projections need none). Each step reads ``BLOCK_N x 256`` FP8
-    bytes, three steps ahead: with two or more programs per SM that keeps ~30 KB of weight
-    reads in flight per SM, what its latency-bandwidth product asks for. ``group`` (the scale
-    block) does not change the tiles: a step spans whole scale groups or lies within one."""
-    wanted = 2 * multiprocessors
-    block_k = min(256, max(16, triton.next_power_of_2(features)))
-    block_n = 64
-    while block_n > 16 and triton.cdiv(rows, block_n) < wanted:
-        block_n //= 2
+    """Tiles for H100-class GPUs (132 SMs, ~3 TB/s), from a sweep of the Llama-3.1-8B
+    projections at 1, 2 and 16 tokens (stacks of 32 weights replayed from a CUDA graph):
+    strips of 32 weight rows, 64 on tall weights (16,384 rows or more: gate/up); steps of 256
+    inputs for per-row scales on rows shorter than 8,192 inputs, else 128 (one block-scale
+    column a step). Split-K costs two extra launches (the zeroed float32 buffer and the cast),
+    which pays only where a program's loop is long or carries block scales: K is split in
+    halves while fewer than 2.5 programs per SM result (keeping two or more steps a program),
+    except for per-row scales on short rows, which read fastest unsplit."""
+    block_n = 64 if rows >= 16384 else 32
+    per_row_short = group is None and features < 8192
+    block_k = min(256 if per_row_short else 128, max(16, triton.next_power_of_2(features)))
     split = 1
     steps = triton.cdiv(features, block_k)
-    while triton.cdiv(rows, block_n) * split * 4 // 3 < wanted and steps // (2 * split) >= 2:
+    while (not per_row_short and 2 * triton.cdiv(rows, block_n) * split < 5 * multiprocessors
+           and steps // (2 * split) >= 2):
         split *= 2
     return WeightOnlyConfig(block_n=block_n, block_k=block_k, split=split)
 
@@ -85,13 +97,12 @@ def _step_scales(w_scale, columns, column_mask, scale_columns, start, K, GROUP: 
                    mask=column_mask[:, None] & (offsets < K)[None, :], other=0.0)
 
 
-@jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
-def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
-                      UPCAST: tl.constexpr):
-    """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
-    ``UPCAST``: multiply in float32 (the interpreter's path); ``ATOMIC``: add into float32 ``out``.
+@jit
+def _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT, GROUP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                     DOT: tl.constexpr):
+    """``(w * w_scale)[rows, k] @ x[:, k].T`` over this program's ``BLOCK_N`` weight rows and K
+    range: ``[BLOCK_N, BLOCK_M]`` float32, the operands multiplied on the tensor cores in ``DOT``.
 
     The weight tiles are software-pipelined by the compiler (``num_stages``); the scales are
     loaded by hand one step ahead (a load waited on in the step that issues it would stall
@@ -100,14 +111,12 @@ def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_ou
     PER_ROW: tl.constexpr = GROUP >= (1 << 30)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(1) * K_PER_SPLIT
-    rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < M
+    tokens = tl.arange(0, BLOCK_M)
+    token_mask = tokens < M
     column_mask = columns < N
     parts = tl.arange(0, PARTS)
-    accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PER_ROW:
-        row_scales = tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
-    else:
+    accumulator = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if not PER_ROW:
         scales = _step_scales(w_scale, columns, column_mask, scale_columns, k_begin, K, GROUP, SUB_K, PARTS)
     for start in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
         if not PER_ROW:
@@ -116,25 +125,49 @@ def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_ou
         for part in tl.static_range(PARTS):
             k = start + part * SUB_K + tl.arange(0, SUB_K)
             k_mask = k < K
-            x_tile = tl.load(x + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+            w_tile = tl.load(w + columns[:, None] * stride_w + k[None, :],
+                             mask=column_mask[:, None] & k_mask[None, :], other=0.0)
+            x_tile = tl.load(x + tokens[None, :] * stride_x + k[:, None], mask=token_mask[None, :] & k_mask[:, None],
                              other=0.0)
-            w_tile = tl.load(w + columns[None, :] * stride_w + k[:, None],
-                             mask=column_mask[None, :] & k_mask[:, None], other=0.0)
-            if UPCAST:
-                partial = tl.dot(x_tile.to(tl.float32), w_tile.to(tl.float32))
+            if DOT == "float16":
+                partial = tl.dot(w_tile.to(tl.float16), x_tile.to(tl.float16))
+            elif DOT == "bfloat16":
+                partial = tl.dot(w_tile.to(tl.bfloat16), x_tile.to(tl.bfloat16))
             else:
-                partial = tl.dot(x_tile, w_tile.to(x_tile.dtype))
+                partial = tl.dot(w_tile.to(tl.float32), x_tile.to(tl.float32))
             if PER_ROW:
                 accumulator += partial
             else:
                 scale = tl.sum(tl.where(parts[None, :] == part, scales, 0.0), axis=1)
-                accumulator += partial * scale[None, :]
+                accumulator += partial * scale[:, None]
         if not PER_ROW:
             scales = next_scales
     if PER_ROW:
-        accumulator *= row_scales[None, :]
-    pointers = out + rows[:, None] * stride_out + columns[None, :]
-    mask = row_mask[:, None] & column_mask[None, :]
+        accumulator *= tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)[:, None]
+    return accumulator
+
+
+@jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
+def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr):
+    """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
+    ``ATOMIC``: add into float32 ``out``. ``DOT`` float16: the FP8 weight converts exactly, two
+    values an instruction, and so do 16-bit activations of magnitude 2^-14 to 65,504 (smaller
+    ones round to float16's subnormal steps of 2^-24); a non-finite sum (an activation past
+    float16's range, or a non-finite input) sends the program through the product again in
+    float32, which gives what the reference gives."""
+    accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT, GROUP,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, DOT)
+    if DOT == "float16":
+        finite = tl.abs(accumulator) <= 3.4028234663852886e38  # (False for inf and NaN)
+        if tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 0:
+            accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT,
+                                           GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, "float32")
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.arange(0, BLOCK_M)
+    pointers = out + tokens[None, :] * stride_out + columns[:, None]
+    mask = (tokens < M)[None, :] & (columns < N)[:, None]
     if ATOMIC:
         tl.atomic_add(pointers, accumulator, mask=mask)
     else:
@@ -143,7 +176,7 @@ def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_ou
 
 def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: Optional[int],
                        config: Optional[WeightOnlyConfig] = None) -> torch.Tensor:
-    """``weight_only_matmul_reference``: up to ``GEMV_MAX_TOKENS`` tokens ``gemv.gemv`` (its
+    """``weight_only_matmul_reference``: up to ``FP8_GEMV_MAX_TOKENS`` tokens ``gemv.gemv`` (its
     own tiles), above that the tensor-core tile as one Triton launch (two more with split-K:
     the zeroed float32 buffer and the cast). ``hidden [M <= 16, K]`` contiguous rows; ``group``
     None or a power of two >= 16. ``config``: tiles other than ``weight_only_config``'s
@@ -152,7 +185,7 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     rows = weight.shape[0]
     if tokens > MAX_TOKENS:
         raise ValueError(f"weight_only_matmul serves at most {MAX_TOKENS} tokens, got {tokens}")
-    if 0 < tokens <= GEMV_MAX_TOKENS and config is None:
+    if 0 < tokens <= FP8_GEMV_MAX_TOKENS and config is None:
         return gemv(hidden, weight, weight_scale, group)
     if config is None:
         config = weight_only_config(rows, features, group, multiprocessors(hidden))
@@ -166,5 +199,6 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
                             weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
                             GROUP=WHOLE_ROW if group is None else group, BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n,
                             BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic,
-                            UPCAST=not hidden.is_cuda, num_warps=config.warps, num_stages=config.stages)
+                            DOT=config.dot or ("float16" if hidden.is_cuda else "float32"), num_warps=config.warps,
+                            num_stages=config.stages)
     return output.to(hidden.dtype) if atomic else output

@@ -9,7 +9,7 @@ from tandem.kernels.fp8_activation import ActivationLayout, QuantizedActivation
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, block_wise_product, block_wise_scaled_mm,
                                      block_wise_scaled_mm_available, block_wise_scales, fp8_linear, fp8_linear_layout,
                                      fp8_product)
-from tandem.kernels.fp8_weight_only import GEMV_MAX_TOKENS, MAX_TOKENS, weight_only_matmul
+from tandem.kernels.fp8_weight_only import MAX_TOKENS, weight_only_matmul
 
 
 class Fp8LinearMethod:
@@ -18,10 +18,9 @@ class Fp8LinearMethod:
     By token count, which is fixed for each captured CUDA graph (a decode batch size), so each
     graph holds the kernel its size takes:
 
-    - on CUDA, up to ``MAX_TOKENS`` tokens (decode; block-scaled weights: up to
-      ``GEMV_MAX_TOKENS``): 16-bit activations times the FP8 weight dequantized in registers
-      (``weight_only_matmul``): bound by reading the weight, with no activation quantization
-      launch;
+    - on CUDA, up to ``MAX_TOKENS`` tokens (decode): 16-bit activations times the FP8 weight
+      dequantized in registers (``weight_only_matmul``): bound by reading the weight, with no
+      activation quantization launch;
     - 128x128 block weights on an H100-class GPU above that: cuBLASLt's block-wise
       ``torch._scaled_mm`` (``block_wise_scaled_mm``), where the scales are whole blocks;
     - otherwise: the activations quantized on the fly, per token (``block_columns=None``) or
@@ -35,12 +34,7 @@ class Fp8LinearMethod:
 
     def __init__(self, block_columns: Optional[int]) -> None:
         self.block_columns = block_columns
-        # The weight-only path's reach by scale layout: with per-row (and per-tensor) scales it
-        # serves every decode size up to ``MAX_TOKENS``; with 128x128 block scales only the
-        # CUDA-core kernel's one or two tokens, since above that its tensor-core tile read the
-        # weight slower than quantizing the activations and running the block GEMM (H100,
-        # Llama-3.1-8B shape; benchmarks/latency.py --quantization fp8-block).
-        self.weight_only_tokens = MAX_TOKENS if block_columns is None else GEMV_MAX_TOKENS
+        self.weight_only_tokens = MAX_TOKENS  # (either scale layout)
 
     def _block_wise_scales(self, module) -> Optional[torch.Tensor]:
         """The module's block scales in cuBLASLt's layout (``block_wise_scales``), made on its

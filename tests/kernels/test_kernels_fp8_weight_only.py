@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.fp8_weight_only import (GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
+from tandem.kernels.fp8_weight_only import (MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
                                             weight_only_matmul_reference)
 from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 from tests.support.kernels import quantized_weight
@@ -37,15 +37,38 @@ def test_weight_only_product_equals_reference(tokens, rows, features, group, con
     assert not torch.allclose(expected, weight_only_matmul_reference(hidden, weight, torch.ones_like(scale), group))
 
 
+@pytest.mark.parametrize("group", [None, 32])
+def test_float16_operands_and_their_float32_redo(group):
+    """The GPU's operand type, interpreted: 16-bit activations and the FP8 weight in float16 on
+    the tensor cores give the reference to the output's rounding; an activation past float16's
+    range (here 1e6) sends its programs through the product again in float32, so the output is
+    the reference's, finite, rather than the infinities float16 makes of it."""
+    weight, scale = quantized_weight(40, 96, group, seed=3)
+    hidden = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    config = WeightOnlyConfig(block_n=16, block_k=32, split=1, dot="float16")
+    for value in (None, 1e6):
+        if value is not None:
+            hidden[1, 5] = value
+        expected = weight_only_matmul_reference(hidden, weight, scale, group)
+        actual = weight_only_matmul(hidden, weight, scale, group, config)
+        assert torch.isfinite(actual).all()
+        step = 2.0 ** (torch.floor(torch.log2(expected.float().abs().clamp_min(1e-30))) - 7)  # a bfloat16 step
+        assert ((actual.float() - expected.float()).abs() <= step).all()
+
+
 def test_weight_only_tiles_fill_an_h100():
-    """Two or more programs per SM (132) for every Llama-3.1-8B projection and for small N."""
+    """The tiles of the sweep behind ``weight_only_config`` (132 SMs): every Llama-3.1-8B
+    projection, and a small N, makes 256 programs or more (about two per SM), except per-row
+    scales on short rows, never split (there split-K cost more than it gave)."""
     for rows, features in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (512, 4096)]:
         for group in (None, 128):
             config = weight_only_config(rows, features, group, 132)
             programs = -(-rows // config.block_n) * config.split
-            assert programs >= 198, (rows, features, group, config)
-            assert config.block_k >= 128
+            assert programs >= (16 if group is None and features < 8192 else 256), (rows, features, group, config)
+            assert config.block_k >= 128 and config.block_n in (32, 64)
             assert group is None or group % config.block_k == 0 or config.block_k % group == 0
+    assert weight_only_config(4096, 14336, None, 132).split == 4  # long rows split (the down projection)
+    assert weight_only_config(4096, 4096, 128, 132).split == 4 and weight_only_config(6144, 4096, None, 132).split == 1
 
 
 def test_weight_only_refuses_more_than_its_tokens():
@@ -75,8 +98,8 @@ def test_gpu_weight_only_product_equals_reference(rows, features, tokens, group)
 @requires_cuda
 @pytest.mark.parametrize("group", [None, 128])
 def test_gpu_linear_method_takes_the_weight_only_path_at_decode_sizes_in_a_graph(group):
-    """Per-row scales take the weight-only path at decode sizes; block scales at one or two
-    tokens, the block GEMM above."""
+    """Both scale layouts take the weight-only path at decode sizes (up to 16 tokens), the
+    activation-quantized GEMMs above."""
     from tandem.quantization.linear_method import Fp8LinearMethod
 
     weight, scale = quantized_weight(4096, 4096, group, seed=4, device="cuda")
@@ -87,9 +110,8 @@ def test_gpu_linear_method_takes_the_weight_only_path_at_decode_sizes_in_a_graph
         hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
         exact = weight_only_matmul_reference(hidden, weight, scale, group).float()
         error = (method.apply(module, hidden, None).float() - exact).abs().max() / exact.abs().max()
-        # weight-only (per-row scales up to MAX_TOKENS, block scales up to GEMV_MAX_TOKENS:
-        # Fp8LinearMethod says why): bfloat16 rounding (< 1%); otherwise activations in e4m3 (a few %)
-        weight_only = tokens <= (MAX_TOKENS if group is None else GEMV_MAX_TOKENS)
+        # weight-only: bfloat16 rounding (< 1%); otherwise activations in e4m3 (a few %)
+        weight_only = tokens <= MAX_TOKENS
         assert (error < 0.01) == weight_only, (tokens, float(error))
     static = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     eager = method.apply(module, static, None)
@@ -113,7 +135,7 @@ def weight_only_request(group, atomic, unaligned=("M",)) -> dict:
                  "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_out": "i32",
                  "scale_columns": "i32", "K_PER_SPLIT": "i32"}
     constexprs = {"GROUP": group or WHOLE_ROW, "BLOCK_M": MAX_TOKENS, "BLOCK_N": 16, "BLOCK_K": 256,
-                  "SUB_K": min(group or 256, 256), "ATOMIC": atomic, "UPCAST": False}
+                  "SUB_K": min(group or 256, 256), "ATOMIC": atomic, "DOT": "float16"}
     return compile_request("tandem.kernels.fp8_weight_only", "_weight_only_gemm", signature, constexprs, warps=4,
                            stages=4, unaligned=unaligned)
 

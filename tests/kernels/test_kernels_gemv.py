@@ -35,6 +35,9 @@ def weights(rows, features, group, seed, device="cpu"):
     # Step sums: per-row and block scales, partial strip and step, split-K.
     (2, 40, 100, None, GemvConfig(block_n=16, block_k=32, kernel=STEP_SUMS)),
     (1, 24, 96, 16, GemvConfig(block_n=16, block_k=64, split=2, kernel=STEP_SUMS)),
+    # Block scales over several steps (each step's scales loaded a step ahead), a partial last step.
+    (2, 33, 100, 16, GemvConfig(block_n=16, block_k=32, kernel=STEP_SUMS)),
+    (1, 24, 200, 16, GemvConfig(block_n=8, block_k=32, split=2)),
     (2, 24, 100, "none", GemvConfig(block_n=8, block_k=32, kernel=STEP_SUMS)),
 ])
 def test_gemv_equals_reference(tokens, rows, features, group, config):
