@@ -20,9 +20,10 @@ program whose sum comes out non-finite (an activation past float16's range) mult
 in float32, so such input gives the reference's result, never infinities of the conversion.
 
 Split-K: where ``N / BLOCK_N`` programs would leave SMs idle (small N), ``SPLIT`` programs share
-a strip's K range and add float32 partials into a zeroed buffer (``tl.atomic_add``), cast
-afterwards; otherwise each program writes its tile. Everything is shape-static per token count,
-so a CUDA graph captured at a batch size replays the same launch.
+a strip's K range, each storing a float32 partial; the strip's last program to finish sums
+them in split order and stores the output (one launch, the same sums every time); otherwise
+each program stores its tile. Everything is shape-static per token count, so a CUDA graph
+captured at a batch size replays the same launch.
 
 At one token (``FP8_GEMV_MAX_TOKENS``) a tensor-core tile would be 15/16 padding and the
 CUDA-core kernels of ``gemv.py`` read the weight faster; from two tokens up this kernel does.
@@ -33,13 +34,14 @@ CUDA-core kernels of ``gemv.py`` read the weight faster; from two tokens up this
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from tandem.kernels.gemv import (GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
-                                 split_output, sub_tile_inputs)
+                                 sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
@@ -148,15 +150,16 @@ def _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, 
 
 
 @jit(do_not_specialize=["M"])  # the step's token count (K_PER_SPLIT: always a multiple of BLOCK_K)
-def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr):
-    """``out[M, N] (+)= x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows and K range.
-    ``ATOMIC``: add into float32 ``out``. ``DOT`` float16: the FP8 weight converts exactly, two
-    values an instruction, and so do 16-bit activations of magnitude 2^-14 to 65,504 (smaller
-    ones round to float16's subnormal steps of 2^-24); a non-finite sum (an activation past
-    float16's range, or a non-finite input) sends the program through the product again in
-    float32, which gives what the reference gives."""
+def _weight_only_gemm(x, w, w_scale, out, partials, arrivals, M, N, K, stride_x, stride_w, stride_out, scale_columns,
+                      K_PER_SPLIT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT_SUM: tl.constexpr, DOT: tl.constexpr):
+    """``out[M, N] = x[M, K] @ (w * w_scale)[N, K].T`` over this program's rows; with split-K
+    (``SPLIT_SUM``) over its K range, summed by the strip's last program (see
+    ``_sum_split_partials``). ``DOT`` float16: the FP8 weight converts exactly, two values an
+    instruction, and so do 16-bit activations of magnitude 2^-14 to 65,504 (smaller ones round
+    to float16's subnormal steps of 2^-24); a non-finite sum (an activation past float16's
+    range, or a non-finite input) sends the program through the product again in float32,
+    which gives what the reference gives."""
     accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT, GROUP,
                                    BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, DOT)
     if DOT == "float16":
@@ -166,19 +169,58 @@ def _weight_only_gemm(x, w, w_scale, out, M, N, K, stride_x, stride_w, stride_ou
                                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, "float32")
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
-    pointers = out + tokens[None, :] * stride_out + columns[:, None]
     mask = (tokens < M)[None, :] & (columns < N)[:, None]
-    if ATOMIC:
-        tl.atomic_add(pointers, accumulator, mask=mask)
+    if SPLIT_SUM:
+        _sum_split_partials(accumulator, out, partials, arrivals, M, N, stride_out, columns, tokens, mask)
     else:
-        tl.store(pointers, accumulator.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + tokens[None, :] * stride_out + columns[:, None], accumulator.to(out.dtype.element_ty),
+                 mask=mask)
+
+
+@jit
+def _sum_split_partials(accumulator, out, partials, arrivals, M, N, stride_out, columns, tokens, mask):
+    """Split-K without extra launches: each of a strip's programs stores its float32 partial in
+    ``partials[split]`` and counts itself in on the strip's arrival counter; the one that
+    arrives last sums every split's partial in split order (the same sums every launch, unlike
+    atomic adds), stores the output in its dtype and sets the counter back to zero for the next
+    launch. The partials are stored before the count (a barrier, then a release) and read after
+    it (an acquire) from L2, past the SM's own cache."""
+    strip = tl.program_id(0)
+    splits = tl.num_programs(1)
+    offsets = tokens[None, :] * N + columns[:, None]
+    tl.store(partials + tl.program_id(1) * M * N + offsets, accumulator, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals + strip, 1, sem="acq_rel")
+    if arrived == splits - 1:
+        total = tl.zeros(accumulator.shape, dtype=tl.float32)
+        for split in range(0, splits):
+            total += tl.load(partials + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out + tokens[None, :] * stride_out + columns[:, None], total.to(out.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(arrivals + strip, 0)
+
+
+# Per device: one arrival counter per strip of a split-K product, zero between launches (each
+# launch's last programs set theirs back). Products on one device run one after another on its
+# compute stream, so one set serves them all. Made (zeroed) by the first eager split product:
+# a CUDA graph's capture never records the zeroing; a capture that comes first (never in the
+# engine: every graph is warmed up eagerly) runs that product unsplit.
+ARRIVAL_SLOTS = 1 << 16
+_ARRIVALS: dict[tuple[str, Optional[int]], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> Optional[torch.Tensor]:
+    key = (device.type, device.index)
+    counters = _ARRIVALS.get(key)
+    if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counters = _ARRIVALS[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: Optional[int],
                        config: Optional[WeightOnlyConfig] = None) -> torch.Tensor:
     """``weight_only_matmul_reference``: up to ``FP8_GEMV_MAX_TOKENS`` tokens ``gemv.gemv`` (its
-    own tiles), above that the tensor-core tile as one Triton launch (two more with split-K:
-    the zeroed float32 buffer and the cast). ``hidden [M <= 16, K]`` contiguous rows; ``group``
+    own tiles), above that the tensor-core tile as one Triton launch (split-K included: the
+    strip's last program sums the partials). ``hidden [M <= 16, K]`` contiguous rows; ``group``
     None or a power of two >= 16. ``config``: tiles other than ``weight_only_config``'s
     (benchmarks, tests)."""
     tokens, features = hidden.shape
@@ -189,16 +231,27 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
         return gemv(hidden, weight, weight_scale, group)
     if config is None:
         config = weight_only_config(rows, features, group, multiprocessors(hidden))
-    sub_k = sub_tile_inputs(config.block_k, group)
-    k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
-    atomic = config.split > 1
+    output = torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device)
     if tokens == 0:
-        return output.to(hidden.dtype)
-    grid = (triton.cdiv(rows, config.block_n), config.split)
-    _weight_only_gemm[grid](hidden, weight, weight_scale, output, tokens, rows, features, hidden.stride(0),
-                            weight.stride(0), output.stride(0), weight_scale.shape[1], k_per_split,
-                            GROUP=WHOLE_ROW if group is None else group, BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n,
-                            BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic,
+        return output
+    strips = triton.cdiv(rows, config.block_n)
+    arrivals = _arrival_counters(hidden.device) if config.split > 1 and strips <= ARRIVAL_SLOTS else None
+    if arrivals is None:  # (no split, or a capture before any eager split product: unsplit, one launch)
+        config = dataclasses.replace(config, split=1)
+    k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
+    partials = (torch.empty(config.split, tokens, rows, dtype=torch.float32, device=hidden.device)
+                if config.split > 1 else output)
+    _launch(hidden, weight, weight_scale, group, config, output, partials, arrivals if arrivals is not None else output,
+            k_per_split)
+    return output
+
+
+def _launch(hidden, weight, weight_scale, group, config, output, partials, arrivals, k_per_split) -> None:
+    grid = (triton.cdiv(weight.shape[0], config.block_n), config.split)
+    _weight_only_gemm[grid](hidden, weight, weight_scale, output, partials, arrivals, hidden.shape[0],
+                            weight.shape[0], hidden.shape[1], hidden.stride(0), weight.stride(0), output.stride(0),
+                            weight_scale.shape[1], k_per_split, GROUP=WHOLE_ROW if group is None else group,
+                            BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                            SUB_K=sub_tile_inputs(config.block_k, group), SPLIT_SUM=config.split > 1,
                             DOT=config.dot or ("float16" if hidden.is_cuda else "float32"), num_warps=config.warps,
                             num_stages=config.stages)
-    return output.to(hidden.dtype) if atomic else output

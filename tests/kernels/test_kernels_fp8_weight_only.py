@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.fp8_weight_only import (MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
+from tandem.kernels.fp8_weight_only import (_ARRIVALS, MAX_TOKENS, WeightOnlyConfig, weight_only_config, weight_only_matmul,
                                             weight_only_matmul_reference)
 from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
 from tests.support.kernels import quantized_weight
@@ -33,6 +33,10 @@ def test_weight_only_product_equals_reference(tokens, rows, features, group, con
     expected = weight_only_matmul_reference(hidden, weight, scale, group)
     actual = weight_only_matmul(hidden, weight, scale, group, config)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    # Split-K: the strips' last programs summed in split order and set their counters back, so
+    # the next launch sums the same way.
+    assert torch.equal(weight_only_matmul(hidden, weight, scale, group, config), actual)
+    assert all(not counters.any() for counters in _ARRIVALS.values())
     # The scales count: the same weight read unscaled is another product.
     assert not torch.allclose(expected, weight_only_matmul_reference(hidden, weight, torch.ones_like(scale), group))
 
@@ -127,15 +131,15 @@ def test_gpu_linear_method_takes_the_weight_only_path_at_decode_sizes_in_a_graph
     torch.testing.assert_close(output, eager, rtol=1e-3, atol=1e-3 * float(eager.abs().max()))
 
 
-def weight_only_request(group, atomic, unaligned=("M",)) -> dict:
+def weight_only_request(group, split, unaligned=("M",)) -> dict:
     from tandem.kernels.fp8_weight_only import WHOLE_ROW
     from tests.support.triton_aot import compile_request
 
-    signature = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*fp32" if atomic else "*bf16",
-                 "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_out": "i32",
-                 "scale_columns": "i32", "K_PER_SPLIT": "i32"}
-    constexprs = {"GROUP": group or WHOLE_ROW, "BLOCK_M": MAX_TOKENS, "BLOCK_N": 16, "BLOCK_K": 256,
-                  "SUB_K": min(group or 256, 256), "ATOMIC": atomic, "DOT": "float16"}
+    signature = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16", "partials": "*fp32",
+                 "arrivals": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+                 "stride_out": "i32", "scale_columns": "i32", "K_PER_SPLIT": "i32"}
+    constexprs = {"GROUP": group or WHOLE_ROW, "BLOCK_M": MAX_TOKENS, "BLOCK_N": 32, "BLOCK_K": 128 if group else 256,
+                  "SUB_K": min(group or 256, 256), "SPLIT_SUM": split, "DOT": "float16"}
     return compile_request("tandem.kernels.fp8_weight_only", "_weight_only_gemm", signature, constexprs, warps=4,
                            stages=4, unaligned=unaligned)
 
