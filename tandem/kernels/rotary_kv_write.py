@@ -116,7 +116,9 @@ def _norm_arguments(kind: str, norm: Optional[HeadNorm], placeholder: torch.Tens
     placeholder weight pointer nothing reads."""
     present = norm is not None
     norm = norm if present else HeadNorm(placeholder, 0.0)
-    return {f"{kind}_norm_weight_ptr": norm.weight.contiguous(), f"{kind}_norm_eps": float(norm.eps),
+    # (the placeholder as it is: made contiguous it would be a copy of the whole query or key)
+    weight = norm.weight.contiguous() if present else placeholder
+    return {f"{kind}_norm_weight_ptr": weight, f"{kind}_norm_eps": float(norm.eps),
             f"{kind}_norm_weight_offset": float(norm.weight_offset), f"{kind.upper()}_NORM": present,
             f"{kind.upper()}_CAST_BEFORE_WEIGHT": bool(norm.cast_before_weight)}
 

@@ -193,6 +193,28 @@ def test_several_head_blocks_per_kind(monkeypatch):
     check_fused(Case(3, 7, 3, 32, 32, torch.float32, FP8, scale=300.0), exact_reference=True)
 
 
+@pytest.mark.parametrize("flavour", [None, "key only"], ids=["no norms", "key norm only"])
+def test_strided_views_reach_the_launch_uncopied(monkeypatch, flavour):
+    """Query, key and value as views of one fused qkv output (rows strided) go to the launch as
+    they are, with or without norms: nothing of the step's tensors is copied on the way (a norm
+    left out must not turn its stand-in, the query or key itself, into a copy)."""
+    case = Case(*GQA, torch.float32, torch.float32)
+    query, key, value, positions, slots, cos_table, sin_table = make_inputs(case)
+    assert not query.is_contiguous() and not key.is_contiguous()
+    norms = make_norms(case, flavour) if flavour else {}
+    original, copied = torch.Tensor.contiguous, []
+
+    def contiguous(tensor, *args, **kwargs):
+        result = original(tensor, *args, **kwargs)
+        if result.data_ptr() != tensor.data_ptr():
+            copied.append(tuple(tensor.shape))
+        return result
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
+    rotate_and_write_kv(query, key, value, positions, cos_table, sin_table, *poisoned_caches(case), slots, **norms)
+    assert copied == []
+
+
 def test_bad_shapes_name_the_kernel_and_empty_batches_launch_nothing():
     query, key, value, positions, slots, cos_table, sin_table = make_inputs(Case(*GQA, torch.float32, torch.float32))
     caches = poisoned_caches(Case(*GQA, torch.float32, torch.float32))
