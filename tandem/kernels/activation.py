@@ -48,12 +48,22 @@ def _gated_activation_kernel(x_ptr, out_ptr, intermediate_size, x_row_stride, ge
     wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = columns < intermediate_size
     dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_row_stride + intermediate_size + columns, mask=mask, other=0.0).to(tl.float32)
+    product = _gated_product(x_ptr + row * x_row_stride, columns, intermediate_size, gelu_tanh_scale, dtype,
+                             ACTIVATION)
+    tl.store(out_ptr + row * intermediate_size + columns, product.to(dtype), mask=columns < intermediate_size)
+
+
+@jit
+def _gated_product(row_ptr, columns, intermediate_size, gelu_tanh_scale, dtype: tl.constexpr,
+                   ACTIVATION: tl.constexpr):
+    """``activation(gate) * up`` of a row's ``columns`` as ``_gated_activation_kernel`` rounds
+    it (each factor and the product in ``dtype``), in float32; masked columns are 0."""
+    mask = columns < intermediate_size
+    gate = tl.load(row_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + intermediate_size + columns, mask=mask, other=0.0).to(tl.float32)
     activated = _activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * intermediate_size + columns, (activated * up).to(dtype), mask=mask)
+    return (activated * up).to(dtype).to(tl.float32)
 
 
 # the step's token count, and the token-major scales' group stride (the padded token count)
@@ -66,16 +76,40 @@ def _gated_activation_quantize_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows
     ``quantized [rows, I]`` and their scales."""
     row = tl.program_id(0)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = columns < intermediate_size
-    dtype = x_ptr.dtype.element_ty
-    offsets = row.to(tl.int64) * x_row_stride + columns
-    gate = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + offsets + intermediate_size, mask=mask, other=0.0).to(tl.float32)
-    activated = _activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
-    product = (activated * up).to(dtype).to(tl.float32)
+    product = _gated_product(x_ptr + row.to(tl.int64) * x_row_stride, columns, intermediate_size, gelu_tanh_scale,
+                             x_ptr.dtype.element_ty, ACTIVATION)
     store_quantized_tile(tl.reshape(product, (1, BLOCK)), row + tl.arange(0, 1), columns, num_rows,
                          intermediate_size, quantized_ptr, scales_ptr, scale_token_stride, scale_group_stride,
                          1, BLOCK, GROUP)
+
+
+@jit(do_not_specialize=["num_rows"])
+def _gated_activation_quantize_rows_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows, intermediate_size,
+                                           x_row_stride, scale_token_stride, gelu_tanh_scale,
+                                           ACTIVATION: tl.constexpr, CHUNK: tl.constexpr):
+    """``_gated_activation_quantize_kernel``'s per-token result for long rows, bit for bit, in
+    ``CHUNK``-column steps: program ``row`` finds the row's largest ``|product|``, then computes
+    the products again (reading the row from L2 this time) and stores them quantized with the
+    row's scale. A whole 14,336-feature row held at once takes a program so many registers that
+    an SM holds one and waits on its loads; in chunks of 2,048 the activation computed twice
+    costs less than that wait (H100, 16,384 tokens: 559 against 694 us, 0.71 of the copy rate
+    against 0.57; the unquantized activation alone takes 485)."""
+    row = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    row_ptr = x_ptr + row.to(tl.int64) * x_row_stride
+    largest = tl.zeros((CHUNK,), dtype=tl.float32)
+    for start in range(0, intermediate_size, CHUNK):
+        product = _gated_product(row_ptr, start + tl.arange(0, CHUNK), intermediate_size, gelu_tanh_scale, dtype,
+                                 ACTIVATION)
+        largest = tl.maximum(largest, tl.abs(product))
+    scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), 448.0), 1e-12)
+    out_ptr = quantized_ptr + row.to(tl.int64) * intermediate_size
+    for start in range(0, intermediate_size, CHUNK):
+        columns = start + tl.arange(0, CHUNK)
+        product = _gated_product(row_ptr, columns, intermediate_size, gelu_tanh_scale, dtype, ACTIVATION)
+        quantized = tl.clamp(tl.math.div_rn(product, scale), -448.0, 448.0)
+        tl.store(out_ptr + columns, quantized.to(quantized_ptr.dtype.element_ty), mask=columns < intermediate_size)
+    tl.store(scales_ptr + row * scale_token_stride, scale)
 
 
 def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
@@ -100,6 +134,9 @@ def _gated_activation(x: torch.Tensor, activation: int) -> torch.Tensor:
 
 # Columns one program of the grouped quantized kernel covers (whole groups).
 QUANTIZED_GROUP_BLOCK = 1024
+# Per-token scales on rows longer than this: the two-pass kernel, in chunks of this many columns.
+ROW_CHUNK = 2048
+ROW_CHUNK_WARPS = 16
 
 
 def _warps(block: int) -> int:
@@ -121,6 +158,11 @@ def gated_activation_quantized(x: torch.Tensor, activation: int, layout: Activat
     if tokens == 0 or intermediate_size == 0:
         return out
     block = tile_block(intermediate_size, layout)
+    if layout.group is None and block > ROW_CHUNK:
+        _gated_activation_quantize_rows_kernel[(tokens,)](
+            x, out.values, out.scales, tokens, intermediate_size, x.stride(0), out.scales.stride(0),
+            math.sqrt(2.0 / math.pi), ACTIVATION=activation, CHUNK=ROW_CHUNK, num_warps=ROW_CHUNK_WARPS)
+        return out
     if layout.group is not None:
         block = max(layout.group, min(block, QUANTIZED_GROUP_BLOCK))
     group = layout.group_size(block)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.kernels import activation as activation_kernels
 from tandem.kernels.activation import (GELU, GELU_TANH, SILU, gated_activation_quantized, gelu_and_mul,
                                        gelu_tanh_and_mul, silu_and_mul, silu_and_mul_quantized,
                                        silu_and_mul_quantized_reference)
@@ -128,6 +129,21 @@ def test_gated_activation_writes_the_unfused_quantization(layout_name, activatio
     if activation == SILU:
         expected = silu_and_mul_quantized_reference(gate_up.float(), layout)
         torch.testing.assert_close(fused.scales, expected.scales, rtol=3 * 2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("activation", [SILU, GELU_TANH], ids=["silu", "gelu_tanh"])
+def test_long_rows_per_token_in_chunks_are_the_whole_row_kernel_bit_for_bit(monkeypatch, activation):
+    """Per-token scales over rows longer than ``ROW_CHUNK`` (here 256: 1,044 features take five
+    chunks, the last partial) go through the two-pass kernel: the same FP8 values and scales as
+    the kernel holding the whole row at once, and the unfused quantization's."""
+    gate_up = random(4, 2 * 1044, seed=9, scale=2.0)
+    gate_up[3] = 0.0
+    whole = gated_activation_quantized(gate_up, activation, PER_TOKEN_LAYOUT)
+    monkeypatch.setattr(activation_kernels, "ROW_CHUNK", 256)
+    chunked = gated_activation_quantized(gate_up, activation, PER_TOKEN_LAYOUT)
+    assert torch.equal(chunked.values.view(torch.uint8), whole.values.view(torch.uint8))
+    assert torch.equal(chunked.scales, whole.scales)
+    assert_same_quantization(chunked, quantize_activation(UNFUSED_ACTIVATIONS[activation](gate_up), PER_TOKEN_LAYOUT))
 
 
 def test_quantized_outputs_refuse_shapes_they_do_not_take():
