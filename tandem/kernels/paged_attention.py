@@ -287,18 +287,13 @@ def _decode_config(head_dim: int, device: torch.device) -> dict:
     return dict(BLOCK_N=128 if _block_d(head_dim) <= 128 else 32, num_warps=4, num_stages=3)
 
 
-def _prefill_config(group_size: int, head_dim: int, device: torch.device, fp8_pages: bool = False) -> dict:
-    """Tile shape of the prefill kernel: ``BLOCK_M`` tokens x ``BLOCK_G`` heads rows. For head_dim
-    128, from a sweep on an H100 (32 prompts of 512 tokens, 8B heads; CUDA-graph medians): 16-bit
-    pages 396 -> 312 us with 32-key blocks, FP8 pages 464 -> 362 us with four warps and three
-    stages."""
+def _prefill_config(group_size: int, head_dim: int, device: torch.device) -> dict:
+    """Tile shape of the prefill kernel: ``BLOCK_M`` tokens x ``BLOCK_G`` heads rows."""
     block_g = triton.next_power_of_2(group_size)
     if device.type != "cuda":
         rows, block_n, options = 32, 32, dict(num_warps=4, num_stages=1)
-    elif _block_d(head_dim) <= 128 and fp8_pages:
-        rows, block_n, options = 128, 64, dict(num_warps=4, num_stages=3)
     elif _block_d(head_dim) <= 128:
-        rows, block_n, options = 128, 32, dict(num_warps=8, num_stages=2)
+        rows, block_n, options = 128, 64, dict(num_warps=8, num_stages=2)
     else:
         rows, block_n, options = 64, 32, dict(num_warps=8, num_stages=2)
     rows = max(rows, block_g)
@@ -421,7 +416,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     num_chunks = query_starts.shape[0] - 1
     if num_chunks <= 0 or max_query_len <= 0 or query.shape[0] == 0:
         return out
-    config = _prefill_config(group_size, head_dim, query.device, fp8_pages=key_cache.element_size() == 1)
+    config = _prefill_config(group_size, head_dim, query.device)
     grid = (num_chunks, triton.cdiv(max_query_len, config["BLOCK_M"]), num_kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, page_table, query_starts, context_lengths, out,
