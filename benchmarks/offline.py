@@ -51,6 +51,9 @@ PRESETS = {
                                 min_output_len=100, output_len=1024, max_num_batched_tokens=16384),
     "llama3-8b-b1": dict(GPU, shape="llama3-8b", num_prompts=1, min_input_len=128, max_input_len=128,
                          output_len=256),
+    # decode batches the FP8 weight-only products serve (2-16 tokens a step)
+    "llama3-8b-b16": dict(GPU, shape="llama3-8b", num_prompts=16, min_input_len=128, max_input_len=128,
+                          output_len=256),
     "llama3-8b-b32": dict(GPU, shape="llama3-8b", num_prompts=32, min_input_len=128, max_input_len=128,
                           output_len=256),
     "llama3-8b-b64": dict(GPU, shape="llama3-8b", num_prompts=64, min_input_len=128, max_input_len=128,
