@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.gemv import (GEMV_MAX_TOKENS, WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
+from tandem.kernels.gemv import (WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
                                  sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
@@ -60,7 +60,6 @@ class WeightOnlyConfig:
     dot: Optional[str] = None
 
 
-
 def weight_only_matmul_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                  group: Optional[int]) -> torch.Tensor:
     """``hidden @ (weight * weight_scale).T`` in float32, returned in ``hidden.dtype``."""
@@ -75,8 +74,8 @@ def weight_only_config(rows: int, features: int, group: Optional[int], multiproc
     projections at 1, 2 and 16 tokens (stacks of 32 weights replayed from a CUDA graph):
     strips of 32 weight rows, 64 on tall weights (16,384 rows or more: gate/up); steps of 256
     inputs for per-row scales on rows shorter than 8,192 inputs, else 128 (one block-scale
-    column a step). Split-K costs two extra launches (the zeroed float32 buffer and the cast),
-    which pays only where a program's loop is long or carries block scales: K is split in
+    column a step). Split-K costs each program a float32 partial stored and read back by the
+    strip's last one, which pays only where a program's loop is long or carries block scales: K is split in
     halves while fewer than 2.5 programs per SM result (keeping two or more steps a program),
     except for per-row scales on short rows, which read fastest unsplit."""
     block_n = 64 if rows >= 16384 else 32

@@ -11,7 +11,7 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from tandem.kernels.fp8_gemm import PER_TOKEN_LAYOUT
 from tandem.kernels.fp8_activation import ActivationLayout, quantize_reference
-from tandem.kernels.fp8_weight_only import GEMV_MAX_TOKENS, MAX_TOKENS
+from tandem.kernels.fp8_weight_only import MAX_TOKENS
 from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -87,7 +87,7 @@ def test_deepseek_links_the_dense_mlp_norm_and_every_gated_mlp_activation():
 @pytest.mark.parametrize("quantization, weight_only, layout", [
     (PER_CHANNEL, MAX_TOKENS, PER_TOKEN_LAYOUT),
     # 16x16 blocks: not cuBLASLt's 128x128 block-wise mode, the Triton block GEMM's groups
-    (BLOCKS, GEMV_MAX_TOKENS, ActivationLayout(group=16)),
+    (BLOCKS, MAX_TOKENS, ActivationLayout(group=16)),
 ])
 def test_layout_by_token_count(quantization, weight_only, layout):
     link = linked(build(LlamaForCausalLM, LlamaConfig(**SMALL), quantization))["model.layers.0.mlp.activation"]
