@@ -74,10 +74,10 @@ def weight_only_config(rows: int, features: int, group: Optional[int], multiproc
     projections at 1, 2 and 16 tokens (stacks of 32 weights replayed from a CUDA graph):
     strips of 32 weight rows, 64 on tall weights (16,384 rows or more: gate/up); steps of 256
     inputs for per-row scales on rows shorter than 8,192 inputs, else 128 (one block-scale
-    column a step). Split-K costs each program a float32 partial stored and read back by the
-    strip's last one, which pays only where a program's loop is long or carries block scales: K is split in
-    halves while fewer than 2.5 programs per SM result (keeping two or more steps a program),
-    except for per-row scales on short rows, which read fastest unsplit."""
+    column a step). Split-K costs each program a float32 partial, stored and read back by the
+    strip's last one; it pays only where a program's loop is long or carries block scales: K
+    is split in halves while fewer than 2.5 programs per SM result (keeping two or more steps a
+    program), except for per-row scales on short rows, which read fastest unsplit."""
     block_n = 64 if rows >= 16384 else 32
     per_row_short = group is None and features < 8192
     block_k = min(256 if per_row_short else 128, max(16, triton.next_power_of_2(features)))
