@@ -83,8 +83,8 @@ def _gated_activation_quantize_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows
                          1, BLOCK, GROUP)
 
 
-@jit(do_not_specialize=["num_rows"])
-def _gated_activation_quantize_rows_kernel(x_ptr, quantized_ptr, scales_ptr, num_rows, intermediate_size,
+@jit
+def _gated_activation_quantize_rows_kernel(x_ptr, quantized_ptr, scales_ptr, intermediate_size,
                                            x_row_stride, scale_token_stride, gelu_tanh_scale,
                                            ACTIVATION: tl.constexpr, CHUNK: tl.constexpr):
     """``_gated_activation_quantize_kernel``'s per-token result for long rows, bit for bit, in
@@ -160,7 +160,7 @@ def gated_activation_quantized(x: torch.Tensor, activation: int, layout: Activat
     block = tile_block(intermediate_size, layout)
     if layout.group is None and block > ROW_CHUNK:
         _gated_activation_quantize_rows_kernel[(tokens,)](
-            x, out.values, out.scales, tokens, intermediate_size, x.stride(0), out.scales.stride(0),
+            x, out.values, out.scales, intermediate_size, x.stride(0), out.scales.stride(0),
             math.sqrt(2.0 / math.pi), ACTIVATION=activation, CHUNK=ROW_CHUNK, num_warps=ROW_CHUNK_WARPS)
         return out
     if layout.group is not None:
