@@ -17,8 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, allocate_quantized,
-                                           quantize_reference, store_quantized_tile, tile_block)
+from tandem.kernels.fp8_activation import (ActivationLayout, QuantizedActivation, _fp8_scale, _fp8_values,
+                                           allocate_quantized, quantize_reference, store_quantized_tile, tile_block)
 from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
                                            wait_for_producer)
 
@@ -102,13 +102,13 @@ def _gated_activation_quantize_rows_kernel(x_ptr, quantized_ptr, scales_ptr, int
         product = _gated_product(row_ptr, start + tl.arange(0, CHUNK), intermediate_size, gelu_tanh_scale, dtype,
                                  ACTIVATION)
         largest = tl.maximum(largest, tl.abs(product))
-    scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), 448.0), 1e-12)
+    scale = _fp8_scale(tl.max(largest, axis=0))
     out_ptr = quantized_ptr + row.to(tl.int64) * intermediate_size
     for start in range(0, intermediate_size, CHUNK):
         columns = start + tl.arange(0, CHUNK)
         product = _gated_product(row_ptr, columns, intermediate_size, gelu_tanh_scale, dtype, ACTIVATION)
-        quantized = tl.clamp(tl.math.div_rn(product, scale), -448.0, 448.0)
-        tl.store(out_ptr + columns, quantized.to(quantized_ptr.dtype.element_ty), mask=columns < intermediate_size)
+        tl.store(out_ptr + columns, _fp8_values(product, scale).to(quantized_ptr.dtype.element_ty),
+                 mask=columns < intermediate_size)
     tl.store(scales_ptr + row * scale_token_stride, scale)
 
 

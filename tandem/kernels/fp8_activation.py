@@ -133,6 +133,19 @@ def tile_block(features: int, layout: ActivationLayout) -> int:
 
 
 @jit
+def _fp8_scale(largest):
+    """The scale of values whose largest magnitude is ``largest``: ``max(largest / 448, 1e-12)``
+    (an IEEE-rounded division: see ``quantize_tile``)."""
+    return tl.maximum(tl.math.div_rn(largest, 448.0), 1e-12)
+
+
+@jit
+def _fp8_values(values, scales):
+    """``values / scales`` (IEEE-rounded) clamped to ±448: float32, ready for the FP8 cast."""
+    return tl.clamp(tl.math.div_rn(values, scales), -448.0, 448.0)
+
+
+@jit
 def quantize_tile(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """``values [ROWS, BLOCK]`` float32 (masked columns zero) in groups of ``GROUP`` columns →
     ``(quantized [ROWS, BLOCK] float32, already clamped to ±448, scales [ROWS, BLOCK // GROUP])``
@@ -142,8 +155,8 @@ def quantize_tile(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.con
     the divisor is one value per program, so two kernels computing the same quotients could
     round them differently (and differ from PyTorch's)."""
     grouped = tl.reshape(values, (ROWS, BLOCK // GROUP, GROUP))
-    scales = tl.maximum(tl.math.div_rn(tl.max(tl.abs(grouped), axis=2), 448.0), 1e-12)
-    quantized = tl.clamp(tl.math.div_rn(grouped, scales[:, :, None]), -448.0, 448.0)
+    scales = _fp8_scale(tl.max(tl.abs(grouped), axis=2))
+    quantized = _fp8_values(grouped, scales[:, :, None])
     return tl.reshape(quantized, (ROWS, BLOCK)), scales
 
 

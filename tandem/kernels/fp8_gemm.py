@@ -32,7 +32,8 @@ import torch
 # The FP8 constants and the reference quantization live beside the quantized activation; this
 # module exports them too, as the home of the FP8 products.
 from tandem.kernels.fp8_activation import (FP8_DTYPE, FP8_MAX, MINIMUM_SCALE,  # noqa: F401
-                                           ActivationLayout, QuantizedActivation, quantize_token_groups_reference)
+                                           ActivationLayout, QuantizedActivation, _fp8_scale, _fp8_values,
+                                           quantize_token_groups_reference)
 from tandem.kernels.triton_support import jit, tl, triton
 
 
@@ -45,8 +46,8 @@ def _quantize_groups_kernel(hidden, stride_hidden, quantized, scales, features, 
     columns = group * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (columns < features)
     values = tl.load(hidden + token * stride_hidden + columns, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(values), axis=0), 448.0), 1e-12)
-    quantized_values = tl.clamp(tl.math.div_rn(values, scale), -448.0, 448.0)
+    scale = _fp8_scale(tl.max(tl.abs(values), axis=0))
+    quantized_values = _fp8_values(values, scale)
     tl.store(quantized + token * features + columns, quantized_values.to(quantized.dtype.element_ty), mask=mask)
     tl.store(scales + token * stride_scale_token + group * stride_scale_group, scale)
 

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from tandem.kernels.gemv import (WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
-                                 sub_tile_inputs)
+                                 split_inputs, sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
@@ -237,20 +237,14 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     arrivals = _arrival_counters(hidden.device) if config.split > 1 and strips <= ARRIVAL_SLOTS else None
     if arrivals is None:  # (no split, or a capture before any eager split product: unsplit, one launch)
         config = dataclasses.replace(config, split=1)
-    k_per_split = triton.cdiv(triton.cdiv(features, config.split), config.block_k) * config.block_k
     partials = (torch.empty(config.split, tokens, rows, dtype=torch.float32, device=hidden.device)
                 if config.split > 1 else output)
-    _launch(hidden, weight, weight_scale, group, config, output, partials, arrivals if arrivals is not None else output,
-            k_per_split)
+    _weight_only_gemm[(strips, config.split)](
+        hidden, weight, weight_scale, output, partials, arrivals if arrivals is not None else output, tokens, rows,
+        features, hidden.stride(0), weight.stride(0), output.stride(0), weight_scale.shape[1],
+        split_inputs(features, config.split, config.block_k), GROUP=WHOLE_ROW if group is None else group,
+        BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SUB_K=sub_tile_inputs(config.block_k, group), SPLIT_SUM=config.split > 1,
+        DOT=config.dot or ("float16" if hidden.is_cuda else "float32"), num_warps=config.warps,
+        num_stages=config.stages)
     return output
-
-
-def _launch(hidden, weight, weight_scale, group, config, output, partials, arrivals, k_per_split) -> None:
-    grid = (triton.cdiv(weight.shape[0], config.block_n), config.split)
-    _weight_only_gemm[grid](hidden, weight, weight_scale, output, partials, arrivals, hidden.shape[0],
-                            weight.shape[0], hidden.shape[1], hidden.stride(0), weight.stride(0), output.stride(0),
-                            weight_scale.shape[1], k_per_split, GROUP=WHOLE_ROW if group is None else group,
-                            BLOCK_M=MAX_TOKENS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                            SUB_K=sub_tile_inputs(config.block_k, group), SPLIT_SUM=config.split > 1,
-                            DOT=config.dot or ("float16" if hidden.is_cuda else "float32"), num_warps=config.warps,
-                            num_stages=config.stages)

@@ -120,12 +120,18 @@ def sub_tile_inputs(block_k: int, group: Optional[int]) -> int:
     return block_k if group is None else min(group, block_k)
 
 
+def split_inputs(features: int, split: int, block_k: int) -> int:
+    """The inputs each of ``split`` programs sharing a row's ``features`` takes: whole
+    ``block_k`` steps (the last program's range may run past the row)."""
+    return triton.cdiv(triton.cdiv(features, split), block_k) * block_k
+
+
 def split_output(hidden: torch.Tensor, rows: int, split: int, block_k: int) -> tuple[int, torch.Tensor]:
     """For ``hidden [M, K]`` times ``rows`` weight rows with K split ``split`` ways: the inputs per
-    split program (whole ``block_k`` steps) and the output, float32 zeros the programs add their
+    split program (``split_inputs``) and the output, float32 zeros the programs add their
     partials into where ``split`` > 1 (cast afterwards), else uninitialised in ``hidden``'s dtype."""
     tokens, features = hidden.shape
-    k_per_split = triton.cdiv(triton.cdiv(features, split), block_k) * block_k
+    k_per_split = split_inputs(features, split, block_k)
     if split > 1:
         return k_per_split, torch.zeros(tokens, rows, dtype=torch.float32, device=hidden.device)
     return k_per_split, torch.empty(tokens, rows, dtype=hidden.dtype, device=hidden.device)

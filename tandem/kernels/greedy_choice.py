@@ -32,6 +32,7 @@ from tandem.kernels.triton_support import jit, tl, triton
 # tile each, every load of a part in flight at once.
 PART_SIZE = 4096
 PART_BLOCK = 4096
+NO_INDEX = tl.constexpr(2147483647)  # larger than any logit's index: loses every first-index tie
 
 
 class GreedyChoice(NamedTuple):
@@ -58,7 +59,7 @@ def _summary(best, best_index, total):
     ``(maximum, first index where it occurs, sum of exp(x - maximum))``."""
     maximum = tl.max(best, 0)
     safe = tl.where(maximum == float("-inf"), 0.0, maximum)
-    index = tl.min(tl.where(best == maximum, best_index, 2147483647), 0)
+    index = tl.min(tl.where(best == maximum, best_index, NO_INDEX), 0)
     return maximum, index, tl.sum(total * tl.exp(best - safe), 0)
 
 
@@ -70,7 +71,7 @@ def _partial_kernel(logits_ptr, maxima_ptr, indices_ptr, totals_ptr, vocab_size,
     columns = tl.arange(0, BLOCK)
     base = logits_ptr + row.to(tl.int64) * stride_row
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.full([BLOCK], 2147483647, tl.int32)
+    best_index = tl.full([BLOCK], NO_INDEX, tl.int32)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(part * PART, part * PART + PART, BLOCK):
         offsets = start + columns
@@ -90,7 +91,7 @@ def _final_kernel(maxima_ptr, indices_ptr, totals_ptr, token_ptr, logprob_ptr, r
     parts = tl.arange(0, BLOCK_PARTS)
     mask = parts < num_parts
     maxima = tl.load(maxima_ptr + row * num_parts + parts, mask=mask, other=float("-inf"))
-    indices = tl.load(indices_ptr + row * num_parts + parts, mask=mask, other=2147483647)
+    indices = tl.load(indices_ptr + row * num_parts + parts, mask=mask, other=NO_INDEX)
     totals = tl.load(totals_ptr + row * num_parts + parts, mask=mask, other=0.0)
     maximum, token, total = _summary(maxima, indices, totals)
     logprob = maximum - (tl.log(total) + maximum)

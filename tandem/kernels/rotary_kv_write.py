@@ -112,13 +112,12 @@ def _check_norms(norms: dict[str, Optional[HeadNorm]], head_dim: int, device: to
 
 
 def _norm_arguments(kind: str, norm: Optional[HeadNorm], placeholder: torch.Tensor) -> dict:
-    """The kernel's arguments for the ``kind`` ("query" or "key") heads' norm; without one, a
-    placeholder weight pointer nothing reads."""
+    """The kernel's arguments for the ``kind`` ("query" or "key") heads' norm; without one,
+    ``placeholder`` (a tensor at hand, passed as it is: made contiguous, a strided query or key
+    would be copied) stands for the weight pointer nothing reads."""
     present = norm is not None
-    norm = norm if present else HeadNorm(placeholder, 0.0)
-    # (the placeholder as it is: made contiguous it would be a copy of the whole query or key)
-    weight = norm.weight.contiguous() if present else placeholder
-    return {f"{kind}_norm_weight_ptr": weight, f"{kind}_norm_eps": float(norm.eps),
+    norm = HeadNorm(norm.weight.contiguous(), *norm[1:]) if present else HeadNorm(placeholder, 0.0)
+    return {f"{kind}_norm_weight_ptr": norm.weight, f"{kind}_norm_eps": float(norm.eps),
             f"{kind}_norm_weight_offset": float(norm.weight_offset), f"{kind.upper()}_NORM": present,
             f"{kind.upper()}_CAST_BEFORE_WEIGHT": bool(norm.cast_before_weight)}
 
