@@ -34,6 +34,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -171,10 +172,29 @@ class StepTimeline:
         prefilling = bool(scheduler.waiting) or any(
             sequence.num_computed_tokens < sequence.num_prompt_tokens for sequence in scheduler.running)
         self._maybe_profile(prefilling)
+        batch, context = len(scheduler.running), sum(sequence.num_computed_tokens for sequence in scheduler.running)
         preempted, start = scheduler.num_preemptions, self._clock()
         deltas = self._step()
-        self.steps.append((prefilling, self._clock() - start, scheduler.num_preemptions - preempted))
+        self.steps.append((prefilling, self._clock() - start, scheduler.num_preemptions - preempted, batch, context))
         return deltas
+
+    def _report_decode_by_batch(self, cost: ModelCost, ceilings: Ceilings) -> None:
+        """Decode-only steps by batch size (powers of two): their wall time against the time
+        their bytes take at the copy bandwidth (the weights and every running sequence's state),
+        so where in a run the steps fall short of the bytes shows."""
+        groups: dict[int, list] = {}
+        for prefilling, seconds, _, batch, context in self.steps:
+            if not prefilling and batch:
+                bound = (cost.decode_weight_bytes(batch) + cost.state_bytes_per_token * context) / ceilings.bandwidth
+                group = groups.setdefault(1 << (batch - 1).bit_length(), [0, 0.0, 0.0])
+                group[0], group[1], group[2] = group[0] + 1, group[1] + seconds, group[2] + bound
+        if not groups:
+            return
+        print(f"{'decode-only steps by batch':<30}{'steps':>8}{'seconds':>10}{'ms/step':>10}{'of bytes':>13}")
+        for top, (count, seconds, bound) in sorted(groups.items()):
+            least = top // 2 + 1
+            name = f"  {least}-{top} sequences" if least < top else f"  {top} sequence{'s' if top > 1 else ''}"
+            print(f"{name:<30}{count:>8}{seconds:>10.2f}{1e3 * seconds / count:>10.2f}{bound / seconds:>13.2f}")
 
     def _maybe_profile(self, prefilling: bool) -> None:
         """Start the profiler at a phase's chosen step; stop it ``profile_steps`` steps later."""
@@ -216,13 +236,15 @@ class StepTimeline:
         self.profiles[self._profiler_phase] = (self._profiled, seconds, kernels, host)
         self._profiler = None
 
-    def report(self) -> None:
+    def report(self, cost: Optional[ModelCost] = None, ceilings: Optional[Ceilings] = None) -> None:
         print(f"{'tandem steps (timed runs)':<30}{'steps':>8}{'seconds':>10}{'ms/step':>10}{'preemptions':>13}")
         for name, phase in (("prompts waiting/prefilling", True), ("decode only", False)):
             rows = [step for step in self.steps if step[0] == phase]
             seconds = sum(step[1] for step in rows)
             print(f"{name:<30}{len(rows):>8}{seconds:>10.2f}{1e3 * seconds / max(len(rows), 1):>10.2f}"
                   f"{sum(step[2] for step in rows):>13}")
+        if cost is not None and ceilings is not None:
+            self._report_decode_by_batch(cost, ceilings)
         for phase, (count, seconds, kernels, host) in self.profiles.items():
             busy = sum(milliseconds for milliseconds, _ in kernels.values())
             launches = sum(launched for _, launched in kernels.values())
@@ -242,7 +264,7 @@ class StepTimeline:
         self.steps.clear()
 
 
-def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCost]:
+def run_tandem(model_dir, prompts, output_lengths, args, ceilings: Optional[Ceilings] = None) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
@@ -261,9 +283,9 @@ def run_tandem(model_dir, prompts, output_lengths, args) -> tuple[float, ModelCo
     timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace) if args.timeline else None
     seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
     print(f"tandem timed run: {seconds:.3f} s, {sum(output_lengths) / seconds:.1f} output tok/s", flush=True)
-    if timeline is not None:
-        timeline.report()
     cost = ModelCost.of_engine(llm.engine)
+    if timeline is not None:
+        timeline.report(cost, ceilings)
     preemptions = llm.engine.stats().num_preemptions
     if preemptions:
         print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
@@ -332,7 +354,7 @@ def main() -> None:
         print("FP8 weights: transformers is not run (it has no FP8 products on this path)")
         args.skip_transformers = True
     ceilings = Ceilings.measure(dtype, fp8=fp8)
-    tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args)
+    tandem_seconds, cost = run_tandem(model_dir, prompts, output_lengths, args, ceilings)
     name = "tandem" + (" (eager)" if args.enforce_eager else "" if args.mixed_step_graphs else " (no mixed graphs)")
     backend = f", {args.distributed_executor_backend}" if args.distributed_executor_backend else ""
     backend += ", NCCL all-reduce" if args.disable_custom_all_reduce else ""

@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="tandem's paged K/V dtype: auto or fp8")
     parser.add_argument("--python-profile", action="store_true",
                         help="also print the host's Python functions by time over a few steps (cProfile)")
+    parser.add_argument("--python-profile-sort", choices=("tottime", "cumulative"), default="tottime",
+                        help="with --python-profile: order the functions by their own time or by the time "
+                             "under them")
     args = parser.parse_args()
     from tandem import LLM, SamplingParams
     from tandem.protocol import EngineRequest
@@ -105,7 +108,7 @@ def main() -> None:
 
         python_profiler = cProfile.Profile()
         python_profiler.runcall(lambda: [engine.step() for _ in range(16)])
-        pstats.Stats(python_profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(python_profiler).sort_stats(args.python_profile_sort).print_stats(25)
 
 
 def time_forward_passes(model: torch.nn.Module) -> list[float]:

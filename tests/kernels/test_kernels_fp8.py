@@ -212,7 +212,7 @@ def test_gpu_block_weights_take_cublas_block_wise_products_above_decode_sizes():
     module = torch.nn.Module()
     module.weight, module.weight_scale = weight.cuda(), row_block_scales(blocks, (4096, 4096), (128, 128)).cuda()
     method = Fp8LinearMethod(128)
-    for tokens in (3, 512, 4097):  # 3 and 4,097: rows padded to a multiple of 4
+    for tokens in (17, 512, 4097):  # above the weight-only sizes; 17 and 4,097: rows padded to a multiple of 4
         hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
         expected = fp8_linear_reference(hidden, module.weight, module.weight_scale, 128).float()
         actual = method.apply(module, hidden, None).float()
