@@ -21,6 +21,8 @@
 #   bash scripts/gpu_checks.sh deploy       # two GPUs: tandem deploy 1P1D (Ray) equals a colocated server; TTFT beside PD
 #   bash scripts/gpu_checks.sh ray          # two GPUs: the Ray executor's GPU tests; TP=2 through Ray vs the multiprocess executor
 #   bash scripts/gpu_checks.sh regressions  # one GPU: batch-1 TPOT, the nano-vllm workload, 8B batch 256 with FP8 K/V
+#   bash scripts/gpu_checks.sh targets      # one GPU: the open performance targets' figures (TPOT and prefill at 512,
+#                                           # bf16 and FP8; the nano-vllm workload; 8B batch 256 with FP8 weights and K/V)
 #   bash scripts/gpu_checks.sh sweeps       # one GPU: decode attention launch options (FP8 and bf16 pages), FP8 GEMMs
 #                                           # with fast accumulation, the fused FP8 producers
 #
@@ -112,6 +114,13 @@ print(model_dir_for('llama3-8b', 'dummy'))")
                  run offline_nanovllm python3 -m benchmarks.offline --preset qwen3-0.6b-nanovllm --repeat 1 --skip-transformers
                  run offline_b256_fp8kv python3 -m benchmarks.offline --preset llama3-8b-b256 --repeat 1 --skip-transformers \
                    --kv-cache-dtype fp8 ;;
+    targets) run latency_bf16 python3 -m benchmarks.latency --shape llama3-8b --skip-transformers --prefill-lengths 512
+             run latency_fp8 python3 -m benchmarks.latency --shape llama3-8b --skip-transformers --prefill-lengths 512 \
+               --quantization fp8
+             run offline_nanovllm python3 -m benchmarks.offline --preset qwen3-0.6b-nanovllm --repeat 2 --skip-transformers \
+               --timeline
+             run offline_b256_fp8 python3 -m benchmarks.offline --preset llama3-8b-b256 --repeat 1 --skip-transformers \
+               --kv-cache-dtype fp8 --quantization fp8 --timeline ;;
     sweeps) run attention_sweep_fp8 python3 -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep
             run attention_sweep_bf16 python3 -m benchmarks.kernels_attention --sweep
             run kernels_fp8 python3 -m benchmarks.kernels_fp8 ;;
