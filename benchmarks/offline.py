@@ -264,7 +264,8 @@ class StepTimeline:
         self.steps.clear()
 
 
-def run_tandem(model_dir, prompts, output_lengths, args, ceilings: Optional[Ceilings] = None) -> tuple[float, ModelCost]:
+def run_tandem(model_dir, prompts, output_lengths, args,
+               ceilings: Optional[Ceilings] = None) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
