@@ -30,9 +30,10 @@ from tandem.kernels.gemv import PACKED_HALF, STEP_SUMS, GemvConfig, gemv, gemv_c
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 LAYERS = 32
-# The packed float16 kernel's tile in the table (the fewest instructions per weight byte of those
-# compiled for sm_90: about 2.4, where the per-row FP8 tiles gemv_config picks issue 4.8); the
-# sweep tries others.
+# The packed float16 kernel's tile in the table (of those compiled for sm_90, the fewest
+# instructions per weight byte without register spills at one token: about 2.8, where the step
+# sums gemv_config picks for per-row FP8 weights issue 4.8; at two tokens it spills, the sweep's
+# narrower tiles do not); the sweep tries others.
 PACKED_CANDIDATE = GemvConfig(block_n=16, block_k=1024, warps=4, kernel=PACKED_HALF)
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 

@@ -26,7 +26,7 @@ products are multiplied and summed:
   then added into float32 ones; the activations are scaled by ``PACKED_ACTIVATION_SCALE`` before
   they become float16 and the totals by its inverse, and a program whose totals come out
   non-finite multiplies again in float32. Compiled for sm_90, its loop over 16-row strips of
-  1,024 inputs (four warps) issues about 2.4 instructions per weight byte, where the step sums
+  1,024 inputs (four warps) issues about 2.8 instructions per weight byte, where the step sums
   ``gemv_config`` takes for per-row FP8 weights on rows shorter than 8,192 inputs issue 4.8 (an
   e4m3 value becomes float32 in two instructions and its product takes one more); the float16
   sums of a run round at 2^-11 of their size. Not taken by ``gemv_config``: a candidate, unmeasured on a GPU, for
@@ -258,10 +258,13 @@ def _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin
                       SCALE: tl.constexpr, HALF: tl.constexpr):
     """The per-row sums of ``x @ w.T`` over this program's rows and K range, unscaled, float32:
     with ``HALF`` each product and the sums of a run of ``RUN`` steps in float16 (the activations
-    times ``SCALE``, a power of two, the totals divided by it), else float32 throughout."""
+    times ``SCALE``, a power of two, the totals divided by it), else float32 throughout. The
+    float32 accumulators hold each row's sums over groups of ``FOLD`` neighbouring inputs (eight:
+    within one thread's 16-byte share of a row), an eighth of a step's shape in registers."""
+    FOLD: tl.constexpr = 8
     inputs = k_begin + tl.arange(0, BLOCK_K)
-    first = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    first = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
+    second = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
     for start in range(0, K_PER_SPLIT, BLOCK_K * RUN):
         if HALF:
             run_first = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
@@ -281,13 +284,14 @@ def _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin
                     run_second += w_half * (x_second * SCALE).to(tl.float16)[None, :]
             else:
                 w_float = w_tile.to(tl.float32)
-                first += w_float * x_first[None, :]
+                first += tl.sum(tl.reshape(w_float * x_first[None, :], (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
                 if TOKENS > 1:
-                    second += w_float * x_second[None, :]
+                    second += tl.sum(tl.reshape(w_float * x_second[None, :], (BLOCK_N, BLOCK_K // FOLD, FOLD)),
+                                     axis=2)
         if HALF:
-            first += run_first.to(tl.float32)
+            first += tl.sum(tl.reshape(run_first.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
             if TOKENS > 1:
-                second += run_second.to(tl.float32)
+                second += tl.sum(tl.reshape(run_second.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
     if HALF:
         return tl.sum(first, axis=1) / SCALE, tl.sum(second, axis=1) / SCALE
     return tl.sum(first, axis=1), tl.sum(second, axis=1)
