@@ -29,8 +29,8 @@ products are multiplied and summed:
   1,024 inputs (four warps) issues about 2.8 instructions per weight byte, where the step sums
   ``gemv_config`` takes for per-row FP8 weights on rows shorter than 8,192 inputs issue 4.8 (an
   e4m3 value becomes float32 in two instructions and its product takes one more); the float16
-  sums of a run round at 2^-11 of their size. Not taken by ``gemv_config``: a candidate, unmeasured on a GPU, for
-  ``benchmarks/kernels_gemv.py`` (its table and ``--sweep``).
+  sums of a run round at 2^-11 of their size. Not taken by ``gemv_config``: a candidate,
+  unmeasured on a GPU, for ``benchmarks/kernels_gemv.py`` (its table and ``--sweep``).
 
 Block scales multiply each ``group``-wide sub-tile's products (a step spans whole groups or lies
 within one); per-row scales multiply the totals. Narrow strips make many programs, so every SM
