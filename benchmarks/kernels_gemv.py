@@ -26,15 +26,11 @@ import triton
 import torch.nn.functional as F
 
 from benchmarks.common import Ceilings
-from tandem.kernels.gemv import PACKED_HALF, STEP_SUMS, GemvConfig, gemv, gemv_config, multiprocessors
+from tandem.kernels.gemv import (PACKED_HALF, PACKED_HALF_TILE, STEP_SUMS, GemvConfig, gemv, gemv_config,
+                                 multiprocessors)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 LAYERS = 32
-# The packed float16 kernel's tile in the table (of those compiled for sm_90, the fewest
-# instructions per weight byte without register spills at one token: about 2.8, where the step
-# sums gemv_config picks for per-row FP8 weights issue 4.8; at two tokens it spills, the sweep's
-# narrower tiles do not); the sweep tries others.
-PACKED_CANDIDATE = GemvConfig(block_n=16, block_k=1024, warps=4, kernel=PACKED_HALF)
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 
 
@@ -92,7 +88,7 @@ def paths(format_name: str, hidden: torch.Tensor) -> dict:
                 "gemv": lambda weight, scale, group: gemv(hidden, weight)}
     products = {"gemv": lambda weight, scale, group: gemv(hidden, weight, scale, group)}
     if format_name == "fp8 chan":  # the packed float16 candidate, one tile for every shape
-        products["packed half"] = lambda weight, scale, group: gemv(hidden, weight, scale, group, PACKED_CANDIDATE)
+        products["packed half"] = lambda weight, scale, group: gemv(hidden, weight, scale, group, PACKED_HALF_TILE)
     return products
 
 

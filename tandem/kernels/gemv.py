@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,6 +77,11 @@ class GemvConfig:
     warps: int = 4
     stages: int = 1
     kernel: str = ELEMENTWISE  # or STEP_SUMS, PACKED_HALF (see the module's docstring)
+
+
+# The packed kernel's tile: of those compiled for sm_90, the fewest instructions per weight byte
+# (~2.8) without register spills at one token (at two it spills; narrower tiles do not).
+PACKED_HALF_TILE = GemvConfig(block_n=16, block_k=1024, warps=4, kernel=PACKED_HALF)
 
 
 def gemv_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None,
@@ -115,9 +121,15 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
 
     K is split in halves only while the strips make fewer programs than there are SMs (keeping
     four or more steps per program): split-K costs two more launches, which took more than the
-    idle SMs gave back on these shapes."""
+    idle SMs gave back on these shapes.
+
+    ``TANDEM_GEMV_PACKED_HALF=1`` in the environment takes the packed float16 kernel
+    (``PACKED_HALF_TILE``) for FP8 weights with per-row scales instead: an opt-in for timing it
+    against these tiles in whole steps until it is measured."""
     if element_size > 1:
         config = GemvConfig(block_n=2, block_k=1024, warps=4)
+    elif not block_scaled and os.environ.get("TANDEM_GEMV_PACKED_HALF") == "1":
+        config = PACKED_HALF_TILE
     elif block_scaled and rows < 16384:
         config = GemvConfig(block_n=4, block_k=512, warps=4)
     elif not block_scaled and features >= 8192:
@@ -125,9 +137,11 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
     else:
         config = GemvConfig(block_n=16, block_k=512, warps=8, kernel=STEP_SUMS)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(features)))
+    # (the packed kernel's loop steps whole runs of PACKED_RUN steps: a split keeps at least one)
+    packed = config.kernel == PACKED_HALF
+    steps, fewest = triton.cdiv(features, block_k * (PACKED_RUN if packed else 1)), 1 if packed else 4
     split = 1
-    while (triton.cdiv(rows, config.block_n) * split < processors
-           and triton.cdiv(features, block_k) // (2 * split) >= 4):
+    while triton.cdiv(rows, config.block_n) * split < processors and steps // (2 * split) >= fewest:
         split *= 2
     return dataclasses.replace(config, block_k=block_k, split=split)
 

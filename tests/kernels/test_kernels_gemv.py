@@ -80,6 +80,33 @@ def test_packed_half_gemv_equals_reference(tokens, rows, features, config):
             gemv(hidden, *other, None if other[1] is None else 16, config)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_packed_half_opt_in_takes_it_for_per_row_fp8_weights_only(monkeypatch):
+    """``TANDEM_GEMV_PACKED_HALF=1``: the packed tile for FP8 weights with per-row scales (K split
+    as the other tiles are, counting its runs of steps), nothing else changes; the dispatch then
+    computes the product with it."""
+    from tandem.kernels.gemv import PACKED_HALF_TILE
+
+    cases = [(rows, features, element_size, block_scaled) for rows, features in [(6144, 4096), (4096, 14336)]
+             for element_size in (1, 2) for block_scaled in (False, True)]
+    defaults = [gemv_config(rows, features, size, 132, blocks) for rows, features, size, blocks in cases]
+    monkeypatch.setenv("TANDEM_GEMV_PACKED_HALF", "1")
+    for (rows, features, element_size, block_scaled), default in zip(cases, defaults):
+        config = gemv_config(rows, features, element_size, 132, block_scaled)
+        if element_size == 1 and not block_scaled:
+            assert config == PACKED_HALF_TILE and default.kernel != PACKED_HALF  # (enough strips: no split)
+        else:
+            assert config == default
+    assert gemv_config(4096, 1792, 1, 132).split == 1  # 1,792 inputs: one run of 1,024-input steps
+    assert gemv_config(512, 14336, 1, 132).split == 4  # 32 strips; 4 runs of 4,096 inputs, one a program
+    assert gemv_config(768, 4096, 1, 132).split == 1  # 48 strips, but one run
+    weight, scale = weights(40, 100, None, seed=3)
+    hidden = torch.randn(1, 100, generator=torch.Generator().manual_seed(7))
+    expected = gemv_reference(hidden, weight, scale, None)
+    torch.testing.assert_close(gemv(hidden, weight, scale), expected, rtol=2e-3,
+                               atol=2e-3 * float(expected.abs().max()))
+
+
 def test_gemv_tiles_fill_an_h100():
     """At least one program per SM (132), or K split as far as four steps per program allow, for
     every Llama-3.1-8B projection, whole and split two and eight ways by tensor parallelism (no
