@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.gemv import (WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
+from tandem.kernels.gemv import (WHOLE_ROW, finite, gemv, multiprocessors,  # noqa: F401 (re-exported)
                                  split_inputs, sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
@@ -162,8 +162,7 @@ def _weight_only_gemm(x, w, w_scale, out, partials, arrivals, M, N, K, stride_x,
     accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT, GROUP,
                                    BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, DOT)
     if DOT == "float16":
-        finite = tl.abs(accumulator) <= 3.4028234663852886e38  # (False for inf and NaN)
-        if tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 0:
+        if tl.min(tl.min(finite(accumulator).to(tl.int32), axis=1), axis=0) == 0:
             accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT,
                                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, "float32")
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

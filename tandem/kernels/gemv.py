@@ -137,13 +137,25 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
     else:
         config = GemvConfig(block_n=16, block_k=512, warps=8, kernel=STEP_SUMS)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(features)))
-    # (the packed kernel's loop steps whole runs of PACKED_RUN steps: a split keeps at least one)
-    packed = config.kernel == PACKED_HALF
-    steps, fewest = triton.cdiv(features, block_k * (PACKED_RUN if packed else 1)), 1 if packed else 4
+    # (a split keeps four steps a program, or one run of the packed kernel's)
+    steps = triton.cdiv(features, loop_inputs(config.kernel, block_k))
+    fewest = 1 if config.kernel == PACKED_HALF else 4
     split = 1
     while triton.cdiv(rows, config.block_n) * split < processors and steps // (2 * split) >= fewest:
         split *= 2
     return dataclasses.replace(config, block_k=block_k, split=split)
+
+
+def loop_inputs(kernel: str, block_k: int) -> int:
+    """The inputs one iteration of ``kernel``'s K loop covers: a step, or for the packed kernel a
+    run of ``PACKED_RUN`` steps (a split program's range is whole iterations)."""
+    return block_k * (PACKED_RUN if kernel == PACKED_HALF else 1)
+
+
+@jit
+def finite(values):
+    """Where ``values`` (float32) are finite: False for infinities and NaN."""
+    return tl.abs(values) <= 3.4028234663852886e38
 
 
 def sub_tile_inputs(block_k: int, group: Optional[int]) -> int:
@@ -267,6 +279,12 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
 
 
 @jit
+def _fold(values, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+    """``values [BLOCK_N, BLOCK_K]`` as float32 sums over groups of ``FOLD`` neighbouring inputs."""
+    return tl.sum(tl.reshape(values.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
+
+
+@jit
 def _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
                       TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
                       SCALE: tl.constexpr, HALF: tl.constexpr):
@@ -298,14 +316,13 @@ def _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin
                     run_second += w_half * (x_second * SCALE).to(tl.float16)[None, :]
             else:
                 w_float = w_tile.to(tl.float32)
-                first += tl.sum(tl.reshape(w_float * x_first[None, :], (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
+                first += _fold(w_float * x_first[None, :], BLOCK_N, BLOCK_K, FOLD)
                 if TOKENS > 1:
-                    second += tl.sum(tl.reshape(w_float * x_second[None, :], (BLOCK_N, BLOCK_K // FOLD, FOLD)),
-                                     axis=2)
+                    second += _fold(w_float * x_second[None, :], BLOCK_N, BLOCK_K, FOLD)
         if HALF:
-            first += tl.sum(tl.reshape(run_first.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
+            first += _fold(run_first, BLOCK_N, BLOCK_K, FOLD)
             if TOKENS > 1:
-                second += tl.sum(tl.reshape(run_second.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
+                second += _fold(run_second, BLOCK_N, BLOCK_K, FOLD)
     if HALF:
         return tl.sum(first, axis=1) / SCALE, tl.sum(second, axis=1) / SCALE
     return tl.sum(first, axis=1), tl.sum(second, axis=1)
@@ -325,8 +342,7 @@ def _gemv_packed_half_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, strid
     wait_for_producer(PDL)
     first, second = _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
                                       TOKENS, BLOCK_N, BLOCK_K, RUN, SCALE, True)
-    finite = (tl.abs(first) <= 3.4028234663852886e38) & (tl.abs(second) <= 3.4028234663852886e38)
-    if tl.min(finite.to(tl.int32), axis=0) == 0:
+    if tl.min((finite(first) & finite(second)).to(tl.int32), axis=0) == 0:
         first, second = _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
                                           TOKENS, BLOCK_N, BLOCK_K, RUN, SCALE, False)
     _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale_columns, GROUP, TOKENS, True, ATOMIC)
@@ -372,8 +388,7 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     packed = config.kernel == PACKED_HALF
     if packed and (weight.element_size() != 1 or weight_scale is None or group is not None):
         raise ValueError("gemv: the packed half kernel takes FP8 weights with per-row scales only")
-    # (the packed kernel's loop advances PACKED_RUN steps at a time: a split's range is whole runs)
-    k_per_split, output = split_output(hidden, rows, config.split, config.block_k * (PACKED_RUN if packed else 1))
+    k_per_split, output = split_output(hidden, rows, config.split, loop_inputs(config.kernel, config.block_k))
     atomic = config.split > 1
     if tokens == 0:
         return output.to(hidden.dtype)
