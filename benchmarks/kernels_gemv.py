@@ -6,8 +6,7 @@ microseconds per product and the fraction of the measured copy bandwidth its byt
 - ``bf16``: ``torch.nn.functional.linear`` (cuBLAS) on bfloat16 weights, and ``gemv`` on them
   (``tandem/kernels/gemv.py``);
 - ``fp8 chan`` / ``fp8 block``: ``gemv`` on FP8 weights with per-row / 128x128-block scales (the
-  FP8 linear method's path at one and two tokens); for per-row scales also ``packed half``, the
-  packed float16 kernel (a candidate ``gemv_config`` does not take yet);
+  FP8 linear method's path at one and two tokens);
 
 then a whole decode step's products (the four projections of 32 layers, in order) for each
 path, in ms: the figure to hold against the decode step's weight-read floor. ``--sweep`` also
@@ -26,7 +25,7 @@ import triton
 import torch.nn.functional as F
 
 from benchmarks.common import Ceilings
-from tandem.kernels.gemv import (PACKED_HALF, PACKED_HALF_TILE, STEP_SUMS, GemvConfig, gemv, gemv_config,
+from tandem.kernels.gemv import (STEP_SUMS, GemvConfig, gemv, gemv_config,
                                  multiprocessors)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
@@ -86,26 +85,17 @@ def paths(format_name: str, hidden: torch.Tensor) -> dict:
     if format_name == "bf16":
         return {"cuBLAS": lambda weight, scale, group: F.linear(hidden, weight),
                 "gemv": lambda weight, scale, group: gemv(hidden, weight)}
-    products = {"gemv": lambda weight, scale, group: gemv(hidden, weight, scale, group)}
-    if format_name == "fp8 chan":  # the packed float16 candidate, one tile for every shape
-        products["packed half"] = lambda weight, scale, group: gemv(hidden, weight, scale, group, PACKED_HALF_TILE)
-    return products
+    return {"gemv": lambda weight, scale, group: gemv(hidden, weight, scale, group)}
 
 
 def bound(function, weight, scale, group):
     return lambda: function(weight, scale, group)
 
 
-def sweep_configs(element_size: int, per_row_fp8: bool = False):
+def sweep_configs(element_size: int):
     """The elementwise kernel: strips of 2 to 16 rows, steps of 512 B to 2 KiB of each row, 2 to 8
     warps; software pipelining (stages) and split-K on a few; the step sums: strips of 8 to 32
-    rows; FP8 weights with per-row scales, the packed float16 kernel too: strips of 8 to 32 rows,
-    steps of 512 and 1,024 inputs, split two ways on a few."""
-    if per_row_fp8:
-        for block_n, block_k, warps in itertools.product((8, 16, 32), (512, 1024), (4, 8)):
-            yield GemvConfig(block_n, block_k, 1, warps, 1, kernel=PACKED_HALF)
-        for block_n in (8, 16):
-            yield GemvConfig(block_n, 1024, 2, 4, 1, kernel=PACKED_HALF)
+    rows."""
     for block_n, step_bytes, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
         yield GemvConfig(block_n, step_bytes // element_size, 1, warps, 1)
     for block_n, step_bytes in itertools.product((4, 8), (1024, 2048)):
@@ -119,7 +109,7 @@ def sweep_configs(element_size: int, per_row_fp8: bool = False):
 def sweep(name, format_name, weights, hidden, bandwidth) -> None:
     results = []
     moved = bytes_of(weights)
-    for config in sweep_configs(weights[0][0].element_size(), per_row_fp8=format_name == "fp8 chan"):
+    for config in sweep_configs(weights[0][0].element_size()):
         try:
             microseconds = graph_microseconds([bound(lambda w, s, g, c=config: gemv(hidden, w, s, g, c), *entry)
                                                for entry in weights])

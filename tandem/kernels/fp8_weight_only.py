@@ -40,12 +40,18 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.gemv import (WHOLE_ROW, finite, gemv, multiprocessors,  # noqa: F401 (re-exported)
+from tandem.kernels.gemv import (WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
                                  split_inputs, sub_tile_inputs)
 from tandem.kernels.triton_support import jit, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
 FP8_GEMV_MAX_TOKENS = 1  # the token counts ``gemv.py`` serves instead (its own tiles)
+
+
+@jit
+def finite(values):
+    """Where ``values`` (float32) are finite: False for infinities and NaN."""
+    return tl.abs(values) <= 3.4028234663852886e38
 
 
 @dataclass(frozen=True)

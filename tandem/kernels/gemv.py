@@ -9,7 +9,7 @@ group)]`` float32, ``group=None``: one scale per row).
 At one or two tokens a tensor-core tile would be 15/16 padding, and the product's time is the
 time to read the weight: the kernels' one job is keeping enough weight bytes in flight. Each
 program streams ``BLOCK_N`` whole rows (or a ``1 / SPLIT`` of their K range) in
-``BLOCK_K``-input steps of 16-byte loads. Three kernels share that plan and differ in how a step's
+``BLOCK_K``-input steps of 16-byte loads. Two kernels share that plan and differ in how a step's
 products are multiplied and summed:
 
 - ``_gemv_kernel`` ("elementwise") multiplies into float32 accumulators the shape of a step and
@@ -19,18 +19,7 @@ products are multiplied and summed:
 - ``_gemv_step_sums_kernel`` ("step sums") reads the activations once per step and sums each
   step's products per row across threads. Converting an FP8 weight costs more instructions per
   byte than a 16-bit one, and there the fewer activation reads and conversions pay on the
-  shapes ``gemv_config`` names;
-- ``_gemv_packed_half_kernel`` ("packed half"; FP8 weights with per-row scales only) multiplies
-  and adds in float16, two values an instruction (an e4m3 pair converts to a float16 pair in
-  one), ``PACKED_RUN`` steps at a time into float16 accumulators the shape of a step, each run
-  then added into float32 ones; the activations are scaled by ``PACKED_ACTIVATION_SCALE`` before
-  they become float16 and the totals by its inverse, and a program whose totals come out
-  non-finite multiplies again in float32. Compiled for sm_90, its loop over 16-row strips of
-  1,024 inputs (four warps) issues about 2.8 instructions per weight byte, where the step sums
-  ``gemv_config`` takes for per-row FP8 weights on rows shorter than 8,192 inputs issue 4.8 (an
-  e4m3 value becomes float32 in two instructions and its product takes one more); the float16
-  sums of a run round at 2^-11 of their size. Not taken by ``gemv_config``: a candidate,
-  unmeasured on a GPU, for ``benchmarks/kernels_gemv.py`` (its table and ``--sweep``).
+  shapes ``gemv_config`` names.
 
 Block scales multiply each ``group``-wide sub-tile's products (a step spans whole groups or lies
 within one); per-row scales multiply the totals. Narrow strips make many programs, so every SM
@@ -46,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,13 +48,7 @@ GEMV_MAX_TOKENS = 2  # the tokens one program multiplies (a float32 accumulator 
 WHOLE_ROW = 1 << 30
 
 
-ELEMENTWISE, STEP_SUMS, PACKED_HALF = "elementwise", "step sums", "packed half"
-# The packed kernel's activations, scaled by this power of two (exact) before they become float16:
-# four products of an e4m3 weight (|w| <= 448) and an activation of magnitude up to ~9,000 stay
-# within float16's range; a sum that does not comes out non-finite and the program redoes it in
-# float32.
-PACKED_ACTIVATION_SCALE = 1.0 / 256
-PACKED_RUN = 4  # steps summed in float16 before each float32 add
+ELEMENTWISE, STEP_SUMS = "elementwise", "step sums"
 
 
 @dataclass(frozen=True)
@@ -76,12 +58,7 @@ class GemvConfig:
     split: int = 1  # programs sharing one strip's K range
     warps: int = 4
     stages: int = 1
-    kernel: str = ELEMENTWISE  # or STEP_SUMS, PACKED_HALF (see the module's docstring)
-
-
-# The packed kernel's tile: of those compiled for sm_90, the fewest instructions per weight byte
-# (~2.8) without register spills at one token (at two it spills; narrower tiles do not).
-PACKED_HALF_TILE = GemvConfig(block_n=16, block_k=1024, warps=4, kernel=PACKED_HALF)
+    kernel: str = ELEMENTWISE  # or STEP_SUMS (see the module's docstring)
 
 
 def gemv_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None,
@@ -121,15 +98,9 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
 
     K is split in halves only while the strips make fewer programs than there are SMs (keeping
     four or more steps per program): split-K costs two more launches, which took more than the
-    idle SMs gave back on these shapes.
-
-    ``TANDEM_GEMV_PACKED_HALF=1`` in the environment takes the packed float16 kernel
-    (``PACKED_HALF_TILE``) for FP8 weights with per-row scales instead: an opt-in for timing it
-    against these tiles in whole steps until it is measured."""
+    idle SMs gave back on these shapes."""
     if element_size > 1:
         config = GemvConfig(block_n=2, block_k=1024, warps=4)
-    elif not block_scaled and os.environ.get("TANDEM_GEMV_PACKED_HALF") == "1":
-        config = PACKED_HALF_TILE
     elif block_scaled and rows < 16384:
         config = GemvConfig(block_n=4, block_k=512, warps=4)
     elif not block_scaled and features >= 8192:
@@ -137,25 +108,11 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
     else:
         config = GemvConfig(block_n=16, block_k=512, warps=8, kernel=STEP_SUMS)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(features)))
-    # (a split keeps four steps a program, or one run of the packed kernel's)
-    steps = triton.cdiv(features, loop_inputs(config.kernel, block_k))
-    fewest = 1 if config.kernel == PACKED_HALF else 4
+    steps = triton.cdiv(features, block_k)
     split = 1
-    while triton.cdiv(rows, config.block_n) * split < processors and steps // (2 * split) >= fewest:
+    while triton.cdiv(rows, config.block_n) * split < processors and steps // (2 * split) >= 4:
         split *= 2
     return dataclasses.replace(config, block_k=block_k, split=split)
-
-
-def loop_inputs(kernel: str, block_k: int) -> int:
-    """The inputs one iteration of ``kernel``'s K loop covers: a step, or for the packed kernel a
-    run of ``PACKED_RUN`` steps (a split program's range is whole iterations)."""
-    return block_k * (PACKED_RUN if kernel == PACKED_HALF else 1)
-
-
-@jit
-def finite(values):
-    """Where ``values`` (float32) are finite: False for infinities and NaN."""
-    return tl.abs(values) <= 3.4028234663852886e38
 
 
 def sub_tile_inputs(block_k: int, group: Optional[int]) -> int:
@@ -279,76 +236,6 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
 
 
 @jit
-def _fold(values, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
-    """``values [BLOCK_N, BLOCK_K]`` as float32 sums over groups of ``FOLD`` neighbouring inputs."""
-    return tl.sum(tl.reshape(values.to(tl.float32), (BLOCK_N, BLOCK_K // FOLD, FOLD)), axis=2)
-
-
-@jit
-def _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
-                      TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
-                      SCALE: tl.constexpr, HALF: tl.constexpr):
-    """The per-row sums of ``x @ w.T`` over this program's rows and K range, unscaled, float32:
-    with ``HALF`` each product and the sums of a run of ``RUN`` steps in float16 (the activations
-    times ``SCALE``, a power of two, the totals divided by it), else float32 throughout. The
-    float32 accumulators hold each row's sums over groups of ``FOLD`` neighbouring inputs (eight:
-    within one thread's 16-byte share of a row), an eighth of a step's shape in registers."""
-    FOLD: tl.constexpr = 8
-    inputs = k_begin + tl.arange(0, BLOCK_K)
-    first = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
-    second = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
-    for start in range(0, K_PER_SPLIT, BLOCK_K * RUN):
-        if HALF:
-            run_first = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-            run_second = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-        for step in tl.static_range(RUN):
-            k = inputs + start + step * BLOCK_K
-            k_mask = k < K
-            w_tile = tl.load(w + columns[:, None] * stride_w + k[None, :], mask=column_mask[:, None] & k_mask[None, :],
-                             other=0.0)
-            x_first = tl.load(x + k, mask=k_mask, other=0.0).to(tl.float32)
-            if TOKENS > 1:
-                x_second = tl.load(x + stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-            if HALF:
-                w_half = w_tile.to(tl.float16)
-                run_first += w_half * (x_first * SCALE).to(tl.float16)[None, :]
-                if TOKENS > 1:
-                    run_second += w_half * (x_second * SCALE).to(tl.float16)[None, :]
-            else:
-                w_float = w_tile.to(tl.float32)
-                first += _fold(w_float * x_first[None, :], BLOCK_N, BLOCK_K, FOLD)
-                if TOKENS > 1:
-                    second += _fold(w_float * x_second[None, :], BLOCK_N, BLOCK_K, FOLD)
-        if HALF:
-            first += _fold(run_first, BLOCK_N, BLOCK_K, FOLD)
-            if TOKENS > 1:
-                second += _fold(run_second, BLOCK_N, BLOCK_K, FOLD)
-    if HALF:
-        return tl.sum(first, axis=1) / SCALE, tl.sum(second, axis=1) / SCALE
-    return tl.sum(first, axis=1), tl.sum(second, axis=1)
-
-
-@jit
-def _gemv_packed_half_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
-                             GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             RUN: tl.constexpr, SCALE: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
-    """``_gemv_kernel``'s product for FP8 weights with per-row scales, multiplied and summed in
-    packed float16 (``_packed_half_sums``); a non-finite total (an activation past the scaled
-    float16 range) sends the program through it again in float32."""
-    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    column_mask = columns < N
-    k_begin = tl.program_id(1) * K_PER_SPLIT
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
-    first, second = _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
-                                      TOKENS, BLOCK_N, BLOCK_K, RUN, SCALE, True)
-    if tl.min((finite(first) & finite(second)).to(tl.int32), axis=0) == 0:
-        first, second = _packed_half_sums(x, w, columns, column_mask, K, stride_x, stride_w, k_begin, K_PER_SPLIT,
-                                          TOKENS, BLOCK_N, BLOCK_K, RUN, SCALE, False)
-    _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale_columns, GROUP, TOKENS, True, ATOMIC)
-
-
-@jit
 def _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale_columns, GROUP: tl.constexpr,
             TOKENS: tl.constexpr, SCALED: tl.constexpr, ATOMIC: tl.constexpr):
     """Per-row scales on the totals, then the store (split-K: the float32 add)."""
@@ -385,10 +272,7 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     if config is None:
         config = gemv_config(rows, features, weight.element_size(), multiprocessors(hidden),
                              block_scaled=weight_scale is not None and group is not None)
-    packed = config.kernel == PACKED_HALF
-    if packed and (weight.element_size() != 1 or weight_scale is None or group is not None):
-        raise ValueError("gemv: the packed half kernel takes FP8 weights with per-row scales only")
-    k_per_split, output = split_output(hidden, rows, config.split, loop_inputs(config.kernel, config.block_k))
+    k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
     atomic = config.split > 1
     if tokens == 0:
         return output.to(hidden.dtype)
@@ -399,15 +283,12 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, BLOCK_N=config.block_n,
                   BLOCK_K=config.block_k, ATOMIC=atomic, num_warps=config.warps, num_stages=config.stages,
                   **early_launch_arguments(hidden, tokens, allowed=not atomic))
-    if packed:
-        kernel, specific = _gemv_packed_half_kernel, dict(RUN=PACKED_RUN, SCALE=PACKED_ACTIVATION_SCALE)
+    specific = dict(SCALED=scaled, SUB_K=sub_tile_inputs(config.block_k, group))
+    if config.kernel == STEP_SUMS:
+        kernel = _gemv_step_sums_kernel
     else:
-        specific = dict(SCALED=scaled, SUB_K=sub_tile_inputs(config.block_k, group))
-        if config.kernel == STEP_SUMS:
-            kernel = _gemv_step_sums_kernel
-        else:
-            kernel = _gemv_kernel
-            specific["EVEN"] = rows % config.block_n == 0 and k_per_split * config.split == features
+        kernel = _gemv_kernel
+        specific["EVEN"] = rows % config.block_n == 0 and k_per_split * config.split == features
     kernel[grid](hidden, weight, scale_arguments[0], output, rows, features, hidden.stride(0), weight.stride(0),
                  output.stride(0), scale_arguments[1], k_per_split, **common, **specific)
     return output.to(hidden.dtype) if atomic else output
