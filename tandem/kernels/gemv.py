@@ -167,6 +167,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
         w_next = tl.load(w_pointers)
     else:
         w_next = tl.load(w_pointers, mask=column_mask & (inputs < K), other=0.0)
+    row_scales = _row_scales(w_scale, columns, columns < N, scale_columns, GROUP, SCALED)
     wait_for_producer(PDL)  # the weight's first tile is on its way; the activations are the producer's
     first = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
     second = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
@@ -192,8 +193,8 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
             else:
                 x_second = tl.load(x_pointers + stride_x + step, mask=k_mask, other=0.0).to(tl.float32)
             second += w_tile * x_second
-    _finish(tl.sum(tl.sum(first, axis=2), axis=1), tl.sum(tl.sum(second, axis=2), axis=1), w_scale, out, columns,
-            columns < N, stride_out, scale_columns, GROUP, TOKENS, SCALED, ATOMIC)
+    _finish(tl.sum(tl.sum(first, axis=2), axis=1), tl.sum(tl.sum(second, axis=2), axis=1), row_scales, out, columns,
+            columns < N, stride_out, GROUP, TOKENS, SCALED, ATOMIC)
 
 
 @jit
@@ -208,6 +209,7 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
     column_mask = columns < N
     k_begin = tl.program_id(1) * K_PER_SPLIT
     launch_dependents(PDL)
+    row_scales = _row_scales(w_scale, columns, column_mask, scale_columns, GROUP, SCALED)
     wait_for_producer(PDL)
     first = tl.zeros((BLOCK_N,), dtype=tl.float32)
     second = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -231,16 +233,23 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
             first += partial_first
             if TOKENS > 1:
                 second += partial_second
-    _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale_columns, GROUP, TOKENS, SCALED,
-            ATOMIC)
+    _finish(first, second, row_scales, out, columns, column_mask, stride_out, GROUP, TOKENS, SCALED, ATOMIC)
 
 
 @jit
-def _finish(first, second, w_scale, out, columns, column_mask, stride_out, scale_columns, GROUP: tl.constexpr,
-            TOKENS: tl.constexpr, SCALED: tl.constexpr, ATOMIC: tl.constexpr):
-    """Per-row scales on the totals, then the store (split-K: the float32 add)."""
+def _row_scales(w_scale, columns, column_mask, scale_columns, GROUP: tl.constexpr, SCALED: tl.constexpr):
+    """The strip's per-row scales (``GROUP`` ``WHOLE_ROW``), requested at the program's start
+    with its first weight tile, so no load waits at its end; 1.0 for other weights."""
     if SCALED and GROUP >= (1 << 30):
-        row_scales = tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
+        return tl.load(w_scale + columns * scale_columns, mask=column_mask, other=0.0)
+    return tl.full(columns.shape, 1.0, tl.float32)
+
+
+@jit
+def _finish(first, second, row_scales, out, columns, column_mask, stride_out, GROUP: tl.constexpr,
+            TOKENS: tl.constexpr, SCALED: tl.constexpr, ATOMIC: tl.constexpr):
+    """Per-row scales (``_row_scales``) on the totals, then the store (split-K: the float32 add)."""
+    if SCALED and GROUP >= (1 << 30):
         first *= row_scales
         second *= row_scales
     for token in tl.static_range(TOKENS):
