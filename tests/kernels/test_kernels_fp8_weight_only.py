@@ -76,6 +76,8 @@ def test_weight_only_tiles_fill_an_h100():
             assert group is None or group % config.block_k == 0 or config.block_k % group == 0
     assert weight_only_config(4096, 14336, None, 132).split == 4  # long rows split (the down projection)
     assert weight_only_config(4096, 4096, 128, 132).split == 4 and weight_only_config(6144, 4096, None, 132).split == 1
+    assert weight_only_config(6144, 4096, None, 132).block_k == 256  # per-row, short rows: 256-input steps
+    assert weight_only_config(28672, 4096, None, 132) == WeightOnlyConfig(64, 128, 1)  # but gate/up: 128
 
 
 def test_weight_only_refuses_more_than_its_tokens():
