@@ -18,9 +18,9 @@ import random
 
 import torch
 
-
 from benchmarks.common import (add_model_arguments, add_quantization_argument, is_fp8_model, resolve_model_arguments,
                     Ceilings, ModelCost, best_seconds, quantized_model_dir, release, vocab_size_of)
+from benchmarks.gpu_clocks import ClockSampler
 
 
 def parse_args():
@@ -64,13 +64,15 @@ def tandem_figures(model_dir, args, vocab_size, prefill_lengths):
     first = seconds_of(lambda: generate([prompt], 1))
     whole = seconds_of(lambda: generate([prompt], args.output_len))
     tpot = (whole - first) / (args.output_len - 1)
-    prefill = {}
+    prefill, clocks = {}, {}
     for length in prefill_lengths:
         prompts = random_prompts(max(1, args.prefill_tokens // length), length, vocab_size, seed=length)
-        prefill[length] = len(prompts) * length / seconds_of(lambda: generate(prompts, 1), repeat=2)
+        with ClockSampler(torch.cuda.current_device() if torch.cuda.is_available() else 0) as sampler:
+            prefill[length] = len(prompts) * length / seconds_of(lambda: generate(prompts, 1), repeat=2)
+        clocks[length] = sampler.summary()
     cost = ModelCost.of_engine(llm.engine)
     release(llm)
-    return first, tpot, prefill, cost
+    return first, tpot, prefill, clocks, cost
 
 
 def transformers_figures(model_dir, args, vocab_size, prefill_lengths):
@@ -110,7 +112,7 @@ def main() -> None:
     prefill_lengths = [int(length) for length in args.prefill_lengths.split(",")]
     fp8 = is_fp8_model(model_dir, args.quantization)
     ceilings = Ceilings.measure(getattr(torch, args.dtype), fp8=fp8)
-    first, tpot, prefill, cost = tandem_figures(model_dir, args, vocab_size, prefill_lengths)
+    first, tpot, prefill, clocks, cost = tandem_figures(model_dir, args, vocab_size, prefill_lengths)
     reference = None if args.skip_transformers or fp8 else transformers_figures(model_dir, args, vocab_size,
                                                                          prefill_lengths)
     floor_tpot = (cost.decode_weight_bytes(1) + cost.state_bytes_per_token * (args.prompt_len + args.output_len / 2)) \
@@ -135,6 +137,9 @@ def main() -> None:
         hf = reference[2][length] if reference else float("nan")
         print(f"{length:<28}{prefill[length]:>12.0f}{hf:>14.0f}{roof:>10.0f}{prefill[length] / roof:>13.2f}"
               f"{prefill[length] / hf:>11.2f}")
+    if torch.cuda.is_available():  # a long prefill can hold the GPU at its power limit, below the clock
+        for length in prefill_lengths:  # the matrix rate was measured at
+            print(f"prefill at {length}: {clocks[length]}")
 
 
 if __name__ == "__main__":
