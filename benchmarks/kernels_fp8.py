@@ -14,7 +14,9 @@ value — what choosing it would cost in accuracy; at M <= 16 also
 
 - ``w-only chan``, ``w-only block``: the weight-only path the FP8 linear method takes there
   (``tandem/kernels/fp8_weight_only.py``: 16-bit activations, FP8 weights dequantized in
-  registers, split-K for small N), its fraction of the weight-read roofline;
+  registers, split-K for small N), its fraction of the weight-read roofline, timed as a decode
+  graph runs it: 32 distinct weights of the shape replayed from a CUDA graph (a single launch
+  carries a launch latency as long as the product), and a layer's four products summed;
 
 and each one's fraction of its roofline: the slower of the bytes it must move (weights, their
 scales, activations in and out) over the measured copy bandwidth and its FLOPs over the measured
@@ -30,8 +32,8 @@ time saved per layer.
 
     python -m benchmarks.kernels_fp8            # the tables
     python -m benchmarks.kernels_fp8 --fused    # the fused-producer table only
-    python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 16, block GEMM tiles and
-                                                # torch._scaled_mm block-wise at M = 512, 4096 (~2 min)
+    python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 2 and 16 (in graphs), block
+                                                # GEMM tiles and torch._scaled_mm block-wise at M = 512, 4096
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import triton
 
 
 from benchmarks.common import Ceilings
+from benchmarks.kernels_gemv import LAYERS, graph_microseconds, stack
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, PER_TOKEN_LAYOUT, BlockGemmConfig, block_gemm_config,
                                      block_scaled_matmul, fp8_linear, quantize_activation, quantize_token_groups)
@@ -52,6 +55,8 @@ from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_sc
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 16, 256, 512, 4096)  # (256: a batch-256 decode step)
+WEIGHT_ONLY_FORMATS = (("fp8 chan", None), ("fp8 block", 128))  # kernels_gemv.stack's names
+WEIGHT_ONLY_TOKENS = (1, 2, 4, 16)
 
 
 def median_ms(function) -> float:
@@ -63,44 +68,61 @@ def roofline_ms(tokens, rows, features, weight_bytes, activation_bytes, flops_ra
     return max(moved / bandwidth, 2.0 * tokens * rows * features / flops_rate) * 1e3
 
 
-def weight_only_row(name, rows, features, tokens, weights, bandwidth) -> str:
-    """The weight-only path at ``tokens`` for per-row and block weights: ms and roof each."""
+def weight_only_microseconds(hidden, weights, config=None) -> float:
+    """Microseconds per product of the weight-only path over ``weights`` (a stack of ``LAYERS``
+    distinct weights of one shape), replayed from a CUDA graph as a decode graph runs them: a
+    single launch would carry the launch latency a graph hides, which at these sizes is as long
+    as the product."""
+    return graph_microseconds([lambda w=weight, s=scale, g=group: weight_only_matmul(hidden, w, s, g, config)
+                               for weight, scale, group in weights]) / LAYERS
+
+
+def weight_only_row(name, rows, features, tokens, stacks, bandwidth) -> tuple[str, list[float]]:
+    """The weight-only path at ``tokens`` for per-row and block weights: µs and roof each (and
+    the µs, for the layer's sum)."""
     hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
-    cells = []
-    for weight, scale, group in weights:
-        milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group))
-        moved = weight.numel() + scale.numel() * 4 + tokens * (features + rows) * 2
+    cells, times = [], []
+    for format_name, group in WEIGHT_ONLY_FORMATS:
+        weights = stacks[format_name]
+        microseconds = weight_only_microseconds(hidden, weights)
         config = weight_only_config(rows, features, group, multiprocessors(hidden))
         tiles = "gemv" if tokens <= FP8_GEMV_MAX_TOKENS else f"n{config.block_n} k{config.block_k} s{config.split}"
-        cells.append(f"{milliseconds:>9.4f}{moved / bandwidth * 1e3 / milliseconds:>6.2f}  ({tiles})")
-    return f"{name:<9}{tokens:>6}" + "".join(cells)
+        cells.append(f"{microseconds:>9.2f}{stack_bytes(weights) / bandwidth * 1e6 / microseconds:>6.2f}  ({tiles})")
+        times.append(microseconds)
+    return f"{name:<9}{tokens:>6}" + "".join(f"{cell:<36}" for cell in cells), times
 
 
-def sweep(name, rows, features, weights, bandwidth) -> None:
-    """The tensor-core weight-only tiles at 16 tokens (their largest size; one token takes
-    ``gemv.py``, tuned by ``benchmarks/kernels_gemv.py --sweep``), best first (for tuning
-    ``weight_only_config``; single launches, so the smaller shapes carry the launch latency a
-    CUDA graph hides)."""
-    for tokens in (MAX_TOKENS,):
-        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
-        for weight, scale, group in weights:
+def stack_bytes(weights) -> float:
+    """Bytes one product reads: a weight of the stack and its scales (the activations are noise)."""
+    return sum(weight.numel() + scale.numel() * 4 for weight, scale, _ in weights) / LAYERS
+
+
+def sweep(name, rows, features, stacks, bandwidth) -> None:
+    """The tensor-core weight-only tiles at 2 and 16 tokens (one token takes ``gemv.py``, tuned
+    by ``benchmarks/kernels_gemv.py --sweep``), timed as ``weight_only_microseconds`` times them,
+    the default first, then the best three (for tuning ``weight_only_config``)."""
+    for format_name, group in WEIGHT_ONLY_FORMATS:
+        weights = stacks[format_name]
+        moved = stack_bytes(weights)
+        for tokens in (2, MAX_TOKENS):
+            hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+            default = weight_only_config(rows, features, group, multiprocessors(hidden))
             results = []
             for block_n in (16, 32, 64):
                 for block_k in (128, 256):
                     for split in (1, 2, 4):
-                        for warps, stages in ((4, 3), (4, 4), (8, 4)):
+                        for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                             config = WeightOnlyConfig(block_n, block_k, split, warps, stages)
                             try:
-                                milliseconds = median_ms(lambda: weight_only_matmul(hidden, weight, scale, group,
-                                                                                    config))
+                                microseconds = weight_only_microseconds(hidden, weights, config)
                             except triton.runtime.errors.OutOfResources:
                                 continue  # a tile this GPU's shared memory cannot hold
-                            results.append((milliseconds, config))
+                            results.append((microseconds, config))
             results.sort(key=lambda item: item[0])
-            moved = weight.numel() + scale.numel() * 4
-            best = ", ".join(f"{ms:.4f} ms ({moved / bandwidth * 1e3 / ms:.2f}) n{c.block_n} k{c.block_k} "
-                             f"s{c.split} w{c.warps} st{c.stages}" for ms, c in results[:3])
-            print(f"sweep {name:<8} M={tokens:<3} {'block' if group else 'channel':<8} {best}")
+            shown = [(weight_only_microseconds(hidden, weights, default), default)] + results[:3]
+            cells = ", ".join(f"{us:.2f} us ({moved / bandwidth * 1e6 / us:.2f}) n{c.block_n} k{c.block_k} "
+                              f"s{c.split} w{c.warps} st{c.stages}" for us, c in shown)
+            print(f"sweep {name:<8} M={tokens:<3} {format_name:<9} default {cells}")
 
 
 BLOCK_GEMM_TILES = [BlockGemmConfig(64, 128, 4, 3), BlockGemmConfig(64, 128, 4, 4), BlockGemmConfig(128, 128, 8, 3),
@@ -194,7 +216,7 @@ def fused_producer_table(bandwidth: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
-                        help="also try kernel tiles (weight-only at M = 1, block GEMM at M = 512, 4096)")
+                        help="also try kernel tiles (weight-only at M = 2 and 16, block GEMM at M = 512, 4096)")
     parser.add_argument("--fused", action="store_true",
                         help="only the table of activation producers writing FP8, fused against unfused")
     arguments = parser.parse_args()
@@ -205,7 +227,7 @@ def main() -> None:
     if arguments.fused:
         fused_producer_table(fp8_ceilings.bandwidth)
         return
-    weight_only_rows = []
+    weight_only_rows, layer_times, layer_bytes = [], {}, {}
     print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}{'fast':>8}"
           f"{'f.err':>9}{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
     for name, (rows, features) in SHAPES.items():
@@ -242,17 +264,29 @@ def main() -> None:
             print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
                   f"{channel_roof / channel:>6.2f}{fast_gemm:>8.4f}{fast_error:>9.1e}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
                   f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
-        fp8_weights = [(channel_weight, channel_scale, None), (block_weight, block_scale, 128)]
-        for tokens in (1, 4, 16):
-            weight_only_rows.append(weight_only_row(name, rows, features, tokens, fp8_weights, fp8_ceilings.bandwidth))
         if arguments.sweep:
-            sweep(name, rows, features, fp8_weights, fp8_ceilings.bandwidth)
             sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
         del bf16_weight, channel_weight, block_weight
+        stacks = stack(rows, features)
+        for tokens in WEIGHT_ONLY_TOKENS:
+            row, times = weight_only_row(name, rows, features, tokens, stacks, fp8_ceilings.bandwidth)
+            weight_only_rows.append(row)
+            for format_name, microseconds in zip((f for f, _ in WEIGHT_ONLY_FORMATS), times):
+                layer_times[(tokens, format_name)] = layer_times.get((tokens, format_name), 0.0) + microseconds
+        for format_name, _ in WEIGHT_ONLY_FORMATS:
+            layer_bytes[format_name] = layer_bytes.get(format_name, 0.0) + stack_bytes(stacks[format_name])
+        if arguments.sweep:
+            sweep(name, rows, features, stacks, fp8_ceilings.bandwidth)
+        del stacks
         torch.cuda.empty_cache()
-    print(f"\nweight-only path (M <= 16)\n{'shape':<9}{'M':>6}{'chan ms':>9}{'roof':>6}{'':<22}{'block ms':>9}"
-          f"{'roof':>6}")
+    print(f"\nweight-only path (M <= 16), {LAYERS} weights of a shape replayed from a CUDA graph\n"
+          f"{'shape':<9}{'M':>6}{'chan us':>9}{'roof':>6}{'':<21}{'block us':>9}{'roof':>6}")
     print("\n".join(weight_only_rows))
+    for tokens in WEIGHT_ONLY_TOKENS:  # the target: a layer's four products at >= 0.85 of the read rate
+        cells = [f"{f} {layer_times[(tokens, f)]:.1f} us "
+                 f"({layer_bytes[f] / fp8_ceilings.bandwidth * 1e6 / layer_times[(tokens, f)]:.2f})"
+                 for f, _ in WEIGHT_ONLY_FORMATS]
+        print(f"a layer's four products at M={tokens}: " + ", ".join(cells))
     print("\nroof: the roofline's time over the measured time (1.00 = at the roofline); chan/bf16, "
           "block/bf16: speed-up over bf16")
     fused_producer_table(fp8_ceilings.bandwidth)
