@@ -22,9 +22,9 @@ products are multiplied and summed:
   shapes ``gemv_config`` names.
 
 Block scales multiply each ``group``-wide sub-tile's products (a step spans whole groups or lies
-within one); per-row scales multiply the totals. Narrow strips make many programs, so every SM
-holds several and their loads overlap; where even the narrowest leave SMs idle (small N, as under
-tensor parallelism), ``SPLIT`` programs share a strip's K range and add float32 partials into a
+within one); per-row scales, requested with the first weight tile, multiply the totals. Narrow
+strips make many programs, so every SM holds several and their loads overlap; where even the
+narrowest leave SMs idle (small N, as under tensor parallelism), ``SPLIT`` programs share a strip's K range and add float32 partials into a
 zeroed buffer, cast afterwards. The tiles are static per shape, so a CUDA graph captured at a
 batch size replays the same launch.
 
