@@ -24,9 +24,9 @@ products are multiplied and summed:
 Block scales multiply each ``group``-wide sub-tile's products (a step spans whole groups or lies
 within one); per-row scales, requested with the first weight tile, multiply the totals. Narrow
 strips make many programs, so every SM holds several and their loads overlap; where even the
-narrowest leave SMs idle (small N, as under tensor parallelism), ``SPLIT`` programs share a strip's K range and add float32 partials into a
-zeroed buffer, cast afterwards. The tiles are static per shape, so a CUDA graph captured at a
-batch size replays the same launch.
+narrowest leave SMs idle (small N, as under tensor parallelism), ``SPLIT`` programs share a
+strip's K range and add float32 partials into a zeroed buffer, cast afterwards. The tiles are
+static per shape, so a CUDA graph captured at a batch size replays the same launch.
 
     grid = (ceil(N / BLOCK_N), SPLIT)
     program (n, s):  rows n*BLOCK_N .. +BLOCK_N of W,  K range s*K_PER_SPLIT .. +K_PER_SPLIT
