@@ -48,12 +48,6 @@ MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-c
 FP8_GEMV_MAX_TOKENS = 1  # the token counts ``gemv.py`` serves instead (its own tiles)
 
 
-@jit
-def finite(values):
-    """Where ``values`` (float32) are finite: False for infinities and NaN."""
-    return tl.abs(values) <= 3.4028234663852886e38
-
-
 @dataclass(frozen=True)
 class WeightOnlyConfig:
     block_n: int  # weight rows per program
@@ -81,10 +75,11 @@ def weight_only_config(rows: int, features: int, group: Optional[int], multiproc
     strips of 32 weight rows, 64 on tall weights (16,384 rows or more: gate/up); steps of 256
     inputs for per-row scales on rows shorter than 8,192 inputs of weights that are not tall,
     else 128 (one block-scale column a step; on gate/up with per-row scales 128-input steps
-    read at 0.82-0.85 of the copy rate where 256 read at 0.74-0.75, timed in CUDA graphs). Split-K costs each program a float32 partial, stored and read back by the
-    strip's last one; it pays only where a program's loop is long or carries block scales: K
-    is split in halves while fewer than 2.5 programs per SM result (keeping two or more steps a
-    program), except for per-row scales on short rows, which read fastest unsplit."""
+    read at 0.82-0.85 of the copy rate where 256 read at 0.74-0.75, timed in CUDA graphs).
+    Split-K costs each program a float32 partial, stored and read back by the strip's last one;
+    it pays only where a program's loop is long or carries block scales: K is split in halves
+    while fewer than 2.5 programs per SM result (keeping two or more steps a program), except
+    for per-row scales on short rows, which read fastest unsplit."""
     block_n = 64 if rows >= 16384 else 32
     per_row_short = group is None and features < 8192
     block_k = min(256 if per_row_short and block_n == 32 else 128, max(16, triton.next_power_of_2(features)))
@@ -169,7 +164,8 @@ def _weight_only_gemm(x, w, w_scale, out, partials, arrivals, M, N, K, stride_x,
     accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT, GROUP,
                                    BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, DOT)
     if DOT == "float16":
-        if tl.min(tl.min(finite(accumulator).to(tl.int32), axis=1), axis=0) == 0:
+        finite = tl.abs(accumulator) <= 3.4028234663852886e38  # (False for inf and NaN)
+        if tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 0:
             accumulator = _weight_only_sum(x, w, w_scale, M, N, K, stride_x, stride_w, scale_columns, K_PER_SPLIT,
                                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, "float32")
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

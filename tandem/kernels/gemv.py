@@ -10,7 +10,7 @@ At one or two tokens a tensor-core tile would be 15/16 padding, and the product'
 time to read the weight: the kernels' one job is keeping enough weight bytes in flight. Each
 program streams ``BLOCK_N`` whole rows (or a ``1 / SPLIT`` of their K range) in
 ``BLOCK_K``-input steps of 16-byte loads. Two kernels share that plan and differ in how a step's
-products are multiplied and summed:
+products are summed:
 
 - ``_gemv_kernel`` ("elementwise") multiplies into float32 accumulators the shape of a step and
   sums across K once, after the loop, so a step is loads and fused multiply-adds only, with the
@@ -108,9 +108,9 @@ def gemv_config(rows: int, features: int, element_size: int, processors: int,
     else:
         config = GemvConfig(block_n=16, block_k=512, warps=8, kernel=STEP_SUMS)
     block_k = min(config.block_k, max(16, triton.next_power_of_2(features)))
-    steps = triton.cdiv(features, block_k)
     split = 1
-    while triton.cdiv(rows, config.block_n) * split < processors and steps // (2 * split) >= 4:
+    while (triton.cdiv(rows, config.block_n) * split < processors
+           and triton.cdiv(features, block_k) // (2 * split) >= 4):
         split *= 2
     return dataclasses.replace(config, block_k=block_k, split=split)
 
@@ -194,7 +194,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
                 x_second = tl.load(x_pointers + stride_x + step, mask=k_mask, other=0.0).to(tl.float32)
             second += w_tile * x_second
     _finish(tl.sum(tl.sum(first, axis=2), axis=1), tl.sum(tl.sum(second, axis=2), axis=1), row_scales, out, columns,
-            columns < N, stride_out, GROUP, TOKENS, SCALED, ATOMIC)
+            columns < N, stride_out, TOKENS, ATOMIC)
 
 
 @jit
@@ -233,7 +233,7 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
             first += partial_first
             if TOKENS > 1:
                 second += partial_second
-    _finish(first, second, row_scales, out, columns, column_mask, stride_out, GROUP, TOKENS, SCALED, ATOMIC)
+    _finish(first, second, row_scales, out, columns, column_mask, stride_out, TOKENS, ATOMIC)
 
 
 @jit
@@ -246,12 +246,12 @@ def _row_scales(w_scale, columns, column_mask, scale_columns, GROUP: tl.constexp
 
 
 @jit
-def _finish(first, second, row_scales, out, columns, column_mask, stride_out, GROUP: tl.constexpr,
-            TOKENS: tl.constexpr, SCALED: tl.constexpr, ATOMIC: tl.constexpr):
-    """Per-row scales (``_row_scales``) on the totals, then the store (split-K: the float32 add)."""
-    if SCALED and GROUP >= (1 << 30):
-        first *= row_scales
-        second *= row_scales
+def _finish(first, second, row_scales, out, columns, column_mask, stride_out, TOKENS: tl.constexpr,
+            ATOMIC: tl.constexpr):
+    """Per-row scales (``_row_scales``: 1.0 for other weights) on the totals, then the store
+    (split-K: the float32 add)."""
+    first *= row_scales
+    second *= row_scales
     for token in tl.static_range(TOKENS):
         result = first if token == 0 else second
         if ATOMIC:
@@ -281,6 +281,7 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     if config is None:
         config = gemv_config(rows, features, weight.element_size(), multiprocessors(hidden),
                              block_scaled=weight_scale is not None and group is not None)
+    sub_k = sub_tile_inputs(config.block_k, group)
     k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
     atomic = config.split > 1
     if tokens == 0:
@@ -289,15 +290,14 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     scale_arguments = (weight_scale, weight_scale.shape[1]) if scaled else (weight, 0)
     grid = (triton.cdiv(rows, config.block_n), config.split)
     # Launched early where the GPU allows (not after split-K's zeroing, which does not signal).
-    common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, BLOCK_N=config.block_n,
-                  BLOCK_K=config.block_k, ATOMIC=atomic, num_warps=config.warps, num_stages=config.stages,
-                  **early_launch_arguments(hidden, tokens, allowed=not atomic))
-    specific = dict(SCALED=scaled, SUB_K=sub_tile_inputs(config.block_k, group))
+    common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, SCALED=scaled, BLOCK_N=config.block_n,
+                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, num_warps=config.warps,
+                  num_stages=config.stages, **early_launch_arguments(hidden, tokens, allowed=not atomic))
     if config.kernel == STEP_SUMS:
-        kernel = _gemv_step_sums_kernel
+        kernel, specific = _gemv_step_sums_kernel, {}
     else:
         kernel = _gemv_kernel
-        specific["EVEN"] = rows % config.block_n == 0 and k_per_split * config.split == features
+        specific = dict(EVEN=rows % config.block_n == 0 and k_per_split * config.split == features)
     kernel[grid](hidden, weight, scale_arguments[0], output, rows, features, hidden.stride(0), weight.stride(0),
                  output.stride(0), scale_arguments[1], k_per_split, **common, **specific)
     return output.to(hidden.dtype) if atomic else output
