@@ -32,6 +32,7 @@ time saved per layer.
 
     python -m benchmarks.kernels_fp8            # the tables
     python -m benchmarks.kernels_fp8 --fused    # the fused-producer table only
+    python -m benchmarks.kernels_fp8 --weight-only   # the weight-only table only
     python -m benchmarks.kernels_fp8 --sweep    # also: weight-only tiles at M = 2 and 16 (in graphs), block
                                                 # GEMM tiles and torch._scaled_mm block-wise at M = 512, 4096
 """
@@ -219,6 +220,8 @@ def main() -> None:
                         help="also try kernel tiles (weight-only at M = 2 and 16, block GEMM at M = 512, 4096)")
     parser.add_argument("--fused", action="store_true",
                         help="only the table of activation producers writing FP8, fused against unfused")
+    parser.add_argument("--weight-only", action="store_true",
+                        help="only the weight-only table (M <= 16; with --sweep, its tiles)")
     arguments = parser.parse_args()
     bf16_ceilings = Ceilings.measure(torch.bfloat16)
     fp8_ceilings = Ceilings.measure(torch.bfloat16, fp8=True)
@@ -228,8 +231,9 @@ def main() -> None:
         fused_producer_table(fp8_ceilings.bandwidth)
         return
     weight_only_rows, layer_times, layer_bytes = [], {}, {}
-    print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}{'fast':>8}"
-          f"{'f.err':>9}{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
+    if not arguments.weight_only:
+        print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}{'fast':>8}"
+              f"{'f.err':>9}{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
     for name, (rows, features) in SHAPES.items():
         float_weight = torch.randn(rows, features, device="cuda") * 0.02
         bf16_weight = float_weight.to(torch.bfloat16)
@@ -237,7 +241,7 @@ def main() -> None:
         block_weight, blocks = quantize_blocks(float_weight, (128, 128))
         block_scale = row_block_scales(blocks, (rows, features), (128, 128))
         del float_weight
-        for tokens in TOKENS:
+        for tokens in () if arguments.weight_only else TOKENS:
             hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
             bf16 = median_ms(lambda: hidden @ bf16_weight.t())
             channel = median_ms(lambda: fp8_linear(hidden, channel_weight, channel_scale, None))
@@ -264,7 +268,7 @@ def main() -> None:
             print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
                   f"{channel_roof / channel:>6.2f}{fast_gemm:>8.4f}{fast_error:>9.1e}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
                   f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
-        if arguments.sweep:
+        if arguments.sweep and not arguments.weight_only:
             sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
         del bf16_weight, channel_weight, block_weight
         stacks = stack(rows, features)
@@ -289,7 +293,8 @@ def main() -> None:
         print(f"a layer's four products at M={tokens}: " + ", ".join(cells))
     print("\nroof: the roofline's time over the measured time (1.00 = at the roofline); chan/bf16, "
           "block/bf16: speed-up over bf16")
-    fused_producer_table(fp8_ceilings.bandwidth)
+    if not arguments.weight_only:
+        fused_producer_table(fp8_ceilings.bandwidth)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import Ceilings
 from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config, multiprocessors
+from tandem.kernels.triton_support import early_launch
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 LAYERS = 32
@@ -52,15 +53,18 @@ def stack(rows: int, features: int, device: str = "cuda") -> dict:
     return formats
 
 
-def graph_microseconds(products) -> float:
-    """Median microseconds of one replay of a CUDA graph running ``products`` (callables) in order."""
-    for product in products:  # compile and warm outside the capture
-        product()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for product in products:
+def graph_microseconds(products, early: bool = False) -> float:
+    """Median microseconds of one replay of a CUDA graph running ``products`` (callables) in order;
+    ``early``: captured as a decode graph of few tokens is, each kernel launched before the one
+    before it finishes (``triton_support.early_launch``; no effect above its token limit)."""
+    with early_launch(early):
+        for product in products:  # compile and warm outside the capture
             product()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for product in products:
+                product()
     for _ in range(3):
         graph.replay()
     times = []
@@ -150,13 +154,17 @@ def main() -> None:
                       f"{moved / ceilings.bandwidth * 1e6 / microseconds:>9.2f}  {tiles}", flush=True)
             if arguments.sweep:
                 sweep(name, format_name, weights, hidden, ceilings.bandwidth)
-    print("\na decode step's products (4 projections x 32 layers, in order)")
+    print("\na decode step's products (4 projections x 32 layers, in order; 'early': each launched before the one "
+          "before it ends, as in a decode graph)")
     for (format_name, path), entries in step_paths.items():
         products = [bound(function, *weights[layer]) for layer in range(LAYERS) for function, weights in entries]
         moved = sum(bytes_of(weights) for _, weights in entries)
-        microseconds = graph_microseconds(products)
-        print(f"{format_name:<11}{path:<13}{microseconds / 1e3:>8.3f} ms  {moved / 1e9:.2f} GB  "
-              f"{moved / microseconds / 1e6:.2f} TB/s  {moved / ceilings.bandwidth * 1e6 / microseconds:.2f} of copy")
+        for early in (False, True) if path == "gemv" else (False,):
+            microseconds = graph_microseconds(products, early)
+            label = f"{path} early" if early else path
+            print(f"{format_name:<11}{label:<13}{microseconds / 1e3:>8.3f} ms  {moved / 1e9:.2f} GB  "
+                  f"{moved / microseconds / 1e6:.2f} TB/s  {moved / ceilings.bandwidth * 1e6 / microseconds:.2f} "
+                  "of copy")
 
 
 if __name__ == "__main__":
