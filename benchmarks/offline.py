@@ -156,16 +156,25 @@ class StepTimeline:
     """Wraps the engine's ``step`` to time each call and note whether any prompt was still
     waiting or being prefilled when it began (a prefill-phase step) and the preemptions so far.
     With ``profile_steps``, ``profile_steps`` steps of each phase run under the torch profiler
-    (from the 4th prefill-phase step, and from decode-only step ``decode_profile_at``)."""
+    (from the 4th prefill-phase step, and from decode-only step ``decode_profile_at``) in the
+    last of ``runs`` timed runs, when the engine has paid its one-time costs (a fresh engine's
+    first run meets new shapes: cuBLAS's choices, allocator growth)."""
 
-    def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0, trace_dir=None) -> None:
+    def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0, trace_dir=None,
+                 runs: int = 1) -> None:
         import time
 
         self.trace_dir = trace_dir
         self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
         self.profile_steps, self._profile_from = profile_steps, {True: 3, False: decode_profile_at}
         self._profiler, self._profiled, self.profiles = None, 0, {}
+        self._runs_left, self._run_start = runs, 0
         engine.step = self._timed_step
+
+    def start_run(self) -> None:
+        """Called before each timed run: the profiler waits for the last one."""
+        self._runs_left -= 1
+        self._run_start = len(self.steps)
 
     def _timed_step(self):
         scheduler = self.engine.scheduler
@@ -198,14 +207,14 @@ class StepTimeline:
 
     def _maybe_profile(self, prefilling: bool) -> None:
         """Start the profiler at a phase's chosen step; stop it ``profile_steps`` steps later."""
-        if not self.profile_steps or prefilling in self.profiles:
+        if not self.profile_steps or prefilling in self.profiles or self._runs_left > 0:
             return
         if self._profiler is not None:
             self._profiled += 1
             if self._profiled == self.profile_steps or self._profiler_phase != prefilling:
                 self._finish_profile()
             return
-        if sum(1 for step in self.steps if step[0] == prefilling) == self._profile_from[prefilling]:
+        if sum(1 for step in self.steps[self._run_start:] if step[0] == prefilling) == self._profile_from[prefilling]:
             from torch.profiler import ProfilerActivity, profile
 
             # (on a CPU the operators stand in for kernels: nested, so their sum overstates the busy time)
@@ -281,8 +290,15 @@ def run_tandem(model_dir, prompts, output_lengths, args,
           + (" (preemption expected)" if peak_tokens > pool_tokens else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    timeline = StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace) if args.timeline else None
-    seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat)
+    timeline = (StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace,
+                             runs=args.repeat) if args.timeline else None)
+
+    def run() -> None:
+        if timeline is not None:
+            timeline.start_run()
+        llm.generate(prompts, params, use_tqdm=False)
+
+    seconds = timed(run, args.repeat)
     print(f"tandem timed run: {seconds:.3f} s, {sum(output_lengths) / seconds:.1f} output tok/s", flush=True)
     cost = ModelCost.of_engine(llm.engine)
     if timeline is not None:
