@@ -11,6 +11,9 @@ K+V bytes read, achieved GB/s, the ratio of that to a device-to-device copy meas
     python -m benchmarks.kernels_attention --dtype float16
     python -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep   # also: decode launch options
 
+``--pages in-order`` gives each sequence consecutive pages (as a fresh engine allocates a
+prompt's; a decode step's new pages interleave across the batch) instead of pages in random order.
+
 ``--sweep`` times the decode kernel under other launch options (key block, warps, pipeline
 stages, KV splits) at batch 256 x 1,500 keys, at 160 rows of 200 to 2,000 keys (the lengths of
 a batch partway through the nano-vllm workload) and at 64 rows of 128 to 384 keys (the
@@ -30,6 +33,7 @@ import torch
 
 
 CACHE_DTYPE = None  # the pages' dtype when it is not the queries' (--kv-cache-dtype fp8)
+PAGES_IN_ORDER = False  # each sequence's pages consecutive (--pages in-order), as a fresh engine allocates a prompt's
 NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 DECODE_SHAPES = [(1, 128), (1, 1024), (1, 8192), (32, 1024), (256, 1500)]  # (batch, context length)
 PREFILL_SHAPES = {  # name: chunks of (query length, context length)
@@ -44,6 +48,9 @@ def parse_args():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the pages' dtype: auto (as the queries) or fp8 (e4m3)")
+    parser.add_argument("--pages", default="random", choices=["random", "in-order"],
+                        help="each sequence's pages in random order (default) or consecutive, as a fresh engine "
+                             "allocates a prompt's pages")
     parser.add_argument("--sweep", action="store_true", help="also time the decode kernel's launch options")
     parser.add_argument("--sweep-only", nargs="+", choices=list(SWEEP_BATCHES), default=None, metavar="BATCH",
                         help=f"sweep these batches only (of: {', '.join(SWEEP_BATCHES)}); implies --sweep")
@@ -53,11 +60,13 @@ def parse_args():
 
 
 def random_paged_cache(context_lengths, dtype, generator):
-    """Random key and value caches holding each sequence on pages in random order (page 0 is
-    the null page). Returns ``(key_cache, value_cache, page_table)`` on the GPU."""
+    """Random key and value caches holding each sequence on pages in random order, or in order
+    (``PAGES_IN_ORDER``; page 0 is the null page). Returns ``(key_cache, value_cache,
+    page_table)`` on the GPU."""
     pages_per_row = [math.ceil(length / PAGE_SIZE) for length in context_lengths]
     num_pages = 1 + sum(pages_per_row)
-    order = (torch.randperm(num_pages - 1, generator=generator) + 1).to(torch.int32)
+    order = (torch.arange(num_pages - 1) if PAGES_IN_ORDER else torch.randperm(num_pages - 1, generator=generator))
+    order = (order + 1).to(torch.int32)
     page_table = torch.zeros(len(context_lengths), max(pages_per_row), dtype=torch.int32)
     used = 0
     for row, count in enumerate(pages_per_row):
@@ -174,7 +183,7 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
         default_splits = attention.default_decode_splits(query, key_cache, page_table)
         default = default_config(HEAD_DIM, query.device)
         results = []
-        for block_n, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 3, 4, 8)):
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4)):
             config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             attention._decode_config = lambda head_dim, device, config=config: config
             try:
@@ -220,8 +229,9 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    global CACHE_DTYPE
+    global CACHE_DTYPE, PAGES_IN_ORDER
     CACHE_DTYPE = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+    PAGES_IN_ORDER = args.pages == "in-order"
     generator = torch.Generator().manual_seed(0)
     global NUM_QUERY_HEADS, NUM_KV_HEADS
     if args.heads:
