@@ -30,3 +30,34 @@ def test_decode_steps_by_batch_size_against_their_bytes(capsys):
     assert lines["1 sequence"][2:] == ["1", "0.00", "1.00", "1.00"]
     assert lines["129-256 sequences"][2:] == ["1", "0.01", "10.00", "9.10"]
     assert len(lines) == 3 and timeline.steps == []  # one row per group that has steps; the steps are cleared
+
+
+class _Scheduler:
+    def __init__(self):
+        self.waiting, self.running, self.num_preemptions = [object()], [], 0
+
+
+class _PrefillingEngine:
+    """Every step is a prefill-phase step (a request waits)."""
+
+    def __init__(self):
+        self.scheduler = _Scheduler()
+
+    def step(self):
+        return []
+
+
+def test_profiled_steps_come_from_the_last_timed_run():
+    """With two timed runs the profiler waits for the second (a warm engine), then takes the
+    phase's steps from the 4th prefill-phase step of that run."""
+    engine = _PrefillingEngine()
+    timeline = StepTimeline(engine, profile_steps=2, runs=2)
+    timeline.start_run()
+    for _ in range(6):
+        engine.step()
+    assert timeline._profiler is None and not timeline.profiles  # the first run is never profiled
+    timeline.start_run()
+    for step in range(6):
+        engine.step()
+        assert (timeline._profiler is not None) == (step in (3, 4))  # from its 4th step, two steps
+    assert list(timeline.profiles) == [True] and timeline.profiles[True][0] == 2
