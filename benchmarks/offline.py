@@ -114,7 +114,9 @@ def parse_args():
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="with --timeline: also profile N steps of each phase on the device (the 4th "
                              "prefill-phase step on, and decode-only steps from the middle of the decode "
-                             "phase's expected length): GPU busy per step and the kernels taking the most time")
+                             "phase's expected length) in the last timed run: GPU busy per step and the "
+                             "kernels taking the most time (that run's time includes the profiler's: "
+                             "--repeat 3 keeps two runs without it)")
     parser.add_argument("--profile-trace", metavar="DIR",
                         help="with --profile-steps: also write each profiled phase's trace (Chrome format) here")
     parser.add_argument("--skip-transformers", action="store_true")
