@@ -25,6 +25,8 @@
 #                                           # bf16 and FP8; the nano-vllm workload; 8B batch 256 with FP8 weights and K/V)
 #   bash scripts/gpu_checks.sh sweeps       # one GPU: decode attention launch options (FP8 and bf16 pages), FP8 GEMMs
 #                                           # with fast accumulation, the fused FP8 producers
+#   bash scripts/gpu_checks.sh fp8-attention  # one GPU: decode attention over FP8 pages in random and in-order pages,
+#                                           # and what it takes inside the 8B batch-256 workload (profiled warm)
 #
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
 # web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
@@ -124,6 +126,10 @@ print(model_dir_for('llama3-8b', 'dummy'))")
     sweeps) run attention_sweep_fp8 python3 -m benchmarks.kernels_attention --kv-cache-dtype fp8 --sweep
             run attention_sweep_bf16 python3 -m benchmarks.kernels_attention --sweep
             run kernels_fp8 python3 -m benchmarks.kernels_fp8 ;;
+    fp8-attention) run attention_fp8_random python3 -m benchmarks.kernels_attention --kv-cache-dtype fp8
+                   run attention_fp8_in_order python3 -m benchmarks.kernels_attention --kv-cache-dtype fp8 --pages in-order
+                   run offline_b256_fp8_profiled python3 -m benchmarks.offline --preset llama3-8b-b256 --repeat 2 \
+                     --skip-transformers --kv-cache-dtype fp8 --quantization fp8 --timeline --profile-steps 4 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done
