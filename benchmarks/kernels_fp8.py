@@ -214,6 +214,46 @@ def fused_producer_table(bandwidth: float) -> None:
           "of the measured copy bandwidth")
 
 
+def gemm_rows(name, rows, features, bf16_ceilings, fp8_ceilings, sweep_tiles: bool) -> None:
+    """The GEMM table's rows for one projection shape (bf16, per-channel and block FP8 at each of
+    ``TOKENS``), and with ``sweep_tiles`` the block GEMM's tiles."""
+    float_weight = torch.randn(rows, features, device="cuda") * 0.02
+    bf16_weight = float_weight.to(torch.bfloat16)
+    channel_weight, channel_scale = quantize_rows(float_weight)
+    block_weight, blocks = quantize_blocks(float_weight, (128, 128))
+    block_scale = row_block_scales(blocks, (rows, features), (128, 128))
+    del float_weight
+    for tokens in TOKENS:
+        hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+        bf16 = median_ms(lambda: hidden @ bf16_weight.t())
+        channel = median_ms(lambda: fp8_linear(hidden, channel_weight, channel_scale, None))
+        quantized, scales = quantize_token_groups(hidden, features)
+        def channel_product(fast: bool) -> torch.Tensor:
+            return torch._scaled_mm(quantized, channel_weight.t(), scale_a=scales,
+                                    scale_b=channel_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
+        channel_gemm = median_ms(lambda: channel_product(False))
+        fast_gemm = median_ms(lambda: channel_product(True))
+        exact = channel_product(False).float()
+        fast_error = ((channel_product(True).float() - exact).abs().max() / exact.abs().max()).item()
+        block = median_ms(lambda: fp8_linear(hidden, block_weight, block_scale, 128))
+        grouped, group_scales = quantize_token_groups(hidden, 128)
+        block_gemm = median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
+                                                           128, torch.bfloat16))
+        bf16_roof = roofline_ms(tokens, rows, features, rows * features * 2, 2, bf16_ceilings.flops,
+                                bf16_ceilings.bandwidth)
+        channel_roof = roofline_ms(tokens, rows, features, rows * features + rows * 4, 2, fp8_ceilings.flops,
+                                   fp8_ceilings.bandwidth)
+        block_roof = roofline_ms(tokens, rows, features, rows * features + block_scale.numel() * 4, 2,
+                                 fp8_ceilings.flops, fp8_ceilings.bandwidth)
+        print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
+              f"{channel_roof / channel:>6.2f}{fast_gemm:>8.4f}{fast_error:>9.1e}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
+              f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
+    if sweep_tiles:
+        sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
@@ -235,42 +275,8 @@ def main() -> None:
         print(f"\n{'shape':<9}{'M':>6}{'bf16 ms':>9}{'roof':>6}{'chan ms':>9}{'gemm':>8}{'roof':>6}{'fast':>8}"
               f"{'f.err':>9}{'block ms':>10}{'gemm':>8}{'roof':>6}{'chan/bf16':>10}{'block/bf16':>11}")
     for name, (rows, features) in SHAPES.items():
-        float_weight = torch.randn(rows, features, device="cuda") * 0.02
-        bf16_weight = float_weight.to(torch.bfloat16)
-        channel_weight, channel_scale = quantize_rows(float_weight)
-        block_weight, blocks = quantize_blocks(float_weight, (128, 128))
-        block_scale = row_block_scales(blocks, (rows, features), (128, 128))
-        del float_weight
-        for tokens in () if arguments.weight_only else TOKENS:
-            hidden = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
-            bf16 = median_ms(lambda: hidden @ bf16_weight.t())
-            channel = median_ms(lambda: fp8_linear(hidden, channel_weight, channel_scale, None))
-            quantized, scales = quantize_token_groups(hidden, features)
-            def channel_product(fast: bool) -> torch.Tensor:
-                return torch._scaled_mm(quantized, channel_weight.t(), scale_a=scales,
-                                        scale_b=channel_scale.reshape(1, -1), out_dtype=torch.bfloat16,
-                                        use_fast_accum=fast)
-
-            channel_gemm = median_ms(lambda: channel_product(False))
-            fast_gemm = median_ms(lambda: channel_product(True))
-            exact = channel_product(False).float()
-            fast_error = ((channel_product(True).float() - exact).abs().max() / exact.abs().max()).item()
-            block = median_ms(lambda: fp8_linear(hidden, block_weight, block_scale, 128))
-            grouped, group_scales = quantize_token_groups(hidden, 128)
-            block_gemm = median_ms(lambda: block_scaled_matmul(grouped, group_scales, block_weight, block_scale,
-                                                               128, torch.bfloat16))
-            bf16_roof = roofline_ms(tokens, rows, features, rows * features * 2, 2, bf16_ceilings.flops,
-                                    bf16_ceilings.bandwidth)
-            channel_roof = roofline_ms(tokens, rows, features, rows * features + rows * 4, 2, fp8_ceilings.flops,
-                                       fp8_ceilings.bandwidth)
-            block_roof = roofline_ms(tokens, rows, features, rows * features + block_scale.numel() * 4, 2,
-                                     fp8_ceilings.flops, fp8_ceilings.bandwidth)
-            print(f"{name:<9}{tokens:>6}{bf16:>9.4f}{bf16_roof / bf16:>6.2f}{channel:>9.4f}{channel_gemm:>8.4f}"
-                  f"{channel_roof / channel:>6.2f}{fast_gemm:>8.4f}{fast_error:>9.1e}{block:>10.4f}{block_gemm:>8.4f}{block_roof / block:>6.2f}"
-                  f"{bf16 / channel:>10.2f}{bf16 / block:>11.2f}")
-        if arguments.sweep and not arguments.weight_only:
-            sweep_block_gemm(name, rows, features, block_weight, block_scale, blocks, fp8_ceilings.flops)
-        del bf16_weight, channel_weight, block_weight
+        if not arguments.weight_only:
+            gemm_rows(name, rows, features, bf16_ceilings, fp8_ceilings, arguments.sweep)
         stacks = stack(rows, features)
         for tokens in WEIGHT_ONLY_TOKENS:
             row, times = weight_only_row(name, rows, features, tokens, stacks, fp8_ceilings.bandwidth)

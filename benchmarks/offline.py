@@ -170,13 +170,13 @@ class StepTimeline:
         self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
         self.profile_steps, self._profile_from = profile_steps, {True: 3, False: decode_profile_at}
         self._profiler, self._profiled, self.profiles = None, 0, {}
-        self._runs_left, self._run_start = runs, 0
+        self._runs_left, self._run_steps = runs, {True: 0, False: 0}  # this run's steps of each phase so far
         engine.step = self._timed_step
 
     def start_run(self) -> None:
         """Called before each timed run: the profiler waits for the last one."""
         self._runs_left -= 1
-        self._run_start = len(self.steps)
+        self._run_steps = {True: 0, False: 0}
 
     def _timed_step(self):
         scheduler = self.engine.scheduler
@@ -187,6 +187,7 @@ class StepTimeline:
         preempted, start = scheduler.num_preemptions, self._clock()
         deltas = self._step()
         self.steps.append((prefilling, self._clock() - start, scheduler.num_preemptions - preempted, batch, context))
+        self._run_steps[prefilling] += 1
         return deltas
 
     def _report_decode_by_batch(self, cost: ModelCost, ceilings: Ceilings) -> None:
@@ -216,7 +217,7 @@ class StepTimeline:
             if self._profiled == self.profile_steps or self._profiler_phase != prefilling:
                 self._finish_profile()
             return
-        if sum(1 for step in self.steps[self._run_start:] if step[0] == prefilling) == self._profile_from[prefilling]:
+        if self._run_steps[prefilling] == self._profile_from[prefilling]:
             from torch.profiler import ProfilerActivity, profile
 
             # (on a CPU the operators stand in for kernels: nested, so their sum overstates the busy time)
