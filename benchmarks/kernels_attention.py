@@ -181,11 +181,12 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
         expected = attention.paged_decode_attention_reference(query, key_cache, value_cache, page_table,
                                                                context_lengths, HEAD_DIM ** -0.5)
         default_splits = attention.default_decode_splits(query, key_cache, page_table)
-        default = default_config(HEAD_DIM, query.device)
+        default = default_config(HEAD_DIM, query.device, len(lengths) * NUM_KV_HEADS * default_splits,
+                                 key_cache.element_size() == 1)
         results = []
         for block_n, warps, stages, splits in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4)):
             config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            attention._decode_config = lambda head_dim, device, config=config: config
+            attention._decode_config = lambda head_dim, device, *shape, config=config: config
             try:
                 def run():
                     attention.paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths,

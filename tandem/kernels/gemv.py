@@ -34,14 +34,13 @@ static per shape, so a CUDA graph captured at a batch size replays the same laun
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
-                                           wait_for_producer)
+from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, multiprocessors, tl,
+                                           triton, wait_for_producer)
 
 GEMV_MAX_TOKENS = 2  # the tokens one program multiplies (a float32 accumulator per token)
 # A scale group larger than any K: per-row scales (applied after the K loop).
@@ -71,16 +70,6 @@ def gemv_reference(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Opt
         size = features if group is None else group
         matrix = matrix * weight_scale.float().repeat_interleave(size, dim=1)[:, :features]
     return (hidden.float() @ matrix.t()).to(hidden.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def multiprocessors(tensor: torch.Tensor) -> int:
-    """The SMs of ``tensor``'s GPU (off CUDA, an H100's 132: the tiles the interpreter runs)."""
-    return _device_multiprocessors(tensor.device.index or 0) if tensor.is_cuda else 132
 
 
 def gemv_config(rows: int, features: int, element_size: int, processors: int,

@@ -45,8 +45,8 @@ import torch
 
 from tandem.kernels.attention_device import (  # noqa: F401  (device functions the kernels call)
     MINIMUM_DOT_SIZE, _attention_operand, _fp16_range, _load_keys_values, _scores_log2, _store_split_output)
-from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, tl, triton,
-                                           wait_for_producer)
+from tandem.kernels.triton_support import (device_multiprocessors, early_launch_arguments, jit, launch_dependents,
+                                           tl, triton, wait_for_producer)
 
 MAXIMUM_DECODE_SPLITS = 64
 
@@ -274,16 +274,31 @@ def _block_d(head_dim: int) -> int:
     return max(MINIMUM_DOT_SIZE, triton.next_power_of_2(head_dim))
 
 
-def _decode_config(head_dim: int, device: torch.device) -> dict:
-    """Key block and launch options of the decode split kernel. Interpreted (CPU) runs use
-    small blocks so tiny test shapes still cross block and page boundaries."""
+# FP8 pages and at least this many programs a multiprocessor (rows x kv heads x splits): the
+# one-warp launch of ``_decode_config`` (about ten of its programs fit an SM, so this is more
+# than a wave of them).
+ONE_WARP_PROGRAMS_PER_SM = 12
+
+
+def _decode_config(head_dim: int, device: torch.device, programs: int = 0, fp8_pages: bool = False) -> dict:
+    """Key block and launch options of the decode split kernel for ``programs`` (rows x kv
+    heads x splits) over FP8 pages or not. Interpreted (CPU) runs use small blocks so tiny test
+    shapes still cross block and page boundaries."""
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
-    # Measured on an H100 (benchmarks/kernels_attention.py, head_dim 128, GQA 32/8): 128-key
-    # blocks read bf16 pages at 0.96-0.99 of the copy bandwidth and FP8 pages 15% faster than
-    # 64-key blocks (an FP8 block holds half the bytes, so it needs twice the keys in flight).
-    # FP8 pages at batch 256 x 1,500 keys: 404 us with bfloat16 products, 332 us (0.81 of the
-    # copy bandwidth) with float16 ones; 8 warps or 256-key blocks are slower.
+    # Measured on an H100 (benchmarks/kernels_attention.py --sweep, head_dim 128, GQA 32/8): 128-key
+    # blocks of four warps read bf16 pages at 0.95-0.99 of the copy bandwidth, and FP8 pages
+    # at 0.73 (160 rows of 200 to 2,000 keys) to 0.80 (256 rows of 1,500), 15% faster than
+    # 64-key blocks (an FP8 block holds half the bytes, so it needs twice the keys in flight);
+    # float16 products: 404 -> 332 us at 256 x 1,500. There, with 2,048 programs, 32-key blocks
+    # of one warp read FP8 pages at 0.87-0.88 (297-299 against 323-331 us, pages in random or
+    # in prompt order alike), about ten programs an SM; inside the 8B batch-256 workload the
+    # kernel's share of a decode step went from 10.7 to 9.7 ms. At 160 rows (1,280 programs, one
+    # wave of them: the longest rows set the time) they lose, and bf16 pages gain nothing (526
+    # against 529 us).
+    if (fp8_pages and _block_d(head_dim) <= 128
+            and programs >= ONE_WARP_PROGRAMS_PER_SM * device_multiprocessors(device.index or 0)):
+        return dict(BLOCK_N=32, num_warps=1, num_stages=3)
     return dict(BLOCK_N=128 if _block_d(head_dim) <= 128 else 32, num_warps=4, num_stages=3)
 
 
@@ -315,7 +330,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_pages: int, device) -> 
     device = torch.device(device)
     if device.type != "cuda":
         return 1
-    num_processors = torch.cuda.get_device_properties(device).multi_processor_count
+    num_processors = device_multiprocessors(device.index or 0)
     return _splits_for(batch, num_kv_heads, max_pages, num_processors)
 
 
@@ -325,9 +340,11 @@ def default_decode_splits(query: torch.Tensor, key_cache: torch.Tensor, page_tab
     cut in whole key blocks, so more would stay empty)."""
     batch, width = page_table.shape
     num_kv_heads, head_dim = key_cache.shape[2:]
-    block_n = _decode_config(head_dim, query.device)["BLOCK_N"]
+    splits = decode_num_splits(batch, num_kv_heads, width, query.device)
+    block_n = _decode_config(head_dim, query.device, batch * num_kv_heads * splits,
+                             key_cache.element_size() == 1)["BLOCK_N"]
     max_blocks = max(1, -(-width * key_cache.shape[1] // block_n))
-    return min(decode_num_splits(batch, num_kv_heads, width, query.device), max_blocks)
+    return min(splits, max_blocks)
 
 
 def _check_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
@@ -364,9 +381,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out = torch.empty_like(query)
     if batch == 0:
         return out
-    config = _decode_config(head_dim, query.device)
     if num_splits is None:
         num_splits = default_decode_splits(query, key_cache, page_table)
+    config = _decode_config(head_dim, query.device, batch * num_kv_heads * num_splits,
+                            key_cache.element_size() == 1)
     block_d = _block_d(head_dim)
     write_final = num_splits == 1
     if write_final:  # the partial buffers are not touched; pass ``out`` in their place

@@ -121,5 +121,16 @@ def _triton_launches_early() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def device_multiprocessors(device_index: int) -> int:
+    """The SMs of CUDA device ``device_index`` (asked once: the launch configurations ask every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessors(tensor: torch.Tensor) -> int:
+    """The SMs of ``tensor``'s GPU (off CUDA, an H100's 132: the tiles the interpreter runs)."""
+    return device_multiprocessors(tensor.device.index or 0) if tensor.is_cuda else 132
+
+
+@functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]

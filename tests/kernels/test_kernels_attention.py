@@ -322,15 +322,21 @@ def test_gpu_decode_replays_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_fp8_stale_read_propagates():
+@pytest.mark.parametrize("rows, num_splits", [(3, 2), (256, 1)], ids=["split", "one-warp-launch"])
+def test_gpu_fp8_stale_read_propagates(rows, num_splits):
     """FP8 poison (0x7F, NaN in e4m3) in a visible slot reaches that row's output on the GPU
-    (Triton's interpreter reads 0x7F as 480, so this runs on CUDA only)."""
+    (Triton's interpreter reads 0x7F as 480, so this runs on CUDA only), under the four-warp
+    launch and under the one-warp launch that many programs take."""
+    lengths = ([20, 40, 9] * 86)[:rows]
     query, key_cache, value_cache, page_table, context_lengths = decode_inputs(
-        16, 4, 128, [20, 40, 9], None, torch.bfloat16, seed=5, device="cuda", num_kv_heads=8, cache_dtype=FP8)
+        16, 4, 128, lengths, None, torch.bfloat16, seed=5, device="cuda", num_kv_heads=8, cache_dtype=FP8)
+    warps = attention._decode_config(128, query.device, rows * 8 * num_splits, True)["num_warps"]
+    assert warps == (1 if rows == 256 else 4)
     value_cache[page_table[1, 33 // 16], 33 % 16].view(torch.uint8).fill_(0x7F)
-    out = paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 0.1, num_splits=2)
+    out = paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths, 0.1,
+                                 num_splits=num_splits)
     assert out[1].isnan().all()
-    assert not out[[0, 2]].isnan().any()
+    assert not out[[0, 2]].isnan().any() and not out[3:].isnan().any()
 
 
 @pytest.mark.gpu
