@@ -33,20 +33,13 @@
 # too); every wheel of .whl/, .whl2/ and .nixl/ is installed to the private directory.
 #
 # Logs go to $LOG_DIR (default ./gpu-logs), one file per part.
+# To time a change against the code before it, see scripts/compare_versions.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
 mkdir -p "$LOG_DIR"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl2/*.whl"; compgen -G ".nixl/*.whl")
-if [ -n "$wheels" ]; then
-  # shellcheck disable=SC2086
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/tandem-site $wheels || exit 1
-  export PYTHONPATH=/tmp/tandem-site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh
 status=0
 run() {  # run NAME COMMAND...: log to $LOG_DIR/NAME.log, remember a failure
   local name=$1; shift

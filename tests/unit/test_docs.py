@@ -13,7 +13,7 @@ from tests.support.docs_blocks import ROOT, blocks, curl_calls, shell_commands, 
 
 # Programs the docs call that are not ours to check (shell built-ins and common tools).
 OTHER_PROGRAMS = {"curl", "head", "base64", "chmod", "until", "do", "done", "sleep", "cd", "export", "echo", "cat",
-                  "mkdocs", "pip", "grep", "kill", "wait", "nvidia-smi", "ls", "ray", "zip"}
+                  "mkdocs", "pip", "grep", "kill", "wait", "nvidia-smi", "ls", "ray", "zip", "mkdir", "git", "tar"}
 
 
 def test_generated_reference_pages_are_current():
@@ -76,6 +76,9 @@ def check_command(words: list[str], line: str) -> bool:
         assert all((ROOT / word.split("::")[0]).exists() for word in words[1:] if word.startswith("tests/")), line
     elif program in ("python", "python3") and words[1].endswith(".py"):
         check_python_file(words[1:], line)
+    elif program in ("bash", "sh") and words[1] == "scripts/compare_versions.sh":
+        assert len(words) > 4 and words[3].isdigit(), line  # BEFORE ROUNDS COMMAND...
+        return check_command(words[4:], line)
     elif program in ("bash", "sh"):
         script = ROOT / words[1]
         assert script.is_file(), line
