@@ -22,6 +22,12 @@ before changing ``_decode_config`` or ``_splits_for``. ``--sweep-only`` picks ba
 the table; ``--heads 16 4`` is one rank of the 8B shape under TP=2.
 
     python -m benchmarks.kernels_attention --sweep-only "64 x 128..384" --heads 16 4
+
+``--sweep-prefill`` does the same for the prefill kernel at the table's prefill shapes (query
+tokens a program, key block, warps, pipeline stages): what to try before changing
+``_prefill_config``.
+
+    python -m benchmarks.kernels_attention --sweep-prefill [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ def parse_args():
     parser.add_argument("--sweep", action="store_true", help="also time the decode kernel's launch options")
     parser.add_argument("--sweep-only", nargs="+", choices=list(SWEEP_BATCHES), default=None, metavar="BATCH",
                         help=f"sweep these batches only (of: {', '.join(SWEEP_BATCHES)}); implies --sweep")
+    parser.add_argument("--sweep-prefill", action="store_true",
+                        help="only the prefill kernel's launch options at the prefill shapes (no table)")
     parser.add_argument("--heads", nargs=2, type=int, default=None, metavar=("QUERY", "KV"),
                         help="query and key/value heads (default: 32 8, Llama-3.1-8B; 16 4 is one rank of its TP=2)")
     return parser.parse_args()
@@ -129,31 +137,38 @@ def decode_row(batch, context_length, dtype, generator):
                 graph=graph, bytes=kv_bytes(batch * context_length, dtype), flops=None)
 
 
+def prefill_case(chunks, dtype, generator) -> dict:
+    """Queries and paged keys for ``chunks`` of (query length, context length): the keyword
+    arguments of ``paged_prefill_attention`` (and of its reference), ``out`` aside."""
+    key_cache, value_cache, page_table = random_paged_cache([length for _, length in chunks], dtype, generator)
+    query_lengths = [queries for queries, _ in chunks]
+    return dict(query=torch.randn(sum(query_lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype),
+                key_cache=key_cache, value_cache=value_cache, page_table=page_table,
+                query_starts=torch.tensor([0] + query_lengths, device="cuda").cumsum(0).to(torch.int32),
+                context_lengths=torch.tensor([length for _, length in chunks], dtype=torch.int32, device="cuda"),
+                scale=HEAD_DIM ** -0.5, max_query_len=max(query_lengths))
+
+
+def prefill_flops(chunks) -> int:
+    """Causal (query, key) pairs: query i of a chunk of q ending at context c sees c - q + i + 1 keys."""
+    pairs = sum(queries * (length - queries) + queries * (queries + 1) // 2 for queries, length in chunks)
+    return 4 * pairs * NUM_QUERY_HEADS * HEAD_DIM
+
+
 def prefill_row(name, chunks, dtype, generator):
     from tandem.kernels.paged_attention import paged_prefill_attention, paged_prefill_attention_reference
 
-    key_cache, value_cache, page_table = random_paged_cache([length for _, length in chunks], dtype, generator)
-    query_lengths = [queries for queries, _ in chunks]
-    query = torch.randn(sum(query_lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
-    query_starts = torch.tensor([0] + query_lengths, device="cuda").cumsum(0).to(torch.int32)
-    context_lengths = torch.tensor([length for _, length in chunks], dtype=torch.int32, device="cuda")
-    out = torch.empty_like(query)
-    options = dict(max_query_len=max(query_lengths))
-    scale = HEAD_DIM ** -0.5
+    case = prefill_case(chunks, dtype, generator)
+    out = torch.empty_like(case["query"])
 
     def run():
-        paged_prefill_attention(query, key_cache, value_cache, page_table, query_starts, context_lengths, scale,
-                                out=out, **options)
+        paged_prefill_attention(**case, out=out)
 
     run()
-    error = relative_error(out, paged_prefill_attention_reference(
-        query, key_cache, value_cache, page_table, query_starts, context_lengths, scale, **options))
+    error = relative_error(out, paged_prefill_attention_reference(**case))
     plain, graph = time_microseconds(run)
-    # Causal (query, key) pairs: query i of a chunk of q ending at context c sees c - q + i + 1 keys.
-    pairs = sum(queries * (length - queries) + queries * (queries + 1) // 2 for queries, length in chunks)
     return dict(name=f"prefill {name}", error=error, plain=plain, graph=graph,
-                bytes=kv_bytes(sum(length for _, length in chunks), dtype),
-                flops=4 * pairs * NUM_QUERY_HEADS * HEAD_DIM)
+                bytes=kv_bytes(sum(length for _, length in chunks), dtype), flops=prefill_flops(chunks))
 
 
 SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * row) // 159 for row in range(160)],
@@ -161,16 +176,40 @@ SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * r
                  "64 x 128..384": [128 + (256 * row) // 63 for row in range(64)]}
 
 
+def time_launch_options(attribute: str, options, run, out, expected) -> list:
+    """``run`` (writing ``out``) under each ``(config, extra)`` of ``options``, with
+    ``tandem.kernels.paged_attention``'s ``attribute`` (a launch configuration function)
+    returning ``config``; ``run(extra)`` gets the rest (the decode sweep's splits). CUDA-graph
+    medians: ``[(microseconds, config, extra, relative error)]``; an option the GPU cannot hold
+    (shared memory) is reported and skipped."""
+    from triton.testing import do_bench_cudagraph
+
+    import tandem.kernels.paged_attention as attention
+
+    default = getattr(attention, attribute)
+    results = []
+    for config, extra in options:
+        setattr(attention, attribute, lambda *shape, config=config: config)
+        try:
+            run(extra)
+            error = relative_error(out, expected)
+            microseconds = do_bench_cudagraph(lambda: run(extra), return_mode="median") * 1e3
+        except Exception as failure:  # noqa: BLE001 - an option the GPU cannot hold (shared memory)
+            print(f"   {config} {extra}: {type(failure).__name__}")
+            continue
+        finally:
+            setattr(attention, attribute, default)
+        results.append((microseconds, config, extra, error))
+    return results
+
+
 def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
     """The decode kernel at ``SWEEP_BATCHES`` under each launch option (``_decode_config``
     replaced for the call), CUDA-graph medians, fastest first; the default marked."""
     import itertools
 
-    from triton.testing import do_bench_cudagraph
-
     import tandem.kernels.paged_attention as attention
 
-    default_config = attention._decode_config
     for name, lengths in SWEEP_BATCHES.items():
         if only and name not in only:
             continue
@@ -181,33 +220,60 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
         expected = attention.paged_decode_attention_reference(query, key_cache, value_cache, page_table,
                                                                context_lengths, HEAD_DIM ** -0.5)
         default_splits = attention.default_decode_splits(query, key_cache, page_table)
-        default = default_config(HEAD_DIM, query.device, len(lengths) * NUM_KV_HEADS * default_splits,
-                                 key_cache.element_size() == 1)
-        results = []
-        for block_n, warps, stages, splits in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4)):
-            config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            attention._decode_config = lambda head_dim, device, *shape, config=config: config
-            try:
-                def run():
-                    attention.paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths,
-                                                     HEAD_DIM ** -0.5, num_splits=splits, out=out)
-                run()
-                error = relative_error(out, expected)
-                microseconds = do_bench_cudagraph(run, return_mode="median") * 1e3
-            except Exception as failure:  # noqa: BLE001 - an option the GPU cannot hold (shared memory)
-                print(f"   {name}: {config} splits {splits}: {type(failure).__name__}")
-                continue
-            finally:
-                attention._decode_config = default_config
-            marked = config == default and splits == default_splits
-            results.append((microseconds, block_n, warps, stages, splits, error, marked))
+        default = attention._decode_config(HEAD_DIM, query.device, len(lengths) * NUM_KV_HEADS * default_splits,
+                                           key_cache.element_size() == 1)
+
+        def run(splits):
+            attention.paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths,
+                                             HEAD_DIM ** -0.5, num_splits=splits, out=out)
+
+        options = [(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages), splits)
+                   for block_n, warps, stages, splits
+                   in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4))]
+        results = time_launch_options("_decode_config", options, run, out, expected)
         moved = kv_bytes(sum(lengths), dtype)
         print(f"\ndecode sweep {name}, pages {CACHE_DTYPE or dtype}: {moved / 1e6:.0f} MB of K+V")
         print(f"{'us':>8} {'of copy':>8} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'splits':>7} {'rel err':>8}")
-        for microseconds, block_n, warps, stages, splits, error, marked in sorted(results)[:12] + [
-                row for row in results if row[-1]]:
-            print(f"{microseconds:>8.1f} {moved / (microseconds * 1e-6) / copy_bytes_per_second:>8.2f} {block_n:>8} "
-                  f"{warps:>6} {stages:>7} {splits:>7} {error:>8.1e}" + ("   (default)" if marked else ""))
+        marked = [row for row in results if row[1] == default and row[2] == default_splits]
+        for microseconds, config, splits, error in sorted(results, key=lambda row: row[0])[:12] + marked:
+            print(f"{microseconds:>8.1f} {moved / (microseconds * 1e-6) / copy_bytes_per_second:>8.2f} "
+                  f"{config['BLOCK_N']:>8} {config['num_warps']:>6} {config['num_stages']:>7} {splits:>7} "
+                  f"{error:>8.1e}" + ("   (default)" if (config, splits) == (default, default_splits) else ""))
+
+
+def prefill_sweep(dtype, generator) -> None:
+    """The prefill kernel at ``PREFILL_SHAPES`` under each launch option (``_prefill_config``
+    replaced for the call: query tokens a program, key block, warps, pipeline stages),
+    CUDA-graph medians, fastest first; the default marked."""
+    import itertools
+
+    import tandem.kernels.paged_attention as attention
+
+    group_size = NUM_QUERY_HEADS // NUM_KV_HEADS
+    for name, chunks in PREFILL_SHAPES.items():
+        case = prefill_case(chunks, dtype, generator)
+        out = torch.empty_like(case["query"])
+        expected = attention.paged_prefill_attention_reference(**case)
+        default = attention._prefill_config(group_size, HEAD_DIM, case["query"].device)
+        block_g = default["BLOCK_G"]
+
+        def run(_):
+            attention.paged_prefill_attention(**case, out=out)
+
+        options = [(dict(BLOCK_M=rows // block_g, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=warps,
+                         num_stages=stages), None)
+                   for rows, block_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8),
+                                                                         (1, 2, 3))
+                   if rows >= block_g]
+        results = time_launch_options("_prefill_config", options, run, out, expected)
+        flops = prefill_flops(chunks)
+        print(f"\nprefill sweep {name}, pages {CACHE_DTYPE or dtype}: {flops / 1e9:.1f} GFLOP (causal pairs)")
+        print(f"{'us':>8} {'TFLOP/s':>8} {'tokens':>7} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'rel err':>8}")
+        marked = [row for row in results if row[1] == default]
+        for microseconds, config, _, error in sorted(results, key=lambda row: row[0])[:12] + marked:
+            print(f"{microseconds:>8.1f} {flops / (microseconds * 1e-6) / 1e12:>8.1f} {config['BLOCK_M']:>7} "
+                  f"{config['BLOCK_N']:>8} {config['num_warps']:>6} {config['num_stages']:>7} {error:>8.1e}"
+                  + ("   (default)" if config == default else ""))
 
 
 def print_table(rows, copy_bytes_per_second, dtype, device_name):
@@ -240,6 +306,9 @@ def main():
     copy_bytes_per_second = copy_bandwidth()
     if args.sweep_only:  # the launch options alone
         decode_sweep(dtype, generator, copy_bytes_per_second, args.sweep_only)
+        return
+    if args.sweep_prefill:
+        prefill_sweep(dtype, generator)
         return
     rows = [decode_row(batch, length, dtype, generator) for batch, length in DECODE_SHAPES]
     rows += [prefill_row(name, chunks, dtype, generator) for name, chunks in PREFILL_SHAPES.items()]
