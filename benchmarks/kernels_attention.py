@@ -203,6 +203,13 @@ def time_launch_options(attribute: str, options, run, out, expected) -> list:
     return results
 
 
+def fastest_and_default(results, default) -> list:
+    """The twelve fastest of ``time_launch_options``' results, then the ``default`` option's
+    ``(config, extra)`` row, each with whether it is the default."""
+    marked = [row for row in results if (row[1], row[2]) == default]
+    return [(row, (row[1], row[2]) == default) for row in sorted(results, key=lambda row: row[0])[:12] + marked]
+
+
 def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
     """The decode kernel at ``SWEEP_BATCHES`` under each launch option (``_decode_config``
     replaced for the call), CUDA-graph medians, fastest first; the default marked."""
@@ -234,11 +241,11 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
         moved = kv_bytes(sum(lengths), dtype)
         print(f"\ndecode sweep {name}, pages {CACHE_DTYPE or dtype}: {moved / 1e6:.0f} MB of K+V")
         print(f"{'us':>8} {'of copy':>8} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'splits':>7} {'rel err':>8}")
-        marked = [row for row in results if row[1] == default and row[2] == default_splits]
-        for microseconds, config, splits, error in sorted(results, key=lambda row: row[0])[:12] + marked:
+        ranked = fastest_and_default(results, (default, default_splits))
+        for (microseconds, config, splits, error), is_default in ranked:
             print(f"{microseconds:>8.1f} {moved / (microseconds * 1e-6) / copy_bytes_per_second:>8.2f} "
                   f"{config['BLOCK_N']:>8} {config['num_warps']:>6} {config['num_stages']:>7} {splits:>7} "
-                  f"{error:>8.1e}" + ("   (default)" if (config, splits) == (default, default_splits) else ""))
+                  f"{error:>8.1e}" + ("   (default)" if is_default else ""))
 
 
 def prefill_sweep(dtype, generator) -> None:
@@ -269,11 +276,10 @@ def prefill_sweep(dtype, generator) -> None:
         flops = prefill_flops(chunks)
         print(f"\nprefill sweep {name}, pages {CACHE_DTYPE or dtype}: {flops / 1e9:.1f} GFLOP (causal pairs)")
         print(f"{'us':>8} {'TFLOP/s':>8} {'tokens':>7} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'rel err':>8}")
-        marked = [row for row in results if row[1] == default]
-        for microseconds, config, _, error in sorted(results, key=lambda row: row[0])[:12] + marked:
+        for (microseconds, config, _, error), is_default in fastest_and_default(results, (default, None)):
             print(f"{microseconds:>8.1f} {flops / (microseconds * 1e-6) / 1e12:>8.1f} {config['BLOCK_M']:>7} "
                   f"{config['BLOCK_N']:>8} {config['num_warps']:>6} {config['num_stages']:>7} {error:>8.1e}"
-                  + ("   (default)" if config == default else ""))
+                  + ("   (default)" if is_default else ""))
 
 
 def print_table(rows, copy_bytes_per_second, dtype, device_name):

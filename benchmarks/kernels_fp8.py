@@ -50,8 +50,9 @@ from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, PER_TOKEN_LAYOUT, BlockGemmConfig, block_gemm_config,
                                      block_scaled_matmul, fp8_linear, quantize_activation, quantize_token_groups)
 from tandem.kernels.norm import rms_norm
-from tandem.kernels.fp8_weight_only import (FP8_GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, multiprocessors,
-                                            weight_only_config, weight_only_matmul)
+from tandem.kernels.triton_support import multiprocessors
+from tandem.kernels.fp8_weight_only import (FP8_GEMV_MAX_TOKENS, MAX_TOKENS, WeightOnlyConfig, weight_only_config,
+                                            weight_only_matmul)
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

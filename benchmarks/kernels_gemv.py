@@ -25,8 +25,8 @@ import triton
 import torch.nn.functional as F
 
 from benchmarks.common import Ceilings
-from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config, multiprocessors
-from tandem.kernels.triton_support import early_launch
+from tandem.kernels.gemv import STEP_SUMS, GemvConfig, gemv, gemv_config
+from tandem.kernels.triton_support import early_launch, multiprocessors
 from tandem.quantization.fp8 import quantize_blocks, quantize_rows, row_block_scales
 
 LAYERS = 32

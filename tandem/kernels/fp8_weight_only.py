@@ -40,9 +40,8 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.gemv import (WHOLE_ROW, gemv, multiprocessors,  # noqa: F401 (re-exported)
-                                 split_inputs, sub_tile_inputs)
-from tandem.kernels.triton_support import jit, tl, triton
+from tandem.kernels.gemv import WHOLE_ROW, gemv, split_inputs, sub_tile_inputs
+from tandem.kernels.triton_support import jit, multiprocessors, tl, triton
 
 MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-core tile)
 FP8_GEMV_MAX_TOKENS = 1  # the token counts ``gemv.py`` serves instead (its own tiles)
