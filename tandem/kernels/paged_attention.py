@@ -221,7 +221,30 @@ def _prefill_kernel(
     running_sum = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     accumulator = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
     page_table_row_ptr = page_table_ptr + chunk * stride_table_row
-    for block_start in range((key_begin // BLOCK_N) * BLOCK_N, key_end, BLOCK_N):
+    first_block = (key_begin // BLOCK_N) * BLOCK_N
+    # Key blocks every row of the tile sees whole (no window: keys up to the tile's first query
+    # position) go first, without the causal mask; the blocks on the diagonal (and, with a
+    # window, every block) after them, masked.
+    whole_end = first_block
+    if not HAS_WINDOW:
+        whole_end = ((first_position + 1) // BLOCK_N) * BLOCK_N
+    for block_start in range(first_block, whole_end, BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        keys_transposed, values = _load_keys_values(
+            key_cache_ptr, value_cache_ptr, page_table_row_ptr, positions, positions < key_end, kv_head, dims,
+            dim_mask, stride_key_page, stride_key_slot, stride_key_head, stride_key_dim,
+            stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
+        keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
+        scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        probabilities = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(probabilities, 1)
+        accumulator = accumulator * correction[:, None] + tl.dot(
+            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
+        running_max = new_max
+    for block_start in range(whole_end, key_end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
         key_mask = (positions >= key_begin) & (positions < key_end)
         keys_transposed, values = _load_keys_values(
