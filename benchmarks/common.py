@@ -154,13 +154,14 @@ class Ceilings:
 
 def fp8_matmul_seconds(size: int) -> float:
     """Seconds of one ``size``-cubed FP8 product (``torch._scaled_mm``, row-wise scales, bf16
-    out): the FP8 tensor rate the FP8 GEMMs are held against."""
+    out, fast accumulation as the engine's products): the FP8 tensor rate the FP8 GEMMs are held
+    against."""
     left = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
     right = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
     left_scale = torch.ones(size, 1, device="cuda")
     right_scale = torch.ones(1, size, device="cuda")
     return best_seconds(lambda: torch._scaled_mm(left, right.t(), scale_a=left_scale, scale_b=right_scale,
-                                                 out_dtype=torch.bfloat16))
+                                                 out_dtype=torch.bfloat16, use_fast_accum=True))
 
 
 QUANTIZATION_MODES = ("fp8", "fp8-block")

@@ -24,6 +24,7 @@ Everything is shape-static and host-sync free, so it runs inside CUDA graphs.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -93,6 +94,9 @@ BLOCK_WISE = 128  # cuBLASLt's block-wise mode: 1x128 activation groups, 128x128
 # padded to a multiple of 4.
 BLOCK_WISE_LAYOUT = ActivationLayout(group=BLOCK_WISE, row_multiple=4, token_major_scales=True)
 PER_TOKEN_LAYOUT = ActivationLayout()
+# Row-wise products accumulate without periodic promotion to float32 unless
+# TANDEM_FP8_FULL_ACCUMULATION=1 (fp8_gemm's products only; the CPU reference is exact either way).
+FAST_ACCUMULATION = os.environ.get("TANDEM_FP8_FULL_ACCUMULATION", "") != "1"
 
 
 def block_wise_scales(weight_scale: torch.Tensor, group: Optional[int]) -> Optional[torch.Tensor]:
@@ -152,9 +156,11 @@ def block_wise_product(activation: QuantizedActivation, weight: torch.Tensor,
 
 def row_wise_product(activation: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """``torch._scaled_mm`` with row-wise scales: a per-token activation times a per-row weight."""
-    # Row-wise scaling writes bfloat16 only.
+    # Row-wise scaling writes bfloat16 only. Fast accumulation: the tensor cores' FP8 sums are not
+    # promoted to float32 every few k-steps (what vLLM's and TensorRT-LLM's FP8 GEMMs run).
     output = torch._scaled_mm(activation.values, weight.t(), scale_a=activation.scales,
-                              scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+                              scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+                              use_fast_accum=FAST_ACCUMULATION)
     return output if activation.dtype == torch.bfloat16 else output.to(activation.dtype)
 
 
