@@ -24,7 +24,7 @@
 #   bash scripts/gpu_checks.sh targets      # one GPU: the open performance targets' figures (TPOT and prefill at 512,
 #                                           # bf16 and FP8; the nano-vllm workload; 8B batch 256 with FP8 weights and K/V)
 #   bash scripts/gpu_checks.sh sweeps       # one GPU: decode attention launch options (FP8 and bf16 pages), FP8 GEMMs
-#                                           # with fast accumulation, the fused FP8 producers
+#                                           # (full accumulation beside), the fused FP8 producers
 #   bash scripts/gpu_checks.sh fp8-attention  # one GPU: decode attention over FP8 pages in random and in-order pages,
 #                                           # and what it takes inside the 8B batch-256 workload (profiled warm)
 #
