@@ -80,6 +80,26 @@ def _load_keys_values(key_cache_ptr, value_cache_ptr, page_table_row_ptr, positi
 
 
 @jit
+def _accumulate_block(scores, values, running_max, running_sum, accumulator, input_dtype: tl.constexpr,
+                      UPCAST_DOTS: tl.constexpr, FP16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      MAY_SEE_NOTHING: tl.constexpr):
+    """One key block of the online softmax: the running maximum (log2 units), sum and weighted
+    values after the block's ``scores`` (masked keys at -inf) and ``values``. ``MAY_SEE_NOTHING``:
+    a row may see no key of the block, nor any before it; its exponents are kept finite."""
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    base = new_max
+    if MAY_SEE_NOTHING:
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)
+    probabilities = tl.exp2(scores - base[:, None])
+    correction = tl.exp2(running_max - base)
+    running_sum = running_sum * correction + tl.sum(probabilities, 1)
+    accumulator = accumulator * correction[:, None] + tl.dot(
+        _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
+        _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
+    return new_max, running_sum, accumulator
+
+
+@jit
 def _store_split_output(accumulator, running_max, running_sum, row, split, heads, head_mask, dims, dim_mask,
                         out_ptr, stride_out_row, stride_out_head, stride_out_dim, partial_out_ptr, partial_lse_ptr,
                         stride_partial_row, stride_partial_head, stride_partial_split,

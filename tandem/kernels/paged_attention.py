@@ -44,7 +44,8 @@ from typing import Optional
 import torch
 
 from tandem.kernels.attention_device import (  # noqa: F401  (device functions the kernels call)
-    MINIMUM_DOT_SIZE, _attention_operand, _fp16_range, _load_keys_values, _scores_log2, _store_split_output)
+    MINIMUM_DOT_SIZE, _accumulate_block, _attention_operand, _fp16_range, _load_keys_values, _scores_log2,
+    _store_split_output)
 from tandem.kernels.triton_support import (device_multiprocessors, early_launch_arguments, jit, launch_dependents,
                                            tl, triton, wait_for_producer)
 
@@ -124,14 +125,9 @@ def _decode_split_kernel(
         scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every block holds at least one visible key, so the new maximum is finite.
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probabilities = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probabilities, 1)
-        accumulator = accumulator * correction[:, None] + tl.dot(
-            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
-            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, accumulator = _accumulate_block(
+            scores, values, running_max, running_sum, accumulator, input_dtype, UPCAST_DOTS, FP16_DOTS,
+            DOT_PRECISION, False)
 
     _store_split_output(accumulator, running_max, running_sum, row, split, query_heads, head_mask, dims, dim_mask,
                         out_ptr, stride_out_row, stride_out_head, stride_out_dim, partial_out_ptr, partial_lse_ptr,
@@ -236,14 +232,9 @@ def _prefill_kernel(
             stride_value_page, stride_value_slot, stride_value_head, stride_value_dim, PAGE_SIZE)
         keys_transposed = _attention_operand(keys_transposed, input_dtype, UPCAST_DOTS, FP16_DOTS)
         scores = _scores_log2(query, keys_transposed, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probabilities = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probabilities, 1)
-        accumulator = accumulator * correction[:, None] + tl.dot(
-            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
-            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, accumulator = _accumulate_block(
+            scores, values, running_max, running_sum, accumulator, input_dtype, UPCAST_DOTS, FP16_DOTS,
+            DOT_PRECISION, False)
     for block_start in range(whole_end, key_end, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
         key_mask = (positions >= key_begin) & (positions < key_end)
@@ -257,16 +248,10 @@ def _prefill_kernel(
         if HAS_WINDOW:
             visible = visible & (positions[None, :] > query_positions[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # A row may see nothing in this block yet: keep its exponents finite (0 instead of -inf).
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probabilities = tl.exp2(scores - safe_max[:, None])
-        correction = tl.exp2(running_max - safe_max)
-        running_sum = running_sum * correction + tl.sum(probabilities, 1)
-        accumulator = accumulator * correction[:, None] + tl.dot(
-            _attention_operand(probabilities, input_dtype, UPCAST_DOTS, FP16_DOTS),
-            _attention_operand(values, input_dtype, UPCAST_DOTS, FP16_DOTS), input_precision=DOT_PRECISION)
-        running_max = new_max
+        # A row may see nothing in this block yet: its exponents are kept finite.
+        running_max, running_sum, accumulator = _accumulate_block(
+            scores, values, running_max, running_sum, accumulator, input_dtype, UPCAST_DOTS, FP16_DOTS,
+            DOT_PRECISION, True)
 
     output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(out_ptr + (query_start + tokens)[:, None] * stride_out_token
