@@ -2,12 +2,13 @@
 
 - ``docs/cli.md``: every ``tandem`` command and flag, from the argument parser (``build_parser``);
 - ``docs/metrics.md``: every Prometheus series a server and a router expose, from their registries
-  (a server's optional families, PD, tiers, speculative decoding, included).
+  (a server's optional families, PD, tiers, speculative decoding, included);
+- ``docs/environment.md``: every environment variable the package reads (``tandem/environment.py``).
 
-    python scripts/docs_reference.py            # rewrite both pages
+    python scripts/docs_reference.py            # rewrite the pages
     python scripts/docs_reference.py --check    # exit 1, naming the page, when one is out of date
 
-CI runs ``--check`` (tests/unit/test_docs.py), so a new flag or series cannot go undocumented.
+CI runs ``--check`` (tests/unit/test_docs.py), so a new flag, series or variable cannot go undocumented.
 """
 from __future__ import annotations
 
@@ -157,8 +158,26 @@ def undocumented_series(families: dict[str, list]) -> list[str]:
     return [family.name for section in families.values() for family in section if not family.documentation.strip()]
 
 
+# -- environment variables ----------------------------------------------------------------------
+def environment_page() -> str:
+    from tandem.environment import AUDIENCES, VARIABLES
+
+    lines = [GENERATED, "", "# Environment variables", "",
+             "Every environment variable the `tandem` package reads (`tandem/environment.py`). Flags are "
+             "the way to configure a server ([command line](cli.md)); these cover secrets kept off command "
+             "lines, settings below the flags and test hooks. An engine's ranks on Ray get each `TANDEM_` "
+             "variable of the engine process's environment, the secrets excepted "
+             "([multi-node](multi-node.md#environment)); worker processes inherit them.", ""]
+    for audience in AUDIENCES:
+        lines += [f"## {audience[0].upper()}{audience[1:]}", "", "| variable | unset | meaning |", "|---|---|---|"]
+        lines += [f"| `{variable.name}` | {table_text(variable.default)} | {table_text(variable.meaning)} |"
+                  for variable in VARIABLES if variable.audience == audience]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 # -- entry point --------------------------------------------------------------------------------
-PAGES = {"docs/cli.md": cli_page, "docs/metrics.md": metrics_page}
+PAGES = {"docs/cli.md": cli_page, "docs/metrics.md": metrics_page, "docs/environment.md": environment_page}
 
 
 def main(argv: list[str] | None = None) -> int:

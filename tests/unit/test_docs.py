@@ -1,9 +1,11 @@
-"""The docs cannot go stale: the generated pages (the CLI and metrics references) match the code,
-every series has a description, and every command block of the README and the docs parses —
-``tandem`` commands against the real argument parser, benchmark and script flags against their
-sources, curl bodies against the servers' request models, Python blocks as Python. (The curl
-bodies and the README's SDK example also run against a live server: test_server_bad_input.py.)"""
+"""The docs cannot go stale: the generated pages (the CLI, metrics and environment references)
+match the code, every series has a description, every environment variable is registered, and
+every command block of the README and the docs parses — ``tandem`` commands against the real
+argument parser, benchmark and script flags against their sources, curl bodies against the
+servers' request models, Python blocks as Python. (The curl bodies and the README's SDK example
+also run against a live server: test_server_bad_input.py.)"""
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -132,3 +134,23 @@ def test_links_between_pages_use_relative_paths():
     for target in targets:
         assert not target.startswith("http") and (ROOT / target).exists(), target
     assert len(readme.splitlines()) <= 150
+
+
+def test_every_environment_variable_the_package_reads_is_registered():
+    """``tandem/environment.py`` (the docs' environment page) names each ``TANDEM_`` variable of
+    the package's source, and nothing the source never mentions; a name ending in ``_`` is a
+    family (``TANDEM_ALLREDUCE_*``) and needs a registered member."""
+    from tandem.environment import AUDIENCES, VARIABLES
+
+    registered = {variable.name for variable in VARIABLES}
+    assert len(registered) == len(VARIABLES), "a variable registered twice"
+    assert all(variable.audience in AUDIENCES for variable in VARIABLES)
+    mentioned: set[str] = set()
+    for path in (ROOT / "tandem").rglob("*.py"):
+        if path.name != "environment.py":
+            mentioned.update(re.findall(r"\bTANDEM_[A-Z0-9_]+", path.read_text()))
+    families = {name for name in mentioned if name.endswith("_")}
+    unregistered = sorted(mentioned - families - registered)
+    assert not unregistered, f"register these in tandem/environment.py: {unregistered}"
+    assert all(any(name.startswith(family) for name in registered) for family in families), families
+    assert not sorted(registered - mentioned), f"registered but read nowhere: {sorted(registered - mentioned)}"
