@@ -154,13 +154,15 @@ def block_wise_product(activation: QuantizedActivation, weight: torch.Tensor,
     return output if activation.dtype == torch.bfloat16 else output.to(activation.dtype)
 
 
-def row_wise_product(activation: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``torch._scaled_mm`` with row-wise scales: a per-token activation times a per-row weight."""
+def row_wise_product(activation: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     fast_accumulation: bool = FAST_ACCUMULATION) -> torch.Tensor:
+    """``torch._scaled_mm`` with row-wise scales: a per-token activation times a per-row weight
+    (``fast_accumulation``: the engine's setting unless a benchmark asks for the other)."""
     # Row-wise scaling writes bfloat16 only. Fast accumulation: the tensor cores' FP8 sums are not
     # promoted to float32 every few k-steps (what vLLM's and TensorRT-LLM's FP8 GEMMs run).
     output = torch._scaled_mm(activation.values, weight.t(), scale_a=activation.scales,
                               scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16,
-                              use_fast_accum=FAST_ACCUMULATION)
+                              use_fast_accum=fast_accumulation)
     return output if activation.dtype == torch.bfloat16 else output.to(activation.dtype)
 
 
