@@ -21,9 +21,10 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
-from typing import Optional
+from typing import Mapping, Optional
 
 import msgspec
 import zmq
@@ -218,15 +219,28 @@ def shutdown_core(core) -> None:
         logger.exception("engine core shutdown failed")
 
 
-def wait_passively_between_parallel_regions() -> None:
-    """Make idle OpenMP threads sleep instead of spinning (unless ``OMP_WAIT_POLICY`` is set).
+def with_sleeping_openmp_threads(environment: Mapping[str, str]) -> dict[str, str]:
+    """``environment`` for a process about to start, its idle OpenMP threads made to sleep
+    instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless it names a policy itself.
 
-    The engine shares the host's cores with the frontend process (and often with clients or
-    other work). Spinning threads then fight whoever holds their core, and a 2-core host was
-    seen to drop from ~2000 to ~100 output tokens/s; sleeping threads cost little when the host
-    is quiet and nothing when it is not. Must run before torch loads.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    The engine shares the host's cores with the frontend process, with the other ranks'
+    processes (and often with clients or other work). Spinning threads then fight whoever holds
+    their core, and a 2-core host was seen to drop from ~2000 to ~100 output tokens/s; sleeping
+    threads cost little when the host is quiet and nothing when it is not. OpenMP reads the
+    policy once, when torch loads it: a process that imported torch can only hand the setting
+    to the processes it starts."""
+    started = dict(environment)
+    started.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return started
+
+
+def wait_passively_between_parallel_regions() -> None:
+    """``with_sleeping_openmp_threads`` for this process, where torch has not loaded yet (the
+    engine process: ``run_engine`` runs before anything imports it); too late once it has."""
+    if "torch" in sys.modules:
+        logger.debug("torch already loaded: this process's OpenMP wait policy stays as it was")
+        return
+    os.environ.update(with_sleeping_openmp_threads(os.environ))
 
 
 def run_engine(config: EngineConfig, input_address: str, output_address: str,

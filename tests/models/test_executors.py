@@ -5,6 +5,7 @@ other name. Under TP=2, a failure of rank 0's worker inside a step the other ran
 that rank (the executor's job, not the model runner's)."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -52,9 +53,14 @@ def test_in_process_executor(model_dirs):
 def test_rank_zero_forward_failure_stops_the_other_ranks(model_dirs):
     """Rank 0's worker raises in the second step, after the executor sent the plan: the worker
     process (waiting in that step's collectives) is stopped, the step's request ends with the
-    error, and the engine reports the failed group from then on."""
+    error, and the engine reports the failed group from then on. The worker process started with
+    its idle OpenMP threads asleep (its environment: it loads torch before anything could set it)."""
     llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, **ENGINE)
     engine, calls = llm.engine, []
+    (worker,) = engine.executor.workers
+    with open(f"/proc/{worker.pid}/environ", "rb") as environ:
+        started_with = dict(entry.split(b"=", 1) for entry in environ.read().split(b"\0") if b"=" in entry)
+    assert started_with[b"OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
     run = engine.worker.runner.run
 
     def run_failing_the_second_step(*arguments, **keywords):

@@ -34,6 +34,7 @@ from tandem.models.loader import check_tensor_parallel
 from tandem.parallel.graphs import capture_on_every_rank
 from tandem.parallel.control import exchange
 from tandem.parallel.group import join, open_store, rank_device
+from tandem.engine.process import with_sleeping_openmp_threads
 from tandem.engine.ranks.executor import Executor, RankContext, draft_plan, rank_call
 from tandem.engine.ranks.plan import DISK, PAGES, RPC, STOP, TRANSFER, PlanChannel, StepPlan
 
@@ -277,10 +278,12 @@ def _watch(owner: "weakref.ref[MultiprocessExecutor]", workers: list[subprocess.
 
 
 def start_worker(config: EngineConfig, rank: int, size: int, port: int) -> subprocess.Popen:
-    """``python -m tandem.engine.ranks.worker``, the config on its standard input (JSON)."""
+    """``python -m tandem.engine.ranks.worker``, the config on its standard input (JSON), its
+    idle OpenMP threads asleep (``process.with_sleeping_openmp_threads``: the worker module loads
+    torch first thing, so only its environment at start can say it)."""
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     process = subprocess.Popen([sys.executable, "-m", "tandem.engine.ranks.worker", str(rank), str(size), str(port),
-                                log_level], stdin=subprocess.PIPE)
+                                log_level], stdin=subprocess.PIPE, env=with_sleeping_openmp_threads(os.environ))
     process.stdin.write(config_to_json(config))
     process.stdin.close()
     return process

@@ -38,6 +38,7 @@ import torch
 
 from tandem.config import RAY_MISSING, EngineConfig
 from tandem.kv.planner import PoolPlan
+from tandem.engine.process import with_sleeping_openmp_threads
 from tandem.engine.ranks.launcher import (CUDA_HANG_GRACE_SECONDS, STOP_TIMEOUT_SECONDS, MultiprocessExecutor,
                                           RankFailure, config_to_json)
 from tandem.kv.page_operations import Outbox
@@ -69,11 +70,9 @@ def import_ray():
 
 def forwarded_environment() -> dict[str, str]:
     """The actors' environment variables: this process's settings the ranks share; idle OpenMP
-    threads sleep unless told otherwise (``process.wait_passively_between_parallel_regions``)."""
-    environment = {name: value for name, value in os.environ.items()
-                   if name.startswith(FORWARDED_PREFIXES) and name not in SECRET_VARIABLES}
-    environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return environment
+    threads sleep unless told otherwise (``process.with_sleeping_openmp_threads``)."""
+    return with_sleeping_openmp_threads({name: value for name, value in os.environ.items()
+                                         if name.startswith(FORWARDED_PREFIXES) and name not in SECRET_VARIABLES})
 
 
 def join_cluster(ray) -> bool:

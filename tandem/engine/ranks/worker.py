@@ -71,12 +71,11 @@ def main() -> None:
 
 def run_worker(config: EngineConfig, rank: int, size: int, port: int, log_level: str = "info") -> None:
     from tandem.engine.memory import resolve_device
-    from tandem.engine.process import die_with_parent, wait_passively_between_parallel_regions
+    from tandem.engine.process import die_with_parent
     from tandem.parallel.group import join, rank_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop (a STOP plan)
-    die_with_parent()
-    wait_passively_between_parallel_regions()
+    die_with_parent()  # (its OpenMP threads sleep when idle: the launcher set that before torch loaded here)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = rank_device(resolve_device(config.device), rank)
     if device.type == "cuda":
