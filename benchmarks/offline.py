@@ -34,7 +34,7 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,13 +112,19 @@ def parse_args():
                         help="also print where tandem's time went: steps while prompts are still being "
                              "prefilled against steps of decode alone, and preemptions")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                        help="with --timeline: also profile N steps of each phase on the device (the 4th "
-                             "prefill-phase step on, and decode-only steps from the middle of the decode "
+                        help="with --timeline: also profile N steps of each phase on the device (from the "
+                             "prefill-phase step --profile-prefill-from, and decode-only steps from the middle of the decode "
                              "phase's expected length) in the last timed run: GPU busy per step and the "
                              "kernels taking the most time (that run's time includes the profiler's: "
                              "--repeat 3 keeps two runs without it)")
+    parser.add_argument("--profile-prefill-from", type=int, default=3, metavar="K",
+                        help="with --profile-steps: the prefill-phase step of the last timed run the profiler "
+                             "starts at (default 3; 0 for workloads of a few prefill-phase steps)")
     parser.add_argument("--profile-trace", metavar="DIR",
                         help="with --profile-steps: also write each profiled phase's trace (Chrome format) here")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="after the timed runs, one more run under cProfile (engine process, main thread): "
+                             "print the N functions taking the most host time of their own")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -158,17 +164,17 @@ class StepTimeline:
     """Wraps the engine's ``step`` to time each call and note whether any prompt was still
     waiting or being prefilled when it began (a prefill-phase step) and the preemptions so far.
     With ``profile_steps``, ``profile_steps`` steps of each phase run under the torch profiler
-    (from the 4th prefill-phase step, and from decode-only step ``decode_profile_at``) in the
+    (from prefill-phase step ``prefill_profile_at``, and from decode-only step ``decode_profile_at``) in the
     last of ``runs`` timed runs, when the engine has paid its one-time costs (a fresh engine's
     first run meets new shapes: cuBLAS's choices, allocator growth)."""
 
     def __init__(self, engine, profile_steps: int = 0, decode_profile_at: int = 0, trace_dir=None,
-                 runs: int = 1) -> None:
+                 runs: int = 1, prefill_profile_at: int = 3) -> None:
         import time
 
         self.trace_dir = trace_dir
         self.engine, self.steps, self._step, self._clock = engine, [], engine.step, time.perf_counter
-        self.profile_steps, self._profile_from = profile_steps, {True: 3, False: decode_profile_at}
+        self.profile_steps, self._profile_from = profile_steps, {True: prefill_profile_at, False: decode_profile_at}
         self._profiler, self._profiled, self.profiles = None, 0, {}
         self._runs_left, self._run_steps = runs, {True: 0, False: 0}  # this run's steps of each phase so far
         engine.step = self._timed_step
@@ -294,7 +300,8 @@ def run_tandem(model_dir, prompts, output_lengths, args,
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     timeline = (StepTimeline(llm.engine, args.profile_steps, max(output_lengths) // 2, args.profile_trace,
-                             runs=args.repeat) if args.timeline else None)
+                             runs=args.repeat, prefill_profile_at=args.profile_prefill_from)
+                if args.timeline else None)
 
     def run() -> None:
         if timeline is not None:
@@ -306,11 +313,26 @@ def run_tandem(model_dir, prompts, output_lengths, args,
     cost = ModelCost.of_engine(llm.engine)
     if timeline is not None:
         timeline.report(cost, ceilings)
+    if args.host_profile:
+        profile_host(lambda: llm.generate(prompts, params, use_tqdm=False), args.host_profile)
     preemptions = llm.engine.stats().num_preemptions
     if preemptions:
         print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
     release(llm)
     return seconds, cost
+
+
+def profile_host(run: Callable[[], None], count: int) -> None:
+    """One untimed ``run`` under cProfile (this process's main thread: the engine core and rank 0's
+    worker); prints the ``count`` functions with the most time of their own, then by cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    for order in ("tottime", "cumulative"):
+        print(f"host profile of one run (cProfile, by {order}):")
+        pstats.Stats(profiler).sort_stats(order).print_stats(count)
 
 
 def load_transformers(model_dir, args):
