@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -286,6 +287,12 @@ def run_tandem(model_dir, prompts, output_lengths, args,
                ceilings: Optional[Ceilings] = None) -> tuple[float, ModelCost]:
     from tandem import LLM, SamplingParams
 
+    rank_profiles = None
+    if args.host_profile and args.tensor_parallel_size > 1:  # (the worker ranks read it when they start)
+        import tempfile
+
+        rank_profiles = tempfile.mkdtemp(prefix="tandem-rank-profiles-")
+        os.environ["TANDEM_RANK_PROFILE"] = rank_profiles
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
               max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs,
@@ -319,6 +326,9 @@ def run_tandem(model_dir, prompts, output_lengths, args,
     if preemptions:
         print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
     release(llm)
+    if rank_profiles is not None:
+        os.environ.pop("TANDEM_RANK_PROFILE", None)
+        print_rank_profiles(rank_profiles, args.host_profile)
     return seconds, cost
 
 
@@ -326,13 +336,24 @@ def profile_host(run: Callable[[], None], count: int) -> None:
     """One untimed ``run`` under cProfile (this process's main thread: the engine core and rank 0's
     worker); prints the ``count`` functions with the most time of their own, then by cumulative time."""
     import cProfile
-    import pstats
 
     profiler = cProfile.Profile()
     profiler.runcall(run)
+    print_host_profile("one run, rank 0 (the engine core's process)", profiler, count)
+
+
+def print_host_profile(what: str, profile, count: int) -> None:
+    import pstats
+
     for order in ("tottime", "cumulative"):
-        print(f"host profile of one run (cProfile, by {order}):")
-        pstats.Stats(profiler).sort_stats(order).print_stats(count)
+        print(f"host profile of {what} (cProfile, by {order}):")
+        pstats.Stats(profile).sort_stats(order).print_stats(count)
+
+
+def print_rank_profiles(directory: str, count: int) -> None:
+    """The plan loops of ranks 1..N-1 (``TANDEM_RANK_PROFILE``), written when they stopped."""
+    for path in sorted(Path(directory).glob("rank*.prof")):
+        print_host_profile(f"{path.stem}'s whole life (its plan loop, warm-up and every run)", str(path), count)
 
 
 def load_transformers(model_dir, args):

@@ -83,6 +83,10 @@ VARIABLES = (
         "benchmarks on random weights: speculative decoding accepts drafts as if their mean acceptance "
         "length were this (it changes outputs)", TESTS),
     EnvironmentVariable(
+        "TANDEM_RANK_PROFILE", "unset",
+        "a directory: tensor-parallel ranks 1..N-1 run their plan loop under cProfile and write it there "
+        "(`rankN.prof`) when they stop (`benchmarks/offline.py --host-profile` sets it)", TESTS),
+    EnvironmentVariable(
         "TANDEM_GRAPH_BUFFERS_ON_CPU", "unset",
         "`1` off a GPU: the CUDA-graph path's static buffers and copies run eagerly on a CPU (tests)", TESTS),
     EnvironmentVariable(

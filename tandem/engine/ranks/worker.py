@@ -93,8 +93,18 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     worker = Worker.build(config, groups, device)
     channel = PlanChannel(groups.control, groups.rank)
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
+    profile_directory = os.environ.get("TANDEM_RANK_PROFILE")
+    profiler = None
+    if profile_directory:  # (where this rank's host time goes: benchmarks/offline.py --host-profile)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     while worker.serve(channel.receive()):
         pass
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(profile_directory, f"rank{groups.rank}.prof"))
 
 
 class WorkerGroup:
