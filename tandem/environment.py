@@ -52,7 +52,7 @@ VARIABLES = (
         "tensor parallelism: the largest all-reduce taken one-shot over peer buffers "
         "([all-reduce](allreduce.md)); the same on every rank", TUNING),
     EnvironmentVariable(
-        "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES", "8 MiB",
+        "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES", "32 MiB for two ranks, 8 MiB for more",
         "tensor parallelism: the largest all-reduce taken two-shot; NCCL above it", TUNING),
     EnvironmentVariable(
         "TANDEM_ALLREDUCE_FUSED_MAX_BYTES", "2 MiB for two ranks, 512 KiB for more",

@@ -54,7 +54,8 @@ def test_limits_from_the_environment():
     assert AllReduceLimits.from_environment({}) == AllReduceLimits()
     assert AllReduceLimits.from_environment({}, world_size=4) == AllReduceLimits()
     two_ranks = AllReduceLimits.from_environment({"TANDEM_ALLREDUCE_FUSED_MAX_BYTES": "65536"}, world_size=2)
-    assert two_ranks == AllReduceLimits(one_shot_max_bytes=4 * MIB, two_shot_max_bytes=8 * MIB, fused_max_bytes=64 * KIB)
+    assert two_ranks == AllReduceLimits(one_shot_max_bytes=4 * MIB, two_shot_max_bytes=32 * MIB,
+                                       fused_max_bytes=64 * KIB)
     limits = AllReduceLimits.from_environment({"TANDEM_ALLREDUCE_ONE_SHOT_MAX_BYTES": "0",
                                                "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES": "1048576",
                                                "TANDEM_ALLREDUCE_FUSED_MAX_BYTES": ""})
