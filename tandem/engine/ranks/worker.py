@@ -94,17 +94,19 @@ def serve_plans(config: EngineConfig, groups, device: torch.device) -> None:
     channel = PlanChannel(groups.control, groups.rank)
     logger.info("tensor-parallel rank %d of %d ready on %s", groups.rank, groups.size, device)
     profile_directory = os.environ.get("TANDEM_RANK_PROFILE")
-    profiler = None
-    if profile_directory:  # (where this rank's host time goes: benchmarks/offline.py --host-profile)
-        import cProfile
+    if not profile_directory:
+        _serve_until_stopped(worker, channel)
+        return
+    import cProfile  # (where this rank's host time goes: benchmarks/offline.py --host-profile)
 
-        profiler = cProfile.Profile()
-        profiler.enable()
+    profiler = cProfile.Profile()
+    profiler.runcall(_serve_until_stopped, worker, channel)
+    profiler.dump_stats(os.path.join(profile_directory, f"rank{groups.rank}.prof"))
+
+
+def _serve_until_stopped(worker: "Worker", channel) -> None:
     while worker.serve(channel.receive()):
         pass
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(os.path.join(profile_directory, f"rank{groups.rank}.prof"))
 
 
 class WorkerGroup:
