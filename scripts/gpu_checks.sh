@@ -13,6 +13,8 @@
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, all-reduce latency, TP=2 vs TP=1 decode at batch 64
+#   bash scripts/gpu_checks.sh tp-host      # two GPUs: where TP=2's host time goes at batch 64 (cProfile of every rank;
+#                                           # with py-spy carried, a sampled profile of every process too)
 #   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
 #   bash scripts/gpu_checks.sh itl-slo      # one GPU: --max-itl-ms test; ITL at concurrency 16 with and without it
 #   bash scripts/gpu_checks.sh goodput-colocated  # two GPUs: goodput of two colocated replicas behind the router
@@ -82,6 +84,15 @@ for part in "${@:-tests}"; do
           run "offline_tp$size" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
+    tp-host) command=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
+                      --tensor-parallel-size 2 --host-profile 40)
+             spy=$(command -v py-spy || ls /tmp/tandem-site/bin/py-spy 2>/dev/null)
+             if [ -n "$spy" ]; then  # (every rank's process, sampled, waits included: speedscope.app reads it)
+               run tp2_host "$spy" record --subprocesses --idle --rate 250 --format speedscope \
+                 -o "$LOG_DIR/tp2_host.speedscope.json" -- "${command[@]}"
+             else
+               run tp2_host "${command[@]}"
+             fi ;;
     structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_structured_gpu.py
                 run structured python3 -m benchmarks.structured --shape llama3-8b ;;
     itl-slo) run itl_slo_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/models/test_inter_token_budget.py
