@@ -124,8 +124,9 @@ def parse_args():
     parser.add_argument("--profile-trace", metavar="DIR",
                         help="with --profile-steps: also write each profiled phase's trace (Chrome format) here")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
-                        help="after the timed runs, one more run under cProfile (engine process, main thread): "
-                             "print the N functions taking the most host time of their own")
+                        help="after the timed runs, one more run under cProfile (the engine process's main thread; "
+                             "each worker rank's too): print the N functions taking the most host time of their "
+                             "own, and every thread's CPU time during that run")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-transformers-batch", action="store_true",
                         help="skip transformers' continuous-batching generate_batch")
@@ -321,7 +322,8 @@ def run_tandem(model_dir, prompts, output_lengths, args,
     if timeline is not None:
         timeline.report(cost, ceilings)
     if args.host_profile:
-        profile_host(lambda: llm.generate(prompts, params, use_tqdm=False), args.host_profile)
+        processes = [os.getpid(), *getattr(llm.engine.executor, "worker_pids", [])]
+        profile_host(lambda: llm.generate(prompts, params, use_tqdm=False), args.host_profile, processes)
     preemptions = llm.engine.stats().num_preemptions
     if preemptions:
         print(f"tandem preempted {preemptions} times (state pool too small for the whole batch)")
@@ -332,14 +334,59 @@ def run_tandem(model_dir, prompts, output_lengths, args,
     return seconds, cost
 
 
-def profile_host(run: Callable[[], None], count: int) -> None:
+def profile_host(run: Callable[[], None], count: int, processes: list[int]) -> None:
     """One untimed ``run`` under cProfile (this process's main thread: the engine core and rank 0's
-    worker); prints the ``count`` functions with the most time of their own, then by cumulative time."""
+    worker); prints the ``count`` functions with the most time of their own, then by cumulative
+    time, and the CPU time every thread of ``processes`` (this one and the worker ranks') took
+    during the run, with the CPUs it may run on: a thread that spins, or two busy threads held to
+    the same CPUs, show there."""
     import cProfile
+    import time
 
     profiler = cProfile.Profile()
+    before, started = {pid: thread_times(pid) for pid in processes}, time.perf_counter()
     profiler.runcall(run)
+    seconds = time.perf_counter() - started
     print_host_profile("one run, rank 0 (the engine core's process)", profiler, count)
+    print(f"threads during that run ({seconds:.2f} s; CPU seconds, the share of the run, the CPUs allowed):")
+    for rank, pid in enumerate(processes):
+        for tid, (name, cpu, allowed) in sorted(thread_times(pid).items(), key=lambda item: -item[1][1]):
+            used = cpu - before[pid].get(tid, (name, 0.0, allowed))[1]
+            if used >= 0.01 * seconds:
+                print(f"  rank {rank} pid {pid} thread {tid} {name:<16} {used:7.2f} s {used / seconds:5.0%}  "
+                      f"cpus {cpu_ranges(allowed)}")
+
+
+def thread_times(pid: int) -> dict[int, tuple[str, float, set]]:
+    """Each thread of ``pid``: its name, the CPU seconds it has used, the CPUs it may run on
+    (Linux ``/proc``; empty where it is not there or the process is gone)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as file:
+                name = file.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+            threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / ticks, os.sched_getaffinity(int(tid)))
+        except OSError:  # (the thread ended meanwhile)
+            continue
+    return threads
+
+
+def cpu_ranges(cpus: set) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``."""
+    ranges, ordered = [], sorted(cpus)
+    for cpu in ordered:
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in ranges)
 
 
 def print_host_profile(what: str, profile, count: int) -> None:
