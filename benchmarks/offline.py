@@ -114,8 +114,8 @@ def parse_args():
                              "prefilled against steps of decode alone, and preemptions")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="with --timeline: also profile N steps of each phase on the device (from the "
-                             "prefill-phase step --profile-prefill-from, and decode-only steps from the middle of the decode "
-                             "phase's expected length) in the last timed run: GPU busy per step and the "
+                             "prefill-phase step --profile-prefill-from, and decode-only steps from the middle "
+                             "of the decode phase's expected length) in the last timed run: GPU busy per step and the "
                              "kernels taking the most time (that run's time includes the profiler's: "
                              "--repeat 3 keeps two runs without it)")
     parser.add_argument("--profile-prefill-from", type=int, default=3, metavar="K",
