@@ -360,7 +360,8 @@ def profile_host(run: Callable[[], None], count: int, processes: list[int]) -> N
 def thread_times(pid: int) -> dict[int, tuple[str, float, set]]:
     """Each thread of ``pid``: its name, the CPU seconds it has used, the CPUs it may run on
     (Linux ``/proc``; empty where it is not there or the process is gone)."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    from benchmarks.serve import cpu_seconds
+
     threads = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -368,11 +369,8 @@ def thread_times(pid: int) -> dict[int, tuple[str, float, set]]:
         return threads
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as file:
-                name = file.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as file:
-                fields = file.read().rsplit(")", 1)[1].split()
-            threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / ticks, os.sched_getaffinity(int(tid)))
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            threads[int(tid)] = (name, cpu_seconds(f"/proc/{pid}/task/{tid}/stat"), os.sched_getaffinity(int(tid)))
         except OSError:  # (the thread ended meanwhile)
             continue
     return threads

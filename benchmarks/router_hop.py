@@ -27,7 +27,8 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 import httpx
 
-from benchmarks.serve import SseConnection, checkout_environment, free_port, make_prompts, percentile, stream_one
+from benchmarks.serve import (SseConnection, checkout_environment, cpu_seconds, free_port, make_prompts, percentile,
+                              stream_one)
 from tests.support.stand_ins import MODEL
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -74,15 +75,6 @@ def router_first_event_ms(url: str) -> tuple[float, int]:
     return (values.get("_sum", 0.0) / count * 1e3 if count else float("nan")), count
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux; nan elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def row(name: str, values: list[float]) -> str:
     return (f"{name:<26} {statistics.mean(values):>8.2f} {statistics.median(values):>8.2f} "
             f"{percentile(values, 0.99):>8.2f}")
@@ -116,9 +108,9 @@ def main(argv=None) -> int:
         straight, routed, router_cpu = [], [], 0.0
         for _ in range(arguments.rounds):
             straight += asyncio.run(measure(urls["decode"], prompts, arguments.output_len))
-            before = cpu_seconds(processes[-1].pid)
+            before = cpu_seconds(f"/proc/{processes[-1].pid}/stat")
             routed += asyncio.run(measure(urls["router"], prompts, arguments.output_len))
-            router_cpu += cpu_seconds(processes[-1].pid) - before
+            router_cpu += cpu_seconds(f"/proc/{processes[-1].pid}/stat") - before
         router_view, count = router_first_event_ms(urls["router"])
     finally:
         for process in processes:

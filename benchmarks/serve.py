@@ -269,6 +269,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def cpu_seconds(stat_file: str) -> float:
+    """User + system CPU time so far of the process or thread whose ``/proc/.../stat`` file this
+    is (Linux; nan where it cannot be read: elsewhere, or the process or thread has ended)."""
+    try:
+        fields = Path(stat_file).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def checkout_environment() -> dict[str, str]:
     """This process's environment for a child (a server a benchmark starts) that must import
     this checkout: the checkout first on ``PYTHONPATH``, then whatever the caller had there

@@ -219,6 +219,9 @@ def shutdown_core(core) -> None:
         logger.exception("engine core shutdown failed")
 
 
+SLEEPING_OPENMP_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def with_sleeping_openmp_threads(environment: Mapping[str, str]) -> dict[str, str]:
     """``environment`` for a process about to start, its idle OpenMP threads made to sleep
     instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless it names a policy itself.
@@ -229,9 +232,7 @@ def with_sleeping_openmp_threads(environment: Mapping[str, str]) -> dict[str, st
     threads cost little when the host is quiet and nothing when it is not. OpenMP reads the
     policy once, when torch loads it: a process that imported torch can only hand the setting
     to the processes it starts."""
-    started = dict(environment)
-    started.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return started
+    return {**SLEEPING_OPENMP_THREADS, **environment}
 
 
 def wait_passively_between_parallel_regions() -> None:
@@ -240,7 +241,8 @@ def wait_passively_between_parallel_regions() -> None:
     if "torch" in sys.modules:
         logger.debug("torch already loaded: this process's OpenMP wait policy stays as it was")
         return
-    os.environ.update(with_sleeping_openmp_threads(os.environ))
+    for name, value in SLEEPING_OPENMP_THREADS.items():
+        os.environ.setdefault(name, value)
 
 
 def run_engine(config: EngineConfig, input_address: str, output_address: str,
