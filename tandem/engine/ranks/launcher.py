@@ -250,6 +250,7 @@ class MultiprocessExecutor(Executor):
         if self.failed is None:
             try:
                 self.channel.send(StepPlan(STOP, self.page_operations()))  # (the last page operations: disk writes)
+                self.channel.settle()
             except RuntimeError:  # a worker died meanwhile: it is killed below
                 logger.warning("tensor-parallel workers did not take the stop plan")
         for process in self.workers:

@@ -243,6 +243,7 @@ class RayExecutor(MultiprocessExecutor):
         if self.failed is None:
             try:
                 self.channel.send(StepPlan(STOP, self.page_operations()))  # (the last page operations: disk writes)
+                self.channel.settle()
                 ray.wait(self._runs, num_returns=len(self._runs), timeout=STOP_TIMEOUT_SECONDS)
             except RuntimeError:  # an actor died meanwhile: it is killed below
                 logger.warning("tensor-parallel actors did not take the stop plan")
