@@ -13,8 +13,8 @@
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, all-reduce latency, TP=2 vs TP=1 decode at batch 64
-#   bash scripts/gpu_checks.sh tp-host      # two GPUs: where TP=2's host time goes at batch 64 (cProfile of every rank;
-#                                           # with py-spy carried, a sampled profile of every process too)
+#   bash scripts/gpu_checks.sh tp-host      # two GPUs: where the hosts' time goes in prefill-heavy batch-64 runs at
+#                                           # TP=2 and TP=1 (py-spy samples of every rank when carried, else cProfile)
 #   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
 #   bash scripts/gpu_checks.sh itl-slo      # one GPU: --max-itl-ms test; ITL at concurrency 16 with and without it
 #   bash scripts/gpu_checks.sh goodput-colocated  # two GPUs: goodput of two colocated replicas behind the router
@@ -84,15 +84,29 @@ for part in "${@:-tests}"; do
           run "offline_tp$size" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
-    tp-host) command=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
-                      --tensor-parallel-size 2 --host-profile 40)
+    tp-host) # Prefill-heavy batch 64 (four output tokens: every run one prefill and three decode steps),
+             # at TP=2 and TP=1: with py-spy carried, both processes sampled for 8 s without pausing them
+             # (waits included) once the engine runs, summed by benchmarks/host_samples.py; without it,
+             # one run under cProfile on every rank.
              spy=$(command -v py-spy || ls /tmp/tandem-site/bin/py-spy 2>/dev/null)
-             if [ -n "$spy" ]; then  # (every rank's process, sampled, waits included: speedscope.app reads it)
-               run tp2_host "$spy" record --subprocesses --idle --rate 250 --format speedscope \
-                 -o "$LOG_DIR/tp2_host.speedscope.json" -- "${command[@]}"
-             else
-               run tp2_host "${command[@]}"
-             fi ;;
+             for size in 2 1; do
+               command=(python3 -m benchmarks.offline --preset llama3-8b-b64 --output-len 4 --skip-transformers
+                        --timeline --tensor-parallel-size "$size")
+               if [ -z "$spy" ]; then
+                 run "tp${size}_host" "${command[@]}" --repeat 2 --host-profile 40
+                 continue
+               fi
+               "${command[@]}" --repeat 150 > "$LOG_DIR/tp${size}_host.log" 2>&1 &
+               pid=$!
+               for _ in $(seq 600); do grep -q "state pool" "$LOG_DIR/tp${size}_host.log" && break; sleep 0.5; done
+               sleep 4
+               "$spy" record --pid "$pid" --subprocesses --threads --idle --nonblocking --rate 250 --duration 8 \
+                 --format raw -o "$LOG_DIR/tp${size}_host.samples" > /dev/null 2>&1
+               wait "$pid" || status=1
+               grep -E "prompts waiting|decode only|^tandem" "$LOG_DIR/tp${size}_host.log"
+               run "tp${size}_host_samples" python3 -m benchmarks.host_samples "$LOG_DIR/tp${size}_host.samples" \
+                 --focus ModelRunner.forward PlanChannel.send PlanChannel.receive Event.synchronize JITFunction.run
+             done ;;
     structured) run structured_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_structured_gpu.py
                 run structured python3 -m benchmarks.structured --shape llama3-8b ;;
     itl-slo) run itl_slo_tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/models/test_inter_token_budget.py
