@@ -3,6 +3,8 @@ mixed-step CUDA graphs (``tandem/worker/mixed_graphs.py``), beside a decode-only
 
     python -m benchmarks.mixed_step                       # tiny model on CPU (no graphs: both rows eager)
     python -m benchmarks.mixed_step --shape llama3-8b     # Llama-3.1-8B shape, random bf16 weights (GPU)
+    python -m benchmarks.mixed_step --shape llama3-8b --tensor-parallel-size 2   # two GPUs (the graphs
+                                                          # row sets TANDEM_TP_MIXED_STEP_GRAPHS=1)
 
 ``--decodes`` requests decode while one long prompt is prefilled ``--chunk`` tokens a step
 (``max_num_batched_tokens`` is decodes + chunk); each row is the wall time per engine step over
@@ -12,6 +14,7 @@ mixed-step CUDA graphs (``tandem/worker/mixed_graphs.py``), beside a decode-only
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -26,6 +29,7 @@ def parse_args():
     parser.add_argument("--decodes", type=int, default=15)
     parser.add_argument("--chunk", type=int, default=135)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     return parser.parse_args()
 
 
@@ -45,10 +49,13 @@ def timed_steps(engine, steps: int) -> tuple[float, float]:
 def measure(model_dir: str, args, mixed_step_graphs: bool) -> tuple[tuple[float, float], tuple[float, float]]:
     from tandem import LLM, SamplingParams
     from tandem.protocol import EngineRequest
+    from tandem.worker.model_runner import TP_MIXED_STEP_GRAPHS
 
+    if args.tensor_parallel_size > 1:  # (the worker ranks read it when they start)
+        os.environ[TP_MIXED_STEP_GRAPHS] = "1" if mixed_step_graphs else "0"
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.decodes + 1,
               max_num_batched_tokens=args.decodes + args.chunk, enable_prefix_caching=False,
-              mixed_step_graphs=mixed_step_graphs)
+              mixed_step_graphs=mixed_step_graphs, tensor_parallel_size=args.tensor_parallel_size)
     engine, rng, vocab = llm.engine, random.Random(0), vocab_size_of(model_dir)
     prompt_len, max_len = args.chunk * (args.steps + 4), engine.model_info.max_model_len
     if prompt_len + 1 > max_len:
@@ -78,7 +85,7 @@ def main() -> None:
         rows.append((f"{args.decodes} decodes + {args.chunk}-token chunk, mixed graphs {'on' if graphs else 'off'}",
                      mixed))
     rows.insert(0, (f"{args.decodes} decodes alone", decode))
-    print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}")
+    print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}, tensor_parallel_size {args.tensor_parallel_size}")
     print(f"{'step':<58}{'ms/step':>10}{'host ms':>10}")
     for name, (wall, host) in rows:
         print(f"{name:<58}{wall:>10.2f}{host:>10.2f}")

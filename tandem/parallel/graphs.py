@@ -1,4 +1,5 @@
-"""CUDA graphs under tensor parallelism: every rank captures the same decode graphs.
+"""CUDA graphs under tensor parallelism: every rank captures the same decode graphs (and the same
+mixed-step graphs, where they apply: ``capture_mixed_on_every_rank``).
 
 The graphs hold the layers' collectives (the row-parallel all-reduces, the embedding's
 all-reduce, the LM head's all-gather: NCCL kernels captured by ``ProcessGroupNCCL`` on the
@@ -63,4 +64,24 @@ def capture_on_every_rank(runner, groups, batch_sizes: list[int], max_model_len:
     same_on_every_rank(groups.control, sizes + [0] + captured, "the CUDA graph sizes captured")
     logger.info("tensor-parallel rank %d of %d: decode steps replay CUDA graphs of %s rows%s", groups.rank,
                 groups.size, sizes or "no", "" if captured == sizes else " (static buffers only: nothing captured)")
+    return sizes
+
+
+def every_rank_agrees(control, value: bool) -> bool:
+    """Whether ``value`` is true on every rank (a collective every rank makes)."""
+    return bool(_extreme(control, torch.tensor([int(value)], dtype=torch.int64), "MIN").item())
+
+
+def capture_mixed_on_every_rank(runner, groups, token_sizes: list[int]) -> list[int]:
+    """Capture ``runner``'s mixed-step graphs (``worker/mixed_graphs.py``) on this rank, in step
+    with the others: the same sizes everywhere, every rank capturing or none, and after each
+    size an agreement that every rank captured it (a failure anywhere leaves all eager). The
+    step's token count, which every rank's plan carries, then chooses the same graph on every
+    rank. Returns the sizes captured (empty: steps with a prompt chunk run eagerly)."""
+    same_on_every_rank(groups.control, list(token_sizes), "the mixed-step CUDA graph sizes to capture")
+    if not every_rank_agrees(groups.control, runner.wants_mixed_graphs(token_sizes)):
+        return []
+    sizes = runner.capture_mixed_graphs(token_sizes, agree=lambda ok: every_rank_agrees(groups.control, ok))
+    logger.info("tensor-parallel rank %d of %d: steps with a prompt chunk replay mixed-step graphs of %s tokens",
+                groups.rank, groups.size, sizes or "no")
     return sizes

@@ -32,8 +32,15 @@ the same point of the pass as the capture did, and the sizes never replay interl
 Which models: graph-safe models (``cuda_graph_safe``) whose every stateful module declares
 ``mixed_graph_boundary`` (its forward takes tensors indexed by token first, the forward context,
 and returns one such tensor; nothing outside it reads the context): the families built of
-``Attention`` layers. One rank (tensor parallelism keeps mixed steps eager: every rank would have
-to make the choice in step). ``enforce_eager`` or ``mixed_step_graphs=False`` keep them eager too.
+``Attention`` layers. ``enforce_eager`` or ``mixed_step_graphs=False`` keep them eager.
+
+Under tensor parallelism the graphs hold the layers' collectives (the boundaries, attention over
+a rank's own heads, hold none), so every rank must replay the same graphs for a step: each rank
+captures the same sizes in the same order, agreeing after each size that all captured it
+(``parallel/graphs.py``'s ``capture_mixed_on_every_rank``: one rank's failure leaves every rank
+eager), and the choice is the step's token count, which every rank's plan carries. The input ids
+rank 0 holds on its device go to every rank before the first graph, as for decode graphs. Until
+measured on GPUs this is opt-in there: ``TANDEM_TP_MIXED_STEP_GRAPHS=1``.
 
 Off a GPU (tests, ``TANDEM_GRAPH_BUFFERS_ON_CPU=1``) nothing is captured: a replay runs the same
 forward eagerly over the static padded buffers, its stateful layers through the same argument
@@ -150,12 +157,23 @@ class MixedStepGraphs:
                 del module.forward  # the class's forward again
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first (the smaller reuse the pool's memory)."""
+    def capture(self, agree: Optional[Callable[[bool], bool]] = None) -> None:
+        """Capture every size, largest first (the smaller reuse the pool's memory). Under tensor
+        parallelism ``agree(captured)`` is a collective after each size, true when every rank
+        captured it: otherwise every rank stops there (raises), so none goes on to the next size's
+        warm-up pass, whose collectives run, while another has given up."""
         started = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.token_sizes):
-            self.sizes[size] = self._capture(size)
+            failure = None
+            try:
+                self.sizes[size] = self._capture(size)
+            except Exception as error:  # (raised below, once the other ranks know)
+                if agree is None:
+                    raise
+                failure = error
+            if agree is not None and not agree(failure is None):
+                raise failure or RuntimeError(f"another rank could not capture the mixed-step graphs of {size} tokens")
         torch.cuda.synchronize(self.runner.device)
         self.captured = True
         logger.info("captured mixed-step CUDA graphs for %s tokens in %.1f s (%d stateful layers run eagerly "
@@ -212,16 +230,20 @@ class MixedStepGraphs:
         self.pool = None
         self.captured = False
 
-    def replay(self, input_ids, positions, context: ForwardContext, feed=None) -> torch.Tensor:
+    def replay(self, input_ids, positions, context: ForwardContext, feed=None,
+               broadcast_inputs: bool = False) -> torch.Tensor:
         """The hidden states ``[n, hidden]`` of a step of ``n`` tokens (``input_ids`` and
-        ``positions``: host arrays; ``feed`` writes pending input tokens into the static ids):
-        a view of a static buffer, valid until the next replay."""
+        ``positions``: host arrays; ``feed`` writes pending input tokens into the static ids;
+        ``broadcast_inputs``: rank 0's static ids then go to every rank, an eager collective
+        before the first graph): a view of a static buffer, valid until the next replay."""
         count = len(input_ids)
         size = size_for(self.token_sizes, count)
         copy_to_device(self.input_ids[:count], input_ids)
         copy_to_device(self.positions[:count], positions)
         if feed is not None:
             feed(self.input_ids[:count])
+        if broadcast_inputs:
+            self.runner.model.tensor_shard.broadcast(self.input_ids[:count])
         self.num_replays += 1
         if not self.captured:  # off a GPU: the same forward, eagerly, over the static buffers
             calls = self.sizes.setdefault(size, SizeGraphs(size)).calls

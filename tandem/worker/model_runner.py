@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
 # without capturing, on every rank (the tensor-parallel workers inherit the environment).
 STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
+# Set to "1" on every rank: mixed-step graphs under tensor parallelism too (``mixed_graphs.py``;
+# opt-in until measured on GPUs).
+TP_MIXED_STEP_GRAPHS = "TANDEM_TP_MIXED_STEP_GRAPHS"
 
 
 @dataclass
@@ -99,18 +102,26 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs.batch_sizes
 
-    def capture_mixed_graphs(self, token_sizes: list[int]) -> list[int]:
+    def wants_mixed_graphs(self, token_sizes: list[int]) -> bool:
+        """Whether ``capture_mixed_graphs`` would make graphs here: sizes asked for, decode graphs
+        captured (or their static buffers on a CPU), a model whose stateful layers are all
+        boundaries, and under tensor parallelism ``TANDEM_TP_MIXED_STEP_GRAPHS=1``."""
+        if self.model.tensor_shard.is_parallel and os.environ.get(TP_MIXED_STEP_GRAPHS) != "1":
+            return False
+        return bool(token_sizes) and self.graphs is not None and mixed_graphs_apply(self.model)
+
+    def capture_mixed_graphs(self, token_sizes: list[int], agree=None) -> list[int]:
         """Capture graphs for steps with a prompt chunk of up to the largest of ``token_sizes``
-        tokens (``mixed_graphs.py``: one rank, models whose stateful layers are all boundaries;
-        after ``capture_graphs``). Returns the sizes captured (empty: such steps run eagerly). A
-        capture that fails leaves them eager, with a warning."""
-        if not token_sizes or self.graphs is None or self.model.tensor_shard.is_parallel \
-                or not mixed_graphs_apply(self.model):
+        tokens (``mixed_graphs.py``; after ``capture_graphs``). Returns the sizes captured (empty:
+        such steps run eagerly). A capture that fails leaves them eager, with a warning. Under
+        tensor parallelism every rank calls this with the same sizes and ``agree``, the collective
+        after each size (``parallel/graphs.py``'s ``capture_mixed_on_every_rank``)."""
+        if not self.wants_mixed_graphs(token_sizes):
             return []
         graphs = MixedStepGraphs(self, token_sizes)
         if self.device.type == "cuda":
             try:
-                graphs.capture()
+                graphs.capture(agree)
             except Exception as error:  # (a host synchronisation, an op capture refuses: stay eager)
                 logger.warning("mixed-step CUDA graphs not captured (%s: %s); steps with a prompt chunk run "
                                "eagerly", type(error).__name__, error)
@@ -185,8 +196,8 @@ class ModelRunner:
         ``broadcast_inputs`` rank 0's device input ids (pending tokens filled in) go to all."""
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         context = self.forward_context(metadata)
-        if self.mixed_graphs is not None and self.mixed_graphs.fits(step.num_tokens) and not broadcast_inputs:
-            hidden = self.mixed_graphs.replay(step.input_ids, step.positions, context, feed)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(step.num_tokens):
+            hidden = self.mixed_graphs.replay(step.input_ids, step.positions, context, feed, broadcast_inputs)
         else:
             input_ids, positions = self._to_device(step.input_ids), self._to_device(step.positions)
             if feed is not None:

@@ -49,11 +49,11 @@ def test_mixed_steps_through_the_static_buffers_are_exact(arch, model_dirs, orac
     replay, forward = type(mixed).replay, type(runner.model).forward
     replaying = []
 
-    def recording_replay(self, input_ids, positions, context, feed=None):
+    def recording_replay(self, input_ids, positions, context, feed=None, broadcast_inputs=False):
         replays.append(len(input_ids))
         replaying.append(True)
         try:
-            return replay(self, input_ids, positions, context, feed)
+            return replay(self, input_ids, positions, context, feed, broadcast_inputs)
         finally:
             replaying.pop()
 

@@ -52,6 +52,8 @@ class RankGroup(Protocol):
     def capture_graphs(self, runner: ModelRunner, batch_sizes: list[int], max_model_len: int,
                        max_num_batched_tokens: int) -> list[int]: ...
 
+    def capture_mixed_graphs(self, runner: ModelRunner, token_sizes: list[int]) -> list[int]: ...
+
 
 @dataclass
 class RankParts:
@@ -100,8 +102,8 @@ def build_rank(config: EngineConfig, device: torch.device, group: RankGroup, ran
         group.capture_graphs(runner, decode_graph_sizes(config, rows), info.max_model_len,
                              config.max_num_batched_tokens)
         if config.mixed_step_graphs:
-            runner.capture_mixed_graphs(list(config.mixed_step_graph_sizes or
-                                             default_mixed_graph_sizes(config.max_num_batched_tokens)))
+            group.capture_mixed_graphs(runner, list(config.mixed_step_graph_sizes or
+                                                    default_mixed_graph_sizes(config.max_num_batched_tokens)))
     if speculating:
         _prepare_verification(runner, coordinator, registry, target_layers)
     return RankParts(config, model, hf_config, info, registry, target_layers, draft, plan, coordinator, tiers, runner)

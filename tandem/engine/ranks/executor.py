@@ -74,6 +74,13 @@ def moved_buffers(rank: RankContext) -> dict[str, list]:
     return moved
 
 
+def graph_replays(rank: RankContext) -> dict[str, int]:
+    """How many steps this rank replayed from its decode graphs and from its mixed-step graphs."""
+    runner = rank.runner
+    return {"decode": runner.graphs.num_replays if runner.graphs is not None else 0,
+            "mixed": runner.mixed_graphs.num_replays if runner.mixed_graphs is not None else 0}
+
+
 # The calls ``collective_rpc`` may name (nothing else runs on a rank's say-so: a worker looks the
 # name up here, it never resolves an attribute from a message).
 RANK_CALLS: "MappingProxyType[str, Callable[..., Any]]" = MappingProxyType({
@@ -81,6 +88,7 @@ RANK_CALLS: "MappingProxyType[str, Callable[..., Any]]" = MappingProxyType({
     "state_bytes": state_bytes,
     "sanitizer_on": sanitizer_on,
     "moved_buffers": moved_buffers,
+    "graph_replays": graph_replays,
 })
 
 
@@ -133,6 +141,11 @@ class Executor(abc.ABC):
                        max_num_batched_tokens: int) -> list[int]:
         """Capture rank 0's decode graphs, in step with every other rank's; the sizes captured
         (``graph_sizes`` from then on; empty: eager)."""
+
+    @abc.abstractmethod
+    def capture_mixed_graphs(self, runner, token_sizes: list[int]) -> list[int]:
+        """Capture rank 0's mixed-step graphs (``worker/mixed_graphs.py``), in step with every
+        other rank's; the sizes captured (empty: steps with a prompt chunk run eagerly)."""
 
     @abc.abstractmethod
     def agree_on_disk_reads(self, keys: list[bytes], count: int) -> int:
@@ -243,6 +256,9 @@ class InProcessExecutor(Executor):
     def capture_graphs(self, runner, batch_sizes, max_model_len, max_num_batched_tokens) -> list[int]:
         self.graph_sizes = runner.capture_graphs(batch_sizes, max_model_len, max_num_batched_tokens)
         return self.graph_sizes
+
+    def capture_mixed_graphs(self, runner, token_sizes: list[int]) -> list[int]:
+        return runner.capture_mixed_graphs(token_sizes)
 
     def agree_on_disk_reads(self, keys, count) -> int:
         return count

@@ -31,7 +31,7 @@ from tandem.config import EngineConfig
 from tandem.kv.page_operations import Outbox
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
-from tandem.parallel.graphs import capture_on_every_rank
+from tandem.parallel.graphs import capture_mixed_on_every_rank, capture_on_every_rank
 from tandem.parallel.control import exchange
 from tandem.parallel.group import join, open_store, rank_device
 from tandem.engine.process import with_sleeping_openmp_threads
@@ -229,6 +229,10 @@ class MultiprocessExecutor(Executor):
         """Rank 0's side of ``capture_on_every_rank`` (the workers run theirs at start-up)."""
         self.graph_sizes = capture_on_every_rank(runner, self.groups, batch_sizes, max_model_len,
                                                  max_num_batched_tokens)
+
+    def capture_mixed_graphs(self, runner, token_sizes: list[int]) -> list[int]:
+        """Rank 0's side of ``capture_mixed_on_every_rank``."""
+        return capture_mixed_on_every_rank(runner, self.groups, token_sizes)
 
     def check(self) -> None:
         if self.failed is not None:

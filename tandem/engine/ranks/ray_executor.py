@@ -209,6 +209,9 @@ class RayExecutor(MultiprocessExecutor):
         return self._naming_the_failed_rank(super().capture_graphs, runner, batch_sizes, max_model_len,
                                             max_num_batched_tokens)
 
+    def capture_mixed_graphs(self, runner, token_sizes: list[int]):
+        return self._naming_the_failed_rank(super().capture_mixed_graphs, runner, token_sizes)
+
     def _naming_the_failed_rank(self, collective, *arguments):
         try:
             return collective(*arguments)

@@ -136,6 +136,11 @@ class WorkerGroup:
 
         return capture_on_every_rank(runner, self.groups, batch_sizes, max_model_len, max_num_batched_tokens)
 
+    def capture_mixed_graphs(self, runner, token_sizes: list[int]) -> list[int]:
+        from tandem.parallel.graphs import capture_mixed_on_every_rank
+
+        return capture_mixed_on_every_rank(runner, self.groups, token_sizes)
+
 
 class Worker:
     """One rank's shard of the model and of the state (``build_rank``'s parts), and what each
