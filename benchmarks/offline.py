@@ -91,6 +91,9 @@ def parse_args():
     parser.add_argument("--enforce-eager", action="store_true", help="tandem without CUDA graphs")
     parser.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA graphs for steps with a prompt chunk (tandem serve --mixed-step-graphs)")
+    parser.add_argument("--mixed-step-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="the token counts to capture them for (tandem serve --mixed-step-graph-sizes; under "
+                             "tensor parallelism with TANDEM_TP_MIXED_STEP_GRAPHS=1)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
                              "the state bytes the engine actually stores)")
@@ -158,8 +161,9 @@ def timed(function, repeat: int) -> float:
 def optional_engine_arguments(args) -> dict:
     """The engine options this run sets only when asked, so the engine's defaults stay its own."""
     names = ("gpu_memory_utilization", "preemption_mode", "host_cache_size", "kv_cache_layout", "quantization",
-             "distributed_executor_backend", "disable_custom_all_reduce")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+             "distributed_executor_backend", "disable_custom_all_reduce", "mixed_step_graph_sizes")
+    return {name: tuple(value) if isinstance(value, list) else value
+            for name in names if (value := getattr(args, name)) is not None}
 
 
 class StepTimeline:
