@@ -9,13 +9,14 @@ disagree on the sizes to capture fail at start-up.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.parallel.graphs import same_on_every_rank
+from tandem.parallel.graphs import capture_mixed_on_every_rank, same_on_every_rank
 from tandem.parallel.group import join, open_store
 from tandem.engine.ranks.plan import ForwardPlan, StepPlan
 from tandem.worker.cuda_graphs import CudaGraphRunner
@@ -219,3 +220,72 @@ def test_tp2_speculation_with_host_loads_keeps_the_ranks_on_one_graph(model_dirs
     assert any(sent), f"no verification step replayed a graph after the host loads: {sent}"
     assert sent[0] == 0, sent  # the step that loaded from the host ran eagerly on both ranks
     assert len(first[0].outputs[0].token_ids) == len(again[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+class _MixedCaptureRank:
+    """A rank's runner as ``capture_mixed_on_every_rank`` drives it: ``MixedStepGraphs.capture``'s
+    own loop over the sizes (largest first, the agreement after each) with each size's capture
+    faked, failing at ``fails_at`` tokens; ``capture_mixed_graphs`` falls back to eager on any
+    error, as ``ModelRunner``'s does."""
+
+    def __init__(self, wants: bool, fails_at: int = 0) -> None:
+        self.wants, self.fails_at, self.captured_sizes, self.agreements = wants, fails_at, [], 0
+        self.device = torch.device("cpu")
+
+    def wants_mixed_graphs(self, token_sizes):
+        return self.wants
+
+    def capture_mixed_graphs(self, token_sizes, agree=None):
+        from tandem.worker.mixed_graphs import MixedStepGraphs
+
+        graphs = MixedStepGraphs.__new__(MixedStepGraphs)
+        graphs.token_sizes, graphs.sizes, graphs.runner = sorted(token_sizes), {}, self
+
+        def capture_one(size):
+            if size == self.fails_at:
+                raise RuntimeError(f"operation not permitted when stream is capturing ({size} tokens)")
+            self.captured_sizes.append(size)
+            return SimpleNamespace(calls=[])
+
+        def counting(ok):
+            self.agreements += 1
+            return agree(ok)
+
+        graphs._capture = capture_one
+        try:
+            graphs.capture(counting)
+        except RuntimeError:
+            return []
+        return graphs.token_sizes
+
+
+@pytest.mark.parametrize("case", ["all capture", "rank 1 fails at 32 tokens", "rank 1 not opted in"])
+def test_mixed_graph_capture_is_all_ranks_or_none(case, monkeypatch):
+    """``capture_mixed_on_every_rank`` over two gloo ranks: every rank captures every size, or all
+    stop at the size one rank failed (after the same agreements: none goes on to a warm-up pass the
+    other will not join) and run eagerly; a rank not opted in keeps every rank from capturing."""
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    sizes = [8, 16, 32, 64]
+    runners = [_MixedCaptureRank(True),
+               _MixedCaptureRank(case != "rank 1 not opted in", fails_at=32 if "fails" in case else 0)]
+    store, port = open_store(2)
+    results: list = [None, None]
+
+    def rank(number: int) -> None:
+        groups = join(number, 2, torch.device("cpu"), store=store if number == 0 else None, port=port)
+        results[number] = capture_mixed_on_every_rank(runners[number], groups, sizes)
+
+    threads = [threading.Thread(target=rank, args=(number,)) for number in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    if case == "all capture":
+        assert results == [sizes, sizes] and [runner.captured_sizes for runner in runners] == [[64, 32, 16, 8]] * 2
+    elif "fails" in case:  # both stopped after 64 and the failed 32: two agreements each
+        assert results == [[], []] and [runner.agreements for runner in runners] == [2, 2]
+        assert [runner.captured_sizes for runner in runners] == [[64, 32], [64]]
+    else:
+        assert results == [[], []] and all(runner.captured_sizes == [] for runner in runners)
