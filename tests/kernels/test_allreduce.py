@@ -50,6 +50,27 @@ def test_what_the_peer_kernels_take():
     assert not fuses(8 * KIB, True, 2, AllReduceLimits(fused_max_bytes=0))
 
 
+def test_peer_buffer_views_are_the_buffer_and_kept_per_shape():
+    """A two-shot all-reduce stages its input in a view of the peer buffer: the buffer's first
+    bytes in the input's dtype and shape, the same view again for the same shape (no slicing per
+    call), a bounded number kept."""
+    from tandem.parallel.allreduce import MAX_CACHED_VIEWS, PeerBuffers
+
+    buffers = PeerBuffers.__new__(PeerBuffers)  # (no symmetric memory on a CPU: the buffer alone)
+    buffers.tensor, buffers.views = torch.zeros(4096, dtype=torch.uint8), {}
+    like = torch.ones(4, 8, dtype=torch.bfloat16)
+    view = buffers.view(like)
+    assert view.shape == like.shape and view.dtype == like.dtype and view.data_ptr() == buffers.tensor.data_ptr()
+    view.copy_(like)
+    assert torch.equal(buffers.tensor[:64].view(torch.bfloat16).view(4, 8), like)
+    assert buffers.view(torch.empty(4, 8, dtype=torch.bfloat16)) is view
+    assert buffers.view(torch.empty(2, 8, dtype=torch.bfloat16)) is not view
+    assert buffers.view(torch.empty(4, 8, dtype=torch.float32)).dtype == torch.float32
+    for rows in range(1, MAX_CACHED_VIEWS + 2):
+        assert buffers.view(torch.empty(rows, 4, dtype=torch.float16)).shape == (rows, 4)
+    assert len(buffers.views) <= MAX_CACHED_VIEWS
+
+
 def test_limits_from_the_environment():
     assert AllReduceLimits.from_environment({}) == AllReduceLimits()
     assert AllReduceLimits.from_environment({}, world_size=4) == AllReduceLimits()
