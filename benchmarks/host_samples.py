@@ -41,8 +41,8 @@ def function_of(frame: str) -> str:
 
 
 def read_samples(lines: Iterable[str]) -> dict[str, ThreadSamples]:
-    """Every thread's samples from py-spy's raw lines (the first two frames of a stack name the
-    process and the thread)."""
+    """Every thread's samples from py-spy's raw lines (a stack's leading frames name the process,
+    a child process after its parent, and the thread)."""
     threads: dict[str, ThreadSamples] = {}
     for line in lines:
         line = line.rstrip("\n")

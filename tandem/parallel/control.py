@@ -1,11 +1,24 @@
-"""The control group's one primitive beyond broadcast: every rank's bytes, in rank order.
+"""The control group's primitives beyond broadcast: every rank's bytes, in rank order, and the
+smallest of every rank's number.
 
-Used at start-up (the peer all-reduce's agreement, the page counts) and by the ranks' answers to
-``collective_rpc``; below ``group.py`` and ``allreduce.py`` so neither imports the other for it.
+Used at start-up (the peer all-reduce's agreement, the page counts, the graph captures' agreements)
+and by the ranks' answers to ``collective_rpc``; below ``group.py`` and ``allreduce.py`` so neither
+imports the other for it.
 """
 from __future__ import annotations
 
 import torch
+
+
+def smallest(control, value: int) -> int:
+    """The smallest ``value`` of any rank (every rank calls it at the same point)."""
+    import torch.distributed as dist
+
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    values = torch.tensor([value], dtype=torch.int64)
+    control.allreduce([values], options).wait()
+    return int(values.item())
 
 
 def exchange(control, payload: bytes) -> list[bytes]:

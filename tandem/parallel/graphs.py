@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from tandem.parallel.control import smallest
+
 logger = logging.getLogger("tandem.parallel")
 
 
@@ -69,7 +71,7 @@ def capture_on_every_rank(runner, groups, batch_sizes: list[int], max_model_len:
 
 def every_rank_agrees(control, value: bool) -> bool:
     """Whether ``value`` is true on every rank (a collective every rank makes)."""
-    return bool(_extreme(control, torch.tensor([int(value)], dtype=torch.int64), "MIN").item())
+    return smallest(control, int(value)) == 1
 
 
 def capture_mixed_on_every_rank(runner, groups, token_sizes: list[int]) -> list[int]:

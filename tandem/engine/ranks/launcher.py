@@ -31,6 +31,7 @@ from tandem.config import EngineConfig
 from tandem.kv.page_operations import Outbox
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
+from tandem.parallel.control import smallest
 from tandem.parallel.graphs import capture_mixed_on_every_rank, capture_on_every_rank
 from tandem.parallel.control import exchange
 from tandem.parallel.group import join, open_store, rank_device
@@ -52,17 +53,7 @@ def agree_on_pages(plan: PoolPlan, control) -> PoolPlan:
 
 def agree_on_count(count: int, control) -> int:
     """The smallest ``count`` of any rank (every rank calls it at the same point)."""
-    value = torch.tensor([count], dtype=torch.int64)
-    control.allreduce([value], _min_options()).wait()
-    return int(value.item())
-
-
-def _min_options():
-    import torch.distributed as dist
-
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
-    return options
+    return smallest(control, count)
 
 
 class RankFailure(RuntimeError):
