@@ -16,9 +16,12 @@ prompt's; a decode step's new pages interleave across the batch) instead of page
 
 ``--sweep`` times the decode kernel under other launch options (key block, warps, pipeline
 stages, KV splits) at batch 256 x 1,500 keys, at 160 rows of 200 to 2,000 keys (the lengths of
-a batch partway through the nano-vllm workload) and at 64 rows of 128 to 384 keys (the
-llama3-8b-b64 preset's decode), each replayed from a CUDA graph, the default marked: what to try
-before changing ``_decode_config`` or ``_splits_for``. ``--sweep-only`` picks batches and skips
+a batch partway through the nano-vllm workload), at 64 rows of 128 to 384 keys (the
+llama3-8b-b64 preset's decode) and at 48 and 16 rows of 600 to 2,000 keys (the nano-vllm
+workload's last steps), each replayed from a CUDA graph, the default marked: what to try before
+changing ``_decode_config`` or ``_splits_for``. Each replay reads a stack of distinct caches (512
+MiB of K/V, at most 32 layers' worth) so that, as in an engine's step, the pages come from memory
+and not from L2; the times are per layer. ``--sweep-only`` picks batches and skips
 the table; ``--heads 16 4`` is one rank of the 8B shape under TP=2.
 
     python -m benchmarks.kernels_attention --sweep-only "64 x 128..384" --heads 16 4
@@ -173,7 +176,12 @@ def prefill_row(name, chunks, dtype, generator):
 
 SWEEP_BATCHES = {"256 x 1500": [1500] * 256, "160 x 200..2000": [200 + (1800 * row) // 159 for row in range(160)],
                  # the llama3-8b-b64 preset's decode: 64 rows of 128-token prompts, 256 tokens out
-                 "64 x 128..384": [128 + (256 * row) // 63 for row in range(64)]}
+                 "64 x 128..384": [128 + (256 * row) // 63 for row in range(64)],
+                 # the nano-vllm workload's last steps: a few dozen rows of long sequences
+                 "48 x 600..2000": [600 + (1400 * row) // 47 for row in range(48)],
+                 "16 x 600..2000": [600 + (1400 * row) // 15 for row in range(16)]}
+SWEEP_BYTES = 512 << 20  # K/V the sweep's replays read each time (ten times an H100's L2), in distinct caches
+MAX_SWEEP_LAYERS = 32
 
 
 def time_launch_options(attribute: str, options, run, out, expected) -> list:
@@ -220,7 +228,13 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
     for name, lengths in SWEEP_BATCHES.items():
         if only and name not in only:
             continue
-        key_cache, value_cache, page_table = random_paged_cache(lengths, dtype, generator)
+        moved = kv_bytes(sum(lengths), dtype)
+        # A layer's K/V of these batches fits in L2: replaying one cache would time L2 reads,
+        # where the engine reads each layer's pages from memory after the products in between
+        # have evicted them. So each replay reads distinct caches (one per layer) in turn.
+        layers = max(1, min(MAX_SWEEP_LAYERS, -(-SWEEP_BYTES // moved)))
+        caches = [random_paged_cache(lengths, dtype, generator) for _ in range(layers)]
+        key_cache, value_cache, page_table = caches[0]
         query = torch.randn(len(lengths), NUM_QUERY_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
         context_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         out = torch.empty_like(query)
@@ -230,16 +244,18 @@ def decode_sweep(dtype, generator, copy_bytes_per_second, only=None) -> None:
         default = attention._decode_config(HEAD_DIM, query.device, len(lengths) * NUM_KV_HEADS * default_splits,
                                            key_cache.element_size() == 1)
 
-        def run(splits):
-            attention.paged_decode_attention(query, key_cache, value_cache, page_table, context_lengths,
-                                             HEAD_DIM ** -0.5, num_splits=splits, out=out)
+        def run(splits):  # every layer's cache, the first last (its output is the one checked)
+            for layer_keys, layer_values, layer_table in caches[1:] + caches[:1]:
+                attention.paged_decode_attention(query, layer_keys, layer_values, layer_table, context_lengths,
+                                                 HEAD_DIM ** -0.5, num_splits=splits, out=out)
 
         options = [(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages), splits)
                    for block_n, warps, stages, splits
-                   in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4))]
-        results = time_launch_options("_decode_config", options, run, out, expected)
-        moved = kv_bytes(sum(lengths), dtype)
-        print(f"\ndecode sweep {name}, pages {CACHE_DTYPE or dtype}: {moved / 1e6:.0f} MB of K+V")
+                   in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (1, 2, 4, 8))]
+        results = [(microseconds / layers, *rest)
+                   for microseconds, *rest in time_launch_options("_decode_config", options, run, out, expected)]
+        print(f"\ndecode sweep {name}, pages {CACHE_DTYPE or dtype}: {moved / 1e6:.0f} MB of K+V a layer, "
+              f"{layers} layers' caches read in turn (times per layer)")
         print(f"{'us':>8} {'of copy':>8} {'BLOCK_N':>8} {'warps':>6} {'stages':>7} {'splits':>7} {'rel err':>8}")
         ranked = fastest_and_default(results, (default, default_splits))
         for (microseconds, config, splits, error), is_default in ranked:

@@ -3,8 +3,7 @@ mixed-step CUDA graphs (``tandem/worker/mixed_graphs.py``), beside a decode-only
 
     python -m benchmarks.mixed_step                       # tiny model on CPU (no graphs: both rows eager)
     python -m benchmarks.mixed_step --shape llama3-8b     # Llama-3.1-8B shape, random bf16 weights (GPU)
-    python -m benchmarks.mixed_step --shape llama3-8b --tensor-parallel-size 2   # two GPUs (the graphs
-                                                          # row sets TANDEM_TP_MIXED_STEP_GRAPHS=1)
+    python -m benchmarks.mixed_step --shape llama3-8b --tensor-parallel-size 2   # two GPUs
 
 ``--decodes`` requests decode while one long prompt is prefilled ``--chunk`` tokens a step
 (``max_num_batched_tokens`` is decodes + chunk); each row is the wall time per engine step over
@@ -14,7 +13,6 @@ mixed-step CUDA graphs (``tandem/worker/mixed_graphs.py``), beside a decode-only
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
@@ -49,10 +47,6 @@ def timed_steps(engine, steps: int) -> tuple[float, float]:
 def measure(model_dir: str, args, mixed_step_graphs: bool) -> tuple[tuple[float, float], tuple[float, float]]:
     from tandem import LLM, SamplingParams
     from tandem.protocol import EngineRequest
-    from tandem.worker.model_runner import TP_MIXED_STEP_GRAPHS
-
-    if args.tensor_parallel_size > 1:  # (the worker ranks read it when they start)
-        os.environ[TP_MIXED_STEP_GRAPHS] = "1" if mixed_step_graphs else "0"
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.decodes + 1,
               max_num_batched_tokens=args.decodes + args.chunk, enable_prefix_caching=False,
               mixed_step_graphs=mixed_step_graphs, tensor_parallel_size=args.tensor_parallel_size)

@@ -92,8 +92,7 @@ def parse_args():
     parser.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA graphs for steps with a prompt chunk (tandem serve --mixed-step-graphs)")
     parser.add_argument("--mixed-step-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
-                        help="the token counts to capture them for (tandem serve --mixed-step-graph-sizes; under "
-                             "tensor parallelism with TANDEM_TP_MIXED_STEP_GRAPHS=1)")
+                        help="the token counts to capture them for (tandem serve --mixed-step-graph-sizes)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="tandem's paged K/V: auto (the model dtype) or fp8 (e4m3; the roofline counts "
                              "the state bytes the engine actually stores)")

@@ -13,7 +13,7 @@
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, all-reduce latency, TP=2 vs TP=1 decode at batch 64
-#   bash scripts/gpu_checks.sh tp-mixed     # two GPUs: TP tests with mixed-step graphs on every rank; a mixed step's
+#   bash scripts/gpu_checks.sh tp-mixed     # two GPUs: TP tests (mixed-step graphs on every rank); a mixed step's
 #                                           # time with them on and off at TP=2 and TP=1; batch 64 at TP=2 with its
 #                                           # prefill steps in graphs against eager, alternated
 #   bash scripts/gpu_checks.sh tp-host      # two GPUs: where the hosts' time goes in prefill-heavy batch-64 runs at
@@ -87,20 +87,19 @@ for part in "${@:-tests}"; do
           run "offline_tp$size" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
-    tp-mixed) # Mixed-step graphs under TP=2 (opt-in: TANDEM_TP_MIXED_STEP_GRAPHS=1): the TP GPU tests with them
-              # on, then a mixed step's time with them on and off at TP=2 and at TP=1.
-              TANDEM_TP_MIXED_STEP_GRAPHS=1 run tp_mixed_tests python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tp-mixed) # Mixed-step graphs under TP=2 (on by default there): the TP GPU tests, then a mixed step's time
+              # with them on and off at TP=2 and at TP=1, then batch 64 at TP=2 with and without them.
+              run tp_mixed_tests python3 -m pytest -m gpu -q -p no:cacheprovider \
                 tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_allreduce_gpu.py
               for size in 2 1; do
                 run "mixed_step_tp$size" python3 -m benchmarks.mixed_step --shape llama3-8b --tensor-parallel-size "$size"
               done
-              # Batch 64 at TP=2 with its prefill-phase steps (4,096-token budget) in graphs too, against eager.
+              # Batch 64 at TP=2 (4,096-token prefill-phase steps) with its prefill steps replayed and eager.
               b64=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
                    --tensor-parallel-size 2)
               for round in 1 2; do
-                run "b64_tp2_eager_$round" "${b64[@]}"
-                TANDEM_TP_MIXED_STEP_GRAPHS=1 run "b64_tp2_graphs_$round" "${b64[@]}" \
-                  --mixed-step-graph-sizes 64 256 1024 2048 4096
+                run "b64_tp2_eager_$round" "${b64[@]}" --no-mixed-step-graphs
+                run "b64_tp2_graphs_$round" "${b64[@]}"
               done ;;
     tp-host) # Prefill-heavy batch 64 (four output tokens: every run one prefill and three decode steps),
              # at TP=2 and TP=1: with py-spy carried, both processes sampled for 8 s without pausing them

@@ -97,10 +97,10 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     cuda_graph_sizes: Optional[tuple[int, ...]] = None
     # CUDA graphs for steps with a prompt chunk, around their attention layers, which run eagerly
-    # (worker/mixed_graphs.py; attention-only models; under tensor parallelism with
-    # TANDEM_TP_MIXED_STEP_GRAPHS=1): captured for steps of up to these
-    # token counts (None: 8 ... 1,024, capped at max_num_batched_tokens); off with enforce_eager
-    # or mixed_step_graphs=False.
+    # (worker/mixed_graphs.py; attention-only models, every rank alike under tensor parallelism):
+    # captured for steps of up to these token counts (None: 8 ... 1,024, under tensor
+    # parallelism ... 4,096, capped at max_num_batched_tokens); off with enforce_eager or
+    # mixed_step_graphs=False.
     mixed_step_graphs: bool = True
     mixed_step_graph_sizes: Optional[tuple[int, ...]] = None
     sanitize: Optional[bool] = None  # None: from TANDEM_SANITIZE

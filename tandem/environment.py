@@ -52,10 +52,6 @@ VARIABLES = (
         "tensor parallelism: the largest all-reduce taken one-shot over peer buffers "
         "([all-reduce](allreduce.md)); the same on every rank", TUNING),
     EnvironmentVariable(
-        "TANDEM_TP_MIXED_STEP_GRAPHS", "unset: steps with a prompt chunk run eagerly under tensor parallelism",
-        "`1` on every rank: mixed-step CUDA graphs under tensor parallelism too (every rank captures the same "
-        "sizes; opt-in until measured on GPUs)", TUNING),
-    EnvironmentVariable(
         "TANDEM_ALLREDUCE_TWO_SHOT_MAX_BYTES", "32 MiB for two ranks, 8 MiB for more",
         "tensor parallelism: the largest all-reduce taken two-shot; NCCL above it", TUNING),
     EnvironmentVariable(

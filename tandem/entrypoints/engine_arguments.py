@@ -83,10 +83,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "up to 256 and every 32 up to 512, capped at --max-num-seqs)")
     group.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction, default=True,
                        help="CUDA graphs for steps with a prompt chunk, their attention layers run eagerly "
-                            "between them (one GPU, attention-only models)")
+                            "between them (attention-only models; under tensor parallelism on every rank)")
     group.add_argument("--mixed-step-graph-sizes", type=int, nargs="+", default=None,
                        help="token counts to capture mixed-step graphs for (default: 8 16 32 48 64 96 128 160 "
-                            "192 256 320 384 448 512 640 768 896 1024, capped at --max-num-batched-tokens)")
+                            "192 256 320 384 448 512 640 768 896 1024, under tensor parallelism also 1536 2048 3072 "
+                            "4096; capped at --max-num-batched-tokens)")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap the host's scheduling of step N+1 with the device's step N "
                             "(default: on for CUDA devices)")

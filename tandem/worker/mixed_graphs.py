@@ -39,8 +39,8 @@ a rank's own heads, hold none), so every rank must replay the same graphs for a 
 captures the same sizes in the same order, agreeing after each size that all captured it
 (``parallel/graphs.py``'s ``capture_mixed_on_every_rank``: one rank's failure leaves every rank
 eager), and the choice is the step's token count, which every rank's plan carries. The input ids
-rank 0 holds on its device go to every rank before the first graph, as for decode graphs. Until
-measured on GPUs this is opt-in there: ``TANDEM_TP_MIXED_STEP_GRAPHS=1``.
+rank 0 holds on its device go to every rank before the first graph, as for decode graphs. There
+the default sizes go on to 4,096 tokens (``default_mixed_graph_sizes``).
 
 Off a GPU (tests, ``TANDEM_GRAPH_BUFFERS_ON_CPU=1``) nothing is captured: a replay runs the same
 forward eagerly over the static padded buffers, its stateful layers through the same argument
@@ -66,12 +66,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def default_mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts up to 1,024 (finer where a step is launch-bound), the step budget last where
-    it is smaller. Past 1,024 a step's device time hides its host's launches: it runs eagerly."""
-    sizes = [8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+SIZES = [8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+# Under tensor parallelism a rank's host launches outlast its share of the device work further
+# up: at TP=2 on the Llama-3.1-8B shape, steps of 4,096 prompt tokens took 42.5-43.2 ms replayed
+# against 57-84 ms eagerly (two H200s; docs/benchmarks.md).
+TENSOR_PARALLEL_SIZES = SIZES + [1536, 2048, 3072, 4096]
+
+
+def default_mixed_graph_sizes(max_num_batched_tokens: int, tensor_parallel: bool = False) -> list[int]:
+    """Token counts up to 1,024 (finer where a step is launch-bound; under tensor parallelism up
+    to 4,096), the step budget last where it is smaller. Past them a step's device time hides its
+    host's launches: it runs eagerly."""
+    sizes = TENSOR_PARALLEL_SIZES if tensor_parallel else SIZES
     return [size for size in sizes if size < max_num_batched_tokens] + (
-        [max_num_batched_tokens] if max_num_batched_tokens <= sizes[-1] else [sizes[-1]])
+        [max_num_batched_tokens] if max_num_batched_tokens <= sizes[-1] else [])
 
 
 def stateful_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
 # Set to "1" on every rank: mixed-step graphs under tensor parallelism too (``mixed_graphs.py``;
 # opt-in until measured on GPUs).
-TP_MIXED_STEP_GRAPHS = "TANDEM_TP_MIXED_STEP_GRAPHS"
 
 
 @dataclass
@@ -104,10 +103,8 @@ class ModelRunner:
 
     def wants_mixed_graphs(self, token_sizes: list[int]) -> bool:
         """Whether ``capture_mixed_graphs`` would make graphs here: sizes asked for, decode graphs
-        captured (or their static buffers on a CPU), a model whose stateful layers are all
-        boundaries, and under tensor parallelism ``TANDEM_TP_MIXED_STEP_GRAPHS=1``."""
-        if self.model.tensor_shard.is_parallel and os.environ.get(TP_MIXED_STEP_GRAPHS) != "1":
-            return False
+        captured (or their static buffers on a CPU) and a model whose stateful layers are all
+        boundaries."""
         return bool(token_sizes) and self.graphs is not None and mixed_graphs_apply(self.model)
 
     def capture_mixed_graphs(self, token_sizes: list[int], agree=None) -> list[int]:

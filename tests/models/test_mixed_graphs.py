@@ -83,7 +83,9 @@ def test_mixed_steps_through_the_static_buffers_are_exact(arch, model_dirs, orac
     layers = sum(1 for module in runner.model.modules() if getattr(module, "mixed_graph_boundary", False))
     assert len(calls) == layers * len(replays)
     assert all(size == min(s for s in SIZES if s >= count) for size, count in calls)
-    assert default_mixed_graph_sizes(2048)[-1] == 1024 and default_mixed_graph_sizes(150)[-2:] == [128, 150]
+    assert default_mixed_graph_sizes(2048)[-2:] == [896, 1024] and default_mixed_graph_sizes(150)[-2:] == [128, 150]
+    assert default_mixed_graph_sizes(16384, tensor_parallel=True)[-3:] == [2048, 3072, 4096]
+    assert default_mixed_graph_sizes(2048, tensor_parallel=True)[-3:] == [1024, 1536, 2048]
 
 
 class Guard:

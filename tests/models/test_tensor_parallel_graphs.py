@@ -20,7 +20,7 @@ from tandem.parallel.graphs import capture_mixed_on_every_rank, same_on_every_ra
 from tandem.parallel.group import join, open_store
 from tandem.engine.ranks.plan import ForwardPlan, StepPlan
 from tandem.worker.cuda_graphs import CudaGraphRunner
-from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU, TP_MIXED_STEP_GRAPHS
+from tandem.worker.model_runner import STATIC_BUFFERS_ON_CPU
 from tandem.worker.step_inputs import StepInputs
 from tests.support.oracle import assert_matches
 from tests.models.test_graph_safety import kernel_paths, no_host_sync
@@ -80,19 +80,16 @@ def test_tp2_decode_steps_through_graph_buffers_on_every_rank(model_dirs, oracle
 
 
 def test_tp2_mixed_steps_through_mixed_graph_buffers_on_every_rank(model_dirs, oracles, monkeypatch):
-    """With ``TANDEM_TP_MIXED_STEP_GRAPHS=1`` the TP scenario's steps with a prompt chunk go
-    through the mixed-step graphs' static buffers on every rank (the sizes agreed at start-up; the
-    overlapped loop's pending tokens broadcast into the static ids before the first segment), the
-    decode steps through the decode graphs': both ranks replay the same number of each, outputs
-    equal transformers. Without the variable, every rank runs those steps eagerly."""
+    """The TP scenario's steps with a prompt chunk go through the mixed-step graphs' static
+    buffers on every rank (the sizes agreed at start-up; the overlapped loop's pending tokens
+    broadcast into the static ids before the first segment), the decode steps through the decode
+    graphs': both ranks replay the same number of each, outputs equal transformers. With
+    ``mixed_step_graphs=False`` every rank runs those steps eagerly."""
     monkeypatch.setenv(STATIC_BUFFERS_ON_CPU, "1")
-    for opted_in in (True, False):
-        if opted_in:
-            monkeypatch.setenv(TP_MIXED_STEP_GRAPHS, "1")
-        else:
-            monkeypatch.delenv(TP_MIXED_STEP_GRAPHS)
+    for mixed in (True, False):
         llm = LLM(model=model_dirs["llama"], tensor_parallel_size=2, async_scheduling=True,
-                  cuda_graph_sizes=list(range(1, 9)), mixed_step_graph_sizes=(16, 32), **dict(ENGINE, page_size=64))
+                  cuda_graph_sizes=list(range(1, 9)), mixed_step_graph_sizes=(16, 32), mixed_step_graphs=mixed,
+                  **dict(ENGINE, page_size=64))
         engine = llm.engine
         try:
             outputs, prompts = run_scenario(llm)
@@ -102,11 +99,11 @@ def test_tp2_mixed_steps_through_mixed_graph_buffers_on_every_rank(model_dirs, o
         finally:
             engine.shutdown()
         assert replays[0] == replays[1] and replays[0]["decode"] > 0, replays
-        assert (replays[0]["mixed"] >= 3) if opted_in else (replays[0]["mixed"] == 0), replays
+        assert (replays[0]["mixed"] >= 3) if mixed else (replays[0]["mixed"] == 0), replays
         for number, (output, prompt) in enumerate(zip(outputs, prompts)):
             reference = oracles["llama"].greedy(prompt, MAX_TOKENS)
             for index, sequence in enumerate(output.outputs):
-                assert_matches(sequence, reference, context=f"TP=2 mixed graphs {opted_in} prompt {number} "
+                assert_matches(sequence, reference, context=f"TP=2 mixed graphs {mixed} prompt {number} "
                                                             f"sequence {index}")
 
 

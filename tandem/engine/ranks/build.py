@@ -103,7 +103,8 @@ def build_rank(config: EngineConfig, device: torch.device, group: RankGroup, ran
                              config.max_num_batched_tokens)
         if config.mixed_step_graphs:
             group.capture_mixed_graphs(runner, list(config.mixed_step_graph_sizes or
-                                                    default_mixed_graph_sizes(config.max_num_batched_tokens)))
+                                                    default_mixed_graph_sizes(config.max_num_batched_tokens,
+                                                                              config.tensor_parallel_size > 1)))
     if speculating:
         _prepare_verification(runner, coordinator, registry, target_layers)
     return RankParts(config, model, hf_config, info, registry, target_layers, draft, plan, coordinator, tiers, runner)
