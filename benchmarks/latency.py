@@ -4,12 +4,14 @@ tandem and ``transformers`` on the same model, each beside its roofline.
     python -m benchmarks.latency                         # tiny model on CPU
     python -m benchmarks.latency --shape llama3-8b       # Llama-3.1-8B shape, random bf16 weights (GPU)
     python -m benchmarks.latency --shape llama3-8b --quantization fp8   # the same with FP8 weights
+    python -m benchmarks.latency --shape llama3-8b --tensor-parallel-size 2 --skip-transformers  # 2 GPUs
 
 TPOT: one request of ``--prompt-len`` tokens generating ``--output-len`` tokens, minus the time
 to its first token, over the remaining tokens; the roofline is the weights plus the state read by
 each step over the measured copy bandwidth. Prefill: ``--prefill-tokens`` prompt tokens in
 prompts of each length (one output token each); the roofline is their FLOPs over the measured
-matrix rate.
+matrix rate. With ``--tensor-parallel-size N`` the rooflines are one rank's (its shard's weights
+and state); ``transformers`` runs on one GPU.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def parse_args():
     parser.add_argument("--kv-cache-layout", choices=("auto", "layer-major", "page-major"), default="auto",
                         help="tandem's device pools (default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="tandem's ranks, one GPU each (NCCL, the peer all-reduce between them)")
     add_quantization_argument(parser)
     args = parser.parse_args()
     resolve_model_arguments(args)
@@ -57,7 +61,7 @@ def tandem_figures(model_dir, args, vocab_size, prefill_lengths):
     llm = LLM(model=model_dir, dtype=args.dtype, load_format=args.load_format, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
               max_num_seqs=256, enforce_eager=args.enforce_eager, kv_cache_layout=args.kv_cache_layout,
-              quantization=args.quantization)
+              quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
     generate = lambda prompts, tokens: llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     (prompt,) = random_prompts(1, args.prompt_len, vocab_size, seed=0)
@@ -117,7 +121,8 @@ def main() -> None:
                                                                          prefill_lengths)
     floor_tpot = (cost.decode_weight_bytes(1) + cost.state_bytes_per_token * (args.prompt_len + args.output_len / 2)) \
         / ceilings.bandwidth
-    print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}{' (tandem eager)' if args.enforce_eager else ''}")
+    parallel = f", TP={args.tensor_parallel_size} (rooflines per rank)" if args.tensor_parallel_size > 1 else ""
+    print(f"\nmodel {model_dir} ({args.shape}), {args.dtype}{' (tandem eager)' if args.enforce_eager else ''}{parallel}")
     print(ceilings.describe())
     print(f"weights read per decode step {cost.decode_weight_bytes(1) / 1e9:.2f} GB{' (FP8 weights and scales)' if fp8 and torch.cuda.is_available() else ''}; "
           f"{cost.flops_per_token / 1e9:.1f} GFLOP per token\n")

@@ -259,25 +259,38 @@ def test_kernels_compile_for_h100_without_barriers():
     """Checked without a GPU (``tests/support/triton_aot.py``): both kernels compile for sm_90;
     no atomic reaches past this GPU (no barrier: the data is the signal; the parity's flip is a
     local atomic), the pulls are 16-byte volatile loads (never a line an earlier call left in
-    this SM's cache) and the pushes 16-byte stores."""
+    this SM's cache) and the pushes 16-byte stores. Launched early (decode graphs of one or two
+    tokens), each lets the next kernel launch and then waits for its producer before any load:
+    the partial, the parity and the peers' slots are all written by earlier kernels."""
     from tests.support.triton_aot import compile_request, ptx_for_h100
 
     pointers = {"buffer_pointers": "*i64", "signal_pointers": "*i64"}
     bits = dict(SECTION=0, MARK=-(1 << 15))
-    fused = compile_request("tandem.kernels.one_shot_allreduce", "_reduce_add_norm_kernel",
-                            {"partial_ptr": "*i16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-                             "new_residual_ptr": "*bf16", **pointers, "num_rows": "i32", "programs": "i32",
-                             "dim": "i32", "slot_elements": "i32", "eps": "fp32", "weight_offset": "fp32"},
-                            dict(RANK=1, WORLD_SIZE=2, CAST_BEFORE_WEIGHT=True, BLOCK=4096, **bits), warps=8,
-                            stages=1, unaligned=("num_rows", "programs"))
-    plain = compile_request("tandem.kernels.one_shot_allreduce", "_all_reduce_kernel",
-                            {"input_ptr": "*i16", "out_ptr": "*bf16", **pointers, "num_vectors": "i32", "programs": "i32",
-                             "slot_elements": "i32"}, dict(RANK=0, WORLD_SIZE=2, VECTOR=8, BLOCK=2048, **bits),
-                            warps=8, stages=1, unaligned=("num_vectors", "programs"))
-    for ptx in ptx_for_h100([fused, plain]):
+    requests = []
+    for early in (False, True):
+        requests.append(compile_request(
+            "tandem.kernels.one_shot_allreduce", "_reduce_add_norm_kernel",
+            {"partial_ptr": "*i16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+             "new_residual_ptr": "*bf16", **pointers, "num_rows": "i32", "programs": "i32", "dim": "i32",
+             "slot_elements": "i32", "eps": "fp32", "weight_offset": "fp32"},
+            dict(RANK=1, WORLD_SIZE=2, CAST_BEFORE_WEIGHT=True, BLOCK=4096, PDL=early, **bits), warps=8, stages=1,
+            unaligned=("num_rows", "programs")))
+        requests.append(compile_request(
+            "tandem.kernels.one_shot_allreduce", "_all_reduce_kernel",
+            {"input_ptr": "*i16", "out_ptr": "*bf16", **pointers, "num_vectors": "i32", "programs": "i32",
+             "slot_elements": "i32"}, dict(RANK=0, WORLD_SIZE=2, VECTOR=8, BLOCK=2048, PDL=early, **bits),
+            warps=8, stages=1, unaligned=("num_vectors", "programs")))
+    ptxs = ptx_for_h100(requests)
+    for number, ptx in enumerate(ptxs):
         atomics = [line.strip() for line in ptx.splitlines() if "atom." in line]
         assert atomics and not any(".sys." in line for line in atomics), atomics
         assert "ld.volatile.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+        early = number >= 2
+        assert ("griddepcontrol" in ptx) == early
+        if early:
+            launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+            first_load = min(ptx.index(op) for op in ("ld.global", "ld.volatile.global") if op in ptx)
+            assert launch < wait < first_load
 
 
 def test_benchmark_chooses_limits_from_graph_times():

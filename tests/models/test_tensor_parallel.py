@@ -86,11 +86,25 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
         assert llm.engine.overlap == (arch == "llama")
         check_shard_registry(single_llm.engine.registry, llm.engine.registry, replicated=arch == "deepseek_v32")
         check_collective_calls(single_llm.engine, llm.engine, replicated=arch == "deepseek_v32")
+        if arch == "llama":
+            check_rank_roofline(single_llm.engine, llm.engine)
         outputs, prompts = run_scenario(llm)
         llm.engine.check_all_free()
     finally:
         llm.engine.shutdown()
     check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2")
+
+
+def check_rank_roofline(single, sharded) -> None:
+    """The benchmarks' rooflines (``benchmarks/common.py``'s ``ModelCost``) count one rank's work
+    under tensor parallelism: its shard's weights, FLOPs, attention heads and K/V."""
+    from benchmarks.common import ModelCost
+
+    whole, shard = ModelCost.of_engine(single), ModelCost.of_engine(sharded)
+    assert shard.attention_flops_per_pair == whole.attention_flops_per_pair / 2
+    assert shard.state_bytes_per_token == whole.state_bytes_per_token / 2
+    assert whole.weight_bytes / 2 < shard.weight_bytes < whole.weight_bytes  # (norms stay whole)
+    assert whole.flops_per_token / 2 < shard.flops_per_token < whole.flops_per_token
 
 
 def check_scenario_outputs(outputs, prompts, single, oracle, name: str) -> None:
