@@ -32,10 +32,11 @@ earlier call; the only atomics are local (the parity's flip).
 The plain all-reduce (``one_shot_all_reduce``) is the same without the norm, over the flat
 tensor cut into chunks of ``CHUNK`` elements instead of rows.
 
-In decode graphs of one or two tokens both kernels launch early, as the kernels around them do
-(``triton_support``'s programmatic dependent launch): each lets the next kernel launch, then
-waits for its producer before its first load (the partial, the parity and the peers' slots are
-all written by earlier kernels), so the chain of early launches runs on through them.
+With ``TANDEM_ALLREDUCE_EARLY_LAUNCH=1`` (opt-in until timed on GPUs), in decode graphs of one
+or two tokens both kernels launch early, as the kernels around them do (``triton_support``'s
+programmatic dependent launch): each lets the next kernel launch, then waits for its producer
+before its first load (the partial, the parity and the peers' slots are all written by earlier
+kernels), so the chain of early launches runs on through them.
 
 ``all_reduce_reference`` and ``reduce_add_norm_reference`` are the contracts in plain PyTorch (the
 sum of the ranks' partials, rounded once to their dtype, then ``rms_norm_reference`` with the
@@ -44,12 +45,21 @@ the signs of the zeros summed, as in NCCL's).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from tandem.kernels.norm import rms_norm_reference
 from tandem.kernels.triton_support import early_launch_arguments, jit, launch_dependents, tl, triton, wait_for_producer
+
+# Set to "1": the kernels take part in early launch (below); opt-in until timed on GPUs.
+EARLY_LAUNCH = "TANDEM_ALLREDUCE_EARLY_LAUNCH"
+
+
+def _early_launch(tensor: torch.Tensor, tokens: int) -> dict:
+    return early_launch_arguments(tensor, tokens, allowed=os.environ.get(EARLY_LAUNCH) == "1")
+
 
 # Programs per launch at most: a row each at decode batch sizes (the pulls from peers are
 # latency-bound: more programs, more loads in flight).
@@ -247,7 +257,7 @@ def one_shot_all_reduce(tensor: torch.Tensor, *, buffer_pointers: torch.Tensor, 
         _all_reduce_kernel[(programs,)](bits, tensor, buffer_pointers, signal_pointers, numel // vector, programs,
                                         slot_bytes // tensor.element_size(), RANK=rank, WORLD_SIZE=world_size,
                                         SECTION=section, MARK=mark, VECTOR=vector, BLOCK=CHUNK, num_warps=8,
-                                        **early_launch_arguments(tensor, tensor.shape[0] if tensor.dim() > 1 else 1))
+                                        **_early_launch(tensor, tensor.shape[0] if tensor.dim() > 1 else 1))
     return tensor
 
 
@@ -280,7 +290,7 @@ def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weig
             bits, residual_rows, weight, out, new_residual, buffer_pointers, signal_pointers,
             num_rows, programs, dim, slot_bytes // partial.element_size(), eps, weight_offset, RANK=rank,
             WORLD_SIZE=world_size, SECTION=section, MARK=mark, CAST_BEFORE_WEIGHT=cast_before_weight,
-            BLOCK=block, num_warps=num_warps, **early_launch_arguments(partial, num_rows))
+            BLOCK=block, num_warps=num_warps, **_early_launch(partial, num_rows))
     return out, new_residual
 
 

@@ -293,6 +293,21 @@ def test_kernels_compile_for_h100_without_barriers():
             assert launch < wait < first_load
 
 
+def test_early_launch_is_opt_in(monkeypatch):
+    """The one-shot kernels launch early only with ``TANDEM_ALLREDUCE_EARLY_LAUNCH=1``, and then
+    only where the kernels around them do (a decode graph of one or two tokens)."""
+    import tandem.kernels.one_shot_allreduce as one_shot
+    import tandem.kernels.triton_support as support
+
+    monkeypatch.setattr(support, "dependent_launch", lambda tensor, tokens: tokens <= 2)
+    rows = torch.zeros(1, 8)
+    monkeypatch.delenv(one_shot.EARLY_LAUNCH, raising=False)
+    assert one_shot._early_launch(rows, 1) == {"PDL": False}
+    monkeypatch.setenv(one_shot.EARLY_LAUNCH, "1")
+    assert one_shot._early_launch(rows, 1) == {"PDL": True, "launch_pdl": True}
+    assert one_shot._early_launch(rows, 3) == {"PDL": False}
+
+
 def test_benchmark_chooses_limits_from_graph_times():
     """``benchmarks/allreduce.py``'s choice: one-shot while it wins outright, then two-shot
     while it beats NCCL (torch's own one-shot is reported, never chosen), the fused kernel while
