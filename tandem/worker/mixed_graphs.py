@@ -66,18 +66,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-SIZES = [8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+DEFAULT_SIZES = [8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
 # Under tensor parallelism a rank's host launches outlast its share of the device work further
 # up: at TP=2 on the Llama-3.1-8B shape, steps of 4,096 prompt tokens took 42.5-43.2 ms replayed
 # against 57-84 ms eagerly (two H200s; docs/benchmarks.md).
-TENSOR_PARALLEL_SIZES = SIZES + [1536, 2048, 3072, 4096]
+TENSOR_PARALLEL_SIZES = DEFAULT_SIZES + [1536, 2048, 3072, 4096]
 
 
 def default_mixed_graph_sizes(max_num_batched_tokens: int, tensor_parallel: bool = False) -> list[int]:
     """Token counts up to 1,024 (finer where a step is launch-bound; under tensor parallelism up
     to 4,096), the step budget last where it is smaller. Past them a step's device time hides its
     host's launches: it runs eagerly."""
-    sizes = TENSOR_PARALLEL_SIZES if tensor_parallel else SIZES
+    sizes = TENSOR_PARALLEL_SIZES if tensor_parallel else DEFAULT_SIZES
     return [size for size in sizes if size < max_num_batched_tokens] + (
         [max_num_batched_tokens] if max_num_batched_tokens <= sizes[-1] else [])
 
