@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 # Set to "1" (tests on a CPU): ``capture_graphs`` builds the graph runner's static buffers
 # without capturing, on every rank (the tensor-parallel workers inherit the environment).
 STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
-# Set to "1" on every rank: mixed-step graphs under tensor parallelism too (``mixed_graphs.py``;
-# opt-in until measured on GPUs).
 
 
 @dataclass

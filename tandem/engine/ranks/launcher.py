@@ -31,9 +31,8 @@ from tandem.config import EngineConfig
 from tandem.kv.page_operations import Outbox
 from tandem.kv.planner import PoolPlan
 from tandem.models.loader import check_tensor_parallel
-from tandem.parallel.control import smallest
+from tandem.parallel.control import exchange, smallest
 from tandem.parallel.graphs import capture_mixed_on_every_rank, capture_on_every_rank
-from tandem.parallel.control import exchange
 from tandem.parallel.group import join, open_store, rank_device
 from tandem.engine.process import with_sleeping_openmp_threads
 from tandem.engine.ranks.executor import Executor, RankContext, draft_plan, rank_call
@@ -48,12 +47,7 @@ CUDA_HANG_GRACE_SECONDS = 5.0  # after a worker died: how long a stuck NCCL coll
 def agree_on_pages(plan: PoolPlan, control) -> PoolPlan:
     """Every rank's token-paged pools get the fewest pages any rank can hold (per-sequence pools
     are sized from ``max_num_seqs``: equal already)."""
-    return replace(plan, num_pages=agree_on_count(plan.num_pages, control))
-
-
-def agree_on_count(count: int, control) -> int:
-    """The smallest ``count`` of any rank (every rank calls it at the same point)."""
-    return smallest(control, count)
+    return replace(plan, num_pages=smallest(control, plan.num_pages))
 
 
 class RankFailure(RuntimeError):
@@ -130,7 +124,7 @@ class MultiprocessExecutor(Executor):
         return agree_on_pages(plan, self.groups.control)
 
     def agree_on_count(self, count: int) -> int:
-        return agree_on_count(count, self.groups.control)
+        return smallest(self.groups.control, count)
 
     def page_operations(self) -> list:
         """The page operations rank 0 applied since the last plan, for the next one."""
@@ -167,7 +161,7 @@ class MultiprocessExecutor(Executor):
         ``count``): a DISK plan (with the page operations so far) asks the others."""
         self.check()
         self.channel.send(StepPlan(DISK, self.page_operations(), disk_keys=list(keys)))
-        return agree_on_count(count, self.groups.control)
+        return smallest(self.groups.control, count)
 
     def attach(self, coordinator, runner) -> None:
         """Record the page operations rank 0's coordinator applies (its outbox) for the other

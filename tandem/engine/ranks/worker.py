@@ -42,6 +42,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.ranks.plan import StepOutput
 from tandem.kv.block_pool import SanitizerError
+from tandem.parallel.control import smallest
 from tandem.structured.bitmask import bitmask_words
 from tandem.worker.host_logprobs import HostLogprobs
 from tandem.worker.rank_sampling import RankSampling
@@ -123,9 +124,7 @@ class WorkerGroup:
         return agree_on_pages(plan, self.groups.control)
 
     def agree_on_count(self, count: int) -> int:
-        from tandem.engine.ranks.launcher import agree_on_count
-
-        return agree_on_count(count, self.groups.control)
+        return smallest(self.groups.control, count)
 
     def attach(self, coordinator, runner) -> None:
         return None  # rank 0's plans drive this rank: nothing of its own is handed on
@@ -335,7 +334,6 @@ class Worker:
 
     def serve(self, plan: "StepPlan") -> bool:
         """Ranks 1..N-1: carry out one plan received from rank 0; False once it was the STOP plan."""
-        from tandem.engine.ranks.launcher import agree_on_count
         from tandem.engine.ranks.plan import DISK, DRAFT, PAGES, RPC, STOP, TRANSFER
 
         self.pages.apply_all(plan.page_operations)
@@ -351,7 +349,7 @@ class Worker:
         if plan.kind == TRANSFER:
             self.transfers.serve(plan.transfer_operations, self.groups.control)
         elif plan.kind == DISK:  # how many of the pages this rank has; every rank takes the fewest
-            self.tiers.keep(agree_on_count(self.tiers.readable(plan.disk_keys), self.groups.control))
+            self.tiers.keep(smallest(self.groups.control, self.tiers.readable(plan.disk_keys)))
         elif plan.kind == RPC:
             self._answer(plan.rpc_method, msgspec.msgpack.decode(plan.rpc_arguments))
         elif plan.kind == DRAFT:
