@@ -266,7 +266,7 @@ class ModelCost:
         count -= experts.num_parameters * (1.0 - experts.top_k / experts.num_experts)  # a token runs top_k of them
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # (one rank's heads under tensor parallelism: the model's parameters above are its shard's)
-        heads = config.num_attention_heads // max(1, getattr(engine.config, "tensor_parallel_size", 1))
+        heads = config.num_attention_heads // engine.config.tensor_parallel_size
         attention = 4 * config.num_hidden_layers * heads * head_dim
         page_size = engine.coordinator.page_size
         return cls(total, 2.0 * count, attention, bytes_per_page(engine.registry, page_size) / page_size, experts)

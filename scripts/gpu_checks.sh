@@ -54,6 +54,9 @@ run() {  # run NAME COMMAND...: log to $LOG_DIR/NAME.log, remember a failure
   "$@" 2>&1 | tee "$LOG_DIR/$name.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "=== $name FAILED"; status=1; }
 }
+# Batch 64 at TP=2, the Llama-3.1-8B shape (the TP parts' A/B runs).
+b64_tp2=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
+         --tensor-parallel-size 2)
 for part in "${@:-tests}"; do
   case $part in
     tests) run tests python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider tests ;;
@@ -97,11 +100,9 @@ for part in "${@:-tests}"; do
                 run "mixed_step_tp$size" python3 -m benchmarks.mixed_step --shape llama3-8b --tensor-parallel-size "$size"
               done
               # Batch 64 at TP=2 (4,096-token prefill-phase steps) with its prefill steps replayed and eager.
-              b64=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
-                   --tensor-parallel-size 2)
               for round in 1 2; do
-                run "b64_tp2_eager_$round" "${b64[@]}" --no-mixed-step-graphs
-                run "b64_tp2_graphs_$round" "${b64[@]}"
+                run "b64_tp2_eager_$round" "${b64_tp2[@]}" --no-mixed-step-graphs
+                run "b64_tp2_graphs_$round" "${b64_tp2[@]}"
               done ;;
     tp-latency) # Batch-1 TPOT at TP=2 with the all-reduce kernels in the decode graph's chain of early
                 # launches (TANDEM_ALLREDUCE_EARLY_LAUNCH=1, opt-in) against without, alternated; TP=1 beside.
@@ -115,11 +116,9 @@ for part in "${@:-tests}"; do
                 run latency_tp1 "${latency[@]}" ;;
     tp-proto) # Batch 64 at TP=2 with NCCL kept off its low-latency protocol (the logits' all-gather, 8 MB a
               # rank at batch 64, ran as AllGather_RING_LL) against NCCL's own choice, alternated.
-              b64=(python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers --timeline
-                   --tensor-parallel-size 2)
               for round in 1 2; do
-                NCCL_PROTO=LL128,Simple run "b64_tp2_proto_$round" "${b64[@]}"
-                run "b64_tp2_$round" "${b64[@]}"
+                NCCL_PROTO=LL128,Simple run "b64_tp2_proto_$round" "${b64_tp2[@]}"
+                run "b64_tp2_$round" "${b64_tp2[@]}"
               done ;;
     tp-host) # Prefill-heavy batch 64 (four output tokens: every run one prefill and three decode steps),
              # at TP=2 and TP=1: with py-spy carried, both processes sampled for 8 s without pausing them
