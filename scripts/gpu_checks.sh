@@ -16,7 +16,7 @@
 #   bash scripts/gpu_checks.sh tp-mixed     # two GPUs: TP tests (mixed-step graphs on every rank); a mixed step's
 #                                           # time with them on and off at TP=2 and TP=1; batch 64 at TP=2 with its
 #                                           # prefill steps in graphs against eager, alternated
-#   bash scripts/gpu_checks.sh tp-latency   # two GPUs: batch-1 TPOT at TP=2, the all-reduces' early launch on and off
+#   bash scripts/gpu_checks.sh tp-latency   # two GPUs: batch-1 TPOT and prefill at 512 tokens at TP=2, TP=1 beside
 #   bash scripts/gpu_checks.sh tp-proto     # two GPUs: batch 64 at TP=2 with NCCL_PROTO=LL128,Simple against NCCL's choice
 #   bash scripts/gpu_checks.sh tp-host      # two GPUs: where the hosts' time goes in prefill-heavy batch-64 runs at
 #                                           # TP=2 and TP=1 (py-spy samples of every rank when carried, else cProfile)
@@ -104,15 +104,9 @@ for part in "${@:-tests}"; do
                 run "b64_tp2_eager_$round" "${b64_tp2[@]}" --no-mixed-step-graphs
                 run "b64_tp2_graphs_$round" "${b64_tp2[@]}"
               done ;;
-    tp-latency) # Batch-1 TPOT at TP=2 with the all-reduce kernels in the decode graph's chain of early
-                # launches (TANDEM_ALLREDUCE_EARLY_LAUNCH=1, opt-in) against without, alternated; TP=1 beside.
-                TANDEM_ALLREDUCE_EARLY_LAUNCH=1 run tp_latency_tests python3 -m pytest -m gpu -q -p no:cacheprovider \
-                  tests/gpu/test_allreduce_gpu.py "tests/gpu/test_tensor_parallel_gpu.py::test_cuda_tp2_bfloat16_batch_one_tracks_tp1"
+    tp-latency) # Batch-1 TPOT and prefill at 512 tokens at TP=2, TP=1 beside.
                 latency=(python3 -m benchmarks.latency --shape llama3-8b --skip-transformers --prefill-lengths 512)
-                for round in 1 2; do
-                  TANDEM_ALLREDUCE_EARLY_LAUNCH=1 run "latency_tp2_early_$round" "${latency[@]}" --tensor-parallel-size 2
-                  run "latency_tp2_$round" "${latency[@]}" --tensor-parallel-size 2
-                done
+                run latency_tp2 "${latency[@]}" --tensor-parallel-size 2
                 run latency_tp1 "${latency[@]}" ;;
     tp-proto) # Batch 64 at TP=2 with NCCL kept off its low-latency protocol (the logits' all-gather, 8 MB a
               # rank at batch 64, ran as AllGather_RING_LL) against NCCL's own choice, alternated.

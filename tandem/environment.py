@@ -58,10 +58,6 @@ VARIABLES = (
         "TANDEM_ALLREDUCE_FUSED_MAX_BYTES", "2 MiB for two ranks, 512 KiB for more",
         "tensor parallelism: the largest all-reduce fused with the residual add and RMSNorm after it", TUNING),
     EnvironmentVariable(
-        "TANDEM_ALLREDUCE_EARLY_LAUNCH", "unset: the one-shot all-reduce kernels wait for the kernel before them",
-        "`1`: in decode graphs of one or two tokens they launch early like the kernels around them "
-        "([all-reduce](allreduce.md); opt-in until timed on GPUs)", TUNING),
-    EnvironmentVariable(
         "TANDEM_FP8_FULL_ACCUMULATION", "off (fast accumulation)",
         "`1`: FP8 per-token products promote their sums to float32 every few steps of K instead of "
         "accumulating fast ([FP8 checkpoints](quantization.md))", TUNING),

@@ -32,11 +32,9 @@ earlier call; the only atomics are local (the parity's flip).
 The plain all-reduce (``one_shot_all_reduce``) is the same without the norm, over the flat
 tensor cut into chunks of ``CHUNK`` elements instead of rows.
 
-With ``TANDEM_ALLREDUCE_EARLY_LAUNCH=1`` (opt-in until timed on GPUs), in decode graphs of one
-or two tokens both kernels launch early, as the kernels around them do (``triton_support``'s
-programmatic dependent launch): each lets the next kernel launch, then waits for its producer
-before its first load (the partial, the parity and the peers' slots are all written by earlier
-kernels), so the chain of early launches runs on through them.
+The kernels do not launch early (programmatic dependent launch, as the kernels around them do
+in decode graphs of one or two tokens): joining that chain was timed at TP=2 batch 1 and gained
+nothing (docs/allreduce.md).
 
 ``all_reduce_reference`` and ``reduce_add_norm_reference`` are the contracts in plain PyTorch (the
 sum of the ranks' partials, rounded once to their dtype, then ``rms_norm_reference`` with the
@@ -45,21 +43,12 @@ the signs of the zeros summed, as in NCCL's).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
 from tandem.kernels.norm import rms_norm_reference
-from tandem.kernels.triton_support import early_launch_arguments, jit, launch_dependents, tl, triton, wait_for_producer
-
-# Set to "1": the kernels take part in early launch (below); opt-in until timed on GPUs.
-EARLY_LAUNCH = "TANDEM_ALLREDUCE_EARLY_LAUNCH"
-
-
-def _early_launch(tensor: torch.Tensor, tokens: int) -> dict:
-    return early_launch_arguments(tensor, tokens, allowed=os.environ.get(EARLY_LAUNCH) == "1")
-
+from tandem.kernels.triton_support import jit, tl, triton
 
 # Programs per launch at most: a row each at decode batch sizes (the pulls from peers are
 # latency-bound: more programs, more loads in flight).
@@ -157,15 +146,11 @@ def _finish(own_pad, programs, SECTION: tl.constexpr):
 def _reduce_add_norm_kernel(partial_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                             buffer_pointers, signal_pointers, num_rows, programs, dim, slot_elements, eps,
                             weight_offset, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, SECTION: tl.constexpr,
-                            MARK: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr):
+                            MARK: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     """Rows of ``dim`` elements, all tensors dense ``[num_rows, dim]``; ``partial_ptr``: the
     partial's bits (the integer type of its width); a slot holds ``slot_elements`` >=
     ``num_rows * dim``. ``programs``: the grid's size; program ``p`` takes rows ``p, p +
-    programs, ...``. ``PDL``: launched early (``triton_support``): everything, the parity
-    included, is read after the wait."""
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+    programs, ...``."""
     program = tl.program_id(0)
     columns = tl.arange(0, BLOCK)
     column_mask = columns < dim
@@ -202,14 +187,12 @@ def _reduce_add_norm_kernel(partial_ptr, residual_ptr, weight_ptr, out_ptr, new_
 @jit(do_not_specialize=["num_vectors", "programs"])
 def _all_reduce_kernel(input_ptr, out_ptr, buffer_pointers, signal_pointers, num_vectors, programs, slot_elements,
                        RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, SECTION: tl.constexpr, MARK: tl.constexpr,
-                       VECTOR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       VECTOR: tl.constexpr, BLOCK: tl.constexpr):
     """The sum over ranks of ``input`` (``num_vectors * VECTOR`` elements, dense, as the integer
     type of their width; ``VECTOR`` elements make 16 bytes, so the masks are uniform over each
     vector and accesses stay 16 bytes wide) into ``out`` (may be ``input``'s memory: a program
     reads each chunk of it before writing that chunk). ``programs``: the grid's size; program
-    ``p`` takes chunks ``p, p + programs, ...`` of ``BLOCK``. ``PDL``: launched early."""
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+    ``p`` takes chunks ``p, p + programs, ...`` of ``BLOCK``."""
     program = tl.program_id(0)
     numel = num_vectors * VECTOR
     dtype = out_ptr.dtype.element_ty
@@ -256,8 +239,7 @@ def one_shot_all_reduce(tensor: torch.Tensor, *, buffer_pointers: torch.Tensor, 
         programs = max(1, min(triton.cdiv(numel, CHUNK), MAX_PROGRAMS))
         _all_reduce_kernel[(programs,)](bits, tensor, buffer_pointers, signal_pointers, numel // vector, programs,
                                         slot_bytes // tensor.element_size(), RANK=rank, WORLD_SIZE=world_size,
-                                        SECTION=section, MARK=mark, VECTOR=vector, BLOCK=CHUNK, num_warps=8,
-                                        **_early_launch(tensor, tensor.shape[0] if tensor.dim() > 1 else 1))
+                                        SECTION=section, MARK=mark, VECTOR=vector, BLOCK=CHUNK, num_warps=8)
     return tensor
 
 
@@ -290,7 +272,7 @@ def one_shot_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weig
             bits, residual_rows, weight, out, new_residual, buffer_pointers, signal_pointers,
             num_rows, programs, dim, slot_bytes // partial.element_size(), eps, weight_offset, RANK=rank,
             WORLD_SIZE=world_size, SECTION=section, MARK=mark, CAST_BEFORE_WEIGHT=cast_before_weight,
-            BLOCK=block, num_warps=num_warps, **_early_launch(partial, num_rows))
+            BLOCK=block, num_warps=num_warps)
     return out, new_residual
 
 

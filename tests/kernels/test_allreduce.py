@@ -259,53 +259,29 @@ def test_kernels_compile_for_h100_without_barriers():
     """Checked without a GPU (``tests/support/triton_aot.py``): both kernels compile for sm_90;
     no atomic reaches past this GPU (no barrier: the data is the signal; the parity's flip is a
     local atomic), the pulls are 16-byte volatile loads (never a line an earlier call left in
-    this SM's cache) and the pushes 16-byte stores. Launched early (decode graphs of one or two
-    tokens), each lets the next kernel launch and then waits for its producer before any load:
-    the partial, the parity and the peers' slots are all written by earlier kernels."""
+    this SM's cache) and the pushes 16-byte stores."""
     from tests.support.triton_aot import compile_request, ptx_for_h100
 
     pointers = {"buffer_pointers": "*i64", "signal_pointers": "*i64"}
     bits = dict(SECTION=0, MARK=-(1 << 15))
-    requests = []
-    for early in (False, True):
-        requests.append(compile_request(
+    requests = [
+        compile_request(
             "tandem.kernels.one_shot_allreduce", "_reduce_add_norm_kernel",
             {"partial_ptr": "*i16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
              "new_residual_ptr": "*bf16", **pointers, "num_rows": "i32", "programs": "i32", "dim": "i32",
              "slot_elements": "i32", "eps": "fp32", "weight_offset": "fp32"},
-            dict(RANK=1, WORLD_SIZE=2, CAST_BEFORE_WEIGHT=True, BLOCK=4096, PDL=early, **bits), warps=8, stages=1,
-            unaligned=("num_rows", "programs")))
-        requests.append(compile_request(
+            dict(RANK=1, WORLD_SIZE=2, CAST_BEFORE_WEIGHT=True, BLOCK=4096, **bits), warps=8, stages=1,
+            unaligned=("num_rows", "programs")),
+        compile_request(
             "tandem.kernels.one_shot_allreduce", "_all_reduce_kernel",
             {"input_ptr": "*i16", "out_ptr": "*bf16", **pointers, "num_vectors": "i32", "programs": "i32",
-             "slot_elements": "i32"}, dict(RANK=0, WORLD_SIZE=2, VECTOR=8, BLOCK=2048, PDL=early, **bits),
-            warps=8, stages=1, unaligned=("num_vectors", "programs")))
-    ptxs = ptx_for_h100(requests)
-    for number, ptx in enumerate(ptxs):
+             "slot_elements": "i32"}, dict(RANK=0, WORLD_SIZE=2, VECTOR=8, BLOCK=2048, **bits),
+            warps=8, stages=1, unaligned=("num_vectors", "programs"))]
+    for ptx in ptx_for_h100(requests):
         atomics = [line.strip() for line in ptx.splitlines() if "atom." in line]
         assert atomics and not any(".sys." in line for line in atomics), atomics
         assert "ld.volatile.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
-        early = number >= 2
-        assert ("griddepcontrol" in ptx) == early
-        if early:
-            launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-            first_load = min(ptx.index(op) for op in ("ld.global", "ld.volatile.global") if op in ptx)
-            assert launch < wait < first_load
-
-
-def test_early_launch_is_opt_in(monkeypatch):
-    """The one-shot kernels launch early only with ``TANDEM_ALLREDUCE_EARLY_LAUNCH=1``, and then
-    only where the kernels around them do (a decode graph of one or two tokens)."""
-    import tandem.kernels.one_shot_allreduce as one_shot
-    import tandem.kernels.triton_support as support
-
-    monkeypatch.setattr(support, "dependent_launch", lambda tensor, tokens: tokens <= 2)
-    rows = torch.zeros(1, 8)
-    monkeypatch.delenv(one_shot.EARLY_LAUNCH, raising=False)
-    assert one_shot._early_launch(rows, 1) == {"PDL": False}
-    monkeypatch.setenv(one_shot.EARLY_LAUNCH, "1")
-    assert one_shot._early_launch(rows, 1) == {"PDL": True, "launch_pdl": True}
-    assert one_shot._early_launch(rows, 3) == {"PDL": False}
+        assert "griddepcontrol" not in ptx
 
 
 def test_benchmark_chooses_limits_from_graph_times():
