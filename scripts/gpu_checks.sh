@@ -17,7 +17,6 @@
 #                                           # time with them on and off at TP=2 and TP=1; batch 64 at TP=2 with its
 #                                           # prefill steps in graphs against eager, alternated
 #   bash scripts/gpu_checks.sh tp-latency   # two GPUs: batch-1 TPOT and prefill at 512 tokens at TP=2, TP=1 beside
-#   bash scripts/gpu_checks.sh tp-proto     # two GPUs: batch 64 at TP=2 with NCCL_PROTO=LL128,Simple against NCCL's choice
 #   bash scripts/gpu_checks.sh tp-host      # two GPUs: where the hosts' time goes in prefill-heavy batch-64 runs at
 #                                           # TP=2 and TP=1 (py-spy samples of every rank when carried, else cProfile)
 #   bash scripts/gpu_checks.sh structured   # structured outputs: GPU tests, step time with a schema (8B shape)
@@ -108,12 +107,6 @@ for part in "${@:-tests}"; do
                 latency=(python3 -m benchmarks.latency --shape llama3-8b --skip-transformers --prefill-lengths 512)
                 run latency_tp2 "${latency[@]}" --tensor-parallel-size 2
                 run latency_tp1 "${latency[@]}" ;;
-    tp-proto) # Batch 64 at TP=2 with NCCL kept off its low-latency protocol (the logits' all-gather, 8 MB a
-              # rank at batch 64, ran as AllGather_RING_LL) against NCCL's own choice, alternated.
-              for round in 1 2; do
-                NCCL_PROTO=LL128,Simple run "b64_tp2_proto_$round" "${b64_tp2[@]}"
-                run "b64_tp2_$round" "${b64_tp2[@]}"
-              done ;;
     tp-host) # Prefill-heavy batch 64 (four output tokens: every run one prefill and three decode steps),
              # at TP=2 and TP=1: with py-spy carried, both processes sampled for 8 s without pausing them
              # (waits included) once the engine runs, summed by benchmarks/host_samples.py; without it,
