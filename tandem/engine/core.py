@@ -324,7 +324,8 @@ class EngineCore:
         device (``pending``: the sampled rows of the step in flight, whose tokens its worker
         kept). ``hidden_states``: rank 0's worker keeps the step's hidden states (speculation's
         draft passes, which it runs, read them)."""
-        planned = self.planner.plan(chunks, pending, hidden_states)
+        # (a speculating engine verifies what its steps sample: their logits stay whole)
+        planned = self.planner.plan(chunks, pending, hidden_states, samples=self.speculator is None)
         output = self.executor.execute_step(planned.plan)
         return self.planner.result(planned, output)
 

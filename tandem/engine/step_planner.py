@@ -22,6 +22,7 @@ from tandem.kv.coordinator import StateCoordinator
 from tandem.protocol import PositionLogprobs
 from tandem.scheduler.scheduler import ScheduledChunk
 from tandem.worker.graph_choice import GraphChoice
+from tandem.worker.sampler import takes_greedy_choice
 from tandem.worker.step_inputs import PageTableRows, PendingTokens, StepInputs, build_step_inputs
 
 
@@ -53,11 +54,13 @@ class StepPlanner:
         self.page_table_rows = PageTableRows()  # host copies of page tables, kept across steps
 
     def plan(self, chunks: list[ScheduledChunk], pending: Optional[PendingTokens] = None,
-             hidden_states: bool = False) -> PlannedStep:
+             hidden_states: bool = False, samples: bool = True) -> PlannedStep:
         """The step message of ``chunks``. A chunk whose input token is still pending (sampled by
         the step before, which may still be running) reads it from the tokens rank 0's worker
         sampled last, on its device: the plan names the row of ``pending`` it reads.
-        ``hidden_states``: rank 0's worker keeps the step's hidden states (the draft's passes)."""
+        ``hidden_states``: rank 0's worker keeps the step's hidden states (the draft's passes).
+        ``samples``: the sampled rows go to a sampling message (not a verification); where each
+        takes the greedy choice alone, the plan says so (``ForwardPlan.vocab_choice``)."""
         coordinator = self.coordinator
         sanitizer = coordinator.sanitizer
         if sanitizer.enabled:
@@ -70,7 +73,7 @@ class StepPlanner:
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
                            [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
-                           targets, sources)
+                           targets, sources, vocab_choice=samples and greedy_choice_only(step.chunks))
         return PlannedStep(plan, prompt_rows)
 
     def result(self, planned: PlannedStep, output: StepOutput) -> ExecuteResult:
@@ -102,3 +105,11 @@ def prompt_logit_rows(step: StepInputs) -> list[tuple[ScheduledChunk, int, int]]
 def prompt_targets(chunk: ScheduledChunk, count: int) -> list[int]:
     """The prompt tokens ``start+1 .. start+count`` the chunk's ``count`` prompt-logit rows predict."""
     return chunk.sequence.token_ids[chunk.start + 1:chunk.start + 1 + count]
+
+
+def greedy_choice_only(chunks: list[ScheduledChunk]) -> bool:
+    """Whether a step samples some row and every sampled row takes the greedy choice of the raw
+    logits alone (``takes_greedy_choice``; a fork at the end of a prompt samples its parent's
+    row with the parent's parameters)."""
+    sampled = [chunk.sequence.params for chunk in chunks if chunk.samples]
+    return bool(sampled) and all(takes_greedy_choice(params) for params in sampled)

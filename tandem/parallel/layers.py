@@ -6,7 +6,8 @@
 - ``VocabParallelEmbedding``: each rank holds a consecutive slice of the vocabulary's rows; ids
   outside it embed to zeros, and the sum over ranks is the full embedding.
 - ``ParallelLMHead``: the same row slice as logits columns; the ranks' columns are gathered
-  into full logits on every rank.
+  into full logits on every rank, or, for a step whose every sampled row takes the greedy
+  choice, only each slice's summaries are (``choice_summaries``, below).
 
 Column-parallel projections are ``StackedLinear`` with a shard (``layers/linear.py``). With the
 one-rank shard every layer here computes exactly what its plain ``torch.nn`` counterpart does.
@@ -15,10 +16,13 @@ their logit columns are cut off after the gather.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.greedy_choice import greedy_summaries
 from tandem.layers.linear import Linear, dense_product, linear_product, mark_sharded
 from tandem.parallel.shard import SINGLE, TensorShard
 
@@ -86,18 +90,51 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits ``hidden @ weight.T`` over the whole vocabulary, on every rank. ``weight`` may be
-    the embedding's (tied): both use the same slice."""
+    the embedding's (tied): both use the same slice.
+
+    Gathering a step's logits costs (at batch 64 of a 128k vocabulary in bf16, 8 MB a rank: ~60
+    µs of a 3.5 ms decode step on two H200s), and a step whose every sampled row takes the
+    greedy choice of the raw logits needs none of it: inside ``local_columns()`` the head gives
+    this rank's columns, and ``choice_summaries`` gathers only their summaries (per part of the
+    columns: maximum, first index in the whole vocabulary, sum of exponentials; a few hundred
+    bytes a row, ``kernels/greedy_choice.py``), which rank 0 merges (``merge_summaries``) into
+    the token, logprob and rank the sampler's greedy kernels give over the gathered logits (the
+    token bit for bit; the logprob's sum grouped by other parts, equal to float32 rounding). The
+    engine core decides per step (``ForwardPlan.vocab_choice``), so every rank makes the same
+    collective."""
 
     def __init__(self, hidden_size: int, vocab_size: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.shard = shard
         self.vocab_size = vocab_size
-        _, rows = vocabulary_slice(vocab_size, shard)
+        self.first, rows = vocabulary_slice(vocab_size, shard)
+        self.columns = max(0, min(rows, vocab_size - self.first))  # this rank's columns short of the padding
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         mark_sharded(self.weight, 0, shard, vocab_size)
+        self.local = False  # inside ``local_columns``: forward gives this rank's columns
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = dense_product(hidden, self.weight)
-        if not self.shard.is_parallel:
+        if not self.shard.is_parallel or self.local:
             return logits
-        return self.shard.all_gather(logits)[..., :self.vocab_size]
+        return self.gather(logits)
+
+    @contextmanager
+    def local_columns(self):
+        """Within: the head (and the model's ``compute_logits`` around it) gives this rank's
+        columns of the logits, ``gather`` or ``choice_summaries`` to follow."""
+        self.local = True
+        try:
+            yield
+        finally:
+            self.local = False
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's columns (its ``local_columns`` logits) as the full logits."""
+        return self.shard.all_gather(local_logits)[..., :self.vocab_size]
+
+    def choice_summaries(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's greedy summaries of its columns, gathered: ``[rows, 3, parts]``
+        (``merge_summaries`` gives the choice over the whole vocabulary)."""
+        summaries = greedy_summaries(local_logits.contiguous(), index_base=self.first, columns=self.columns)
+        return self.shard.all_gather(summaries)

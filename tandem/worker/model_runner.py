@@ -41,8 +41,13 @@ STATIC_BUFFERS_ON_CPU = "TANDEM_GRAPH_BUFFERS_ON_CPU"
 class ForwardOutput:
     """What a step's forward pass gives (``ModelRunner.run``); only rank 0 reads it."""
     hidden: torch.Tensor  # [tokens, hidden] the model's output (a replayed graph's: valid until its next replay)
-    logits: torch.Tensor  # [sampled rows, vocab] model dtype (readers cast), in the order of ``StepInputs.sampling_rows``
+    # [sampled rows, vocab] model dtype (readers cast), in the order of ``StepInputs.sampling_rows``;
+    # None where the step's choice was made per vocabulary shard (``summaries`` instead)
+    logits: Optional[torch.Tensor]
     prompt_logits: list[torch.Tensor]  # [rows, vocab] float32 per prompt-logit range, in the plan's order
+    # Under tensor parallelism, a step planned with ``vocab_choice``: every rank's greedy summaries
+    # of its columns of the sampled rows' logits, ``[sampled rows, 3, parts]`` (``ParallelLMHead``)
+    summaries: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -168,26 +173,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInputs, graph_size: int, prompt_logit_ranges: list[tuple[int, int]], feed=None,
-            broadcast_inputs: bool = False, graph_rows: Optional[StepInputs] = None) -> ForwardOutput:
+            broadcast_inputs: bool = False, graph_rows: Optional[StepInputs] = None,
+            vocab_choice: bool = False) -> ForwardOutput:
         """One step's forward pass, as every rank runs it (``engine/ranks/worker.py``'s ``Worker``):
         replayed from this rank's graph of ``graph_size`` rows (0: eagerly), then the LM head over
         each of ``prompt_logit_ranges`` (first row, rows), in order. Both hold collectives under
         tensor parallelism, so every rank makes the same calls in the same order. ``feed`` writes
         tokens still pending on this rank's device into the input ids (rank 0); with
         ``broadcast_inputs`` rank 0's input ids then go to every rank. ``graph_rows``: the replayed
-        rows as the plan names them; else derived and checked here (``planned_graph_step``)."""
+        rows as the plan names them; else derived and checked here (``planned_graph_step``).
+        ``vocab_choice`` (tensor parallelism): the sampled rows' greedy summaries are gathered
+        instead of their logits (``ForwardOutput.summaries``)."""
+        summaries = None
         if graph_size:
             rows = graph_rows if graph_rows is not None else self.planned_graph_step(step, graph_size)
             hidden, logits = self.graphs.replay(rows, feed, broadcast_inputs=broadcast_inputs)
+            if self.model.tensor_shard.is_parallel:  # (the graph holds this rank's columns)
+                logits, summaries = self.finish_logits(logits, vocab_choice)
         else:
-            hidden, logits = self.forward(step, feed, broadcast_inputs)
+            hidden, logits, summaries = self.forward(step, feed, broadcast_inputs, vocab_choice)
         prompt_logits = [self.model.compute_logits(hidden[start:start + count]).float()
                          for start, count in prompt_logit_ranges]
-        return ForwardOutput(hidden, logits, prompt_logits)
+        return ForwardOutput(hidden, logits, prompt_logits, summaries)
 
-    def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False):
+    def sampled_logits(self, hidden: torch.Tensor, vocab_choice: bool = False):
+        """``(logits, summaries)`` of the sampled rows' hidden states: the logits (summaries
+        None), or under tensor parallelism with ``vocab_choice`` the gathered greedy summaries
+        (logits None)."""
+        if not self.model.tensor_shard.is_parallel:
+            return self.model.compute_logits(hidden), None
+        with self.model.lm_head.local_columns():
+            local = self.model.compute_logits(hidden)
+        return self.finish_logits(local, vocab_choice)
+
+    def finish_logits(self, local: torch.Tensor, vocab_choice: bool):
+        """``(logits, summaries)`` from this rank's columns of the logits (tensor parallelism: a
+        collective every rank makes alike)."""
+        head = self.model.lm_head
+        if vocab_choice:
+            return None, head.choice_summaries(local)
+        return head.gather(local), None
+
+    def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False, vocab_choice: bool = False):
         """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
-        logits)``. Under tensor parallelism every rank runs this with the same step; with
+        logits, summaries)`` (``sampled_logits``). Under tensor parallelism every rank runs this with the same step; with
         ``broadcast_inputs`` rank 0's device input ids (pending tokens filled in) go to all."""
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         context = self.forward_context(metadata)
@@ -200,10 +229,10 @@ class ModelRunner:
             if broadcast_inputs:
                 self.model.tensor_shard.broadcast(input_ids)
             hidden = self.model(input_ids, positions, context)
+        if not step.sampling_rows:
+            return hidden, hidden.new_zeros((0, 0)), None
         rows = to_device(step.sampling_rows, self.device, torch.long)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)) if step.sampling_rows else \
-            hidden.new_zeros((0, 0))
-        return hidden, logits
+        return (hidden, *self.sampled_logits(hidden.index_select(0, rows), vocab_choice))
 
     def graph_choice(self) -> GraphChoice:
         """What this rank captured, as the graph choice reads it (host values): rank 0's worker

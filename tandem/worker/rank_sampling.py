@@ -18,7 +18,8 @@ import torch
 
 from tandem.sampling_params import SamplingParams
 from tandem.structured.bitmask_staging import BitmaskStaging
-from tandem.worker.sampler import ParameterTables, Sampler, SamplerOutput, SamplingMetadata
+from tandem.kernels.greedy_choice import merge_summaries
+from tandem.worker.sampler import ParameterTables, Sampler, SamplerOutput, SamplingMetadata, takes_greedy_choice
 
 
 class RankSampling:
@@ -93,3 +94,18 @@ class RankSampling:
                                           banned_token_ids, self.device, table,
                                           token_bitmask=self.bitmask_to_device(bitmask))
         return self.sampler(logits, metadata)
+
+    @staticmethod
+    def greedy_from_summaries(summaries: torch.Tensor, params: Sequence[SamplingParams],
+                              banned_token_ids: Sequence[Sequence[int]],
+                              bitmask: Optional[np.ndarray]) -> SamplerOutput:
+        """One token per row of ``summaries`` (the greedy summaries of a step planned to choose
+        per vocabulary shard, ``ParallelLMHead.choice_summaries``; rows already in the sampled
+        rows' order): the greedy choice, its logprob and rank. The step's plan promised rows
+        that take nothing else (``takes_greedy_choice``); a sampling message that asks more is
+        an engine error, raised rather than answered from the wrong distribution."""
+        if not all(takes_greedy_choice(p) for p in params) or bitmask is not None or any(banned_token_ids):
+            raise RuntimeError("a step planned to choose greedily per vocabulary shard got a sampling message "
+                               "that asks for more (sampling, penalties, a grammar, banned ids or top logprobs)")
+        choice = merge_summaries(summaries)
+        return SamplerOutput(choice.token_ids, choice.logprobs, choice.ranks, None, None, packed=choice.packed)

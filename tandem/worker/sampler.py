@@ -314,6 +314,15 @@ def takes_greedy_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> bo
             and metadata.num_logprobs == 0 and not any(metadata.banned_token_ids) and logits.stride(-1) == 1)
 
 
+def takes_greedy_choice(params: SamplingParams) -> bool:
+    """Whether a row's token is, whatever step it samples in, the raw logits' greedy choice with
+    nothing else asked for (greedy; no penalty, grammar, min_tokens' banned ids or top logprob):
+    a step of such rows needs only the argmax, its logprob and rank. The engine core plans a
+    tensor-parallel step of such rows to gather no logits (``ParallelLMHead.choice_summaries``)."""
+    return (params.temperature < GREEDY_TEMPERATURE_EPSILON and not params.uses_penalties and not params.logprobs
+            and params.min_tokens == 0 and params.structured_outputs is None)
+
+
 def greedy_mask(temperature: torch.Tensor) -> torch.Tensor:
     """``[B]`` bool: which rows take the argmax instead of sampling."""
     return temperature < GREEDY_TEMPERATURE_EPSILON

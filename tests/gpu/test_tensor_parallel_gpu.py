@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.worker.rank_sampling import RankSampling
 from tests.support.oracle import assert_matches
 from tests.gpu.test_gpu import prompts_for_test
-from tests.models.test_tensor_parallel import TIER_ENGINE, TIER_TOKENS, host_tier_scenario
+from tests.models.test_tensor_parallel import TIER_ENGINE, TIER_TOKENS, count_calls, host_tier_scenario
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -46,6 +47,11 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         assert sorted(engine.runner.graphs.graphs if engine.runner.graphs is not None else []) == sizes
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert enforce_eager or engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"
+        # No top logprobs asked: every step chooses per vocabulary shard (greedy summaries gathered).
+        shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_summaries")
+        chosen = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+                                                      ignore_eos=True), use_tqdm=False)
+        assert shard_choices[0] >= MAX_TOKENS, shard_choices
         engine.check_all_free()
         engine.check_health()
     finally:
@@ -54,6 +60,9 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         context = f"{arch} TP=2 prompt {number}"
         assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
         assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), context=context)
+        assert list(chosen[number].outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
+        assert_matches(chosen[number].outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), top_k=1,
+                       context=f"{context} (per-shard choice)")
 
 
 def test_cuda_tp2_bfloat16_batch_one_tracks_tp1(model_dirs):

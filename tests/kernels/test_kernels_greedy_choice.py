@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.greedy_choice import PART_SIZE, greedy_choice, greedy_choice_reference
+from tandem.kernels.greedy_choice import (PART_SIZE, greedy_choice, greedy_choice_reference, greedy_summaries,
+                                          merge_summaries)
 from tandem.sampling_params import SamplingParams
 from tandem.worker.sampler import Sampler, SamplingMetadata, compute_logprobs, takes_greedy_kernels
 from tests.support.kernels import interpreter_scalar_loop_bounds  # noqa: F401  (autouse fixture)
@@ -36,7 +37,7 @@ def test_greedy_choice_equals_reference(dtype):
     vocab = 2 * PART_SIZE + 1000  # two whole parts and a partial one
     logits = tricky_logits(4, vocab, dtype)
     expected = greedy_choice_reference(logits)
-    actual = greedy_choice(logits)
+    actual = greedy_choice(logits, kernels=True)
     assert actual.token_ids.tolist()[:3] == [3, PART_SIZE - 70, vocab - 2]  # the first of a tie wins
     assert_same_choice(actual, expected, 1e-5)
     assert expected.logprobs[2] > expected.logprobs[3]  # the -inf logits carry no mass
@@ -45,7 +46,23 @@ def test_greedy_choice_equals_reference(dtype):
     torch.testing.assert_close(actual.logprobs, chosen, rtol=1e-5, atol=1e-5)
     assert torch.equal(actual.ranks, ranks)
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        greedy_choice(logits.t())
+        greedy_choice(logits.t(), kernels=True)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_vocabulary_slices_summaries_merge_into_the_whole_choice(kernels):
+    """Two ranks' slices of a vocabulary (the second padded past it, as the LM head's slices
+    are), each summarised from its first index, merge into the whole vocabulary's choice; with
+    the Triton kernels (interpreted) and with the plain-PyTorch path a CPU takes."""
+    vocab = 2 * PART_SIZE + 1001
+    logits = tricky_logits(4, vocab, torch.float32)
+    half = -(-vocab // 2)
+    padded = torch.cat([logits, torch.full((4, 2 * half - vocab), 99.0)], dim=1)  # would win if counted
+    slices = [greedy_summaries(padded[:, rank * half:(rank + 1) * half].contiguous(), index_base=rank * half,
+                               columns=min(half, vocab - rank * half), kernels=kernels) for rank in range(2)]
+    merged = merge_summaries(torch.cat(slices, dim=-1), kernels=kernels)
+    assert merged.token_ids.tolist()[:3] == [3, PART_SIZE - 70, vocab - 2]
+    assert_same_choice(merged, greedy_choice_reference(logits), 1e-5)
 
 
 def metadata(rows: int, device, **params) -> SamplingMetadata:

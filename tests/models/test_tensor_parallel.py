@@ -22,25 +22,29 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tests.support.oracle import assert_matches, assert_position
 from tests.support.servers import ServerProcess, process_alive
+from tandem.worker.rank_sampling import RankSampling
 from tests.support.engines import GREEDY
 from tests.support.state_checks import check_movers_touch_registry
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 MAX_TOKENS = 5
+SCENARIO_TOP_K = (5, 5, 1)  # the logprobs each of run_scenario's prompts reports (the last: its token's alone)
 ENGINE = dict(page_size=16, max_total_tokens=512, max_num_batched_tokens=32, max_num_seqs=8)
 
 
 def run_scenario(llm: LLM):
     """(outputs, prompts, n): a mixed batch (one prompt with prompt logprobs, one forked), then
-    a prompt extending the first (a prefix hit)."""
+    a prompt extending the first (a prefix hit) asking for no top logprob (the greedy choice made
+    per vocabulary shard)."""
     rng = random.Random(13)
     first, second = [rng.randrange(3, 500) for _ in range(40)], [rng.randrange(3, 500) for _ in range(11)]
     outputs = llm.generate([first, second], [SamplingParams(max_tokens=MAX_TOKENS, n=2, **GREEDY),
                                              SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=3, **GREEDY)],
                            use_tqdm=False)
     third = first + [rng.randrange(3, 500) for _ in range(7)]
-    outputs += llm.generate([third], SamplingParams(max_tokens=MAX_TOKENS, **GREEDY), use_tqdm=False)
+    # (no top logprobs: under tensor parallelism its steps gather greedy summaries, not logits)
+    outputs += llm.generate([third], SamplingParams(max_tokens=MAX_TOKENS, **dict(GREEDY, logprobs=0)), use_tqdm=False)
     return outputs, [first, second, third]
 
 
@@ -75,13 +79,14 @@ def check_collective_calls(single, sharded, replicated: bool) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h", "deepseek_v32", "qwen3_moe"])
-def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
+def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles, monkeypatch):
     options = dict(ENGINE, indexer_cache_dtype="float32") if arch == "deepseek_v32" else ENGINE
     if arch == "llama":  # the overlapped loop: rank 0 broadcasts tokens still pending on its device
         options = dict(options, async_scheduling=True)
     single_llm = LLM(model=model_dirs[arch], **options)
     single, _ = run_scenario(single_llm)
     llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **options)
+    shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_summaries")
     try:
         assert llm.engine.overlap == (arch == "llama")
         check_shard_registry(single_llm.engine.registry, llm.engine.registry, replicated=arch == "deepseek_v32")
@@ -93,6 +98,19 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles):
     finally:
         llm.engine.shutdown()
     check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2")
+    assert shard_choices == [MAX_TOKENS], "the last prompt's steps did not choose per vocabulary shard"
+
+
+def count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """``[calls]`` of ``owner.name`` (a static method) from now on, counted in place."""
+    calls, original = [0], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, staticmethod(counted))
+    return calls
 
 
 def check_rank_roofline(single, sharded) -> None:
@@ -115,7 +133,7 @@ def check_scenario_outputs(outputs, prompts, single, oracle, name: str) -> None:
         assert len(output.outputs) == (2 if number == 0 else 1)
         for index, sequence in enumerate(output.outputs):
             context = f"{name} prompt {number} sequence {index}"
-            assert_matches(sequence, reference, context=context)
+            assert_matches(sequence, reference, top_k=SCENARIO_TOP_K[number], context=context)
             single_sequence = single[number].outputs[index]
             assert list(sequence.token_ids) == list(single_sequence.token_ids), f"{context}: TP=1 differs"
             for entry, single_entry in zip(sequence.logprobs, single_sequence.logprobs):
@@ -253,7 +271,8 @@ def test_tp2_speculative_decoding_with_a_draft_model(arch, draft, model_dirs, or
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         reference = oracles[arch].greedy(prompt, MAX_TOKENS)
         for index, sequence in enumerate(output.outputs):
-            assert_matches(sequence, reference, context=f"{arch} TP=2 {draft} draft prompt {number} sequence {index}")
+            assert_matches(sequence, reference, top_k=SCENARIO_TOP_K[number],
+                           context=f"{arch} TP=2 {draft} draft prompt {number} sequence {index}")
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
@@ -283,7 +302,8 @@ def test_tp2_speculative_decoding_with_mtp(arch, model_dirs, oracles):
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         reference = oracles[arch].greedy(prompt, MAX_TOKENS)
         for index, sequence in enumerate(output.outputs):
-            assert_matches(sequence, reference, context=f"{arch} TP=2 MTP prompt {number} sequence {index}")
+            assert_matches(sequence, reference, top_k=SCENARIO_TOP_K[number],
+                           context=f"{arch} TP=2 MTP prompt {number} sequence {index}")
 
 
 def test_bad_tensor_parallel_size_is_named(model_dirs):
@@ -315,7 +335,7 @@ def test_fewer_key_value_heads_than_ranks(model_dirs, oracles, tmp_path):
         llm.engine.shutdown()
     for number, (output, prompt) in enumerate(zip(outputs, prompts)):
         for index, sequence in enumerate(output.outputs):
-            assert_matches(sequence, oracles[arch].greedy(prompt, MAX_TOKENS),
+            assert_matches(sequence, oracles[arch].greedy(prompt, MAX_TOKENS), top_k=SCENARIO_TOP_K[number],
                            context=f"{arch} TP=4 prompt {number} sequence {index}")
     six_heads = make_model("llama", tmp_path / "six_heads", hidden_size=48, num_heads=6, num_kv_heads=2,
                            tokenizer_dir=model_dirs["llama"], weights=False)

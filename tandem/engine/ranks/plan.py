@@ -87,6 +87,10 @@ class ForwardPlan:
     # (``inputs_from_root``: it then broadcasts the input ids to the other ranks).
     pending_targets: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    # Under tensor parallelism: every sampled row takes the greedy choice of the raw logits
+    # (``worker/sampler.takes_greedy_choice``), so the ranks gather only their greedy summaries
+    # (``ParallelLMHead.choice_summaries``), not the logits. Every rank's plan says it alike.
+    vocab_choice: bool = False
 
 
 @dataclass
@@ -127,6 +131,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     rpc_arguments: bytes = b""  # its arguments (a msgpack list)
     disk_keys: list[bytes] = []  # DISK plans only: the store pages every rank reads and counts
     hidden_dtype: str = ""  # DRAFT plans: the dtype of the hidden inputs rank 0 broadcasts ("": none)
+    vocab_choice: bool = False  # STEP plans: the ranks gather greedy summaries, not logits (``ForwardPlan``)
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
@@ -140,8 +145,10 @@ class StepPlan(msgspec.Struct, array_like=True):
     @classmethod
     def of_forward(cls, plan: ForwardPlan, page_operations: list[PageOperation]) -> "StepPlan":
         """A STEP plan: ``plan`` for the other ranks, after the page operations before it."""
-        return cls.of_step(plan.inputs, plan.prompt_logit_ranges, page_operations, plan.inputs_from_root,
-                           plan.graph_size)
+        message = cls.of_step(plan.inputs, plan.prompt_logit_ranges, page_operations, plan.inputs_from_root,
+                              plan.graph_size)
+        message.vocab_choice = plan.vocab_choice
+        return message
 
     @classmethod
     def of_draft(cls, plan: DraftPlan, page_operations: list[PageOperation]) -> "StepPlan":
@@ -154,7 +161,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     def forward_plan(self) -> ForwardPlan:
         """A STEP plan as the forward pass this rank runs."""
         return ForwardPlan(self.step_inputs(), [tuple(rows) for rows in self.prompt_logit_ranges],
-                           self.inputs_from_root, self.graph_size)
+                           self.inputs_from_root, self.graph_size, vocab_choice=self.vocab_choice)
 
     def draft_plan(self) -> DraftPlan:
         """A DRAFT plan as the draft pass this rank runs."""

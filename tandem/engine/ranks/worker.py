@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from tandem.spec_decode.draft_pass_plan import DraftPassPlan, ProposalEnd, ProposalOutput
     from tandem.worker.graph_choice import GraphChoice
     from tandem.worker.model_runner import ForwardOutput
-    from tandem.worker.sampler import HostSamplerOutput
+    from tandem.worker.sampler import HostSamplerOutput, SamplerOutput
     from tandem.worker.verify_plan import VerifyOutput, VerifyPlan
 
 logger = logging.getLogger("tandem.parallel")
@@ -160,9 +160,11 @@ class Worker:
         self.parallel = self.runner.model.tensor_shard.is_parallel
         self.transfers = transfers  # with a PD role: this rank's transfer agent (pd_ranks.py; rank 0's: open_transfers)
         # Rank 0 samples (``sample``): its sampler, parameter tables and per-sequence generators,
-        # and the logits of the last forward pass, which the next sampling message reads.
+        # and the logits of the last forward pass, which the next sampling message reads (or,
+        # for a step planned to choose per vocabulary shard, the gathered greedy summaries).
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
+        self.summaries: Optional[torch.Tensor] = None
         # Rank 0 on CUDA: a timing event where the last forward pass began (the scheduler's step
         # time fit reads the device's time from it to the sampled tokens' copy).
         self.step_began: Optional[torch.cuda.Event] = None
@@ -225,10 +227,11 @@ class Worker:
         if plan.pending_targets:
             feed = feed_pending(self.sampled_token_ids, plan.pending_targets, plan.pending_sources)
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
-                                 broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows)
+                                 broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows,
+                                 vocab_choice=plan.vocab_choice)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
-        self.logits = output.logits
+        self.logits, self.summaries = output.logits, output.summaries
         self.hidden = output.hidden if plan.hidden_states else None
         if not self.reads_output:
             return StepOutput([])
@@ -238,7 +241,7 @@ class Worker:
         """Rank 0's output of a step: non-finite logits are a sanitizer error (a forward pass
         read poisoned, freed, state); each prompt range's logprobs of its target tokens, as host
         values (the hidden states, where the plan asks for them, stay here: ``draft_pass``)."""
-        if self.coordinator.sanitizer.enabled and not torch.isfinite(output.logits).all():
+        if self.coordinator.sanitizer.enabled and not finite_logits(output):
             raise SanitizerError("non-finite logits: a forward pass read poisoned (freed) state")
         prompt_logprobs = [HostLogprobs.compute(logits, targets, top)
                            for logits, targets, top in zip(output.prompt_logits, plan.prompt_targets, plan.prompt_top)]
@@ -252,13 +255,22 @@ class Worker:
         ended go. A plan without rows only drops generators (None)."""
         host = None
         if plan.num_rows:
-            logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
-            sampled = self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
-                                           plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
+            sampled = self._sample_rows(plan)
             self.sampled_token_ids = sampled.token_ids
             host = sampled.to_host_async(self.step_began)
         self.forget(plan.finished_keys)
         return host
+
+    def _sample_rows(self, plan: "SamplingPlan") -> "SamplerOutput":
+        """The sampled rows' tokens on the device: merged from the greedy summaries where the
+        step was planned to choose per vocabulary shard, else sampled from the logits."""
+        if self.summaries is not None:
+            summaries = self.summaries if plan.logits_rows is None else self.summaries[plan.logits_rows]
+            return self.sampling.greedy_from_summaries(summaries, plan.params, plan.banned_token_ids,
+                                                       plan.token_bitmask)
+        logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
+        return self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
+                                    plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
 
     def forget(self, keys: list[int]) -> None:
         """Rank 0: drop what it keeps of sequences that ended (generators, drafts' distributions,
@@ -275,6 +287,8 @@ class Worker:
         """Rank 0: the verdicts of a verification message (``worker/verify_plan.py``) on the last
         forward pass's logits, with the sampler, generators and drafts' distributions it owns
         (``worker/rank_verification.py``): host values, after one copy."""
+        if self.logits is None:
+            raise RuntimeError("a verification message after a step planned to choose per vocabulary shard")
         return verify(self.logits, plan, self.sampling)
 
     def draft_pass(self, plan: "DraftPassPlan", executor=None) -> Optional[list[int]]:
@@ -367,5 +381,14 @@ class Worker:
         exchange(self.groups.control, msgspec.msgpack.encode(answer))
 
 
+def finite_logits(output: "ForwardOutput") -> bool:
+    """Whether a step's sampled rows read as finite: their logits, or where the choice was made per
+    vocabulary shard the summaries' maxima and sums (the middle plane holds indices' bits)."""
+    if output.summaries is not None:
+        return bool(torch.isfinite(output.summaries[:, 0::2]).all())
+    return bool(torch.isfinite(output.logits).all())
+
+
 if __name__ == "__main__":
     main()
+
