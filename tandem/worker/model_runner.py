@@ -3,8 +3,9 @@
 Owner of the model (this rank's shard), the attention backend and the decode CUDA graphs. It
 copies a step's input ids, positions and per-group attention metadata (``StepInputs``, built from
 the scheduled chunks by the engine core: ``engine/step_planner.py``) to the device, runs the model
-(replaying a graph or eagerly) and returns the hidden states, the sampled rows' logits and the
-logits of each prompt-logprob range (``run``). Every rank runs it through its ``Worker``
+(replaying a graph or eagerly) and returns the hidden states, the sampled rows' logits (under
+tensor parallelism, for a step planned so, only their greedy summaries: ``sampled_logits``) and
+the logits of each prompt-logprob range (``run``). Every rank runs it through its ``Worker``
 (``engine/ranks/worker.py``); the runner itself knows nothing of other ranks beyond its model's
 shard (whose collectives the layers make).
 """
