@@ -73,7 +73,9 @@ class StepPlanner:
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
                            [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
-                           targets, sources, vocab_choice=samples and greedy_choice_only(step.chunks))
+                           targets, sources, vocab_choice=samples and greedy_choice_only(step.chunks),
+                           choice_top=max((chunk.sequence.params.logprobs or 0 for chunk in step.chunks
+                                           if chunk.samples), default=0))
         return PlannedStep(plan, prompt_rows)
 
     def result(self, planned: PlannedStep, output: StepOutput) -> ExecuteResult:

@@ -7,7 +7,7 @@
   outside it embed to zeros, and the sum over ranks is the full embedding.
 - ``ParallelLMHead``: the same row slice as logits columns; the ranks' columns are gathered
   into full logits on every rank, or, for a step whose every sampled row takes the greedy
-  choice, only each slice's summaries are (``choice_summaries``, below).
+  choice, only what that choice needs of each slice (``choice``; ``vocab_choice.py``).
 
 Column-parallel projections are ``StackedLinear`` with a shard (``layers/linear.py``). With the
 one-rank shard every layer here computes exactly what its plain ``torch.nn`` counterpart does.
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.greedy_choice import greedy_summaries
 from tandem.layers.linear import Linear, dense_product, linear_product, mark_sharded
 from tandem.parallel.shard import SINGLE, TensorShard
+from tandem.parallel.vocab_choice import VocabChoice, shard_choice
 
 
 class ColumnParallelLinear(Linear):
@@ -90,25 +90,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits ``hidden @ weight.T`` over the whole vocabulary, on every rank. ``weight`` may be
-    the embedding's (tied): both use the same slice.
-
-    Gathering a step's logits costs (at batch 64 of a 128k vocabulary in bf16, 8 MB a rank: ~60
-    µs of a 3.5 ms decode step on two H200s), and a step whose every sampled row takes the
-    greedy choice of the raw logits needs none of it: inside ``local_columns()`` the head gives
-    this rank's columns, and ``choice_summaries`` gathers only their summaries (per part of the
-    columns: maximum, first index in the whole vocabulary, sum of exponentials; a few hundred
-    bytes a row, ``kernels/greedy_choice.py``), which rank 0 merges (``merge_summaries``) into
-    the token, logprob and rank the sampler's greedy kernels give over the gathered logits (the
-    token bit for bit; the logprob's sum grouped by other parts, equal to float32 rounding). The
-    engine core decides per step (``ForwardPlan.vocab_choice``), so every rank makes the same
-    collective."""
+    the embedding's (tied): both use the same slice. Inside ``local_columns()`` the head gives
+    this rank's columns, which ``gather`` makes the full logits, or ``choice`` the greedy
+    choice's parts every rank sends (``vocab_choice.py``; the engine core decides per step,
+    ``ForwardPlan.vocab_choice``, so every rank makes the same collective)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, shard: TensorShard = SINGLE) -> None:
         super().__init__()
         self.shard = shard
         self.vocab_size = vocab_size
         self.first, rows = vocabulary_slice(vocab_size, shard)
-        self.columns = max(0, min(rows, vocab_size - self.first))  # this rank's columns short of the padding
+        # every rank's columns short of the padding past the vocabulary
+        self.rank_columns = [max(0, min(rows, vocab_size - rank * rows)) for rank in range(shard.size)]
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         mark_sharded(self.weight, 0, shard, vocab_size)
         self.local = False  # inside ``local_columns``: forward gives this rank's columns
@@ -122,7 +115,7 @@ class ParallelLMHead(nn.Module):
     @contextmanager
     def local_columns(self):
         """Within: the head (and the model's ``compute_logits`` around it) gives this rank's
-        columns of the logits, ``gather`` or ``choice_summaries`` to follow."""
+        columns of the logits, ``gather`` or ``choice`` to follow."""
         self.local = True
         try:
             yield
@@ -133,8 +126,13 @@ class ParallelLMHead(nn.Module):
         """Every rank's columns (its ``local_columns`` logits) as the full logits."""
         return self.shard.all_gather(local_logits)[..., :self.vocab_size]
 
-    def choice_summaries(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """Every rank's greedy summaries of its columns, gathered: ``[rows, 3, parts]``
-        (``merge_summaries`` gives the choice over the whole vocabulary)."""
-        summaries = greedy_summaries(local_logits.contiguous(), index_base=self.first, columns=self.columns)
-        return self.shard.all_gather(summaries)
+    def chooses(self, top: int) -> bool:
+        """Whether ``choice`` serves rows asking for ``top`` logprobs: every rank has as many
+        columns (else, with a vocabulary of a few tokens a rank, the logits are gathered)."""
+        return top <= min(self.rank_columns)
+
+    def choice(self, local_logits: torch.Tensor, top: int = 0) -> VocabChoice:
+        """Every rank's greedy summaries of its columns, and its ``top`` largest logits where
+        rows ask for top logprobs (``chooses(top)``), gathered (rank 0 merges them:
+        ``VocabChoice.merge``)."""
+        return shard_choice(local_logits, self.first, self.rank_columns[self.shard.rank], top, self.shard)

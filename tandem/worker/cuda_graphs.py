@@ -15,7 +15,7 @@ slot -1 (nothing is written), so a padding row never touches a page.
 
 The forward captured is the network's plus its logits head, so a replay ends with the output
 hidden state and the logits of every row (under tensor parallelism the target's graphs end with
-this rank's columns of them: the runner gathers the logits, or only their greedy summaries,
+this rank's columns of them: the runner gathers the logits, or only what their greedy choice needs,
 after the replay, as the step's plan says). Graphs apply only to models whose stateful layers all declare ``cuda_graph_safe``
 (their reads and writes are tensor operations with no host synchronisation and no
 data-dependent shapes); the others run eagerly.
@@ -83,7 +83,7 @@ class TargetNetwork:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits, under tensor parallelism this rank's columns: the runner gathers them, or
-        their greedy summaries, after the replay (``ModelRunner.finish_logits``)."""
+        what their greedy choice needs, after the replay (``ModelRunner.finish_logits``)."""
         model = self.runner.model
         if not model.tensor_shard.is_parallel:
             return model.compute_logits(hidden)

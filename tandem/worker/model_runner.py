@@ -4,7 +4,7 @@ Owner of the model (this rank's shard), the attention backend and the decode CUD
 copies a step's input ids, positions and per-group attention metadata (``StepInputs``, built from
 the scheduled chunks by the engine core: ``engine/step_planner.py``) to the device, runs the model
 (replaying a graph or eagerly) and returns the hidden states, the sampled rows' logits (under
-tensor parallelism, for a step planned so, only their greedy summaries: ``sampled_logits``) and
+tensor parallelism, for a step planned so, only what their greedy choice needs: ``sampled_logits``) and
 the logits of each prompt-logprob range (``run``). Every rank runs it through its ``Worker``
 (``engine/ranks/worker.py``); the runner itself knows nothing of other ranks beyond its model's
 shard (whose collectives the layers make).
@@ -28,6 +28,7 @@ from tandem.worker.cuda_graphs import CudaGraphRunner, model_is_graph_safe, reco
 from tandem.worker.graph_choice import GraphChoice
 from tandem.worker.mixed_graphs import MixedStepGraphs, mixed_graphs_apply
 from tandem.layers.forward_context import ForwardContext
+from tandem.parallel.vocab_choice import VocabChoice
 from tandem.worker.host_staging import to_device
 from tandem.worker.step_inputs import StepInputs
 
@@ -43,12 +44,12 @@ class ForwardOutput:
     """What a step's forward pass gives (``ModelRunner.run``); only rank 0 reads it."""
     hidden: torch.Tensor  # [tokens, hidden] the model's output (a replayed graph's: valid until its next replay)
     # [sampled rows, vocab] model dtype (readers cast), in the order of ``StepInputs.sampling_rows``;
-    # None where the step's choice was made per vocabulary shard (``summaries`` instead)
+    # None where the step's choice was made per vocabulary shard (``choice`` instead)
     logits: Optional[torch.Tensor]
     prompt_logits: list[torch.Tensor]  # [rows, vocab] float32 per prompt-logit range, in the plan's order
-    # Under tensor parallelism, a step planned with ``vocab_choice``: every rank's greedy summaries
-    # of its columns of the sampled rows' logits, ``[sampled rows, 3, parts]`` (``ParallelLMHead``)
-    summaries: Optional[torch.Tensor] = None
+    # Under tensor parallelism, a step planned with ``vocab_choice``: what every rank gathered of
+    # its columns of the sampled rows' logits for the greedy choice (``parallel/vocab_choice.py``)
+    choice: Optional[VocabChoice] = None
 
 
 class ModelRunner:
@@ -174,8 +175,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInputs, graph_size: int, prompt_logit_ranges: list[tuple[int, int]], feed=None,
-            broadcast_inputs: bool = False, graph_rows: Optional[StepInputs] = None,
-            vocab_choice: bool = False) -> ForwardOutput:
+            broadcast_inputs: bool = False, graph_rows: Optional[StepInputs] = None, vocab_choice: bool = False,
+            choice_top: int = 0) -> ForwardOutput:
         """One step's forward pass, as every rank runs it (``engine/ranks/worker.py``'s ``Worker``):
         replayed from this rank's graph of ``graph_size`` rows (0: eagerly), then the LM head over
         each of ``prompt_logit_ranges`` (first row, rows), in order. Both hold collectives under
@@ -183,41 +184,42 @@ class ModelRunner:
         tokens still pending on this rank's device into the input ids (rank 0); with
         ``broadcast_inputs`` rank 0's input ids then go to every rank. ``graph_rows``: the replayed
         rows as the plan names them; else derived and checked here (``planned_graph_step``).
-        ``vocab_choice`` (tensor parallelism): the sampled rows' greedy summaries are gathered
-        instead of their logits (``ForwardOutput.summaries``)."""
-        summaries = None
+        ``vocab_choice`` (tensor parallelism): the ranks gather what the sampled rows' greedy
+        choice needs, with ``choice_top`` candidates each for top logprobs, instead of their
+        logits (``ForwardOutput.choice``)."""
+        choice = None
         if graph_size:
             rows = graph_rows if graph_rows is not None else self.planned_graph_step(step, graph_size)
             hidden, logits = self.graphs.replay(rows, feed, broadcast_inputs=broadcast_inputs)
             if self.model.tensor_shard.is_parallel:  # (the graph holds this rank's columns)
-                logits, summaries = self.finish_logits(logits, vocab_choice)
+                logits, choice = self.finish_logits(logits, vocab_choice, choice_top)
         else:
-            hidden, logits, summaries = self.forward(step, feed, broadcast_inputs, vocab_choice)
+            hidden, logits, choice = self.forward(step, feed, broadcast_inputs, vocab_choice, choice_top)
         prompt_logits = [self.model.compute_logits(hidden[start:start + count]).float()
                          for start, count in prompt_logit_ranges]
-        return ForwardOutput(hidden, logits, prompt_logits, summaries)
+        return ForwardOutput(hidden, logits, prompt_logits, choice)
 
-    def sampled_logits(self, hidden: torch.Tensor, vocab_choice: bool = False):
-        """``(logits, summaries)`` of the sampled rows' hidden states: the logits (summaries
-        None), or under tensor parallelism with ``vocab_choice`` the gathered greedy summaries
-        (logits None)."""
+    def sampled_logits(self, hidden: torch.Tensor, vocab_choice: bool = False, choice_top: int = 0):
+        """``(logits, choice)`` of the sampled rows' hidden states: the logits (choice None), or
+        under tensor parallelism with ``vocab_choice`` the gathered ``VocabChoice`` (logits None)."""
         if not self.model.tensor_shard.is_parallel:
             return self.model.compute_logits(hidden), None
         with self.model.lm_head.local_columns():
             local = self.model.compute_logits(hidden)
-        return self.finish_logits(local, vocab_choice)
+        return self.finish_logits(local, vocab_choice, choice_top)
 
-    def finish_logits(self, local: torch.Tensor, vocab_choice: bool):
-        """``(logits, summaries)`` from this rank's columns of the logits (tensor parallelism: a
+    def finish_logits(self, local: torch.Tensor, vocab_choice: bool, choice_top: int = 0):
+        """``(logits, choice)`` from this rank's columns of the logits (tensor parallelism: a
         collective every rank makes alike)."""
         head = self.model.lm_head
-        if vocab_choice:
-            return None, head.choice_summaries(local)
+        if vocab_choice and head.chooses(choice_top):
+            return None, head.choice(local, choice_top)
         return head.gather(local), None
 
-    def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False, vocab_choice: bool = False):
+    def forward(self, step: StepInputs, feed=None, broadcast_inputs: bool = False, vocab_choice: bool = False,
+                choice_top: int = 0):
         """The model over the step's tokens and the logits of its sampled rows: ``(hidden,
-        logits, summaries)`` (``sampled_logits``). Under tensor parallelism every rank runs this with the same step; with
+        logits, choice)`` (``sampled_logits``). Under tensor parallelism every rank runs this with the same step; with
         ``broadcast_inputs`` rank 0's device input ids (pending tokens filled in) go to all."""
         metadata = [self._group_metadata(step, group) for group in range(self.coordinator.num_groups)]
         context = self.forward_context(metadata)
@@ -233,7 +235,7 @@ class ModelRunner:
         if not step.sampling_rows:
             return hidden, hidden.new_zeros((0, 0)), None
         rows = to_device(step.sampling_rows, self.device, torch.long)
-        return (hidden, *self.sampled_logits(hidden.index_select(0, rows), vocab_choice))
+        return (hidden, *self.sampled_logits(hidden.index_select(0, rows), vocab_choice, choice_top))
 
     def graph_choice(self) -> GraphChoice:
         """What this rank captured, as the graph choice reads it (host values): rank 0's worker

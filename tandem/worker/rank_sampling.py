@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from tandem.parallel.vocab_choice import VocabChoice
 from tandem.sampling_params import SamplingParams
 from tandem.structured.bitmask_staging import BitmaskStaging
-from tandem.kernels.greedy_choice import merge_summaries
 from tandem.worker.sampler import ParameterTables, Sampler, SamplerOutput, SamplingMetadata, takes_greedy_choice
 
 
@@ -96,16 +96,17 @@ class RankSampling:
         return self.sampler(logits, metadata)
 
     @staticmethod
-    def greedy_from_summaries(summaries: torch.Tensor, params: Sequence[SamplingParams],
-                              banned_token_ids: Sequence[Sequence[int]],
-                              bitmask: Optional[np.ndarray]) -> SamplerOutput:
-        """One token per row of ``summaries`` (the greedy summaries of a step planned to choose
-        per vocabulary shard, ``ParallelLMHead.choice_summaries``; rows already in the sampled
-        rows' order): the greedy choice, its logprob and rank. The step's plan promised rows
-        that take nothing else (``takes_greedy_choice``); a sampling message that asks more is
-        an engine error, raised rather than answered from the wrong distribution."""
+    def greedy_from_choice(choice: VocabChoice, params: Sequence[SamplingParams],
+                           banned_token_ids: Sequence[Sequence[int]], bitmask: Optional[np.ndarray]) -> SamplerOutput:
+        """One token per row of ``choice`` (what the ranks gathered for a step planned to choose
+        per vocabulary shard, ``parallel/vocab_choice.py``; rows already in the sampled rows'
+        order): the greedy choice, its logprob and rank, and the top logprobs the rows ask for.
+        The step's plan promised rows that take nothing else (``takes_greedy_choice``); a
+        sampling message that asks more is an engine error, raised rather than answered from
+        the wrong distribution."""
         if not all(takes_greedy_choice(p) for p in params) or bitmask is not None or any(banned_token_ids):
             raise RuntimeError("a step planned to choose greedily per vocabulary shard got a sampling message "
-                               "that asks for more (sampling, penalties, a grammar, banned ids or top logprobs)")
-        choice = merge_summaries(summaries)
-        return SamplerOutput(choice.token_ids, choice.logprobs, choice.ranks, None, None, packed=choice.packed)
+                               "that asks for more (sampling, penalties, a grammar or banned ids)")
+        greedy, top_ids, top_logprobs = choice.merge(max((p.logprobs or 0 for p in params), default=0))
+        return SamplerOutput(greedy.token_ids, greedy.logprobs, greedy.ranks, top_ids, top_logprobs,
+                             packed=greedy.packed)

@@ -316,10 +316,10 @@ def takes_greedy_kernels(logits: torch.Tensor, metadata: SamplingMetadata) -> bo
 
 def takes_greedy_choice(params: SamplingParams) -> bool:
     """Whether a row's token is, whatever step it samples in, the raw logits' greedy choice with
-    nothing else asked for (greedy; no penalty, grammar, min_tokens' banned ids or top logprob):
-    a step of such rows needs only the argmax, its logprob and rank. The engine core plans a
-    tensor-parallel step of such rows to gather no logits (``ParallelLMHead.choice_summaries``)."""
-    return (params.temperature < GREEDY_TEMPERATURE_EPSILON and not params.uses_penalties and not params.logprobs
+    nothing changing the logits (greedy; no penalty, grammar or min_tokens' banned ids; top
+    logprobs of the raw logits may be asked). The engine core plans a tensor-parallel step of
+    such rows to gather no logits (``parallel/vocab_choice.py``)."""
+    return (params.temperature < GREEDY_TEMPERATURE_EPSILON and not params.uses_penalties
             and params.min_tokens == 0 and params.structured_outputs is None)
 
 

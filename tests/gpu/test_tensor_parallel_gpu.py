@@ -47,8 +47,8 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         assert sorted(engine.runner.graphs.graphs if engine.runner.graphs is not None else []) == sizes
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert enforce_eager or engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"
-        # No top logprobs asked: every step chooses per vocabulary shard (greedy summaries gathered).
-        shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_summaries")
+        # Greedy rows: every step chooses per vocabulary shard (with top logprobs above, without here).
+        shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_choice")
         chosen = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
                                                       ignore_eos=True), use_tqdm=False)
         assert shard_choices[0] >= MAX_TOKENS, shard_choices

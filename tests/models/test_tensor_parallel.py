@@ -35,15 +35,14 @@ ENGINE = dict(page_size=16, max_total_tokens=512, max_num_batched_tokens=32, max
 
 def run_scenario(llm: LLM):
     """(outputs, prompts, n): a mixed batch (one prompt with prompt logprobs, one forked), then
-    a prompt extending the first (a prefix hit) asking for no top logprob (the greedy choice made
-    per vocabulary shard)."""
+    a prompt extending the first (a prefix hit) asking for no top logprob."""
     rng = random.Random(13)
     first, second = [rng.randrange(3, 500) for _ in range(40)], [rng.randrange(3, 500) for _ in range(11)]
     outputs = llm.generate([first, second], [SamplingParams(max_tokens=MAX_TOKENS, n=2, **GREEDY),
                                              SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=3, **GREEDY)],
                            use_tqdm=False)
     third = first + [rng.randrange(3, 500) for _ in range(7)]
-    # (no top logprobs: under tensor parallelism its steps gather greedy summaries, not logits)
+    # (its token's logprob alone: under tensor parallelism its steps gather no top candidates)
     outputs += llm.generate([third], SamplingParams(max_tokens=MAX_TOKENS, **dict(GREEDY, logprobs=0)), use_tqdm=False)
     return outputs, [first, second, third]
 
@@ -86,7 +85,7 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles, monkeypatch)
     single_llm = LLM(model=model_dirs[arch], **options)
     single, _ = run_scenario(single_llm)
     llm = LLM(model=model_dirs[arch], tensor_parallel_size=2, **options)
-    shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_summaries")
+    shard_choices = count_calls(monkeypatch, RankSampling, "greedy_from_choice")
     try:
         assert llm.engine.overlap == (arch == "llama")
         check_shard_registry(single_llm.engine.registry, llm.engine.registry, replicated=arch == "deepseek_v32")
@@ -98,7 +97,8 @@ def test_tp2_equals_tp1_and_transformers(arch, model_dirs, oracles, monkeypatch)
     finally:
         llm.engine.shutdown()
     check_scenario_outputs(outputs, prompts, single, oracles[arch], f"{arch} TP=2")
-    assert shard_choices == [MAX_TOKENS], "the last prompt's steps did not choose per vocabulary shard"
+    # every step samples greedy rows only: each chose per vocabulary shard (top logprobs or none)
+    assert shard_choices[0] >= 2 * MAX_TOKENS, shard_choices
 
 
 def count_calls(monkeypatch, owner, name: str) -> list[int]:

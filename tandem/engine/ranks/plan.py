@@ -88,9 +88,11 @@ class ForwardPlan:
     pending_targets: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
     # Under tensor parallelism: every sampled row takes the greedy choice of the raw logits
-    # (``worker/sampler.takes_greedy_choice``), so the ranks gather only their greedy summaries
-    # (``ParallelLMHead.choice_summaries``), not the logits. Every rank's plan says it alike.
+    # (``worker/sampler.takes_greedy_choice``), so the ranks gather only what that choice needs
+    # (``parallel/vocab_choice.py``), with ``choice_top`` candidates each for the most top
+    # logprobs a row asks for, not the logits. Every rank's plan says it alike.
     vocab_choice: bool = False
+    choice_top: int = 0
 
 
 @dataclass
@@ -131,7 +133,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     rpc_arguments: bytes = b""  # its arguments (a msgpack list)
     disk_keys: list[bytes] = []  # DISK plans only: the store pages every rank reads and counts
     hidden_dtype: str = ""  # DRAFT plans: the dtype of the hidden inputs rank 0 broadcasts ("": none)
-    vocab_choice: bool = False  # STEP plans: the ranks gather greedy summaries, not logits (``ForwardPlan``)
+    vocab_choice: bool = False  # STEP plans: the ranks gather the greedy choice's parts, not logits (``ForwardPlan``)
+    choice_top: int = 0  # ... with this many top-logprob candidates each
 
     @classmethod
     def of_step(cls, step: StepInputs, prompt_logit_ranges: list[tuple[int, int]],
@@ -147,7 +150,7 @@ class StepPlan(msgspec.Struct, array_like=True):
         """A STEP plan: ``plan`` for the other ranks, after the page operations before it."""
         message = cls.of_step(plan.inputs, plan.prompt_logit_ranges, page_operations, plan.inputs_from_root,
                               plan.graph_size)
-        message.vocab_choice = plan.vocab_choice
+        message.vocab_choice, message.choice_top = plan.vocab_choice, plan.choice_top
         return message
 
     @classmethod
@@ -161,7 +164,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     def forward_plan(self) -> ForwardPlan:
         """A STEP plan as the forward pass this rank runs."""
         return ForwardPlan(self.step_inputs(), [tuple(rows) for rows in self.prompt_logit_ranges],
-                           self.inputs_from_root, self.graph_size, vocab_choice=self.vocab_choice)
+                           self.inputs_from_root, self.graph_size, vocab_choice=self.vocab_choice,
+                           choice_top=self.choice_top)
 
     def draft_plan(self) -> DraftPlan:
         """A DRAFT plan as the draft pass this rank runs."""

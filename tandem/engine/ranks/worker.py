@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from tandem.engine.ranks.build import RankParts
     from tandem.engine.ranks.plan import DraftPlan, ForwardPlan, StepPlan
     from tandem.engine.ranks.sampling_plan import SamplingPlan
+    from tandem.parallel.vocab_choice import VocabChoice
     from tandem.spec_decode.draft_pass_plan import DraftPassPlan, ProposalEnd, ProposalOutput
     from tandem.worker.graph_choice import GraphChoice
     from tandem.worker.model_runner import ForwardOutput
@@ -161,10 +162,10 @@ class Worker:
         self.transfers = transfers  # with a PD role: this rank's transfer agent (pd_ranks.py; rank 0's: open_transfers)
         # Rank 0 samples (``sample``): its sampler, parameter tables and per-sequence generators,
         # and the logits of the last forward pass, which the next sampling message reads (or,
-        # for a step planned to choose per vocabulary shard, the gathered greedy summaries).
+        # for a step planned to choose per vocabulary shard, what the ranks gathered for it).
         self.sampling = RankSampling(parts.config.seed, self.runner.device, bitmask_words(parts.model_info.vocab_size))
         self.logits: Optional[torch.Tensor] = None
-        self.summaries: Optional[torch.Tensor] = None
+        self.choice: Optional["VocabChoice"] = None
         # Rank 0 on CUDA: a timing event where the last forward pass began (the scheduler's step
         # time fit reads the device's time from it to the sampled tokens' copy).
         self.step_began: Optional[torch.cuda.Event] = None
@@ -228,10 +229,10 @@ class Worker:
             feed = feed_pending(self.sampled_token_ids, plan.pending_targets, plan.pending_sources)
         output = self.runner.run(plan.inputs, plan.graph_size, plan.prompt_logit_ranges, feed,
                                  broadcast_inputs=plan.inputs_from_root and self.parallel, graph_rows=plan.graph_rows,
-                                 vocab_choice=plan.vocab_choice)
+                                 vocab_choice=plan.vocab_choice, choice_top=plan.choice_top)
         for name in self.unread_layers:  # (after the forward pass: its own layers load first)
             self.coordinator.pending_loads.wait(name)
-        self.logits, self.summaries = output.logits, output.summaries
+        self.logits, self.choice = output.logits, output.choice
         self.hidden = output.hidden if plan.hidden_states else None
         if not self.reads_output:
             return StepOutput([])
@@ -262,12 +263,11 @@ class Worker:
         return host
 
     def _sample_rows(self, plan: "SamplingPlan") -> "SamplerOutput":
-        """The sampled rows' tokens on the device: merged from the greedy summaries where the
+        """The sampled rows' tokens on the device: merged from what the ranks gathered where the
         step was planned to choose per vocabulary shard, else sampled from the logits."""
-        if self.summaries is not None:
-            summaries = self.summaries if plan.logits_rows is None else self.summaries[plan.logits_rows]
-            return self.sampling.greedy_from_summaries(summaries, plan.params, plan.banned_token_ids,
-                                                       plan.token_bitmask)
+        if self.choice is not None:
+            choice = self.choice if plan.logits_rows is None else self.choice.rows(plan.logits_rows)
+            return self.sampling.greedy_from_choice(choice, plan.params, plan.banned_token_ids, plan.token_bitmask)
         logits = self.logits if plan.logits_rows is None else self.logits[plan.logits_rows]
         return self.sampling.sample(logits, plan.keys, plan.params, plan.seeds, plan.prompt_token_ids,
                                     plan.output_token_ids, plan.banned_token_ids, plan.token_bitmask)
@@ -383,9 +383,9 @@ class Worker:
 
 def finite_logits(output: "ForwardOutput") -> bool:
     """Whether a step's sampled rows read as finite: their logits, or where the choice was made per
-    vocabulary shard the summaries' maxima and sums (the middle plane holds indices' bits)."""
-    if output.summaries is not None:
-        return bool(torch.isfinite(output.summaries[:, 0::2]).all())
+    vocabulary shard what the ranks gathered for it (``VocabChoice.finite``)."""
+    if output.choice is not None:
+        return output.choice.finite()
     return bool(torch.isfinite(output.logits).all())
 
 
