@@ -139,7 +139,9 @@ def greedy_summaries(logits: torch.Tensor, index_base: int = 0, columns: Optiona
     if not (logits.is_cuda if kernels is None else kernels):
         return greedy_summaries_reference(logits[:, :columns], index_base)
     batch = logits.shape[0]
-    num_parts = max(1, triton.cdiv(columns, PART_SIZE))
+    # (parts of the whole width, not of ``columns``: every rank's summaries of its equally wide
+    # slice have the same shape, whatever its padding; a part past ``columns`` summarises nothing)
+    num_parts = max(1, triton.cdiv(logits.shape[1], PART_SIZE))
     summary = torch.empty(batch, 3, num_parts, dtype=torch.float32, device=logits.device)
     if batch:
         _partial_kernel[(batch, num_parts)](logits, summary, columns, logits.stride(0), num_parts, index_base,

@@ -49,17 +49,20 @@ def test_greedy_choice_equals_reference(dtype):
         greedy_choice(logits.t(), kernels=True)
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-def test_vocabulary_slices_summaries_merge_into_the_whole_choice(kernels):
+@pytest.mark.parametrize("kernels,vocab", [(True, 2 * PART_SIZE + 1001), (False, 2 * PART_SIZE + 1001),
+                                          (True, 2 * PART_SIZE + 1)])
+def test_vocabulary_slices_summaries_merge_into_the_whole_choice(kernels, vocab):
     """Two ranks' slices of a vocabulary (the second padded past it, as the LM head's slices
     are), each summarised from its first index, merge into the whole vocabulary's choice; with
-    the Triton kernels (interpreted) and with the plain-PyTorch path a CPU takes."""
-    vocab = 2 * PART_SIZE + 1001
+    the Triton kernels (interpreted) and with the plain-PyTorch path a CPU takes. The slices'
+    summaries have one shape (the ranks gather them) even where the padding leaves the second
+    with a part fewer of real columns (2 * PART_SIZE + 1: 4,097 columns and 4,096)."""
     logits = tricky_logits(4, vocab, torch.float32)
     half = -(-vocab // 2)
     padded = torch.cat([logits, torch.full((4, 2 * half - vocab), 99.0)], dim=1)  # would win if counted
     slices = [greedy_summaries(padded[:, rank * half:(rank + 1) * half].contiguous(), index_base=rank * half,
                                columns=min(half, vocab - rank * half), kernels=kernels) for rank in range(2)]
+    assert slices[0].shape == slices[1].shape
     merged = merge_summaries(torch.cat(slices, dim=-1), kernels=kernels)
     assert merged.token_ids.tolist()[:3] == [3, PART_SIZE - 70, vocab - 2]
     assert_same_choice(merged, greedy_choice_reference(logits), 1e-5)
