@@ -82,3 +82,23 @@ def test_the_head_gathers_logits_for_more_tops_than_a_rank_has_columns():
     head = ParallelLMHead(8, 9, TensorShard(1, 2))  # columns 5 and 4
     assert head.rank_columns == [5, 4] and head.first == 5
     assert head.chooses(4) and not head.chooses(5)
+
+
+def test_rank_zero_refuses_a_sampling_message_asking_more_than_the_plan():
+    """A step planned to choose per shard whose sampling message asks for sampling, penalties or
+    banned ids raises (rather than answering from the wrong distribution); a greedy one with top
+    logprobs within what was gathered is answered, its tops in the sampler's layout."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.worker.rank_sampling import RankSampling
+    from tandem.worker.sampler import takes_greedy_choice
+
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    choice = choose(logits, 3)
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    output = RankSampling.greedy_from_choice(choice, [greedy, greedy], [[], []], None)
+    assert torch.equal(output.token_ids, logits.argmax(-1)) and output.top_token_ids.shape == (2, 2)
+    for params, banned in ((SamplingParams(temperature=0.7), []), (SamplingParams(temperature=0.0, min_tokens=2), [5]),
+                           (SamplingParams(temperature=0.0, repetition_penalty=1.1), [])):
+        assert not takes_greedy_choice(params)
+        with pytest.raises(RuntimeError, match="asks for more"):
+            RankSampling.greedy_from_choice(choice, [params, greedy], [banned, []], None)
