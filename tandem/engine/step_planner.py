@@ -70,12 +70,11 @@ class StepPlanner:
         targets, sources = pending.rows(step) if pending is not None else ([], [])
         prompt_rows = prompt_logit_rows(step)
         graph_size, graph_rows = self.graphs.size_and_rows(step, coordinator.pending_loads)
+        choice, choice_top = vocab_choice(step.chunks) if samples else (False, 0)
         plan = ForwardPlan(step, [(start, count) for _, start, count in prompt_rows], bool(targets),
                            graph_size, graph_rows, [prompt_targets(chunk, count) for chunk, _, count in prompt_rows],
                            [chunk.sequence.params.prompt_logprobs for chunk, _, _ in prompt_rows], hidden_states,
-                           targets, sources, vocab_choice=samples and greedy_choice_only(step.chunks),
-                           choice_top=max((chunk.sequence.params.logprobs or 0 for chunk in step.chunks
-                                           if chunk.samples), default=0))
+                           targets, sources, vocab_choice=choice, choice_top=choice_top)
         return PlannedStep(plan, prompt_rows)
 
     def result(self, planned: PlannedStep, output: StepOutput) -> ExecuteResult:
@@ -109,9 +108,12 @@ def prompt_targets(chunk: ScheduledChunk, count: int) -> list[int]:
     return chunk.sequence.token_ids[chunk.start + 1:chunk.start + 1 + count]
 
 
-def greedy_choice_only(chunks: list[ScheduledChunk]) -> bool:
-    """Whether a step samples some row and every sampled row takes the greedy choice of the raw
-    logits alone (``takes_greedy_choice``; a fork at the end of a prompt samples its parent's
-    row with the parent's parameters)."""
+def vocab_choice(chunks: list[ScheduledChunk]) -> tuple[bool, int]:
+    """``(vocab_choice, choice_top)`` of a step's plan: whether it samples some row and every
+    sampled row takes the greedy choice of the raw logits alone (``takes_greedy_choice``; a fork
+    at the end of a prompt samples its parent's row with the parent's parameters), and then the
+    most top logprobs a row asks for."""
     sampled = [chunk.sequence.params for chunk in chunks if chunk.samples]
-    return bool(sampled) and all(takes_greedy_choice(params) for params in sampled)
+    if not sampled or not all(takes_greedy_choice(params) for params in sampled):
+        return False, 0
+    return True, max(params.logprobs or 0 for params in sampled)

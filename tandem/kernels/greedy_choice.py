@@ -178,15 +178,21 @@ def greedy_summaries_reference(logits: torch.Tensor, index_base: int = 0) -> tor
     return torch.stack([maximum, index, total], dim=1)[:, :, None]
 
 
-def merge_summaries_reference(summary: torch.Tensor) -> GreedyChoice:
-    """``merge_summaries`` in plain PyTorch."""
+def summaries_log_normaliser(summary: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's log-sum-exp over the parts its summaries cover."""
     maxima, totals = summary[:, 0], summary[:, 2]
-    indices = summary[:, 1].contiguous().view(torch.int32).long()
     maximum = maxima.max(dim=-1).values
     safe = torch.where(maximum == float("-inf"), torch.zeros_like(maximum), maximum)
+    return torch.log((totals * torch.exp(maxima - safe[:, None])).sum(dim=-1)) + safe
+
+
+def merge_summaries_reference(summary: torch.Tensor) -> GreedyChoice:
+    """``merge_summaries`` in plain PyTorch."""
+    maxima = summary[:, 0]
+    indices = summary[:, 1].contiguous().view(torch.int32).long()
+    maximum = maxima.max(dim=-1).values
     token_ids = torch.where(maxima == maximum[:, None], indices, torch.full_like(indices, NO_INDEX_VALUE)).min(-1).values
-    total = (totals * torch.exp(maxima - safe[:, None])).sum(dim=-1)
-    logprobs = maximum - (torch.log(total) + maximum)
+    logprobs = maximum - summaries_log_normaliser(summary)
     ranks = torch.ones_like(token_ids)
     packed = torch.stack([token_ids.double(), logprobs.double(), ranks.double()], dim=1)
     return GreedyChoice(token_ids, logprobs, ranks, packed)

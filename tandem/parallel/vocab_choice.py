@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from tandem.kernels.greedy_choice import GreedyChoice, greedy_summaries, merge_summaries
+from tandem.kernels.greedy_choice import GreedyChoice, greedy_summaries, merge_summaries, summaries_log_normaliser
 
 
 class VocabChoice(NamedTuple):
@@ -48,13 +48,9 @@ class VocabChoice(NamedTuple):
             return choice, None, None
         if num_top > self.top:
             raise ValueError(f"vocabulary-shard choice: {num_top} top logprobs asked, {self.top} gathered a rank")
-        maxima, totals = self.summaries[:, 0], self.summaries[:, 2]
-        maximum = maxima.max(dim=-1, keepdim=True).values
-        safe = torch.where(maximum == float("-inf"), torch.zeros_like(maximum), maximum)
-        normaliser = torch.log((totals * torch.exp(maxima - safe)).sum(dim=-1, keepdim=True)) + safe
         values, order = self.tops[:, 0].topk(num_top, dim=-1)
         ids = self.tops[:, 1].contiguous().view(torch.int32).gather(1, order).long()
-        return choice, ids, values - normaliser
+        return choice, ids, values - summaries_log_normaliser(self.summaries)[:, None]
 
 
 def shard_choice(local_logits: torch.Tensor, first: int, columns: int, top: int, shard) -> VocabChoice:

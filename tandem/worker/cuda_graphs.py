@@ -84,11 +84,7 @@ class TargetNetwork:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits, under tensor parallelism this rank's columns: the runner gathers them, or
         what their greedy choice needs, after the replay (``ModelRunner.finish_logits``)."""
-        model = self.runner.model
-        if not model.tensor_shard.is_parallel:
-            return model.compute_logits(hidden)
-        with model.lm_head.local_columns():
-            return model.compute_logits(hidden)
+        return self.runner.column_logits(hidden)
 
     def context(self, metadata: list) -> "ForwardContext":
         return self.runner.forward_context(metadata)

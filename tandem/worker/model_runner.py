@@ -202,11 +202,16 @@ class ModelRunner:
     def sampled_logits(self, hidden: torch.Tensor, vocab_choice: bool = False, choice_top: int = 0):
         """``(logits, choice)`` of the sampled rows' hidden states: the logits (choice None), or
         under tensor parallelism with ``vocab_choice`` the gathered ``VocabChoice`` (logits None)."""
+        local = self.column_logits(hidden)
         if not self.model.tensor_shard.is_parallel:
-            return self.model.compute_logits(hidden), None
-        with self.model.lm_head.local_columns():
-            local = self.model.compute_logits(hidden)
+            return local, None
         return self.finish_logits(local, vocab_choice, choice_top)
+
+    def column_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden``; under tensor parallelism this rank's columns of them, which
+        ``finish_logits`` gathers (or gathers what their greedy choice needs of)."""
+        with self.model.lm_head.local_columns():
+            return self.model.compute_logits(hidden)
 
     def finish_logits(self, local: torch.Tensor, vocab_choice: bool, choice_top: int = 0):
         """``(logits, choice)`` from this rank's columns of the logits (tensor parallelism: a

@@ -391,4 +391,3 @@ def finite_logits(output: "ForwardOutput") -> bool:
 
 if __name__ == "__main__":
     main()
-
