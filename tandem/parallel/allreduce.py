@@ -87,10 +87,15 @@ class AllReduceLimits:
         takes the rest up to 32 MiB, where it is as fast as NCCL on the GPU and costs the host
         less: a prefill chunk's messages (thousands of rows) go through it from eager forward
         passes, whose launches bound a TP=2 prefill step (1.6% more throughput at batch 64 on
-        2 x H200). With more ranks a one-shot rank stores its message into every peer, so it keeps
-        to 512 KiB (unmeasured there: set the variables from the benchmark)."""
+        2 x H200). With more ranks a one-shot rank stores its message into every peer: on four
+        (4 x H200 joined by NVLink) one-shot beats two-shot up to 1 MiB, two-shot beats NCCL up to
+        16 MiB and the fused kernel beats the pair up to 512 KiB, so those are the limits there.
+        Other sizes keep one-shot and the fused kernel to 512 KiB and two-shot to 8 MiB (unmeasured
+        there: set the variables from the benchmark)."""
         if world_size == 2:
             return cls(one_shot_max_bytes=4 * MIB, two_shot_max_bytes=32 * MIB, fused_max_bytes=2 * MIB)
+        if world_size == 4:
+            return cls(one_shot_max_bytes=MIB, two_shot_max_bytes=16 * MIB, fused_max_bytes=512 * KIB)
         return cls()
 
     @classmethod

@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs (``pytest -m gpu``; NCCL between the ranks): TP=2 equals
-TP=1 and transformers in float32 for every family it shards, decode steps replaying CUDA graphs
-(with the collectives inside) on both ranks; and the same eagerly; the host tier and swap, each
+TP=1 and transformers in float32 for every family it shards (TP=4 too, where four GPUs are),
+decode steps replaying CUDA graphs (with the collectives inside) on every rank; and the same eagerly; the host tier and swap, each
 rank copying its shard on its own tier stream; speculative decoding with a draft model on rank 0.
 Decode throughput of TP=2 against TP=1 is ``benchmarks/offline.py --preset llama3-8b-b64 --skip-transformers --tensor-parallel-size 2``.
 """
@@ -63,6 +63,39 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         assert list(chosen[number].outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
         assert_matches(chosen[number].outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), top_k=1,
                        context=f"{context} (per-shard choice)")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_tp4_equals_tp1_float32(arch, model_dirs, oracles, monkeypatch):
+    """Four ranks on four GPUs, decode graphs replayed, the peer all-reduce at four ranks' limits:
+    the tiny models' 2 key/value heads are replicated on two ranks each (rank r holds head r // 2),
+    Qwen3-MoE's experts split four ways. Greedy tokens equal TP=1's and transformers'."""
+    import tests.support.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
+    prompts = prompts_for_test()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", page_size=16, max_total_tokens=1024, max_num_batched_tokens=128,
+                   max_num_seqs=8)
+    single = LLM(model=model_dirs[arch], **options)
+    expected = single.generate(prompts, params, use_tqdm=False)
+    single.engine.shutdown()
+    llm = LLM(model=model_dirs[arch], tensor_parallel_size=4, **options)
+    try:
+        engine = llm.engine
+        heads = {d.tensor.shape[-2] for d in engine.registry.buffers()}
+        assert heads == {1}, heads
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert engine.runner.graphs.num_replays >= MAX_TOKENS // 2, "decode steps ran eagerly"
+        engine.check_all_free()
+        engine.check_health()
+    finally:
+        llm.engine.shutdown()
+    for number, (output, reference, prompt) in enumerate(zip(outputs, expected, prompts)):
+        context = f"{arch} TP=4 prompt {number}"
+        assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
+        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), context=context)
 
 
 def test_cuda_tp2_bfloat16_batch_one_tracks_tp1(model_dirs):

@@ -73,7 +73,9 @@ def test_peer_buffer_views_are_the_buffer_and_kept_per_shape():
 
 def test_limits_from_the_environment():
     assert AllReduceLimits.from_environment({}) == AllReduceLimits()
-    assert AllReduceLimits.from_environment({}, world_size=4) == AllReduceLimits()
+    assert AllReduceLimits.from_environment({}, world_size=8) == AllReduceLimits()
+    assert AllReduceLimits.from_environment({}, world_size=4) == AllReduceLimits(
+        one_shot_max_bytes=MIB, two_shot_max_bytes=16 * MIB, fused_max_bytes=512 * KIB)
     two_ranks = AllReduceLimits.from_environment({"TANDEM_ALLREDUCE_FUSED_MAX_BYTES": "65536"}, world_size=2)
     assert two_ranks == AllReduceLimits(one_shot_max_bytes=4 * MIB, two_shot_max_bytes=32 * MIB,
                                        fused_max_bytes=64 * KIB)
