@@ -21,7 +21,7 @@ from tandem.config import EngineConfig
 from tandem.protocol import EngineRequest, EngineStats, PositionLogprobs, RequestDelta, tier_stats
 from tandem.kv.block_pool import SanitizerError
 from tandem.kv.spec import KV_CACHE_DTYPES
-from tandem.engine.memory import resolve_device
+from tandem.engine.memory import on_engine_device, resolve_device
 from tandem.engine.ranks.build import build_rank
 from tandem.engine.ranks.launcher import RankFailure
 from tandem.engine.ranks.sampling_plan import SamplingPlan
@@ -102,6 +102,7 @@ class EngineCore:
                     "on" if config.sanitizer_on else "off")
 
     # -- requests ------------------------------------------------------------------------------
+    @on_engine_device
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; raises ValueError("field: message") if it can never be served."""
         params = request.sampling_params
@@ -167,6 +168,7 @@ class EngineCore:
                         state=self.coordinator.new_state(f"{request_id}#{index}"),
                         arrival_order=next(self._arrival), max_tokens=max_tokens)
 
+    @on_engine_device
     def abort_requests(self, request_ids: list[str]) -> None:
         """End every sequence of these requests and free their pages at once (no deltas)."""
         for request_id in request_ids:
@@ -206,6 +208,7 @@ class EngineCore:
         return self.pd.wakeup_sockets() if self.pd is not None else []
 
     # -- the step -------------------------------------------------------------------------------
+    @on_engine_device
     def step(self, poll_transfers: bool = True) -> list[RequestDelta]:
         """One engine step; with PD, the transfers' progress first (``poll_transfers``; the
         engine process polls them itself to send their deltas before the step runs)."""
@@ -214,6 +217,7 @@ class EngineCore:
         transfer_deltas = self.poll_transfers() if poll_transfers else []
         return transfer_deltas + self.pd.filter_deltas(self._step())
 
+    @on_engine_device
     def poll_transfers(self) -> list[RequestDelta]:
         """PD: control messages, completions, admissions, timeouts. Their deltas (a decode
         engine's first tokens, transfer errors) need no step: the engine process sends them at
@@ -450,6 +454,7 @@ class EngineCore:
         else:
             self.scheduler.finish(sequence, reason)
 
+    @on_engine_device
     def finish_in_flight(self) -> list[RequestDelta]:
         """Complete the launched step, if any (the engine is then quiescent)."""
         step, self._in_flight = self._in_flight, None
@@ -547,6 +552,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         return self.coordinator.prefix_hits.reset()
 
+    @on_engine_device
     def check_all_free(self) -> None:
         """I5 at idle: flush the prefix cache, then every page must be free."""
         if self.finish_in_flight():
@@ -562,6 +568,7 @@ class EngineCore:
             tiers.check_idle()
         self.coordinator.sanitizer.check_all_free(self.coordinator)
 
+    @on_engine_device
     def shutdown(self) -> None:
         self.finish_in_flight()
         self._sequences.clear()

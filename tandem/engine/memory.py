@@ -1,6 +1,8 @@
 """Where the engine runs and how much memory its state pools may take."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -18,6 +20,19 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
+
+
+def on_engine_device(method):
+    """Run an engine method with the engine's CUDA device current (``self.device``): a process
+    may hold engines on several GPUs (a PD pair stepped by one thread, two models side by side),
+    and the Triton kernels, CUDA graphs and side streams an engine launches go to the current
+    device. Nothing changes on a CPU."""
+    @functools.wraps(method)
+    def on_device(self, *arguments, **options):
+        scope = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with scope:
+            return method(self, *arguments, **options)
+    return on_device
 
 
 def available_host_memory() -> int:

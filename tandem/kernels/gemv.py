@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from tandem.kernels.activation import SILU, _activate
 from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, multiprocessors, tl,
                                            triton, wait_for_producer)
 
@@ -48,6 +49,7 @@ WHOLE_ROW = 1 << 30
 
 
 ELEMENTWISE, STEP_SUMS = "elementwise", "step sums"
+_SILU = tl.constexpr(SILU)
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,10 @@ def split_output(hidden: torch.Tensor, rows: int, split: int, block_k: int) -> t
 
 
 @jit
-def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
+def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT, gate_rows,
                  GROUP: tl.constexpr, TOKENS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN: tl.constexpr, ATOMIC: tl.constexpr,
-                 PDL: tl.constexpr):
+                 GATED: tl.constexpr, PDL: tl.constexpr):
     """``out[TOKENS, N] (+)= x @ W.T`` over this program's ``BLOCK_N`` rows and K range, float32
     throughout. ``SCALED``: ``W = w * w_scale`` (``GROUP`` inputs per scale column;
     ``WHOLE_ROW``: one per row). ``EVEN``: N a multiple of ``BLOCK_N`` and the K ranges whole
@@ -146,8 +148,8 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
     PARTS: tl.constexpr = BLOCK_K // SUB_K
     PER_ROW: tl.constexpr = GROUP >= (1 << 30)
     launch_dependents(PDL)
-    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    column_mask = columns[:, None, None] < N
+    columns, real = _strip_rows(N, gate_rows, BLOCK_N, GATED)
+    column_mask = real[:, None, None]
     inputs = (tl.program_id(1) * K_PER_SPLIT + tl.arange(0, PARTS)[None, :, None] * SUB_K
               + tl.arange(0, SUB_K)[None, None, :])  # [1, PARTS, SUB_K]: the first step's inputs
     w_pointers = w + columns[:, None, None] * stride_w + inputs
@@ -156,7 +158,7 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
         w_next = tl.load(w_pointers)
     else:
         w_next = tl.load(w_pointers, mask=column_mask & (inputs < K), other=0.0)
-    row_scales = _row_scales(w_scale, columns, columns < N, scale_columns, GROUP, SCALED)
+    row_scales = _row_scales(w_scale, columns, real, scale_columns, GROUP, SCALED)
     wait_for_producer(PDL)  # the weight's first tile is on its way; the activations are the producer's
     first = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
     second = tl.zeros((BLOCK_N, PARTS, SUB_K), dtype=tl.float32)
@@ -183,19 +185,19 @@ def _gemv_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale
                 x_second = tl.load(x_pointers + stride_x + step, mask=k_mask, other=0.0).to(tl.float32)
             second += w_tile * x_second
     _finish(tl.sum(tl.sum(first, axis=2), axis=1), tl.sum(tl.sum(second, axis=2), axis=1), row_scales, out, columns,
-            columns < N, stride_out, TOKENS, ATOMIC)
+            real, stride_out, gate_rows, TOKENS, ATOMIC, GATED, BLOCK_N)
 
 
 @jit
 def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_out, scale_columns, K_PER_SPLIT,
-                           GROUP: tl.constexpr, TOKENS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
+                           gate_rows, GROUP: tl.constexpr, TOKENS: tl.constexpr, SCALED: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ATOMIC: tl.constexpr,
+                           GATED: tl.constexpr, PDL: tl.constexpr):
     """``_gemv_kernel``'s product with each ``SUB_K``-wide sub-tile's products summed per row
     inside the step (and scaled there by block scales), the activations read once per step."""
     PARTS: tl.constexpr = BLOCK_K // SUB_K
     PER_ROW: tl.constexpr = GROUP >= (1 << 30)
-    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    column_mask = columns < N
+    columns, column_mask = _strip_rows(N, gate_rows, BLOCK_N, GATED)
     k_begin = tl.program_id(1) * K_PER_SPLIT
     launch_dependents(PDL)
     row_scales = _row_scales(w_scale, columns, column_mask, scale_columns, GROUP, SCALED)
@@ -222,7 +224,21 @@ def _gemv_step_sums_kernel(x, w, w_scale, out, N, K, stride_x, stride_w, stride_
             first += partial_first
             if TOKENS > 1:
                 second += partial_second
-    _finish(first, second, row_scales, out, columns, column_mask, stride_out, TOKENS, ATOMIC)
+    _finish(first, second, row_scales, out, columns, column_mask, stride_out, gate_rows, TOKENS, ATOMIC, GATED,
+            BLOCK_N)
+
+
+@jit
+def _strip_rows(N, gate_rows, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """The weight rows program ``n`` streams, and which of them exist: ``BLOCK_N`` consecutive
+    rows; ``GATED`` (a stacked ``[gate; up]`` weight of ``2 * gate_rows`` rows): ``BLOCK_N // 2``
+    gate rows, each followed by its up row, so the program holds both factors of its outputs."""
+    index = tl.arange(0, BLOCK_N)
+    if GATED:
+        pair = tl.program_id(0) * (BLOCK_N // 2) + index // 2
+        return pair + (index % 2) * gate_rows, pair < gate_rows
+    rows = tl.program_id(0) * BLOCK_N + index
+    return rows, rows < N
 
 
 @jit
@@ -235,15 +251,22 @@ def _row_scales(w_scale, columns, column_mask, scale_columns, GROUP: tl.constexp
 
 
 @jit
-def _finish(first, second, row_scales, out, columns, column_mask, stride_out, TOKENS: tl.constexpr,
-            ATOMIC: tl.constexpr):
+def _finish(first, second, row_scales, out, columns, column_mask, stride_out, gate_rows, TOKENS: tl.constexpr,
+            ATOMIC: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-row scales (``_row_scales``: 1.0 for other weights) on the totals, then the store
-    (split-K: the float32 add)."""
+    (split-K: the float32 add). ``GATED``: ``silu(gate) * up`` of each (gate, up) pair of rows,
+    rounded as the product's output and then ``silu_and_mul`` would round it."""
     first *= row_scales
     second *= row_scales
     for token in tl.static_range(TOKENS):
         result = first if token == 0 else second
-        if ATOMIC:
+        if GATED:
+            dtype = out.dtype.element_ty
+            gate, up = tl.split(tl.reshape(result.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
+            activated = _activate(gate, 0.0, _SILU).to(dtype).to(tl.float32)
+            pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out + token * stride_out + pairs, (activated * up).to(dtype), mask=pairs < gate_rows)
+        elif ATOMIC:
             tl.atomic_add(out + token * stride_out + columns, result, mask=column_mask)
         else:
             tl.store(out + token * stride_out + columns, result.to(out.dtype.element_ty), mask=column_mask)
@@ -258,11 +281,16 @@ def gemv_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None,
-         group: Optional[int] = None, config: Optional[GemvConfig] = None) -> torch.Tensor:
+         group: Optional[int] = None, config: Optional[GemvConfig] = None, gated: bool = False) -> torch.Tensor:
     """``gemv_reference`` as one Triton launch (two more with split-K: the zeroed float32 buffer
     and the cast). ``hidden [M <= GEMV_MAX_TOKENS, K]`` contiguous rows; ``weight [N, K]``
     contiguous; ``group`` None or a power of two >= 16. ``config``: tiles other than
-    ``gemv_config``'s (benchmarks, tests)."""
+    ``gemv_config``'s (benchmarks, tests).
+
+    ``gated``: ``weight`` is a stacked ``[gate; up]`` projection (``N`` even) and the result is
+    ``silu(gate) * up`` ``[M, N / 2]``, computed in the same launch and bit for bit what
+    ``silu_and_mul`` makes of the ungated product (never split over K: each program sums its
+    rows whole)."""
     tokens, features = hidden.shape
     rows = weight.shape[0]
     if tokens > GEMV_MAX_TOKENS:
@@ -270,17 +298,22 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
     if config is None:
         config = gemv_config(rows, features, weight.element_size(), multiprocessors(hidden),
                              block_scaled=weight_scale is not None and group is not None)
+    gate_rows = rows // 2 if gated else 0
+    if gated:
+        if rows % 2 or config.block_n % 2:
+            raise ValueError(f"a gated gemv takes [gate; up] rows in pairs: {rows} rows, strips of {config.block_n}")
+        config = dataclasses.replace(config, split=1)
     sub_k = sub_tile_inputs(config.block_k, group)
-    k_per_split, output = split_output(hidden, rows, config.split, config.block_k)
+    k_per_split, output = split_output(hidden, rows - gate_rows, config.split, config.block_k)
     atomic = config.split > 1
     if tokens == 0:
         return output.to(hidden.dtype)
     scaled = weight_scale is not None
     scale_arguments = (weight_scale, weight_scale.shape[1]) if scaled else (weight, 0)
-    grid = (triton.cdiv(rows, config.block_n), config.split)
+    grid = (triton.cdiv(rows, config.block_n), config.split)  # (gated: a strip's rows are half gate, half up)
     # Launched early where the GPU allows (not after split-K's zeroing, which does not signal).
     common = dict(GROUP=WHOLE_ROW if group is None else group, TOKENS=tokens, SCALED=scaled, BLOCK_N=config.block_n,
-                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, num_warps=config.warps,
+                  BLOCK_K=config.block_k, SUB_K=sub_k, ATOMIC=atomic, GATED=gated, num_warps=config.warps,
                   num_stages=config.stages, **early_launch_arguments(hidden, tokens, allowed=not atomic))
     if config.kernel == STEP_SUMS:
         kernel, specific = _gemv_step_sums_kernel, {}
@@ -288,5 +321,5 @@ def gemv(hidden: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torc
         kernel = _gemv_kernel
         specific = dict(EVEN=rows % config.block_n == 0 and k_per_split * config.split == features)
     kernel[grid](hidden, weight, scale_arguments[0], output, rows, features, hidden.stride(0), weight.stride(0),
-                 output.stride(0), scale_arguments[1], k_per_split, **common, **specific)
+                 output.stride(0), scale_arguments[1], k_per_split, gate_rows, **common, **specific)
     return output.to(hidden.dtype) if atomic else output

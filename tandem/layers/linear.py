@@ -69,6 +69,22 @@ def linear_product(module: nn.Linear, hidden: torch.Tensor, with_bias: bool = Tr
     return method.apply(module, hidden, bias)
 
 
+def gated_silu_product(module: nn.Linear, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    """``silu(gate) * up`` of a stacked ``[gate; up]`` projection without a bias, computed by the
+    product's own kernel where that is ``gemv`` (CUDA, the one- and two-token decode steps of a
+    16-bit weight, one token of an FP8 one: ``weight_method.gated_silu``): bit for bit the product
+    followed by ``silu_and_mul``, one launch fewer. None where the product is another kernel."""
+    if module.bias is not None or hidden.dim() != 2:
+        return None
+    method = getattr(module, "weight_method", None)
+    if method is not None:
+        gated = getattr(method, "gated_silu", None)
+        return None if gated is None else gated(module, hidden)
+    if not gemv_serves(hidden, module.weight):
+        return None
+    return gemv(hidden, module.weight, gated=True)
+
+
 class Linear(nn.Linear):
     """A projection whose weight may be quantized. ``quantizable = False`` on an instance keeps
     it 16-bit whatever the checkpoint holds (a weight read as a matrix elsewhere, e.g. MLA's

@@ -1,13 +1,14 @@
 """The SiLU-gated MLP shared by most families; ``gate_proj``/``up_proj`` load into one
 stacked matrix so the pair is one matrix product; on CUDA ``silu(gate) * up`` is one kernel,
-which writes FP8 for an FP8 ``down_proj`` where linked (``tandem.layers.quantized_input``)."""
+which writes FP8 for an FP8 ``down_proj`` where linked (``tandem.layers.quantized_input``), or,
+at the decode sizes the one- and two-token product serves, the product's own epilogue."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_quantized, silu_and_mul_reference
-from tandem.layers.linear import StackedLinear
+from tandem.layers.linear import StackedLinear, gated_silu_product
 from tandem.layers.quantized_input import output_layout
 from tandem.parallel.layers import RowParallelLinear
 from tandem.parallel.shard import SINGLE, TensorShard
@@ -23,6 +24,15 @@ class SiluAndMul(nn.Module):
             return silu_and_mul_reference(gate_up)
         layout = output_layout(self, gate_up)
         return silu_and_mul(gate_up) if layout is None else silu_and_mul_quantized(gate_up, layout)
+
+    def of_product(self, gate_up_proj, hidden) -> torch.Tensor:
+        """``self(gate_up_proj(hidden))`` (``hidden`` 16-bit or a ``QuantizedActivation``); where the product's kernel can apply the activation
+        itself (a 16-bit output, ``gated_silu_product``), in that one launch."""
+        if isinstance(hidden, torch.Tensor) and hidden.is_cuda and output_layout(self, hidden) is None:
+            activated = gated_silu_product(gate_up_proj, hidden)
+            if activated is not None:
+                return activated
+        return self(gate_up_proj(hidden))
 
 
 class GatedMLP(nn.Module):
@@ -50,4 +60,4 @@ class GatedMLP(nn.Module):
     def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The block's output; with ``reduce=False`` (``defers_reduction``) this rank's partial
         sum of it."""
-        return self.down_proj(self.activation(self.gate_up_proj(hidden)), reduce=reduce)
+        return self.down_proj(self.activation.of_product(self.gate_up_proj, hidden), reduce=reduce)

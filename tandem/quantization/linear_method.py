@@ -9,7 +9,8 @@ from tandem.kernels.fp8_activation import ActivationLayout, QuantizedActivation
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, block_wise_product, block_wise_scaled_mm,
                                      block_wise_scaled_mm_available, block_wise_scales, fp8_linear, fp8_linear_layout,
                                      fp8_product)
-from tandem.kernels.fp8_weight_only import MAX_TOKENS, weight_only_matmul
+from tandem.kernels.fp8_weight_only import FP8_GEMV_MAX_TOKENS, MAX_TOKENS, weight_only_matmul
+from tandem.kernels.gemv import gemv
 
 
 class Fp8LinearMethod:
@@ -68,6 +69,15 @@ class Fp8LinearMethod:
         if bias is not None:
             output = output + bias
         return output.reshape(*hidden.shape[:-1], output.shape[-1])
+
+    def gated_silu(self, module, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` of a stacked ``[gate; up]`` FP8 projection in the product's own
+        launch where ``weight_only_matmul`` takes ``gemv`` (``linear.gated_silu_product``);
+        None elsewhere."""
+        if not (hidden.is_cuda and 0 < hidden.shape[0] <= min(FP8_GEMV_MAX_TOKENS, self.weight_only_tokens)
+                and hidden.stride(-1) == 1):
+            return None
+        return gemv(hidden, module.weight, module.weight_scale, self.block_columns, gated=True)
 
     def _apply_16_bit(self, module, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])

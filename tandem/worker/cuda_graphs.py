@@ -159,7 +159,11 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first so the smaller ones reuse its memory pool."""
+        """Capture every size, largest first so the smaller ones reuse its memory pool. On a
+        capture stream of the runner's device: ``torch.cuda.graph``'s default one is made once
+        per process, on the device current then, and capturing on it makes that device current
+        (a second engine of the process on another GPU would launch its kernels there)."""
+        stream = torch.cuda.Stream(self.runner.device)
         for batch_size in reversed(self.batch_sizes):
             # A batch-1 or -2 step on one GPU is a chain of small kernels: each launched before
             # the one before it finishes, where the GPU allows (``triton_support.early_launch``;
@@ -169,7 +173,7 @@ class CudaGraphRunner:
                 self._forward(batch_size)  # warm-up: kernel compilation and autotuning stay outside
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.outputs[batch_size] = self._forward(batch_size)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -5,6 +5,8 @@ reduction inside the K loop); on a GPU (``-m gpu``) at Llama-3.1-8B shapes, eage
 from a CUDA graph, and the 16-bit linear layer taking it at one and two tokens only."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,6 +53,33 @@ def test_gemv_equals_reference(tokens, rows, features, group, config):
         assert not torch.allclose(expected, gemv_reference(hidden, weight, torch.ones_like(scale), block))
     with pytest.raises(ValueError, match="at most 2 tokens"):
         gemv(torch.zeros(3, features), weight, scale, block)
+
+
+@pytest.mark.parametrize("tokens, rows, features, group, config", [
+    (1, 40, 100, "none", GemvConfig(block_n=4, block_k=32)),  # unscaled, partial strip and step
+    (2, 48, 128, "none", GemvConfig(block_n=8, block_k=32, split=2)),  # two tokens, even; split-K asked: not taken
+    (1, 40, 100, None, GemvConfig(block_n=4, block_k=32)),  # per-row scales
+    (2, 34, 72, 32, GemvConfig(block_n=2, block_k=32)),  # block scales, a partial group at the end
+    (2, 40, 100, None, GemvConfig(block_n=16, block_k=32, kernel=STEP_SUMS)),  # step sums, partial strip
+    (1, 36, 100, 16, GemvConfig(block_n=8, block_k=32, kernel=STEP_SUMS)),
+    (1, 34, 200, 32, None),  # the tiles the dispatch picks
+])
+def test_gated_gemv_equals_the_product_then_silu_and_mul(tokens, rows, features, group, config):
+    """``gemv(..., gated=True)`` over a stacked ``[gate; up]`` weight: bit for bit the ungated
+    product followed by ``silu_and_mul`` (both kernels interpreted), and near the reference."""
+    from tandem.kernels.activation import silu_and_mul, silu_and_mul_reference
+
+    weight, scale = weights(rows, features, group, seed=tokens + rows)
+    block = None if group == "none" else group
+    hidden = torch.randn(tokens, features, generator=torch.Generator().manual_seed(5))
+    unsplit = None if config is None else dataclasses.replace(config, split=1)
+    expected = silu_and_mul(gemv(hidden, weight, scale, block, unsplit))
+    actual = gemv(hidden, weight, scale, block, config, gated=True)
+    assert actual.shape == (tokens, rows // 2) and torch.equal(actual, expected)
+    reference = silu_and_mul_reference(gemv_reference(hidden, weight, scale, block))
+    torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    with pytest.raises(ValueError, match="in pairs"):
+        gemv(hidden, weight[:-1], None if scale is None else scale[:-1], block, gated=True)
 
 
 def test_gemv_tiles_fill_an_h100():
@@ -206,11 +235,50 @@ def test_gpu_16_bit_linear_takes_gemv_at_one_and_two_tokens_only():
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", ["none", None, 128])
+def test_gpu_gated_gemv_is_the_product_then_silu_and_mul(group):
+    """At the Llama-3.1-8B gate/up shape (and one rank's of TP=2): the gated product equals the
+    product followed by ``silu_and_mul`` bit for bit, eager and replayed from a graph; the MLP
+    takes it at the token counts ``gemv`` serves (two for 16-bit weights, one for FP8) and its
+    output is the unfused one's."""
+    from tandem.kernels.activation import silu_and_mul
+    from tandem.layers.mlp import GatedMLP
+
+    for rows in (28672, 14336):
+        weight, scale = weights(rows, 4096, group, seed=rows, device="cuda")
+        if group == "none":
+            weight = weight.to(torch.bfloat16)
+        block = None if group == "none" else group
+        for tokens in ((1, 2) if group == "none" else (1,)):
+            hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+            expected = silu_and_mul(gemv(hidden, weight, scale, block))
+            assert torch.equal(gemv(hidden, weight, scale, block, gated=True), expected)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = gemv(hidden, weight, scale, block, gated=True)
+            hidden.copy_(torch.randn_like(hidden))
+            graph.replay()
+            assert torch.equal(output, silu_and_mul(gemv(hidden, weight, scale, block)))
+    mlp = GatedMLP(4096, 14336).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.02)
+    torch.nn.init.normal_(mlp.down_proj.weight, std=0.02)
+    calls = []
+    original = mlp.activation.forward
+    mlp.activation.forward = lambda gate_up: calls.append(gate_up.shape[0]) or original(gate_up)
+    for tokens in (1, 2, 3):
+        hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+        unfused = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(hidden)))
+        assert torch.equal(mlp(hidden), unfused)
+    assert calls == [3], calls  # one and two tokens: the product's own epilogue
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_gpu_products_launched_early_read_what_their_producers_wrote():
     """A norm, then a 16-bit product launched before the norm finishes (programmatic dependent
-    launch on Hopper, ``early_launch``), then SiLU·mul and an FP8 product the same way, replayed
-    from a graph with new inputs each time: every kernel reads its producer's output of this
-    replay."""
+    launch on Hopper, ``early_launch``), then SiLU·mul and an FP8 product the same way (and the
+    gated product with SiLU·mul in its epilogue, then the FP8 product), replayed from a graph with
+    new inputs each time: every kernel reads its producer's output of this replay."""
     from tandem.kernels.activation import silu_and_mul
     from tandem.kernels.norm import rms_norm
     from tandem.kernels.triton_support import early_launch
@@ -222,7 +290,8 @@ def test_gpu_products_launched_early_read_what_their_producers_wrote():
 
     def chain(source):
         gate_up = gemv(rms_norm(source, norm_weight, 1e-6), up_weight)
-        return gemv(silu_and_mul(gate_up), down_weight, down_scale, None)
+        gated = gemv(rms_norm(source, norm_weight, 1e-6), up_weight, gated=True)  # the same, its SiLU fused
+        return gemv(silu_and_mul(gate_up), down_weight, down_scale, None), gemv(gated, down_weight, down_scale, None)
 
     def reference(source):
         normed = rms_norm(source, norm_weight, 1e-6)
@@ -233,9 +302,10 @@ def test_gpu_products_launched_early_read_what_their_producers_wrote():
         chain(hidden)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            output = chain(hidden)
+            output, gated_output = chain(hidden)
     for seed in range(5):
         hidden.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(hidden))
         graph.replay()
         expected = reference(hidden)
         torch.testing.assert_close(output.float(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
+        assert torch.equal(gated_output, output)
