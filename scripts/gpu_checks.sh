@@ -13,6 +13,8 @@
 #   bash scripts/gpu_checks.sh pd-one-gpu   # PD on one GPU (NIXL): where TTFT goes without the link
 #   bash scripts/gpu_checks.sh pd           # two GPUs: PD over NIXL VRAM and NCCL (bandwidth, added TTFT)
 #   bash scripts/gpu_checks.sh tp           # two GPUs: TP GPU tests, all-reduce latency, TP=2 vs TP=1 decode at batch 64
+#   bash scripts/gpu_checks.sh four-gpus    # four GPUs: TP=4 against TP=1, PD between TP=2 engines, the four-rank
+#                                           # all-reduce table, batch 64 at TP=4
 #   bash scripts/gpu_checks.sh tp-mixed     # two GPUs: TP tests (mixed-step graphs on every rank); a mixed step's
 #                                           # time with them on and off at TP=2 and TP=1; batch 64 at TP=2 with its
 #                                           # prefill steps in graphs against eager, alternated
@@ -34,9 +36,12 @@
 #   bash scripts/gpu_checks.sh fp8-attention  # one GPU: decode attention over FP8 pages in random and in-order pages,
 #                                           # and what it takes inside the 8B batch-256 workload (profiled warm)
 #
-# NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package) may be put in .nixl/, the server's
-# web stack in .whl2/ (a device call carries at most 64 MiB: .whl2 with .nixl fits, not .whl
-# too); every wheel of .whl/, .whl2/ and .nixl/ is installed to the private directory.
+# NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package, 59 MB) may be put in .nixl/, the
+# server's web stack in .whl2/ (a device call carries at most 64 MiB in all, the checkout and any
+# other carried folder counted: .nixl leaves room for a .whl2 of msgspec and pyzmq alone, not for
+# .whl; on a machine still warm, a first call can install .whl and a second carry .nixl, the
+# private directory keeping the first's); every wheel of .whl/, .whl2/ and .nixl/ is installed
+# to the private directory.
 #
 # Logs go to $LOG_DIR (default ./gpu-logs), one file per part.
 # To time a change against the code before it, see scripts/compare_versions.sh.
@@ -91,6 +96,14 @@ for part in "${@:-tests}"; do
           run "offline_tp$size" python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 1 --skip-transformers \
             --tensor-parallel-size "$size"
         done ;;
+    four-gpus) # Four GPUs: TP=4 against TP=1; PD between TP=2 engines of one process (cuda:0-1 -> cuda:2-3) over
+               # NCCL, and over NIXL where its wheels were carried; the four-rank all-reduce table; batch 64 at TP=4.
+      run four_gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -o faulthandler_timeout=300 \
+        tests/gpu/test_tensor_parallel_gpu.py::test_cuda_tp4_equals_tp1_float32 \
+        tests/pd/test_pd_tensor_parallel.py::test_cuda_tp2_pd_equals_colocated_float32
+      run allreduce_4 python3 -m benchmarks.allreduce --ranks 4 --max-bytes 16777216
+      run offline_tp4 python3 -m benchmarks.offline --preset llama3-8b-b64 --repeat 2 --skip-transformers \
+        --tensor-parallel-size 4 ;;
     tp-mixed) # Mixed-step graphs under TP=2 (on by default there): the TP GPU tests, then a mixed step's time
               # with them on and off at TP=2 and at TP=1, then batch 64 at TP=2 with and without them.
               run tp_mixed_tests python3 -m pytest -m gpu -q -p no:cacheprovider \
