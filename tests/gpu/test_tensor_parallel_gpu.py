@@ -56,10 +56,10 @@ def test_cuda_tp2_equals_tp1_float32(arch, enforce_eager, model_dirs, oracles, m
         engine.check_health()
     finally:
         llm.engine.shutdown()
-    for number, (output, reference, prompt) in enumerate(zip(outputs, expected, prompts)):
+    assert_equal_to_tp1(outputs, expected, prompts, oracles[arch], f"{arch} TP=2")
+    for number, prompt in enumerate(prompts):
         context = f"{arch} TP=2 prompt {number}"
-        assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
-        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), context=context)
+        reference = expected[number]
         assert list(chosen[number].outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
         assert_matches(chosen[number].outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), top_k=1,
                        context=f"{context} (per-shard choice)")
@@ -92,10 +92,15 @@ def test_cuda_tp4_equals_tp1_float32(arch, model_dirs, oracles, monkeypatch):
         engine.check_health()
     finally:
         llm.engine.shutdown()
+    assert_equal_to_tp1(outputs, expected, prompts, oracles[arch], f"{arch} TP=4")
+
+
+def assert_equal_to_tp1(outputs, expected, prompts, oracle, label: str) -> None:
+    """Greedy tokens equal TP=1's, and tokens and top logprobs transformers'."""
     for number, (output, reference, prompt) in enumerate(zip(outputs, expected, prompts)):
-        context = f"{arch} TP=4 prompt {number}"
+        context = f"{label} prompt {number}"
         assert list(output.outputs[0].token_ids) == list(reference.outputs[0].token_ids), context
-        assert_matches(output.outputs[0], oracles[arch].greedy(prompt, MAX_TOKENS), context=context)
+        assert_matches(output.outputs[0], oracle.greedy(prompt, MAX_TOKENS), context=context)
 
 
 def test_cuda_tp2_bfloat16_batch_one_tracks_tp1(model_dirs):
