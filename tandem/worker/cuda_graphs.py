@@ -171,14 +171,14 @@ class CudaGraphRunner:
             early = batch_size <= DEPENDENT_LAUNCH_MAX_TOKENS and not self.runner.model.tensor_shard.is_parallel
             with early_launch(early, self.runner.device):
                 self._forward(batch_size)  # warm-up: kernel compilation and autotuning stay outside
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.runner.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.outputs[batch_size] = self._forward(batch_size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.runner.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_replay(self, step: StepInputs) -> bool:
