@@ -27,7 +27,7 @@ BLOCK = 1024
 
 
 @jit
-def _activate(gate, gelu_tanh_scale, ACTIVATION: tl.constexpr):
+def activate(gate, gelu_tanh_scale, ACTIVATION: tl.constexpr):
     """``activation(gate)`` in float32."""
     if ACTIVATION == 0:  # SILU
         activated = gate / (1.0 + tl.exp(-gate))
@@ -62,7 +62,7 @@ def _gated_product(row_ptr, columns, intermediate_size, gelu_tanh_scale, dtype: 
     mask = columns < intermediate_size
     gate = tl.load(row_ptr + columns, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + intermediate_size + columns, mask=mask, other=0.0).to(tl.float32)
-    activated = _activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
+    activated = activate(gate, gelu_tanh_scale, ACTIVATION).to(dtype).to(tl.float32)
     return (activated * up).to(dtype).to(tl.float32)
 
 

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from tandem.kernels.activation import SILU, _activate
+from tandem.kernels.activation import SILU, activate
 from tandem.kernels.triton_support import (early_launch_arguments, jit, launch_dependents, multiprocessors, tl,
                                            triton, wait_for_producer)
 
@@ -263,7 +263,7 @@ def _finish(first, second, row_scales, out, columns, column_mask, stride_out, ga
         if GATED:
             dtype = out.dtype.element_ty
             gate, up = tl.split(tl.reshape(result.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
-            activated = _activate(gate, 0.0, _SILU).to(dtype).to(tl.float32)
+            activated = activate(gate, 0.0, _SILU).to(dtype).to(tl.float32)
             pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(out + token * stride_out + pairs, (activated * up).to(dtype), mask=pairs < gate_rows)
         elif ATOMIC:
