@@ -181,6 +181,7 @@ class EngineCore:
                 self._end(sequence, "abort")
         self.drop_finished_generators()
 
+    @on_engine_device
     def finish_sequences(self, keys: list[tuple[str, int]]) -> None:
         """End single sequences as "stop" (the frontend saw a stop string); frees their pages."""
         for request_id, index in keys:
@@ -549,6 +550,7 @@ class EngineCore:
                            structured_outputs=self.structured.stats(),
                            inter_token_budget=budget.stats() if (budget := self.scheduler.inter_token_budget) else None)
 
+    @on_engine_device
     def reset_prefix_cache(self) -> int:
         return self.coordinator.prefix_hits.reset()
 
@@ -580,6 +582,7 @@ class EngineCore:
         self.worker.release_graphs()  # (before the workers leave the group: runner.release_graphs)
         self.executor.close()
 
+    @on_engine_device
     def check_health(self) -> None:
         """Raises when a tensor-parallel rank has died (the engine cannot step any more); an idle
         engine's page operations since its last step reach the other ranks here."""
