@@ -47,6 +47,11 @@ MAX_TOKENS = 16  # the largest token count this path serves (one 16-row tensor-c
 FP8_GEMV_MAX_TOKENS = 1  # the token counts ``gemv.py`` serves instead (its own tiles)
 
 
+def takes_gemv(tokens: int) -> bool:
+    """Whether ``weight_only_matmul`` of ``tokens`` rows is ``gemv.py``'s product."""
+    return 0 < tokens <= FP8_GEMV_MAX_TOKENS
+
+
 @dataclass(frozen=True)
 class WeightOnlyConfig:
     block_n: int  # weight rows per program
@@ -227,7 +232,7 @@ def weight_only_matmul(hidden: torch.Tensor, weight: torch.Tensor, weight_scale:
     rows = weight.shape[0]
     if tokens > MAX_TOKENS:
         raise ValueError(f"weight_only_matmul serves at most {MAX_TOKENS} tokens, got {tokens}")
-    if 0 < tokens <= FP8_GEMV_MAX_TOKENS and config is None:
+    if takes_gemv(tokens) and config is None:
         return gemv(hidden, weight, weight_scale, group)
     if config is None:
         config = weight_only_config(rows, features, group, multiprocessors(hidden))

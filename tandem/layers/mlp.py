@@ -26,8 +26,9 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(gate_up) if layout is None else silu_and_mul_quantized(gate_up, layout)
 
     def of_product(self, gate_up_proj, hidden) -> torch.Tensor:
-        """``self(gate_up_proj(hidden))`` (``hidden`` 16-bit or a ``QuantizedActivation``); where the product's kernel can apply the activation
-        itself (a 16-bit output, ``gated_silu_product``), in that one launch."""
+        """``self(gate_up_proj(hidden))`` (``hidden`` 16-bit or a ``QuantizedActivation``); where
+        the product's kernel can apply the activation itself (a 16-bit output,
+        ``gated_silu_product``), in that one launch."""
         if isinstance(hidden, torch.Tensor) and hidden.is_cuda and output_layout(self, hidden) is None:
             activated = gated_silu_product(gate_up_proj, hidden)
             if activated is not None:

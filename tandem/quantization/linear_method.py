@@ -9,7 +9,7 @@ from tandem.kernels.fp8_activation import ActivationLayout, QuantizedActivation
 from tandem.kernels.fp8_gemm import (BLOCK_WISE_LAYOUT, block_wise_product, block_wise_scaled_mm,
                                      block_wise_scaled_mm_available, block_wise_scales, fp8_linear, fp8_linear_layout,
                                      fp8_product)
-from tandem.kernels.fp8_weight_only import FP8_GEMV_MAX_TOKENS, MAX_TOKENS, weight_only_matmul
+from tandem.kernels.fp8_weight_only import MAX_TOKENS, takes_gemv, weight_only_matmul
 from tandem.kernels.gemv import gemv
 
 
@@ -74,8 +74,8 @@ class Fp8LinearMethod:
         """``silu(gate) * up`` of a stacked ``[gate; up]`` FP8 projection in the product's own
         launch where ``weight_only_matmul`` takes ``gemv`` (``linear.gated_silu_product``);
         None elsewhere."""
-        if not (hidden.is_cuda and 0 < hidden.shape[0] <= min(FP8_GEMV_MAX_TOKENS, self.weight_only_tokens)
-                and hidden.stride(-1) == 1):
+        tokens = hidden.shape[0]
+        if not (hidden.is_cuda and tokens <= self.weight_only_tokens and takes_gemv(tokens) and hidden.stride(-1) == 1):
             return None
         return gemv(hidden, module.weight, module.weight_scale, self.block_columns, gated=True)
 
