@@ -171,6 +171,8 @@ def test_cuda_tp2_pd_equals_colocated_float32(backend, model_dirs, oracles, monk
     """Prefill on cuda:0-1, decode on cuda:2-3: each rank's GPU pages cross to the same rank."""
     import tests.support.oracle as oracle_module
 
+    if backend == "nixl":
+        pytest.importorskip("nixl", reason="NIXL is not installed")
     monkeypatch.setattr(oracle_module, "LOGPROB_TOLERANCE", 1e-3)  # GPU reduction order differs
     options = dict(dtype="float32", page_size=16, max_total_tokens=1024, max_num_batched_tokens=16, max_num_seqs=4)
     pair = PDPair(model_dirs["llama"], tensor_parallel_size=2, prefill_options=dict(device="cuda:0"),
