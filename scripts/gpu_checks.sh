@@ -39,7 +39,7 @@
 # NIXL's CUDA 13 wheels (nixl-cu13 and the nixl meta package, 59 MB) may be put in .nixl/, the
 # server's web stack in .whl2/ (a device call carries at most 64 MiB in all, the checkout and any
 # other carried folder counted: .nixl leaves room for a .whl2 of msgspec and pyzmq alone, not for
-# .whl; on a machine still warm, a first call can install .whl and a second carry .nixl, the
+# .whl, which is enough for the engine-level PD tests such as four-gpus' NIXL variant; on a machine still warm, a first call can install .whl and a second carry .nixl, the
 # private directory keeping the first's); every wheel of .whl/, .whl2/ and .nixl/ is installed
 # to the private directory.
 #
