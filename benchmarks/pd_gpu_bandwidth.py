@@ -125,12 +125,16 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
-MODES = {"": "pd", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
+MODES = {"": "pd", "row staged": "pd, row staged", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
          "pages+notif": "pages and notification", "pages x4": "pages in four writes", "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend (nccl between GPUs: peer copies over CUDA IPC; nccl-sendrecv: the
 same backend on NCCL send/receive, its default until peer copies are measured):
-  BACKEND         the PD write as the engine does it: plan the page runs; ONE write of the runs and
-                  the metadata row, with the completion notification; wait; the decode process saw it
+  BACKEND         the PD write as the engine does it: plan the page runs and fill the metadata row
+                  (its first token copied in on the device) before the clock, as the engine does when
+                  it launches the step that samples the first token; ONE write of the runs and the
+                  row, with the completion notification; wait; the decode process saw it
+  BACKEND row staged  the same with the row filled on the clock, once the first token is known (the
+                  engine's way for requests asking logprobs, or with a draft model's hidden state)
   BACKEND 2 writes  the same as two writes (the engine's way before): the page runs, wait; the row
                   with the notification, wait
   BACKEND pages   the page write alone (planned, posted, waited for): no row, no notification
@@ -150,11 +154,12 @@ columns: descs = descriptors after merging those that continue on both sides; se
 backend posts for them per write (NIXL: descriptors; NCCL peer copies: copies; NCCL send/receive:
 sends, one group when several);
 PD ms = what the engine leaves on the last write's path, from the moment the first token is known
-until the write is DONE (its MiB over it: PD GB/s): staging the metadata row, posting, waiting.
-The page runs are planned before the clock starts, as the engine plans them when the last chunk
-is launched, beside its forward pass: prepare ms (not in PD ms). stage ms = filling the metadata
-row and queueing its copy to the device (the write waits for that copy: on the device with the
-NCCL backend, on the host before posting with NIXL); post ms = the backend's write() calls (NCCL
+until the write is DONE (its MiB over it: PD GB/s): posting, waiting (and staging the metadata
+row, in "row staged"). The page runs are planned and the row filled before the clock starts, as
+the engine does when the last chunk is launched, beside its forward pass: prepare ms (not in PD
+ms). stage ms = filling the metadata row on the clock and queueing its copy to the device (the
+write waits for that copy: on the device with the NCCL backend, on the host before posting with
+NIXL); post ms = the backend's write() calls (NCCL
 peer copies: the copies are posted in it); wait ms = polling until DONE (post and wait summed
 over a row's writes); row ms = the separate metadata-row write alone (post + wait), where there
 is one.
@@ -204,6 +209,7 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
         # as at a PD handshake (``RankTransfers.add_peer``): NIXL prepares the page blocks and rows
         remote_agent = RankAgent(peer_metadata, remote_addresses, remote_device, 0, remote_pages, remote_row_geometry)
         local_rows = [metadata.address(0), metadata.row_bytes, metadata.num_rows]
+        first_token = torch.ones(1, dtype=torch.int64, device=metadata.tensor.device)  # (the sampler's output)
         backend.prepare(peer, block_runs(core.registry, planner, remote_agent, local_rows), local_device, remote_device)
 
         def wait(handle, times: dict) -> None:
@@ -247,11 +253,12 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
 
         def one_round(mode: str) -> dict:
             """One write of ``mode``. The clock starts where the engine's last write starts: the
-            first token is known. The page runs are planned before it (``prepare``: the engine plans
-            them when the last chunk is launched, beside its forward pass); the metadata row is
-            staged on the clock (``stage``: only the first token decides it), its copy to the
-            device waited for by the write itself (``ready``: on the device by NCCL, on the host
-            by NIXL)."""
+            first token is known. The page runs are planned and the metadata row filled before it
+            (``prepare``: the engine does both when the last chunk is launched, beside its forward
+            pass, the row's first token copied in on the device after the sampler); in "pd, row
+            staged" the row is filled on the clock (``stage``), as for a request asking logprobs.
+            The row's copies are waited for by the write itself (``ready``: on the device by NCCL,
+            on the host by NIXL)."""
             times = {"prepare": 0.0, "stage": 0.0, "post": 0.0, "wait": 0.0, "row": 0.0}
             prepared_before = getattr(backend, "prepared_writes", 0)
             preparing = time.perf_counter()
@@ -260,15 +267,19 @@ def measure_backend(name: str, core, sources: list[list[int]], metadata, message
             else:
                 descriptors = planner.plan(pairs).descriptors
                 times["prepare"] = time.perf_counter() - preparing
-            notified = mode in ("pd", "two writes", "pages and notification")
-            with_row = mode in ("pd", "two writes", "pages and row")
+            notified = mode in ("pd", "pd, row staged", "two writes", "pages and notification")
+            with_row = mode in ("pd", "pd, row staged", "two writes", "pages and row")
             room, staged, pages = new_room(), None, descriptors
+            row = (metadata.address(0), remote_rows, metadata.row_bytes)
+            if with_row and mode != "pd, row staged":
+                filling = time.perf_counter()
+                staged = metadata.prepare(0, MetadataRow(room=room, first_token=0), first_token)
+                times["prepare"] += time.perf_counter() - filling
             started = time.perf_counter()
-            if with_row:
+            if mode == "pd, row staged":
                 staged = metadata.stage(0, MetadataRow(room=room, first_token=1))
-                row = (metadata.address(0), remote_rows, metadata.row_bytes)
                 times["stage"] = time.perf_counter() - started
-            if mode in ("pd", "pages and row"):
+            if mode in ("pd", "pd, row staged", "pages and row"):
                 descriptors = descriptors + [row]
             if mode == "two writes":
                 timed_write(descriptors, times)

@@ -115,7 +115,7 @@ class PDSide:
         deltas, self.outbox = self.outbox, []
         return deltas
 
-    def after_computed(self, chunk) -> None:
+    def after_computed(self, chunk, sampled=None) -> None:
         pass
 
     def filter_deltas(self, deltas: list[RequestDelta]) -> list[RequestDelta]:

@@ -238,7 +238,9 @@ class PrefillSide(PrefillWrites, PDSide):
                  tell_peer=False)
 
     # -- the transfer -------------------------------------------------------------------------------------
-    def after_computed(self, chunk) -> None:
+    def after_computed(self, chunk, sampled=None) -> None:
+        """``chunk`` was launched: send the pages it completed. ``sampled(sequence)``: the token
+        the same step sampled for a sequence, on the device (a one-element tensor), or None."""
         sequence = chunk.sequence
         transfer = self.by_request.get(sequence.request_id)
         if transfer is None or transfer.status.terminal:
@@ -248,6 +250,9 @@ class PrefillSide(PrefillWrites, PDSide):
             self.hold_until_bound(transfer, self.final_pages(transfer, prompt_done), prompt_done)
         elif not self.stalled():
             self.push_pages(transfer, prompt_done)
+        token = sampled(sequence) if prompt_done and sampled is not None else None
+        if token is not None:
+            self.prepare_row(transfer, token)
 
     def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
             tell_peer: bool = True) -> None:

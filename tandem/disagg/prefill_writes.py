@@ -16,6 +16,7 @@ from typing import Optional
 from tandem.disagg.transfers import PendingWrite, PrefillTransfer
 from tandem.protocol import RequestDelta
 from tandem.kv.planner import NULL_PAGE
+from tandem.kv.block_pool import SanitizerError
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import done_notification
 from tandem.transfer.metadata import MetadataRow
@@ -193,6 +194,24 @@ class PrefillWrites:
             logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
         self.ranks.cancel(write.key)
 
+    def prepare_row(self, transfer: PrefillTransfer, token) -> None:
+        """The step that samples the first token was launched: fill a metadata row now, the token
+        copied into it on the device after the sampler (``MetadataBuffer.prepare``), so the last
+        write, once the token is known on the host, carries it without filling a row on its
+        path. Only where the row holds nothing else the token decides (no logprobs, no draft
+        hidden state) and the destination is known (a row is not held while the decode side has
+        not answered); otherwise ``post_last`` fills one as before."""
+        sequence = transfer.sequence
+        if transfer.local_row is not None or transfer.destination is None or transfer.status.terminal \
+                or sequence.params.logprobs is not None or self.core.speculator is not None:
+            return
+        row = self.metadata.allocate()
+        if row is None:
+            return
+        transfer.local_row, transfer.row_prepared = row, True
+        transfer.row_ready = self.metadata.prepare(row, MetadataRow(
+            room=transfer.room, first_token=0, num_cached_tokens=max(sequence.num_cached_tokens, 0)), token)
+
     def post_last(self, transfer: PrefillTransfer) -> None:
         """The last write: rank 0's part of the final pages (if any), the metadata row and the
         notification, in one write on rank 0's worker. Every other write of the transfer is done
@@ -208,19 +227,25 @@ class PrefillWrites:
             if errors:
                 self.end(transfer, TransferState.FAILED, f"a page write failed: {errors}")
                 return
-        row = self.metadata.allocate()
+        row = transfer.local_row if transfer.local_row is not None else self.metadata.allocate()
         if row is None:
             return  # all rows busy: retried on the next poll
+        transfer.local_row = row
         delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
         logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
         speculator = self.core.speculator
-        staged = self.metadata.stage(row, MetadataRow(
-            room=transfer.room, first_token=delta.new_token_ids[0],
-            num_cached_tokens=max(sequence.num_cached_tokens, 0),
-            logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
-            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
-            hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
-        transfer.local_row = row
+        if transfer.row_prepared and logprobs is None and speculator is None:
+            staged = transfer.row_ready
+            if self.core.config.sanitizer_on and self.metadata.first_token(row) != delta.new_token_ids[0]:
+                raise SanitizerError(f"PD: the metadata row of room {transfer.room} holds first token "
+                                     f"{self.metadata.first_token(row)}, the request {delta.new_token_ids[0]}")
+        else:
+            staged = self.metadata.stage(row, MetadataRow(
+                room=transfer.room, first_token=delta.new_token_ids[0],
+                num_cached_tokens=max(sequence.num_cached_tokens, 0),
+                logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
+                logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
+                hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
         destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
         if final is not None:
             transfer.writes.remove(final)

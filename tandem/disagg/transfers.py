@@ -67,6 +67,10 @@ class PrefillTransfer:
     writes: list[PendingWrite] = field(default_factory=list)
     metadata_write: Optional[PendingWrite] = None  # the last write: final pages, the row, the notification
     local_row: Optional[int] = None
+    # the row was filled as the first token was sampled (``PrefillWrites.prepare_row``): its
+    # copies' event, which the last write waits for (None in host memory)
+    row_prepared: bool = False
+    row_ready: Optional[object] = None
     first_delta: Optional[RequestDelta] = None
     bound_at: float = 0.0
     first_write_at: float = 0.0

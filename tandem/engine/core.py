@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from functools import partial
 from typing import Optional
 
 import torch
@@ -338,14 +339,25 @@ class EngineCore:
         """Book the step's chunks as computed, once every token they read is known (the
         prefix cache hashes them)."""
         computed, pd = step.computed, self.pd
+        sampled = partial(self._sampled_token, step)
         for chunk in step.chunks:
             if not computed and not chunk.sequence.is_finished:
                 self.scheduler.on_computed(chunk)
-            if pd is not None:
-                pd.after_computed(chunk)  # PD prefill: send the pages this chunk completed
+            if pd is not None:  # PD prefill: send the pages this chunk completed
+                pd.after_computed(chunk, sampled)
             if chunk.prompt_logprobs:
                 self.collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
         step.computed = True
+
+    def _sampled_token(self, step: "LaunchedStep", sequence) -> Optional[torch.Tensor]:
+        """The token ``step`` sampled for ``sequence``, on rank 0's device (a one-element view of
+        what its worker keeps: the step's sampling message was the last one sent); None if the
+        step sampled none for it."""
+        tokens = self.worker.sampled_token_ids
+        if tokens is None or tokens.shape[0] != len(step.sequences):
+            return None
+        row = next((row for row, sampled in enumerate(step.sequences) if sampled is sequence), None)
+        return None if row is None else tokens[row:row + 1]
 
     def collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
         if not chunk.prompt_logprobs:

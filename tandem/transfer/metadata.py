@@ -39,6 +39,7 @@ from tandem.transfer.messages import room_from_bytes, room_to_bytes
 MAX_LOGPROB_ENTRIES = 21  # the chosen token plus up to 20 top logprobs
 POISON_BYTE = 0xA5
 _HEADER = struct.Struct(f"<16sqqqq{MAX_LOGPROB_ENTRIES}q{MAX_LOGPROB_ENTRIES}fq")
+_FIRST_TOKEN = 16  # the first token's offset in a row (after the room id)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class MetadataBuffer:
         if row in self._free:
             raise RuntimeError(f"metadata row {row} released twice")
         if self.sanitize:
+            if self._copies:  # (after the row's last copy, which may run on another stream: ``prepare``)
+                self._stream.wait_event(self._copies[row][2])
             with self._access():
                 self.tensor[row].fill_(POISON_BYTE)
             self._finish()
@@ -144,6 +147,32 @@ class MetadataBuffer:
             destination.copy_(source, non_blocking=True)
             copied.record(self._stream)
         return copied
+
+    def prepare(self, row: int, value: MetadataRow, token: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Fill ``row`` with ``value`` ahead of its first token, which ``token`` (one integer, on
+        the rows' device, still being computed there) supplies: the row as ``stage`` fills it,
+        then ``token`` copied into its ``first_token`` in the order of the current stream, where
+        the sampler produced it. Nothing waits for the device. The returned CUDA event (None in
+        host memory: done) follows both copies; a write that carries the row passes it as
+        ``ready``. So the last write's path, once the token is known on the host, has no row to
+        fill (``value.first_token`` is ignored)."""
+        static = self.stage(row, value)
+        slot = self.tensor[row, _FIRST_TOKEN:_FIRST_TOKEN + 8]
+        word = token.reshape(1).to(torch.int64).view(torch.uint8)
+        if static is None:
+            slot.copy_(word)
+            return None
+        stream = torch.cuda.current_stream(self.tensor.device)
+        stream.wait_event(static)  # (the row's bytes land before its token does)
+        slot.copy_(word, non_blocking=True)
+        static.record(stream)  # the row's last copy (``stage`` waits for it before refilling the row)
+        return static
+
+    def first_token(self, row: int) -> int:
+        """The first token ``row`` holds, once its copies finished (read back: a check, not a path)."""
+        if self._copies:
+            self._copies[row][2].synchronize()
+        return self.read(row).first_token
 
     def read(self, row: int) -> MetadataRow:
         """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""

@@ -388,6 +388,51 @@ def test_room_ids_are_checked_before_commit(llama_pair, monkeypatch):
     pair.assert_all_free()
 
 
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def between_gpus(backend: str):
+    return pytest.param(backend, marks=[pytest.mark.gpu, pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA "
+                                                                                                  "devices")],
+                        id=f"{backend}-gpu")
+
+
+@pytest.mark.parametrize("backend", [None, between_gpus("nixl"), between_gpus("nccl")])
+def test_the_metadata_row_is_filled_as_the_first_token_is_sampled(backend, model_dirs, oracles):
+    """Requests without logprobs whose destination came first: the prefill side fills the row
+    when it launches the step that samples the first token, the token copied in from the
+    sampler's output (``MetadataBuffer.prepare``; on GPUs in the sampler's stream order), so the
+    last write fills none. The decode side's tokens equal the oracle's (a wrong token in the row
+    fails the sanitizer's check, and the comparison), and a request aborted once its row was
+    filled gives the row back."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    if backend is None:
+        pair = PDPair(model_dirs["llama"], **SMALL)
+    else:
+        if backend == "nixl":
+            pytest.importorskip("nixl", reason="NIXL is not installed")
+        pair = PDPair(model_dirs["llama"], prefill_options=dict(device="cuda:0"), decode_options=dict(device="cuda:1"),
+                      transfer=dict(backend=backend), **{**SMALL, "dtype": "float32"})
+    metadata, prepared = pair.prefill.pd.metadata, []
+    fill = metadata.prepare
+    metadata.prepare = lambda row, value, token: prepared.append(row) or fill(row, value, token)
+    try:
+        for request_id, prompt in (("short", SHORT_PROMPT), ("long", LONG_PROMPT)):
+            pair.submit_destination_first(request_id, prompt, params)
+            pair.run_until(lambda: pair.finished(request_id))
+            assert pair.error(request_id) is None, pair.error(request_id)
+            assert pair.tokens(request_id) == oracles["llama"].greedy(prompt, 8).token_ids, request_id
+        assert len(prepared) == 2
+        pair.submit_destination_first("aborted", LONG_PROMPT, params)
+        pair.run_until(lambda: len(prepared) == 3, decode=False)
+        pair.prefill.abort_requests(["aborted"])
+        pair.run_until(lambda: pair.finished("aborted"))
+        pair.settle()
+        pair.assert_all_free()
+    finally:
+        pair.close()
+
+
 def test_a_full_decode_pool_holds_requests_back(model_dirs, oracles):
     """Each request needs 8 of the decode pool's 16 pages (prompt and every token it may make):
     at most two are admitted at once, the rest wait, and every one finishes exactly."""

@@ -26,7 +26,7 @@ def test_pd_gpu_benchmark_runs_on_a_cpu_and_pd_outputs_equal_colocated(tmp_path)
         assert cells[-1] == "equal", f"{backend}: PD outputs differ from the colocated server's: {cells}"
         assert float(cells[-3]) > 0, f"{backend}: no TTFT measured: {cells}"
         measured = [cells for label, cells in rows.items() if label.split()[0] == backend]
-        modes = 8 if backend == "nixl" else 7  # (NIXL's own: the PD write described afresh, "nixl described")
+        modes = 9 if backend == "nixl" else 8  # (NIXL's own: the PD write described afresh, "nixl described")
         assert len(measured) == modes, f"{backend}: bandwidth modes missing: {sorted(rows)}"
         assert all(cells[0] != "-" for cells in measured), f"{backend}: a bandwidth mode failed:\n{table}"
     assert "failed" not in result.stdout, result.stdout[-3000:]
