@@ -15,8 +15,8 @@ from typing import Optional
 
 from tandem.disagg.transfers import PendingWrite, PrefillTransfer
 from tandem.protocol import RequestDelta
-from tandem.kv.planner import NULL_PAGE
 from tandem.kv.block_pool import SanitizerError
+from tandem.kv.planner import NULL_PAGE
 from tandem.transfer.connector import WriteStatus
 from tandem.transfer.messages import done_notification
 from tandem.transfer.metadata import MetadataRow
@@ -236,9 +236,10 @@ class PrefillWrites:
         speculator = self.core.speculator
         if transfer.row_prepared and logprobs is None and speculator is None:
             staged = transfer.row_ready
-            if self.core.config.sanitizer_on and self.metadata.first_token(row) != delta.new_token_ids[0]:
-                raise SanitizerError(f"PD: the metadata row of room {transfer.room} holds first token "
-                                     f"{self.metadata.first_token(row)}, the request {delta.new_token_ids[0]}")
+            held = self.metadata.first_token(row) if self.core.config.sanitizer_on else delta.new_token_ids[0]
+            if held != delta.new_token_ids[0]:
+                raise SanitizerError(f"PD: the metadata row of room {transfer.room} holds first token {held}, "
+                                     f"the request {delta.new_token_ids[0]}")
         else:
             staged = self.metadata.stage(row, MetadataRow(
                 room=transfer.room, first_token=delta.new_token_ids[0],
