@@ -239,8 +239,8 @@ class PrefillSide(PrefillWrites, PDSide):
 
     # -- the transfer -------------------------------------------------------------------------------------
     def after_computed(self, chunk, sampled=None) -> None:
-        """``chunk`` was launched: send the pages it completed. ``sampled(sequence)``: the token
-        the same step sampled for a sequence, on the device (a one-element tensor), or None."""
+        """``chunk`` was launched: send the pages it completed. ``sampled(sequence)``: where the
+        same step sampled a sequence's token, ``(SamplerOutput on the device, row)``, or None."""
         sequence = chunk.sequence
         transfer = self.by_request.get(sequence.request_id)
         if transfer is None or transfer.status.terminal:
@@ -250,9 +250,9 @@ class PrefillSide(PrefillWrites, PDSide):
             self.hold_until_bound(transfer, self.final_pages(transfer, prompt_done), prompt_done)
         elif not self.stalled():
             self.push_pages(transfer, prompt_done)
-        token = sampled(sequence) if prompt_done and sampled is not None else None
-        if token is not None:
-            self.prepare_row(transfer, token)
+        where = sampled(sequence) if prompt_done and sampled is not None else None
+        if where is not None:
+            self.prepare_row(transfer, *where)
 
     def end(self, transfer: PrefillTransfer, state: TransferState, reason: str, *, emit: bool = True,
             tell_peer: bool = True) -> None:

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Optional
 
+import torch
+
 from tandem.disagg.transfers import PendingWrite, PrefillTransfer
 from tandem.protocol import RequestDelta
 from tandem.kv.block_pool import SanitizerError
@@ -194,23 +196,35 @@ class PrefillWrites:
             logger.warning("PD: cancelled a write of room %s that did not finish", transfer.room)
         self.ranks.cancel(write.key)
 
-    def prepare_row(self, transfer: PrefillTransfer, token) -> None:
-        """The step that samples the first token was launched: fill a metadata row now, the token
-        copied into it on the device after the sampler (``MetadataBuffer.prepare``), so the last
-        write, once the token is known on the host, carries it without filling a row on its
-        path. Only where the row holds nothing else the token decides (no logprobs, no draft
-        hidden state) and the destination is known (a row is not held while the decode side has
-        not answered); otherwise ``post_last`` fills one as before."""
+    def prepare_row(self, transfer: PrefillTransfer, output, index: int) -> None:
+        """The step that samples the first token was launched (``output``: its sampler's output
+        on the device, the token in row ``index``): fill a metadata row now, the token and the
+        logprobs the request asked for copied into it on the device after the sampler
+        (``MetadataBuffer.prepare``), so the last write, once the token is known on the host,
+        carries them without filling a row on its path. Only where the destination is known (a
+        row is not held while the decode side has not answered) and no draft model's hidden
+        state goes with the row; otherwise ``post_last`` fills one as before."""
         sequence = transfer.sequence
+        keep = sequence.params.logprobs
         if transfer.local_row is not None or transfer.destination is None or transfer.status.terminal \
-                or sequence.params.logprobs is not None or self.core.speculator is not None:
+                or self.core.speculator is not None \
+                or keep and (output.top_token_ids is None or output.top_token_ids.shape[1] < keep):
             return
         row = self.metadata.allocate()
         if row is None:
             return
+        token = output.token_ids[index:index + 1]
+        logprobs, entries = None, 0
+        if keep is not None:  # as ``token_rules.reported_logprobs`` reports them: the token, then the top ``keep``
+            entries = 1 + keep
+            logprobs = (torch.cat([token, output.top_token_ids[index, :keep]]),
+                        torch.cat([output.logprobs[index:index + 1], output.top_logprobs[index, :keep]]),
+                        output.ranks[index:index + 1]) if keep else \
+                (token, output.logprobs[index:index + 1], output.ranks[index:index + 1])
         transfer.local_row, transfer.row_prepared = row, True
         transfer.row_ready = self.metadata.prepare(row, MetadataRow(
-            room=transfer.room, first_token=0, num_cached_tokens=max(sequence.num_cached_tokens, 0)), token)
+            room=transfer.room, first_token=0, num_cached_tokens=max(sequence.num_cached_tokens, 0),
+            logprob_token_ids=(0,) * entries, logprobs=(0.0,) * entries), token, logprobs)
 
     def post_last(self, transfer: PrefillTransfer) -> None:
         """The last write: rank 0's part of the final pages (if any), the metadata row and the
@@ -234,19 +248,19 @@ class PrefillWrites:
         delta, sequence, peer = transfer.first_delta, transfer.sequence, transfer.peer
         logprobs = delta.new_logprobs[0] if delta.new_logprobs else None
         speculator = self.core.speculator
-        if transfer.row_prepared and logprobs is None and speculator is None:
+        value = MetadataRow(
+            room=transfer.room, first_token=delta.new_token_ids[0],
+            num_cached_tokens=max(sequence.num_cached_tokens, 0),
+            logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
+            logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
+            hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ())
+        if transfer.row_prepared:
             staged = transfer.row_ready
-            held = self.metadata.first_token(row) if self.core.config.sanitizer_on else delta.new_token_ids[0]
-            if held != delta.new_token_ids[0]:
-                raise SanitizerError(f"PD: the metadata row of room {transfer.room} holds first token {held}, "
-                                     f"the request {delta.new_token_ids[0]}")
+            if self.core.config.sanitizer_on and (held := self.metadata.settled(row)) != value:
+                raise SanitizerError(f"PD: the metadata row of room {transfer.room} filled on the device holds "
+                                     f"{held}, the request's first token gives {value}")
         else:
-            staged = self.metadata.stage(row, MetadataRow(
-                room=transfer.room, first_token=delta.new_token_ids[0],
-                num_cached_tokens=max(sequence.num_cached_tokens, 0),
-                logprob_token_ids=tuple(logprobs.token_ids) if logprobs else (),
-                logprobs=tuple(logprobs.logprobs) if logprobs else (), rank=logprobs.rank if logprobs else 0,
-                hidden_states=speculator.metadata_hidden(sequence) if speculator is not None else ()))
+            staged = self.metadata.stage(row, value)
         destination = peer.metadata_address + transfer.destination.metadata_row * peer.row_bytes
         if final is not None:
             transfer.writes.remove(final)

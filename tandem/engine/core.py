@@ -339,7 +339,7 @@ class EngineCore:
         """Book the step's chunks as computed, once every token they read is known (the
         prefix cache hashes them)."""
         computed, pd = step.computed, self.pd
-        sampled = partial(self._sampled_token, step)
+        sampled = partial(self._sampled_row, step)
         for chunk in step.chunks:
             if not computed and not chunk.sequence.is_finished:
                 self.scheduler.on_computed(chunk)
@@ -349,15 +349,15 @@ class EngineCore:
                 self.collect_prompt_logprobs(chunk, step.prompt_logprobs.get(id(chunk)))
         step.computed = True
 
-    def _sampled_token(self, step: "LaunchedStep", sequence) -> Optional[torch.Tensor]:
-        """The token ``step`` sampled for ``sequence``, on rank 0's device (a one-element view of
-        what its worker keeps: the step's sampling message was the last one sent); None if the
+    def _sampled_row(self, step: "LaunchedStep", sequence):
+        """``(output, row)``: where ``step`` sampled ``sequence``'s token, on rank 0's device (the
+        output its worker keeps: the step's sampling message was the last one sent); None if the
         step sampled none for it."""
-        tokens = self.worker.sampled_token_ids
-        if tokens is None or tokens.shape[0] != len(step.sequences):
+        output = self.worker.sampled
+        if output is None or output.token_ids.shape[0] != len(step.sequences):
             return None
         row = next((row for row, sampled in enumerate(step.sequences) if sampled is sequence), None)
-        return None if row is None else tokens[row:row + 1]
+        return None if row is None else (output, row)
 
     def collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
         if not chunk.prompt_logprobs:

@@ -39,7 +39,9 @@ from tandem.transfer.messages import room_from_bytes, room_to_bytes
 MAX_LOGPROB_ENTRIES = 21  # the chosen token plus up to 20 top logprobs
 POISON_BYTE = 0xA5
 _HEADER = struct.Struct(f"<16sqqqq{MAX_LOGPROB_ENTRIES}q{MAX_LOGPROB_ENTRIES}fq")
-_FIRST_TOKEN = 16  # the first token's offset in a row (after the room id)
+# where ``prepare`` writes the fields the device computes (byte offsets in a row; see the layout)
+_FIRST_TOKEN, _RANK, _TOKEN_IDS = 16, 32, 48
+_LOGPROBS = _TOKEN_IDS + 8 * MAX_LOGPROB_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -148,31 +150,40 @@ class MetadataBuffer:
             copied.record(self._stream)
         return copied
 
-    def prepare(self, row: int, value: MetadataRow, token: torch.Tensor) -> Optional[torch.cuda.Event]:
-        """Fill ``row`` with ``value`` ahead of its first token, which ``token`` (one integer, on
-        the rows' device, still being computed there) supplies: the row as ``stage`` fills it,
-        then ``token`` copied into its ``first_token`` in the order of the current stream, where
-        the sampler produced it. Nothing waits for the device. The returned CUDA event (None in
-        host memory: done) follows both copies; a write that carries the row passes it as
-        ``ready``. So the last write's path, once the token is known on the host, has no row to
-        fill (``value.first_token`` is ignored)."""
+    def prepare(self, row: int, value: MetadataRow, token: torch.Tensor,
+                logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Optional[torch.cuda.Event]:
+        """Fill ``row`` with ``value`` ahead of its first token, which the device is still
+        computing: ``token`` (one integer) and, where the row carries logprobs, ``logprobs`` =
+        (entries' token ids, their logprobs, the token's rank), on the rows' device. The row is
+        filled as ``stage`` fills it (``value``'s first token, entries and rank are placeholders;
+        its entry count is the one kept), then those tensors are copied into it in the order of
+        the current stream, where the sampler produced them. Nothing waits for the device. The
+        returned CUDA event (None in host memory: done) follows every copy; a write that carries
+        the row passes it as ``ready``. So the last write's path, once the token is known on the
+        host, has no row to fill."""
         static = self.stage(row, value)
-        slot = self.tensor[row, _FIRST_TOKEN:_FIRST_TOKEN + 8]
-        word = token.reshape(1).to(torch.int64).view(torch.uint8)
-        if static is None:
-            slot.copy_(word)
+        fields = [(_FIRST_TOKEN, token, torch.int64)]
+        if logprobs is not None:
+            token_ids, values, rank = logprobs
+            fields += [(_RANK, rank, torch.int64), (_TOKEN_IDS, token_ids, torch.int64), (_LOGPROBS, values, torch.float32)]
+        stream = torch.cuda.current_stream(self.tensor.device) if static is not None else None
+        if stream is not None:
+            stream.wait_event(static)  # (the row's bytes land before the device's fields do)
+        for offset, field_values, dtype in fields:
+            # (a dense copy in the row's type first: the source may be a strided column of another type)
+            data = field_values.new_empty(field_values.numel(), dtype=dtype).copy_(field_values.reshape(-1))
+            data = data.view(torch.uint8)
+            self.tensor[row, offset:offset + data.numel()].copy_(data, non_blocking=stream is not None)
+        if stream is None:
             return None
-        stream = torch.cuda.current_stream(self.tensor.device)
-        stream.wait_event(static)  # (the row's bytes land before its token does)
-        slot.copy_(word, non_blocking=True)
         static.record(stream)  # the row's last copy (``stage`` waits for it before refilling the row)
         return static
 
-    def first_token(self, row: int) -> int:
-        """The first token ``row`` holds, once its copies finished (read back: a check, not a path)."""
+    def settled(self, row: int) -> MetadataRow:
+        """What ``row`` holds once its copies finished (read back: a check, not a path)."""
         if self._copies:
             self._copies[row][2].synchronize()
-        return self.read(row).first_token
+        return self.read(row)
 
     def read(self, row: int) -> MetadataRow:
         """Copy the row out and decode it (plain values: nothing refers to the row afterwards)."""

@@ -399,12 +399,12 @@ def between_gpus(backend: str):
 
 @pytest.mark.parametrize("backend", [None, between_gpus("nixl"), between_gpus("nccl")])
 def test_the_metadata_row_is_filled_as_the_first_token_is_sampled(backend, model_dirs, oracles):
-    """Requests without logprobs whose destination came first: the prefill side fills the row
-    when it launches the step that samples the first token, the token copied in from the
-    sampler's output (``MetadataBuffer.prepare``; on GPUs in the sampler's stream order), so the
-    last write fills none. The decode side's tokens equal the oracle's (a wrong token in the row
-    fails the sanitizer's check, and the comparison), and a request aborted once its row was
-    filled gives the row back."""
+    """Requests whose destination came first, with and without logprobs: the prefill side
+    fills the row when it launches the step that samples the first token, the token and its
+    logprobs copied in from the sampler's output (``MetadataBuffer.prepare``; on GPUs in the
+    sampler's stream order), so the last write fills none. The decode side's tokens and logprobs
+    equal the oracle's (a row that differs from the one the host would fill fails the
+    sanitizer's check), and a request aborted once its row was filled gives the row back."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     if backend is None:
         pair = PDPair(model_dirs["llama"], **SMALL)
@@ -415,16 +415,16 @@ def test_the_metadata_row_is_filled_as_the_first_token_is_sampled(backend, model
                       transfer=dict(backend=backend), **{**SMALL, "dtype": "float32"})
     metadata, prepared = pair.prefill.pd.metadata, []
     fill = metadata.prepare
-    metadata.prepare = lambda row, value, token: prepared.append(row) or fill(row, value, token)
+    metadata.prepare = lambda row, value, *fields: prepared.append(row) or fill(row, value, *fields)
     try:
-        for request_id, prompt in (("short", SHORT_PROMPT), ("long", LONG_PROMPT)):
-            pair.submit_destination_first(request_id, prompt, params)
+        for request_id, prompt, asked in (("short", SHORT_PROMPT, params), ("long", LONG_PROMPT, params),
+                                          ("top-3", LONG_PROMPT, GREEDY)):
+            pair.submit_destination_first(request_id, prompt, asked)
             pair.run_until(lambda: pair.finished(request_id))
-            assert pair.error(request_id) is None, pair.error(request_id)
-            assert pair.tokens(request_id) == oracles["llama"].greedy(prompt, 8).token_ids, request_id
-        assert len(prepared) == 2
+            pair.assert_matches(request_id, oracles["llama"].greedy(prompt, 8))
+        assert len(prepared) == 3 and GREEDY.logprobs == 3
         pair.submit_destination_first("aborted", LONG_PROMPT, params)
-        pair.run_until(lambda: len(prepared) == 3, decode=False)
+        pair.run_until(lambda: len(prepared) == 4, decode=False)
         pair.prefill.abort_requests(["aborted"])
         pair.run_until(lambda: pair.finished("aborted"))
         pair.settle()

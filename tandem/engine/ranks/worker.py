@@ -170,6 +170,7 @@ class Worker:
         # time fit reads the device's time from it to the sampled tokens' copy).
         self.step_began: Optional[torch.cuda.Event] = None
         self.sampled_token_ids: Optional[torch.Tensor] = None  # [rows] of the last sampling message
+        self.sampled: Optional["SamplerOutput"] = None  # the last sampling message's output, on the device
         self.reads_output = groups is None  # rank 0 (the engine core's process) reads its steps' outputs
         self.times_steps = self.reads_output and self.runner.device.type == "cuda"
         self.vocab_size = parts.model_info.vocab_size
@@ -257,7 +258,7 @@ class Worker:
         host = None
         if plan.num_rows:
             sampled = self._sample_rows(plan)
-            self.sampled_token_ids = sampled.token_ids
+            self.sampled, self.sampled_token_ids = sampled, sampled.token_ids
             host = sampled.to_host_async(self.step_began)
         self.forget(plan.finished_keys)
         return host
