@@ -125,8 +125,9 @@ def device_copy_seconds(num_bytes: int, source_device: str, destination_device: 
 
 
 # what part 1 measures per backend: label suffix -> how the bytes go (see MODES_HELP)
-MODES = {"": "pd", "row staged": "pd, row staged", "2 writes": "two writes", "pages": "pages", "pages+row": "pages and row",
-         "pages+notif": "pages and notification", "pages x4": "pages in four writes", "1 desc": "one descriptor"}
+MODES = {"": "pd", "row staged": "pd, row staged", "2 writes": "two writes", "pages": "pages",
+         "pages+row": "pages and row", "pages+notif": "pages and notification", "pages x4": "pages in four writes",
+         "1 desc": "one descriptor"}
 MODES_HELP = """rows of part 1, per backend (nccl between GPUs: peer copies over CUDA IPC; nccl-sendrecv: the
 same backend on NCCL send/receive, its default until peer copies are measured):
   BACKEND         the PD write as the engine does it: plan the page runs and fill the metadata row

@@ -151,7 +151,8 @@ class MetadataBuffer:
         return copied
 
     def prepare(self, row: int, value: MetadataRow, token: torch.Tensor,
-                logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Optional[torch.cuda.Event]:
+                logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                ) -> Optional[torch.cuda.Event]:
         """Fill ``row`` with ``value`` ahead of its first token, which the device is still
         computing: ``token`` (one integer) and, where the row carries logprobs, ``logprobs`` =
         (entries' token ids, their logprobs, the token's rank), on the rows' device. The row is
@@ -165,7 +166,8 @@ class MetadataBuffer:
         fields = [(_FIRST_TOKEN, token, torch.int64)]
         if logprobs is not None:
             token_ids, values, rank = logprobs
-            fields += [(_RANK, rank, torch.int64), (_TOKEN_IDS, token_ids, torch.int64), (_LOGPROBS, values, torch.float32)]
+            fields += [(_RANK, rank, torch.int64), (_TOKEN_IDS, token_ids, torch.int64),
+                       (_LOGPROBS, values, torch.float32)]
         stream = torch.cuda.current_stream(self.tensor.device) if static is not None else None
         if stream is not None:
             stream.wait_event(static)  # (the row's bytes land before the device's fields do)
