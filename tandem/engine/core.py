@@ -339,7 +339,7 @@ class EngineCore:
         """Book the step's chunks as computed, once every token they read is known (the
         prefix cache hashes them)."""
         computed, pd = step.computed, self.pd
-        sampled = partial(self._sampled_row, step)
+        sampled = partial(self._sampled_row, step) if pd is not None else None
         for chunk in step.chunks:
             if not computed and not chunk.sequence.is_finished:
                 self.scheduler.on_computed(chunk)
@@ -353,10 +353,10 @@ class EngineCore:
         """``(output, row)``: where ``step`` sampled ``sequence``'s token, on rank 0's device (the
         output its worker keeps: the step's sampling message was the last one sent); None if the
         step sampled none for it."""
-        output = self.worker.sampled
-        if output is None or output.token_ids.shape[0] != len(step.sequences):
+        output, pending = self.worker.sampled, step.pending_tokens()
+        if output is None or pending is None or output.token_ids.shape[0] != len(step.sequences):
             return None
-        row = next((row for row, sampled in enumerate(step.sequences) if sampled is sequence), None)
+        row = pending.row_of.get(id(sequence))
         return None if row is None else (output, row)
 
     def collect_prompt_logprobs(self, chunk, logprobs: Optional[list[PositionLogprobs]]) -> None:
